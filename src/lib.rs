@@ -1,0 +1,9 @@
+//! proxy-operator: turns a fleet of HTTP egress proxies into Kubernetes `Proxy` objects,
+//! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
+
+pub mod crd;
+pub mod naming;
+pub mod provider;
+pub mod proxy;
+pub mod spec_hash;
+pub mod validation;

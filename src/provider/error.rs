@@ -1,0 +1,130 @@
+//! Errors from machine providers, classified so the reconciler knows what to do next.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+/// What a provider failure means for the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// Worth retrying with backoff. The default for anything unclassified: retrying is always
+    /// safer than latching a proxy into Failed.
+    Transient,
+    /// The cloud refused for quota or rate reasons; retry in minutes, not seconds.
+    QuotaExceeded,
+    /// Retrying will not help (bad request, no permission); needs a human.
+    Permanent,
+    /// The machine does not exist. An input to the reconciler, never a failure.
+    NotFound,
+}
+
+impl ErrorClass {
+    /// Stable lowercase name, used as a metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::Transient => "transient",
+            ErrorClass::QuotaExceeded => "quota_exceeded",
+            ErrorClass::Permanent => "permanent",
+            ErrorClass::NotFound => "not_found",
+        }
+    }
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The boxed underlying error of a provider call (an SDK or HTTP error).
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// A failed provider call: its class, what was attempted, and the underlying error.
+#[derive(Debug, thiserror::Error)]
+#[error("provider {provider}: {op} {id}: {class}: {source}")]
+pub struct ProviderError {
+    /// What the failure means for the caller.
+    pub class: ErrorClass,
+    /// The operation, e.g. `create`, `get`, `delete`, `list`.
+    pub op: &'static str,
+    /// Name of the provider entry in the providers config.
+    pub provider: String,
+    /// Machine name or provider ID the call was about (empty for `list`).
+    pub id: String,
+    /// The underlying error.
+    #[source]
+    pub source: BoxError,
+}
+
+impl ProviderError {
+    /// A classified error.
+    pub fn new(
+        class: ErrorClass,
+        op: &'static str,
+        provider: impl Into<String>,
+        id: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        ProviderError {
+            class,
+            op,
+            provider: provider.into(),
+            id: id.into(),
+            source: source.into(),
+        }
+    }
+
+    /// Whether this is a NotFound answer.
+    pub fn is_not_found(&self) -> bool {
+        self.class == ErrorClass::NotFound
+    }
+}
+
+/// The class of any error: the class of the first [`ProviderError`] in its source chain, or
+/// [`ErrorClass::Transient`] when there is none.
+pub fn class_of(err: &(dyn StdError + 'static)) -> ErrorClass {
+    let mut current = Some(err);
+    while let Some(e) = current {
+        if let Some(provider_error) = e.downcast_ref::<ProviderError>() {
+            return provider_error.class;
+        }
+        current = e.source();
+    }
+    ErrorClass::Transient
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("wrapped: {0}")]
+    struct Wrapper(#[source] ProviderError);
+
+    #[test]
+    fn class_and_source_are_both_reachable() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline");
+        let err = ProviderError::new(ErrorClass::QuotaExceeded, "create", "gcp-eu", "proxy-x", io);
+        assert_eq!(class_of(&err), ErrorClass::QuotaExceeded);
+        let source = err.source().unwrap();
+        let io = source.downcast_ref::<std::io::Error>().unwrap();
+        assert_eq!(io.kind(), std::io::ErrorKind::TimedOut);
+        let text = err.to_string();
+        for part in ["gcp-eu", "create", "proxy-x", "quota_exceeded", "deadline"] {
+            assert!(text.contains(part), "{text} lacks {part}");
+        }
+    }
+
+    #[test]
+    fn class_is_found_through_wrappers() {
+        let inner = ProviderError::new(ErrorClass::NotFound, "get", "local", "ns/p", "gone");
+        let outer = Wrapper(inner);
+        assert_eq!(class_of(&outer), ErrorClass::NotFound);
+        assert!(outer.0.is_not_found());
+    }
+
+    #[test]
+    fn unclassified_errors_are_transient() {
+        let io = std::io::Error::other("connection reset");
+        assert_eq!(class_of(&io), ErrorClass::Transient);
+    }
+}

@@ -1,0 +1,606 @@
+//! The `Proxy` custom resource (`crawl.example.com/v1alpha1`) and the helpers every other
+//! module uses to read it (effective host/port, health-check and lease defaults).
+//!
+//! The doc comments on fields become `kubectl explain` text, so they are written for users.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Finalizer the reconciler puts on Managed proxies so the machine is deleted first.
+pub const FINALIZER: &str = "crawl.example.com/finalizer";
+/// Annotation holding the spec hash of the machine that currently backs the proxy.
+pub const SPEC_HASH_ANNOTATION: &str = "crawl.example.com/spec-hash";
+/// Annotation holding the version of the hash inputs used for [`SPEC_HASH_ANNOTATION`].
+pub const SPEC_HASH_VERSION_ANNOTATION: &str = "crawl.example.com/spec-hash-version";
+/// Label set on every machine the operator creates.
+pub const MANAGED_LABEL: &str = "crawl.example.com/managed";
+/// Label carrying the UID of the Proxy a machine belongs to (used by orphan GC).
+pub const PROXY_UID_LABEL: &str = "crawl.example.com/proxy-uid";
+/// Label on Secrets whose content is used as cloud-init by some Proxy.
+pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
+
+/// Default listen port of a Managed proxy.
+pub const DEFAULT_PORT: i32 = 3128;
+/// Default number of concurrent leases a proxy accepts.
+pub const DEFAULT_MAX_LEASES: i32 = 5;
+/// Default URL probed through the proxy.
+pub const DEFAULT_PROBE_URL: &str = "https://www.gstatic.com/generate_204";
+/// Default probe interval.
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(30);
+/// Default probe timeout.
+pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default consecutive failures before a proxy is marked unhealthy.
+pub const DEFAULT_FAILURE_THRESHOLD: i32 = 3;
+/// Default consecutive successes before a proxy is marked healthy.
+pub const DEFAULT_SUCCESS_THRESHOLD: i32 = 1;
+/// Default HTTP statuses that count as a successful probe.
+pub const DEFAULT_EXPECTED_STATUS_CODES: [i32; 2] = [200, 204];
+
+/// Desired state of an egress proxy.
+// Every `printcolumn(...)` repeats `type_ = ...`; that is the derive's syntax, not a mistake.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "crawl.example.com",
+    version = "v1alpha1",
+    kind = "Proxy",
+    namespaced,
+    shortname = "px",
+    status = "ProxyStatus",
+    derive = "PartialEq",
+    doc = "An HTTP(S) egress proxy used by crawlers: either a machine the operator creates and \
+           replaces (Managed) or an existing host:port it only health-checks (External).",
+    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
+    printcolumn(name = "Provider", type_ = "string", json_path = ".spec.provider"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
+    printcolumn(
+        name = "Healthy",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Healthy\")].status"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[x_kube(validation = Rule::new("self.mode == oldSelf.mode").message("mode is immutable"))]
+#[x_kube(
+    validation = Rule::new("has(self.provider) == has(oldSelf.provider) && (!has(self.provider) || self.provider == oldSelf.provider)")
+        .message("provider is immutable")
+)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'Managed' || has(self.provider)")
+        .message("provider is required when mode is Managed")
+)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'External' || !has(self.provider)")
+        .message("provider must not be set when mode is External")
+)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'External' || has(self.endpoint)")
+        .message("endpoint is required when mode is External")
+)]
+#[x_kube(
+    validation = Rule::new("self.mode != 'Managed' || !has(self.endpoint)")
+        .message("endpoint must not be set when mode is Managed")
+)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxySpec {
+    /// Managed: the operator creates the machine through `provider` and replaces it on any
+    /// spec change. External: an existing `endpoint` that is only health-checked. Immutable.
+    pub mode: Mode,
+
+    /// Name of an entry in the operator's providers config. Required when mode is Managed,
+    /// forbidden when External. Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub provider: Option<String>,
+
+    /// Address of an External proxy. Required when mode is External, forbidden when Managed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<Endpoint>,
+
+    /// Listen port of a Managed proxy's squid.
+    #[serde(default = "default_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+
+    /// Where and how a Managed proxy's machine is created (provider-specific). Any change
+    /// replaces the machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+
+    /// cloud-init user data for a Managed machine, inline or from a Secret. Any change to the
+    /// resolved content (including the Secret's) replaces the machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInit>,
+
+    /// How many leases the proxy grants at once. 0 makes the proxy unleasable (it is still
+    /// health-checked and listed).
+    #[serde(
+        default = "default_max_leases",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 0))]
+    pub max_leases: Option<i32>,
+
+    /// How the proxy is probed. Every nested field has a default.
+    #[serde(default)]
+    #[schemars(extend("default" = {}))]
+    pub health_check: HealthCheck,
+}
+
+/// Whether the operator owns the machine behind a proxy.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// The operator creates, replaces and deletes the machine.
+    Managed,
+    /// The proxy exists elsewhere; the operator only probes it.
+    External,
+}
+
+/// A `host:port` an External proxy listens on.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[schemars(transform = crate::crd::strip_nullable)]
+pub struct Endpoint {
+    /// Hostname or IP address of the proxy.
+    #[schemars(length(min = 1))]
+    pub host: String,
+    /// TCP port of the proxy.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+/// Provider-specific placement of a Managed machine. Every field is part of the spec hash.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct Placement {
+    /// Zone to create the machine in (gcp), e.g. `europe-west1-b`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    /// Machine type (gcp), e.g. `e2-small`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine_type: Option<String>,
+    /// Boot image (gcp image URL or family), or the container image (kubernetes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Boot disk size in GB (gcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub disk_size_gb: Option<i32>,
+    /// VPC network (gcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// VPC subnetwork (gcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnetwork: Option<String>,
+    /// Network tags applied to the machine (gcp firewall rules select on these).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
+    /// Service account e-mail attached to the machine (gcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account: Option<String>,
+}
+
+/// cloud-init user data: exactly one of `inline` or `secretRef`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[x_kube(
+    validation = Rule::new("has(self.inline) != has(self.secretRef)")
+        .message("exactly one of inline or secretRef must be set")
+)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct CloudInit {
+    /// The cloud-init document itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub inline: Option<String>,
+    /// A key of a Secret in the Proxy's namespace holding the cloud-init document. Label the
+    /// Secret `crawl.example.com/cloud-init=true` so edits to it replace the machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+}
+
+/// A key in a Secret of the Proxy's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[schemars(transform = crate::crd::strip_nullable)]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Key within the Secret's data.
+    #[schemars(length(min = 1))]
+    pub key: String,
+}
+
+/// How a proxy is probed: a request to `probeURL` sent *through* the proxy.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthCheck {
+    /// URL requested through the proxy; `https://` URLs go through a CONNECT tunnel.
+    #[serde(rename = "probeURL", default = "default_probe_url")]
+    #[schemars(length(min = 1))]
+    pub probe_url: String,
+    /// Time between probes, as a Go duration (e.g. `30s`, `1m`).
+    #[serde(default = "default_probe_interval")]
+    pub interval: kube::core::Duration,
+    /// Connect, TLS and response timeout of one probe, as a Go duration.
+    #[serde(default = "default_probe_timeout")]
+    pub timeout: kube::core::Duration,
+    /// Consecutive failed probes that mark the proxy unhealthy.
+    #[serde(default = "default_failure_threshold")]
+    #[schemars(range(min = 1))]
+    pub failure_threshold: i32,
+    /// Consecutive successful probes that mark the proxy healthy.
+    #[serde(default = "default_success_threshold")]
+    #[schemars(range(min = 1))]
+    pub success_threshold: i32,
+    /// HTTP statuses that count as a successful probe.
+    #[serde(default = "default_expected_status_codes")]
+    #[schemars(inner(range(min = 100, max = 599)))]
+    pub expected_status_codes: Vec<i32>,
+}
+
+impl Default for HealthCheck {
+    fn default() -> Self {
+        HealthCheck {
+            probe_url: default_probe_url(),
+            interval: default_probe_interval(),
+            timeout: default_probe_timeout(),
+            failure_threshold: DEFAULT_FAILURE_THRESHOLD,
+            success_threshold: DEFAULT_SUCCESS_THRESHOLD,
+            expected_status_codes: default_expected_status_codes(),
+        }
+    }
+}
+
+impl HealthCheck {
+    /// Probe interval as a std duration (negative durations count as zero).
+    pub fn interval(&self) -> Duration {
+        self.interval.into()
+    }
+
+    /// Probe timeout as a std duration (negative durations count as zero).
+    pub fn timeout(&self) -> Duration {
+        self.timeout.into()
+    }
+
+    /// Failure threshold, at least 1.
+    pub fn failure_threshold(&self) -> u32 {
+        self.failure_threshold.max(1).unsigned_abs()
+    }
+
+    /// Success threshold, at least 1.
+    pub fn success_threshold(&self) -> u32 {
+        self.success_threshold.max(1).unsigned_abs()
+    }
+}
+
+/// Observed state, written only by the reconciler.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyStatus {
+    /// Lifecycle phase derived from provisioning and health.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// Provider's ID of the machine backing a Managed proxy.
+    #[serde(
+        rename = "providerID",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub provider_id: Option<String>,
+    /// Address crawlers connect to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// Generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Provisioned and Healthy conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+    /// Latency of the last status-affecting probe, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<i64>,
+    /// Time of the last status-affecting probe (not of every probe: see the metrics for that).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>", extend("format" = "date-time"))]
+    pub last_health_check_time: Option<jiff::Timestamp>,
+}
+
+/// Lifecycle phase of a proxy.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Accepted, nothing done yet.
+    Pending,
+    /// The machine is being created or is not yet reachable.
+    Provisioning,
+    /// Provisioned and passing health checks.
+    Ready,
+    /// Provisioned but failing health checks.
+    Unhealthy,
+    /// The machine is being replaced after a spec change.
+    Replacing,
+    /// The Proxy is being deleted and its machine torn down.
+    Deleting,
+    /// The provider refused permanently; see the Provisioned condition.
+    Failed,
+}
+
+impl Phase {
+    /// Every phase, in lifecycle order (used to export one metric series per phase).
+    pub const ALL: [Phase; 7] = [
+        Phase::Pending,
+        Phase::Provisioning,
+        Phase::Ready,
+        Phase::Unhealthy,
+        Phase::Replacing,
+        Phase::Deleting,
+        Phase::Failed,
+    ];
+
+    /// The phase's name as written in status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Pending => "Pending",
+            Phase::Provisioning => "Provisioning",
+            Phase::Ready => "Ready",
+            Phase::Unhealthy => "Unhealthy",
+            Phase::Replacing => "Replacing",
+            Phase::Deleting => "Deleting",
+            Phase::Failed => "Failed",
+        }
+    }
+}
+
+/// A status condition (the Kubernetes `metav1.Condition` shape).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// Condition type: `Provisioned` or `Healthy`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: ConditionStatus,
+    /// Machine-readable reason for the last transition, CamelCase.
+    #[serde(default)]
+    pub reason: String,
+    /// Human-readable details.
+    #[serde(default)]
+    pub message: String,
+    /// When the status last changed.
+    #[schemars(with = "String", extend("format" = "date-time"))]
+    pub last_transition_time: jiff::Timestamp,
+    /// Generation of the spec the condition was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Value of a condition.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConditionStatus {
+    /// The condition holds.
+    True,
+    /// The condition does not hold.
+    False,
+    /// Not known yet.
+    Unknown,
+}
+
+/// Condition type set by provisioning.
+pub const CONDITION_PROVISIONED: &str = "Provisioned";
+/// Condition type set from health transitions.
+pub const CONDITION_HEALTHY: &str = "Healthy";
+
+fn default_port() -> i32 {
+    DEFAULT_PORT
+}
+
+fn default_max_leases() -> Option<i32> {
+    Some(DEFAULT_MAX_LEASES)
+}
+
+fn default_probe_url() -> String {
+    DEFAULT_PROBE_URL.to_owned()
+}
+
+fn default_probe_interval() -> kube::core::Duration {
+    DEFAULT_PROBE_INTERVAL.into()
+}
+
+fn default_probe_timeout() -> kube::core::Duration {
+    DEFAULT_PROBE_TIMEOUT.into()
+}
+
+fn default_failure_threshold() -> i32 {
+    DEFAULT_FAILURE_THRESHOLD
+}
+
+fn default_success_threshold() -> i32 {
+    DEFAULT_SUCCESS_THRESHOLD
+}
+
+fn default_expected_status_codes() -> Vec<i32> {
+    DEFAULT_EXPECTED_STATUS_CODES.to_vec()
+}
+
+impl ProxySpec {
+    /// The port crawlers connect to: `spec.port` for Managed, `endpoint.port` for External.
+    pub fn effective_port(&self) -> i32 {
+        match (self.mode, &self.endpoint) {
+            (Mode::External, Some(endpoint)) => endpoint.port,
+            _ => self.port,
+        }
+    }
+
+    /// The host crawlers connect to: the endpoint host for External, the observed IP for
+    /// Managed (none until the machine is running).
+    pub fn effective_host<'a>(&'a self, status: Option<&'a ProxyStatus>) -> Option<&'a str> {
+        match self.mode {
+            Mode::External => self.endpoint.as_ref().map(|e| e.host.as_str()),
+            Mode::Managed => status.and_then(|s| s.ip.as_deref()),
+        }
+    }
+
+    /// Lease capacity with the default applied; 0 means unleasable.
+    pub fn max_leases(&self) -> u32 {
+        self.max_leases
+            .unwrap_or(DEFAULT_MAX_LEASES)
+            .max(0)
+            .unsigned_abs()
+    }
+
+    /// The health check with every default materialized.
+    pub fn health_check(&self) -> &HealthCheck {
+        &self.health_check
+    }
+}
+
+impl ProxyStatus {
+    /// The condition of the given type, if present.
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+
+    /// The Healthy condition as a bool: `Some(true)`/`Some(false)`, or `None` when unknown.
+    pub fn healthy(&self) -> Option<bool> {
+        match self.condition(CONDITION_HEALTHY)?.status {
+            ConditionStatus::True => Some(true),
+            ConditionStatus::False => Some(false),
+            ConditionStatus::Unknown => None,
+        }
+    }
+}
+
+impl Proxy {
+    /// `namespace/name` of the object (namespace `default` when unset).
+    pub fn key(&self) -> String {
+        format!(
+            "{}/{}",
+            self.metadata.namespace.as_deref().unwrap_or("default"),
+            self.metadata.name.as_deref().unwrap_or_default()
+        )
+    }
+
+    /// The selection labels crawlers filter on.
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        self.metadata.labels.clone().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(mode: Mode) -> ProxySpec {
+        serde_json::from_value(serde_json::json!({"mode": mode})).unwrap()
+    }
+
+    #[test]
+    fn defaults_materialize_when_fields_are_absent() {
+        let s = spec(Mode::Managed);
+        assert_eq!(s.port, 3128);
+        assert_eq!(s.max_leases, Some(5));
+        assert_eq!(s.max_leases(), 5);
+        let hc = s.health_check();
+        assert_eq!(hc.probe_url, "https://www.gstatic.com/generate_204");
+        assert_eq!(hc.interval(), Duration::from_secs(30));
+        assert_eq!(hc.timeout(), Duration::from_secs(5));
+        assert_eq!(hc.failure_threshold(), 3);
+        assert_eq!(hc.success_threshold(), 1);
+        assert_eq!(hc.expected_status_codes, vec![200, 204]);
+    }
+
+    #[test]
+    fn nested_health_check_defaults_fill_partial_objects() {
+        let s: ProxySpec = serde_json::from_value(serde_json::json!({
+            "mode": "External",
+            "endpoint": {"host": "h", "port": 1},
+            "healthCheck": {"interval": "1m30s", "failureThreshold": 5}
+        }))
+        .unwrap();
+        let hc = s.health_check();
+        assert_eq!(hc.interval(), Duration::from_secs(90));
+        assert_eq!(hc.failure_threshold(), 5);
+        assert_eq!(hc.timeout(), Duration::from_secs(5));
+        assert_eq!(hc.expected_status_codes, vec![200, 204]);
+    }
+
+    #[test]
+    fn max_leases_zero_round_trips() {
+        let mut s = spec(Mode::Managed);
+        s.max_leases = Some(0);
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["maxLeases"], 0);
+        let back: ProxySpec = serde_json::from_value(json).unwrap();
+        assert_eq!(back.max_leases, Some(0));
+        assert_eq!(back.max_leases(), 0);
+    }
+
+    #[test]
+    fn effective_port_and_host_follow_the_mode() {
+        let cases = [
+            (
+                Mode::Managed,
+                None,
+                Some("10.0.0.7"),
+                3128,
+                Some("10.0.0.7"),
+            ),
+            (Mode::Managed, None, None, 3128, None),
+            (
+                Mode::External,
+                Some(("proxy.example", 8080)),
+                Some("10.0.0.7"),
+                8080,
+                Some("proxy.example"),
+            ),
+        ];
+        for (mode, endpoint, ip, port, host) in cases {
+            let mut s = spec(mode);
+            s.endpoint = endpoint.map(|(h, p)| Endpoint {
+                host: h.to_owned(),
+                port: p,
+            });
+            let status = ProxyStatus {
+                ip: ip.map(str::to_owned),
+                ..Default::default()
+            };
+            assert_eq!(s.effective_port(), port, "{mode:?}");
+            assert_eq!(s.effective_host(Some(&status)), host, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn healthy_condition_reads_as_tristate() {
+        let mut status = ProxyStatus::default();
+        assert_eq!(status.healthy(), None);
+        for (value, expected) in [
+            (ConditionStatus::True, Some(true)),
+            (ConditionStatus::False, Some(false)),
+            (ConditionStatus::Unknown, None),
+        ] {
+            status.conditions = vec![Condition {
+                type_: CONDITION_HEALTHY.into(),
+                status: value,
+                reason: String::new(),
+                message: String::new(),
+                last_transition_time: jiff::Timestamp::UNIX_EPOCH,
+                observed_generation: None,
+            }];
+            assert_eq!(status.healthy(), expected);
+        }
+    }
+}

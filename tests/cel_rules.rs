@@ -1,0 +1,194 @@
+//! The CRD's CEL rules, read from the generated CRD and evaluated client-side the way the API
+//! server evaluates them (defaults first; `oldSelf` rules skipped on create).
+
+use proxy_operator::validation::ProxyValidator;
+use serde_json::{Value, json};
+
+fn object(spec: Value) -> Value {
+    json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": "p", "namespace": "default", "uid": "u"},
+        "spec": spec,
+    })
+}
+
+fn managed() -> Value {
+    json!({"mode": "Managed", "provider": "local"})
+}
+
+fn external() -> Value {
+    json!({"mode": "External", "endpoint": {"host": "10.0.0.1", "port": 3128}})
+}
+
+fn with(mut spec: Value, key: &str, value: Value) -> Value {
+    if value.is_null() {
+        spec.as_object_mut().unwrap().remove(key);
+    } else {
+        spec[key] = value;
+    }
+    spec
+}
+
+/// Asserts the verdict; on rejection, that some violation message contains `expected`.
+fn check(
+    result: Result<(), Vec<proxy_operator::validation::RuleViolation>>,
+    expected: Option<&str>,
+    case: &str,
+) {
+    match (result, expected) {
+        (Ok(()), None) => {}
+        (Ok(()), Some(msg)) => panic!("{case}: accepted, expected rejection with {msg:?}"),
+        (Err(v), None) => panic!("{case}: rejected: {v:?}"),
+        (Err(v), Some(msg)) => assert!(
+            v.iter().any(|x| x.message.contains(msg)),
+            "{case}: expected {msg:?}, got {v:?}"
+        ),
+    }
+}
+
+#[test]
+fn every_rule_compiles() {
+    assert!(ProxyValidator::new().compiles());
+}
+
+#[test]
+fn create_rules() {
+    let v = ProxyValidator::new();
+    let cases: Vec<(&str, Value, Option<&str>)> = vec![
+        ("managed is valid", managed(), None),
+        ("external is valid", external(), None),
+        (
+            "managed with placement and inline cloud-init is valid",
+            with(managed(), "cloudInit", json!({"inline": "#cloud-config"})),
+            None,
+        ),
+        (
+            "managed with secretRef cloud-init is valid",
+            with(
+                managed(),
+                "cloudInit",
+                json!({"secretRef": {"name": "s", "key": "k"}}),
+            ),
+            None,
+        ),
+        (
+            "managed without provider",
+            with(managed(), "provider", Value::Null),
+            Some("provider is required when mode is Managed"),
+        ),
+        (
+            "external with provider",
+            with(external(), "provider", json!("local")),
+            Some("provider must not be set when mode is External"),
+        ),
+        (
+            "external without endpoint",
+            with(external(), "endpoint", Value::Null),
+            Some("endpoint is required when mode is External"),
+        ),
+        (
+            "managed with endpoint",
+            with(managed(), "endpoint", json!({"host": "h", "port": 1})),
+            Some("endpoint must not be set when mode is Managed"),
+        ),
+        (
+            "cloudInit with both",
+            with(
+                managed(),
+                "cloudInit",
+                json!({"inline": "x", "secretRef": {"name": "s", "key": "k"}}),
+            ),
+            Some("exactly one of inline or secretRef"),
+        ),
+        (
+            "cloudInit with neither",
+            with(managed(), "cloudInit", json!({})),
+            Some("exactly one of inline or secretRef"),
+        ),
+    ];
+    for (case, spec, expected) in cases {
+        check(v.validate_create(&object(spec)), expected, case);
+    }
+}
+
+#[test]
+fn transition_rules_are_not_evaluated_on_create() {
+    // On create there is no oldSelf; were the immutability rules evaluated against nothing,
+    // every valid object would be rejected. The validator must skip them, as the server does.
+    let v = ProxyValidator::new();
+    for spec in [managed(), external()] {
+        check(v.validate_create(&object(spec)), None, "create");
+    }
+}
+
+#[test]
+fn update_rules() {
+    let v = ProxyValidator::new();
+    let gcp = with(managed(), "provider", json!("gcp-eu"));
+    let cases: Vec<(&str, Value, Value, Option<&str>)> = vec![
+        ("unchanged managed", managed(), managed(), None),
+        (
+            "maxLeases change is allowed",
+            managed(),
+            with(managed(), "maxLeases", json!(0)),
+            None,
+        ),
+        (
+            "port change is allowed (it replaces the machine)",
+            managed(),
+            with(managed(), "port", json!(8080)),
+            None,
+        ),
+        (
+            "mode change",
+            managed(),
+            external(),
+            Some("mode is immutable"),
+        ),
+        (
+            "provider change",
+            managed(),
+            gcp,
+            Some("provider is immutable"),
+        ),
+        (
+            "provider removed",
+            managed(),
+            with(managed(), "provider", Value::Null),
+            Some("provider is immutable"),
+        ),
+        (
+            "provider added",
+            external(),
+            with(external(), "provider", json!("local")),
+            Some("provider is immutable"),
+        ),
+        (
+            "endpoint change on external is allowed",
+            external(),
+            with(
+                external(),
+                "endpoint",
+                json!({"host": "10.0.0.2", "port": 8080}),
+            ),
+            None,
+        ),
+    ];
+    for (case, old, new, expected) in cases {
+        check(
+            v.validate_update(&object(new), &object(old)),
+            expected,
+            case,
+        );
+    }
+}
+
+#[test]
+fn defaults_are_applied_before_rules() {
+    // An External object without healthCheck gets `{}` and then its nested defaults; the rules
+    // see the defaulted object, and nothing about the defaulting may trip a rule.
+    let v = ProxyValidator::new();
+    let spec = json!({"mode": "External", "endpoint": {"host": "h", "port": 1}});
+    check(v.validate_create(&object(spec)), None, "defaulted external");
+}

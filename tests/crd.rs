@@ -1,0 +1,206 @@
+//! The committed CRD matches the Rust types, and its schema is one the API server accepts.
+
+use proxy_operator::crd;
+use serde_json::Value;
+
+fn committed() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crd/proxy.yaml");
+    std::fs::read_to_string(path).expect("crd/proxy.yaml is committed")
+}
+
+#[test]
+fn committed_crd_matches_the_types() {
+    let generated = crd::crd_yaml().unwrap();
+    assert!(
+        committed() == generated,
+        "crd/proxy.yaml is stale: regenerate it with `cargo run -- crd > crd/proxy.yaml`"
+    );
+}
+
+#[test]
+fn crd_binary_output_matches_the_committed_file() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+        .arg("crd")
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    assert_eq!(String::from_utf8(output.stdout).unwrap(), committed());
+}
+
+#[test]
+fn crd_names_scope_and_printer_columns() {
+    let crd = crd::crd();
+    assert_eq!(
+        crd.metadata.name.as_deref(),
+        Some("proxies.crawl.example.com")
+    );
+    assert_eq!(crd.spec.group, "crawl.example.com");
+    assert_eq!(crd.spec.scope, "Namespaced");
+    assert_eq!(crd.spec.names.kind, "Proxy");
+    assert_eq!(crd.spec.names.short_names, Some(vec!["px".to_owned()]));
+    let version = &crd.spec.versions[0];
+    assert_eq!(version.name, "v1alpha1");
+    assert!(version.subresources.as_ref().unwrap().status.is_some());
+    let columns: Vec<&str> = version
+        .additional_printer_columns
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(
+        columns,
+        ["Mode", "Provider", "Phase", "IP", "Healthy", "Age"]
+    );
+}
+
+/// Walks every schema node and collects violations of the API server's structural-schema rules.
+fn structural_violations(node: &Value, path: &str, out: &mut Vec<String>) {
+    let Some(obj) = node.as_object() else {
+        out.push(format!("{path}: schema is not an object"));
+        return;
+    };
+    if obj.contains_key("$ref") {
+        out.push(format!("{path}: $ref is not allowed"));
+    }
+    let typed = obj.get("type").and_then(Value::as_str).is_some();
+    let escape = obj.contains_key("x-kubernetes-int-or-string")
+        || obj.contains_key("x-kubernetes-preserve-unknown-fields");
+    if !typed && !escape {
+        out.push(format!("{path}: no type"));
+    }
+    for key in ["anyOf", "oneOf", "allOf", "not"] {
+        if obj.contains_key(key) && !typed {
+            out.push(format!("{path}: untyped {key}"));
+        }
+    }
+    if obj.get("nullable") == Some(&Value::Bool(true)) && path.starts_with("spec") {
+        out.push(format!(
+            "{path}: nullable spec field (explicit nulls would skip defaults)"
+        ));
+    }
+    if let Some(Value::Array(types)) = obj.get("type") {
+        out.push(format!("{path}: type array {types:?}"));
+    }
+    if obj.contains_key("x-kubernetes-list-map-keys")
+        && obj.get("x-kubernetes-list-type") != Some(&Value::String("map".into()))
+    {
+        out.push(format!("{path}: list-map-keys without list-type map"));
+    }
+    if let Some(Value::Object(props)) = obj.get("properties") {
+        if obj.get("type").and_then(Value::as_str) != Some("object") {
+            out.push(format!("{path}: properties on a non-object"));
+        }
+        for (name, child) in props {
+            let child_path = if path.is_empty() {
+                name.clone()
+            } else {
+                format!("{path}.{name}")
+            };
+            structural_violations(child, &child_path, out);
+        }
+    }
+    if let Some(items) = obj.get("items") {
+        structural_violations(items, &format!("{path}[]"), out);
+    }
+}
+
+#[test]
+fn schema_is_structural() {
+    let schema = crd::openapi_schema();
+    let mut violations = Vec::new();
+    structural_violations(&schema, "", &mut violations);
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
+#[test]
+fn structural_check_catches_a_bad_schema() {
+    let bad = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "spec": {"type": "object", "properties": {
+                "a": {"$ref": "#/definitions/A"},
+                "b": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                "c": {"type": ["string", "null"]}
+            }}
+        }
+    });
+    let mut violations = Vec::new();
+    structural_violations(&bad, "", &mut violations);
+    for expected in [
+        "spec.a: $ref is not allowed",
+        "spec.b: untyped anyOf",
+        "spec.c: no type",
+    ] {
+        assert!(
+            violations.iter().any(|v| v == expected),
+            "{expected} missing from {violations:#?}"
+        );
+    }
+}
+
+#[test]
+fn defaults_are_in_the_schema() {
+    let schema = crd::openapi_schema();
+    let spec = &schema["properties"]["spec"]["properties"];
+    assert_eq!(spec["port"]["default"], 3128);
+    assert_eq!(spec["maxLeases"]["default"], 5);
+    assert_eq!(spec["maxLeases"]["minimum"], 0.0);
+    assert_eq!(spec["healthCheck"]["default"], serde_json::json!({}));
+    let hc = &spec["healthCheck"]["properties"];
+    assert_eq!(
+        hc["probeURL"]["default"],
+        "https://www.gstatic.com/generate_204"
+    );
+    assert_eq!(hc["interval"]["default"], "30s");
+    assert_eq!(hc["timeout"]["default"], "5s");
+    assert_eq!(hc["failureThreshold"]["default"], 3);
+    assert_eq!(hc["successThreshold"]["default"], 1);
+    assert_eq!(
+        hc["expectedStatusCodes"]["default"],
+        serde_json::json!([200, 204])
+    );
+    assert_eq!(spec["provider"]["minLength"], 1);
+    assert_eq!(spec["cloudInit"]["properties"]["inline"]["minLength"], 1);
+}
+
+#[test]
+fn conditions_are_a_list_map_keyed_by_type() {
+    let schema = crd::openapi_schema();
+    let conditions = &schema["properties"]["status"]["properties"]["conditions"];
+    assert_eq!(conditions["x-kubernetes-list-type"], "map");
+    assert_eq!(
+        conditions["x-kubernetes-list-map-keys"],
+        serde_json::json!(["type"])
+    );
+}
+
+#[test]
+fn every_spec_field_is_documented() {
+    fn undocumented(node: &Value, path: &str, out: &mut Vec<String>) {
+        if let Some(Value::Object(props)) = node.get("properties") {
+            for (name, child) in props {
+                let p = format!("{path}.{name}");
+                if child
+                    .get("description")
+                    .and_then(Value::as_str)
+                    .is_none_or(str::is_empty)
+                {
+                    out.push(p.clone());
+                }
+                undocumented(child, &p, out);
+                if let Some(items) = child.get("items") {
+                    undocumented(items, &p, out);
+                }
+            }
+        }
+    }
+    let schema = crd::openapi_schema();
+    let mut missing = Vec::new();
+    undocumented(&schema["properties"]["spec"], "spec", &mut missing);
+    undocumented(&schema["properties"]["status"], "status", &mut missing);
+    assert!(
+        missing.is_empty(),
+        "fields without a description: {missing:?}"
+    );
+}
