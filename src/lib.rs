@@ -2,6 +2,8 @@
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
 pub mod crd;
+pub mod health;
+pub mod inventory;
 pub mod naming;
 pub mod provider;
 pub mod proxy;

@@ -484,14 +484,65 @@ impl ProxyStatus {
     }
 }
 
+/// Identity of a Proxy object: namespace/name **and** UID, so a Proxy deleted and re-created
+/// under the same name is a different proxy (fresh health counters, separate lease capacity).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ProxyId {
+    /// Namespace of the Proxy.
+    pub namespace: String,
+    /// Name of the Proxy.
+    pub name: String,
+    /// UID of the Proxy object.
+    pub uid: String,
+}
+
+impl ProxyId {
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+impl std::fmt::Display for ProxyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Namespace of a Proxy whose manifest names none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
 impl Proxy {
     /// `namespace/name` of the object (namespace `default` when unset).
     pub fn key(&self) -> String {
         format!(
             "{}/{}",
-            self.metadata.namespace.as_deref().unwrap_or("default"),
+            self.metadata
+                .namespace
+                .as_deref()
+                .unwrap_or(DEFAULT_NAMESPACE),
             self.metadata.name.as_deref().unwrap_or_default()
         )
+    }
+
+    /// The object's identity. Objects that never passed through an API server (the standalone
+    /// inventory file) have no UID; they get a stable one derived from namespace/name.
+    pub fn id(&self) -> ProxyId {
+        let namespace = self
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| DEFAULT_NAMESPACE.to_owned());
+        let name = self.metadata.name.clone().unwrap_or_default();
+        let uid = match &self.metadata.uid {
+            Some(uid) if !uid.is_empty() => uid.clone(),
+            _ => local_uid(&namespace, &name),
+        };
+        ProxyId {
+            namespace,
+            name,
+            uid,
+        }
     }
 
     /// The selection labels crawlers filter on.
@@ -500,9 +551,31 @@ impl Proxy {
     }
 }
 
+/// UID of a Proxy that has none: `local-` + hex SHA-256 of `namespace/name`, truncated.
+fn local_uid(namespace: &str, name: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("{namespace}/{name}").as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("local-{hex}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn id_uses_the_uid_or_a_stable_local_one() {
+        let mut p = Proxy::new("a", spec(Mode::External));
+        let local = p.id();
+        assert_eq!(local.namespace, "default");
+        assert!(local.uid.starts_with("local-"), "{}", local.uid);
+        assert_eq!(local, p.id());
+        p.metadata.namespace = Some("crawl".into());
+        assert_ne!(p.id().uid, local.uid);
+        p.metadata.uid = Some("0f8c7e4a".into());
+        assert_eq!(p.id().uid, "0f8c7e4a");
+        assert_eq!(p.id().key(), "crawl/a");
+    }
 
     fn spec(mode: Mode) -> ProxySpec {
         serde_json::from_value(serde_json::json!({"mode": mode})).unwrap()
