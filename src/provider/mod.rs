@@ -1,7 +1,90 @@
 //! Machine providers: where Managed proxies' machines come from.
+//!
+//! Every provider implements [`Provider`]; the reconciler and orphan GC only ever talk to the
+//! trait. Machines are found by deterministic name and by the labels in [`CreateRequest`], so a
+//! repeated create after a crash finds the machine instead of making a second one.
 
 pub mod config;
 pub mod error;
 
+use std::collections::BTreeMap;
+
 pub use config::{ConfigError, ProviderEntry, ProviderType, ProvidersConfig};
 pub use error::{ErrorClass, ProviderError, class_of};
+
+use crate::proxy::Placement;
+
+/// Label naming the operator install that created a machine, so two installs sharing a
+/// cloud project or cluster never touch each other's machines.
+pub const INSTALL_LABEL: &str = "crawl.example.com/install";
+
+/// Lifecycle state of a machine as the provider reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InstanceState {
+    /// Being created, or running without a usable IP yet.
+    Provisioning,
+    /// Running with an IP.
+    Running,
+    /// Stopped (still exists, not serving).
+    Stopped,
+    /// Finished, failed or being torn down.
+    Terminated,
+}
+
+/// A machine backing a Managed proxy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Instance {
+    /// Provider-scoped ID (`<namespace>/<pod>` or `zones/<zone>/instances/<name>`).
+    pub provider_id: String,
+    /// Machine name (`proxy-…`).
+    pub name: String,
+    /// Current state.
+    pub state: InstanceState,
+    /// Address crawlers connect to; only set when running.
+    pub ip: Option<String>,
+    /// UID of the owning Proxy, from the machine's label.
+    pub uid: Option<String>,
+    /// When the machine was created.
+    pub created_at: Option<jiff::Timestamp>,
+}
+
+/// Everything a provider needs to create the machine of one Proxy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateRequest {
+    /// Namespace of the Proxy.
+    pub namespace: String,
+    /// Name of the Proxy.
+    pub proxy_name: String,
+    /// UID of the Proxy.
+    pub proxy_uid: String,
+    /// Deterministic machine name ([`crate::naming::machine_name`]).
+    pub machine_name: String,
+    /// Squid listen port.
+    pub port: i32,
+    /// Provider-specific placement.
+    pub placement: Option<Placement>,
+    /// Resolved cloud-init content.
+    pub cloud_init: Option<String>,
+    /// Labels to put on the machine (managed, proxy-uid, install).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A source of machines. Implementations are cheap to share (`Arc<dyn Provider>`).
+#[async_trait::async_trait]
+pub trait Provider: Send + Sync {
+    /// Name of the providers-config entry this provider was built from.
+    fn name(&self) -> &str;
+
+    /// Creates the machine, or returns the existing one of the same name ("already exists" is
+    /// success). Never waits for the machine to be running.
+    async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError>;
+
+    /// Reads a machine; a missing machine is an error of class [`ErrorClass::NotFound`].
+    async fn get(&self, provider_id: &str) -> Result<Instance, ProviderError>;
+
+    /// Deletes a machine; deleting a missing machine succeeds.
+    async fn delete(&self, provider_id: &str) -> Result<(), ProviderError>;
+
+    /// Every machine carrying this install's managed labels.
+    async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError>;
+}
