@@ -1,5 +1,7 @@
-//! Client-side evaluation of the CRD's CEL rules (`x-kubernetes-validations`), read from the
-//! generated CRD so they can never drift from what the API server enforces.
+//! Client-side checks of a Proxy object against the generated CRD: the OpenAPI value
+//! constraints (types, required fields, `minLength`, ranges, enums) and the CEL rules
+//! (`x-kubernetes-validations`). Both are read from the generated schema, so they cannot drift
+//! from what the API server enforces.
 //!
 //! Used wherever a Proxy does not pass through an API server (the standalone inventory file)
 //! and by the tests of the rules themselves.
@@ -9,18 +11,19 @@ use serde_json::Value;
 
 use crate::crd;
 
-/// The Proxy schema with its rules compiled once.
+/// The Proxy schema with its constraints and rules compiled once.
 pub struct ProxyValidator {
-    schema: CompiledSchema,
-    validator: Validator,
+    constraints: jsonschema::Validator,
+    rules: CompiledSchema,
+    evaluator: Validator,
 }
 
-/// One broken rule: where (a JSON path) and the rule's message.
+/// One broken constraint or rule: where (a JSON path) and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleViolation {
-    /// Path of the object the rule is attached to, e.g. `spec` or `spec.cloudInit`.
+    /// Path of the offending value, e.g. `spec`, `spec.cloudInit` or `/spec/endpoint/port`.
     pub path: String,
-    /// The rule's message.
+    /// What is wrong (the rule's message for CEL rules).
     pub message: String,
 }
 
@@ -30,28 +33,36 @@ impl std::fmt::Display for RuleViolation {
     }
 }
 
-impl Default for ProxyValidator {
-    fn default() -> Self {
-        Self::new()
-    }
-}
+/// The generated schema could not be compiled (a bug in the Rust types, never user input).
+#[derive(Debug, thiserror::Error)]
+#[error("the generated Proxy schema does not compile: {0}")]
+pub struct SchemaError(String);
 
 impl ProxyValidator {
-    /// Compiles the rules of the generated CRD.
-    pub fn new() -> Self {
-        ProxyValidator {
-            schema: compile_schema(&crd::openapi_schema()),
-            validator: Validator::new(),
+    /// Compiles the constraints and rules of the generated CRD.
+    pub fn new() -> Result<Self, SchemaError> {
+        let schema = crd::openapi_schema();
+        let constraints =
+            jsonschema::validator_for(&schema).map_err(|e| SchemaError(e.to_string()))?;
+        let rules = compile_schema(&schema);
+        if rules.has_errors() {
+            let errors: Vec<String> = rules
+                .compilation_errors()
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            return Err(SchemaError(errors.join("; ")));
         }
+        Ok(ProxyValidator {
+            constraints,
+            rules,
+            evaluator: Validator::new(),
+        })
     }
 
-    /// Whether every rule compiled (a rule that does not compile is a bug in the types).
-    pub fn compiles(&self) -> bool {
-        !self.schema.has_errors()
-    }
-
-    /// Checks a whole Proxy object (as JSON) as the API server does on create: schema defaults
-    /// are applied first and rules mentioning `oldSelf` are not evaluated.
+    /// Checks a whole Proxy object (as JSON) as the API server does on create: value
+    /// constraints, then the rules over the defaulted object, skipping rules that mention
+    /// `oldSelf`.
     pub fn validate_create(&self, object: &Value) -> Result<(), Vec<RuleViolation>> {
         self.run(object, None)
     }
@@ -62,16 +73,24 @@ impl ProxyValidator {
     }
 
     fn run(&self, object: &Value, old: Option<&Value>) -> Result<(), Vec<RuleViolation>> {
-        self.validator
-            .validate_compiled(&self.schema, object, old)
-            .map_err(|errors| {
-                errors
-                    .into_iter()
-                    .map(|e| RuleViolation {
-                        path: e.field_path,
-                        message: e.message,
-                    })
-                    .collect()
+        let mut violations: Vec<RuleViolation> = self
+            .constraints
+            .iter_errors(object)
+            .map(|e| RuleViolation {
+                path: e.instance_path().to_string(),
+                message: e.to_string(),
             })
+            .collect();
+        if let Err(errors) = self.evaluator.validate_compiled(&self.rules, object, old) {
+            violations.extend(errors.into_iter().map(|e| RuleViolation {
+                path: e.field_path,
+                message: e.message,
+            }));
+        }
+        if violations.is_empty() {
+            Ok(())
+        } else {
+            Err(violations)
+        }
     }
 }

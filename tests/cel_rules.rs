@@ -48,13 +48,52 @@ fn check(
 }
 
 #[test]
-fn every_rule_compiles() {
-    assert!(ProxyValidator::new().compiles());
+fn value_constraints_are_checked_too() {
+    let v = ProxyValidator::new().unwrap();
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "port out of range",
+            with(external(), "endpoint", json!({"host": "h", "port": 70000})),
+            "/spec/endpoint/port",
+        ),
+        (
+            "empty host",
+            with(external(), "endpoint", json!({"host": "", "port": 1})),
+            "/spec/endpoint/host",
+        ),
+        (
+            "negative maxLeases",
+            with(external(), "maxLeases", json!(-1)),
+            "/spec/maxLeases",
+        ),
+        (
+            "empty provider",
+            with(managed(), "provider", json!("")),
+            "/spec/provider",
+        ),
+        (
+            "unknown mode",
+            with(managed(), "mode", json!("Borrowed")),
+            "/spec/mode",
+        ),
+        (
+            "zero failure threshold",
+            with(external(), "healthCheck", json!({"failureThreshold": 0})),
+            "/spec/healthCheck/failureThreshold",
+        ),
+    ];
+    for (case, spec, path) in cases {
+        let violations = v.validate_create(&object(spec)).expect_err(case);
+        assert!(
+            violations.iter().any(|x| x.path == path),
+            "{case}: {violations:?}"
+        );
+    }
 }
 
 #[test]
 fn create_rules() {
-    let v = ProxyValidator::new();
+    let v = ProxyValidator::new().unwrap();
     let cases: Vec<(&str, Value, Option<&str>)> = vec![
         ("managed is valid", managed(), None),
         ("external is valid", external(), None),
@@ -116,7 +155,7 @@ fn create_rules() {
 fn transition_rules_are_not_evaluated_on_create() {
     // On create there is no oldSelf; were the immutability rules evaluated against nothing,
     // every valid object would be rejected. The validator must skip them, as the server does.
-    let v = ProxyValidator::new();
+    let v = ProxyValidator::new().unwrap();
     for spec in [managed(), external()] {
         check(v.validate_create(&object(spec)), None, "create");
     }
@@ -124,7 +163,7 @@ fn transition_rules_are_not_evaluated_on_create() {
 
 #[test]
 fn update_rules() {
-    let v = ProxyValidator::new();
+    let v = ProxyValidator::new().unwrap();
     let gcp = with(managed(), "provider", json!("gcp-eu"));
     let cases: Vec<(&str, Value, Value, Option<&str>)> = vec![
         ("unchanged managed", managed(), managed(), None),
@@ -188,7 +227,7 @@ fn update_rules() {
 fn defaults_are_applied_before_rules() {
     // An External object without healthCheck gets `{}` and then its nested defaults; the rules
     // see the defaulted object, and nothing about the defaulting may trip a rule.
-    let v = ProxyValidator::new();
+    let v = ProxyValidator::new().unwrap();
     let spec = json!({"mode": "External", "endpoint": {"host": "h", "port": 1}});
     check(v.validate_create(&object(spec)), None, "defaulted external");
 }

@@ -16,7 +16,7 @@ fn proxies_in(file: &str) -> Vec<Proxy> {
 }
 
 fn assert_valid(file: &str, proxies: &[Proxy]) {
-    let validator = ProxyValidator::new();
+    let validator = ProxyValidator::new().unwrap();
     assert!(!proxies.is_empty(), "{file} holds no Proxy");
     for proxy in proxies {
         let json = serde_json::to_value(proxy).unwrap();

@@ -2,6 +2,8 @@
 //! proxies from. A feeder (the standalone file loader, or the Kubernetes watcher in operator
 //! mode) replaces the whole set; readers get cheap immutable snapshots.
 
+pub mod file;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -1,0 +1,374 @@
+//! The standalone inventory: a multi-document YAML file of `Proxy` objects — the same file
+//! `kubectl apply -f` accepts — checked with the CRD's own constraints and rules, and reloaded
+//! when it changes (or on SIGHUP) without a restart.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::Inventory;
+use crate::proxy::{DEFAULT_NAMESPACE, Mode, Proxy};
+use crate::validation::{ProxyValidator, SchemaError};
+
+const API_VERSION: &str = "crawl.example.com/v1alpha1";
+const KIND: &str = "Proxy";
+
+/// Why an inventory file was refused. Every variant names the file; document-level variants
+/// name the document (1-based) and the Proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum InventoryError {
+    /// The file could not be read.
+    #[error("inventory {path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Not valid YAML.
+    #[error("inventory {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, with the location.
+        message: String,
+    },
+    /// One document is not an acceptable Proxy.
+    #[error("inventory {path}: document {index} ({name}): {message}")]
+    Document {
+        /// The file.
+        path: PathBuf,
+        /// 1-based position of the document in the file.
+        index: usize,
+        /// `namespace/name` of the Proxy, or `unnamed`.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Two documents describe the same namespace/name.
+    #[error("inventory {path}: document {index} ({name}) repeats document {first}")]
+    Duplicate {
+        /// The file.
+        path: PathBuf,
+        /// 1-based position of the repeat.
+        index: usize,
+        /// 1-based position of the first occurrence.
+        first: usize,
+        /// `namespace/name`.
+        name: String,
+    },
+}
+
+/// A standalone inventory file and the validator its documents are checked with.
+pub struct InventoryFile {
+    path: PathBuf,
+    validator: ProxyValidator,
+}
+
+impl InventoryFile {
+    /// An inventory read from `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Result<Self, SchemaError> {
+        Ok(InventoryFile {
+            path: path.into(),
+            validator: ProxyValidator::new()?,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads and checks the file.
+    pub fn load(&self) -> Result<Vec<Proxy>, InventoryError> {
+        let text = std::fs::read_to_string(&self.path).map_err(|source| InventoryError::Read {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.parse(&text)
+    }
+
+    /// Checks `text` as the file's content. Empty documents are skipped.
+    pub fn parse(&self, text: &str) -> Result<Vec<Proxy>, InventoryError> {
+        let documents: Vec<Value> =
+            serde_saphyr::from_multiple(text).map_err(|e| InventoryError::Parse {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        let mut proxies = Vec::new();
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        for (i, document) in documents.into_iter().enumerate() {
+            let index = i + 1;
+            if document.is_null() {
+                continue;
+            }
+            let proxy =
+                self.document(document)
+                    .map_err(|(name, message)| InventoryError::Document {
+                        path: self.path.clone(),
+                        index,
+                        name,
+                        message,
+                    })?;
+            let key = proxy.key();
+            if let Some(&first) = seen.get(&key) {
+                return Err(InventoryError::Duplicate {
+                    path: self.path.clone(),
+                    index,
+                    first,
+                    name: key,
+                });
+            }
+            seen.insert(key, index);
+            proxies.push(proxy);
+        }
+        Ok(proxies)
+    }
+
+    /// Checks one document; the error carries the Proxy's name and the reason.
+    fn document(&self, mut document: Value) -> Result<Proxy, (String, String)> {
+        let Some(object) = document.as_object_mut() else {
+            return Err(("unnamed".into(), "not a mapping".into()));
+        };
+        let metadata = object
+            .entry("metadata")
+            .or_insert_with(|| Value::Object(Default::default()));
+        let name = metadata
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        if let Some(meta) = metadata.as_object_mut() {
+            meta.entry("namespace")
+                .or_insert_with(|| Value::String(DEFAULT_NAMESPACE.into()));
+        }
+        let namespace = metadata
+            .get("namespace")
+            .and_then(Value::as_str)
+            .unwrap_or(DEFAULT_NAMESPACE)
+            .to_owned();
+        let label = if name.is_empty() {
+            "unnamed".to_owned()
+        } else {
+            format!("{namespace}/{name}")
+        };
+        let fail = |message: String| (label.clone(), message);
+        if name.is_empty() {
+            return Err(fail("metadata.name is required".into()));
+        }
+        let api_version = object.get("apiVersion").and_then(Value::as_str);
+        let kind = object.get("kind").and_then(Value::as_str);
+        if api_version != Some(API_VERSION) || kind != Some(KIND) {
+            return Err(fail(format!(
+                "expected apiVersion {API_VERSION} and kind {KIND}, found {} {}",
+                api_version.unwrap_or("(none)"),
+                kind.unwrap_or("(none)")
+            )));
+        }
+        if let Err(violations) = self.validator.validate_create(&document) {
+            let text: Vec<String> = violations.iter().map(ToString::to_string).collect();
+            return Err(fail(text.join("; ")));
+        }
+        let proxy: Proxy = serde_json::from_value(document).map_err(|e| fail(e.to_string()))?;
+        if proxy.spec.mode == Mode::Managed {
+            return Err(fail(
+                "mode Managed needs the operator (`proxy-operator run`); standalone mode serves External proxies only".into(),
+            ));
+        }
+        Ok(proxy)
+    }
+}
+
+/// Size and modification time: cheap to poll, changes on every save.
+fn fingerprint(path: &Path) -> Option<(u64, SystemTime)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.len(), meta.modified().ok()?))
+}
+
+/// Keeps `inventory` in step with the file: reloads when its size or modification time changes
+/// (checked every `poll`, starting with a check right away) or when `reload` yields (SIGHUP).
+/// A load that yields the proxies already in the inventory changes nothing; a broken edit keeps
+/// the last good inventory and logs why. Returns when `shutdown` fires.
+pub async fn watch(
+    file: InventoryFile,
+    inventory: Inventory,
+    poll: Duration,
+    mut reload: mpsc::Receiver<()>,
+    shutdown: CancellationToken,
+) {
+    let mut last_seen = None;
+    let mut ticker = tokio::time::interval(poll);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let forced = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => false,
+            Some(()) = reload.recv() => true,
+        };
+        let current = fingerprint(file.path());
+        if !forced && current == last_seen {
+            continue;
+        }
+        last_seen = current;
+        match file.load() {
+            Ok(proxies) if same_proxies(&inventory, &proxies) => {}
+            Ok(proxies) => {
+                log::info!(
+                    "inventory {}: loaded {} proxies",
+                    file.path().display(),
+                    proxies.len()
+                );
+                inventory.replace(proxies);
+            }
+            Err(e) => log::warn!("{e}; keeping the last good inventory"),
+        }
+    }
+}
+
+/// Whether the inventory already holds exactly `proxies` (the file order does not matter).
+fn same_proxies(inventory: &Inventory, proxies: &[Proxy]) -> bool {
+    let snapshot = inventory.snapshot();
+    snapshot.is_synced()
+        && snapshot.len() == proxies.len()
+        && proxies
+            .iter()
+            .all(|p| snapshot.get(&p.id()).is_some_and(|current| **current == *p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file() -> InventoryFile {
+        InventoryFile::new("/srv/inventory.yaml").unwrap()
+    }
+
+    const GOOD: &str = "\
+apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata: {name: a, labels: {geo: eu}}
+spec:
+  mode: External
+  endpoint: {host: 127.0.0.1, port: 3128}
+---
+apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata: {name: b, namespace: crawl}
+spec:
+  mode: External
+  endpoint: {host: 127.0.0.2, port: 3129}
+  maxLeases: 0
+---
+";
+
+    #[test]
+    fn parses_documents_with_defaults() {
+        let proxies = file().parse(GOOD).unwrap();
+        assert_eq!(proxies.len(), 2);
+        assert_eq!(proxies[0].key(), "default/a");
+        assert_eq!(proxies[0].labels()["geo"], "eu");
+        assert_eq!(proxies[0].spec.max_leases(), 5);
+        assert_eq!(proxies[0].spec.health_check().failure_threshold(), 3);
+        assert_eq!(proxies[1].key(), "crawl/b");
+        assert_eq!(proxies[1].spec.max_leases(), 0);
+        assert_eq!(proxies[1].spec.effective_port(), 3129);
+    }
+
+    fn error(text: &str) -> String {
+        file().parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn refusals_name_the_file_document_and_reason() {
+        let header = "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\n";
+        let cases = [
+            (
+                format!(
+                    "{header}metadata: {{name: m}}\nspec: {{mode: Managed, provider: local}}\n"
+                ),
+                "document 1 (default/m): mode Managed needs the operator",
+            ),
+            (
+                format!("{header}metadata: {{name: e}}\nspec: {{mode: External}}\n"),
+                "endpoint is required when mode is External",
+            ),
+            (
+                format!(
+                    "{header}metadata: {{name: p}}\nspec: {{mode: External, endpoint: {{host: h, port: 0}}}}\n"
+                ),
+                "/spec/endpoint/port",
+            ),
+            (
+                format!("{header}spec: {{mode: External, endpoint: {{host: h, port: 1}}}}\n"),
+                "document 1 (unnamed): metadata.name is required",
+            ),
+            (
+                "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n".to_owned(),
+                "expected apiVersion crawl.example.com/v1alpha1 and kind Proxy, found v1 ConfigMap",
+            ),
+            (
+                format!(
+                    "{GOOD}{header}metadata: {{name: a}}\nspec: {{mode: External, endpoint: {{host: h, port: 1}}}}\n"
+                ),
+                "document 3 (default/a) repeats document 1",
+            ),
+            ("key: [unclosed\n".to_owned(), "/srv/inventory.yaml"),
+        ];
+        for (text, expected) in cases {
+            let message = error(&text);
+            assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+            assert!(message.contains("/srv/inventory.yaml"), "{message}");
+        }
+    }
+
+    #[tokio::test]
+    async fn watch_reloads_on_change_and_keeps_last_good_on_a_broken_edit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inventory.yaml");
+        std::fs::write(&path, GOOD).unwrap();
+        let file = InventoryFile::new(&path).unwrap();
+        let inventory = Inventory::new();
+        inventory.replace(file.load().unwrap());
+        let (reload_tx, reload_rx) = mpsc::channel(1);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(watch(
+            file,
+            inventory.clone(),
+            Duration::from_millis(20),
+            reload_rx,
+            shutdown.clone(),
+        ));
+        let wait_for = |expected: usize| {
+            let inventory = inventory.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+                while inventory.snapshot().len() != expected {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "inventory never reached {expected}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        let one = GOOD.split("---").next().unwrap().to_owned();
+        std::fs::write(&path, &one).unwrap();
+        wait_for(1).await;
+
+        // A broken edit is logged and ignored; the SIGHUP path forces a re-read.
+        std::fs::write(&path, "apiVersion: [").unwrap();
+        reload_tx.send(()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(inventory.snapshot().len(), 1);
+
+        std::fs::write(&path, GOOD).unwrap();
+        reload_tx.send(()).await.unwrap();
+        wait_for(2).await;
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+}
