@@ -4,6 +4,7 @@
 pub mod crd;
 pub mod health;
 pub mod inventory;
+pub mod ledger;
 pub mod naming;
 pub mod provider;
 pub mod proxy;

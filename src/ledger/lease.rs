@@ -1,0 +1,230 @@
+//! The values the ledger hands out and takes in: leases, their states, report results,
+//! acquire candidates and outcomes.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use jiff::Timestamp;
+
+use crate::proxy::ProxyId;
+
+/// Where a lease is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseState {
+    /// Held by a crawler and counting towards its proxy's capacity.
+    Active,
+    /// Given back by the crawler before it expired.
+    Released,
+    /// Its TTL ran out.
+    Expired,
+}
+
+impl LeaseState {
+    /// The state as stored in the `leases.state` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseState::Active => "active",
+            LeaseState::Released => "released",
+            LeaseState::Expired => "expired",
+        }
+    }
+}
+
+impl fmt::Display for LeaseState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for LeaseState {
+    type Err = UnknownValue;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "active" => Ok(LeaseState::Active),
+            "released" => Ok(LeaseState::Released),
+            "expired" => Ok(LeaseState::Expired),
+            other => Err(UnknownValue::new("lease state", other)),
+        }
+    }
+}
+
+/// What a crawler observed while using a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReportResult {
+    /// Requests went through.
+    Ok,
+    /// The target rate-limited the proxy: puts (proxy, target) into cooldown.
+    RateLimited,
+    /// The target blocked the proxy: puts (proxy, target) into cooldown.
+    Blocked,
+    /// Something else went wrong (recorded only).
+    Error,
+}
+
+impl ReportResult {
+    /// Every result, in the order the API documents them.
+    pub const ALL: [ReportResult; 4] = [
+        ReportResult::Ok,
+        ReportResult::RateLimited,
+        ReportResult::Blocked,
+        ReportResult::Error,
+    ];
+
+    /// The result as the API and the `lease_events.result` column spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReportResult::Ok => "ok",
+            ReportResult::RateLimited => "rate_limited",
+            ReportResult::Blocked => "blocked",
+            ReportResult::Error => "error",
+        }
+    }
+
+    /// Whether this result puts the (proxy, target) pair into cooldown.
+    pub fn starts_cooldown(self) -> bool {
+        matches!(self, ReportResult::RateLimited | ReportResult::Blocked)
+    }
+}
+
+impl fmt::Display for ReportResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ReportResult {
+    type Err = UnknownValue;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ReportResult::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| UnknownValue::new("report result", s))
+    }
+}
+
+/// A string that names none of the values of an enumeration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {value:?}")]
+pub struct UnknownValue {
+    what: &'static str,
+    value: String,
+}
+
+impl UnknownValue {
+    fn new(what: &'static str, value: &str) -> Self {
+        Self {
+            what,
+            value: value.to_owned(),
+        }
+    }
+}
+
+/// A lease on one proxy. Its ID is a capability: whoever holds it may renew, release and
+/// report on the lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Unguessable lease ID (a random UUID, 122 random bits).
+    pub id: String,
+    /// The leased proxy.
+    pub proxy: ProxyId,
+    /// The target the crawler named when acquiring, if any.
+    pub target: Option<String>,
+    /// Where the lease is in its life, as of the moment it was read.
+    pub state: LeaseState,
+    /// When the lease was granted.
+    pub acquired_at: Timestamp,
+    /// When the lease stops (or stopped) counting towards capacity.
+    pub expires_at: Timestamp,
+    /// The TTL granted by the last acquire or renew (after the cap).
+    pub ttl: Duration,
+    /// When the lease was released, if it was.
+    pub released_at: Option<Timestamp>,
+}
+
+/// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// The proxy; capacity is counted by its UID.
+    pub proxy: ProxyId,
+    /// How many leases it grants at once; 0 means never.
+    pub max_leases: u32,
+    /// Whether the health engine considers it healthy (unhealthy ones are only counted).
+    pub healthy: bool,
+    /// Latency of its last probe; proxies without one sort after those with one.
+    pub latency: Option<Duration>,
+}
+
+/// The result of an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcquireOutcome {
+    /// A lease was granted and recorded.
+    Granted(Lease),
+    /// No candidate could take a lease; why not.
+    NoMatch(NoMatch),
+}
+
+/// Why an acquire granted nothing. Every candidate is counted in exactly one bucket, in the
+/// order unhealthy, at capacity, in cooldown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoMatch {
+    /// Candidates offered.
+    pub considered: u32,
+    /// Healthy candidates with every lease slot taken (or `maxLeases: 0`).
+    pub at_capacity: u32,
+    /// Healthy candidates with a free slot whose (proxy, target) pair is cooling down.
+    pub in_cooldown: u32,
+    /// Candidates the health engine considers unhealthy.
+    pub unhealthy: u32,
+    /// The earliest moment a healthy candidate frees up (a lease expiry or a cooldown end);
+    /// `None` when nothing will free up by itself.
+    pub retry_after: Option<Timestamp>,
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepStats {
+    /// Active leases whose TTL had run out, now marked expired.
+    pub expired: u64,
+    /// Released or expired leases deleted after the cooldown window.
+    pub leases_pruned: u64,
+    /// Cooldowns that had ended, deleted.
+    pub cooldowns_pruned: u64,
+    /// History rows older than the retention period, deleted.
+    pub events_pruned: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_results_round_trip_through_their_names() {
+        for (name, result, cooldown) in [
+            ("ok", ReportResult::Ok, false),
+            ("rate_limited", ReportResult::RateLimited, true),
+            ("blocked", ReportResult::Blocked, true),
+            ("error", ReportResult::Error, false),
+        ] {
+            assert_eq!(name.parse::<ReportResult>(), Ok(result));
+            assert_eq!(result.as_str(), name);
+            assert_eq!(result.starts_cooldown(), cooldown, "{name}");
+        }
+        let err = "RateLimited".parse::<ReportResult>().unwrap_err();
+        assert_eq!(err.to_string(), "unknown report result \"RateLimited\"");
+    }
+
+    #[test]
+    fn lease_states_round_trip_through_their_names() {
+        for state in [
+            LeaseState::Active,
+            LeaseState::Released,
+            LeaseState::Expired,
+        ] {
+            assert_eq!(state.as_str().parse::<LeaseState>(), Ok(state));
+        }
+        assert!("gone".parse::<LeaseState>().is_err());
+    }
+}

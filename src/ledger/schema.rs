@@ -1,0 +1,84 @@
+//! The ledger's schema: the SQL files in `migrations/`, applied in order when the file is
+//! opened. The version reached is recorded in `PRAGMA user_version`.
+
+use std::path::Path;
+
+use rusqlite::{Connection, TransactionBehavior};
+
+use super::error::LedgerError;
+
+/// One numbered SQL file from `migrations/`.
+pub(crate) struct Migration {
+    /// File name, for logs.
+    pub name: &'static str,
+    /// The SQL it runs.
+    pub sql: &'static str,
+}
+
+/// Every migration, in order; migration `i` brings the schema to version `i + 1`.
+pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
+    name: "0001_lease_ledger.sql",
+    sql: include_str!("../../migrations/0001_lease_ledger.sql"),
+}];
+
+/// The schema version this binary reads and writes.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// Brings the database to [`SCHEMA_VERSION`] in one write transaction, so two processes
+/// opening the same file cannot both migrate it. Returns how many migrations ran; refuses a
+/// database whose version is newer than this binary's.
+pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<usize, LedgerError> {
+    let open_error = |source| LedgerError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(open_error)?;
+    let found: u32 = tx
+        .pragma_query_value(None, "user_version", |row| row.get(0))
+        .map_err(open_error)?;
+    if found > SCHEMA_VERSION {
+        return Err(LedgerError::Newer {
+            path: path.to_owned(),
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    let pending = &MIGRATIONS[found as usize..];
+    for (version, migration) in (found + 1..).zip(pending) {
+        log::info!(
+            "ledger {}: applying migration {}",
+            path.display(),
+            migration.name
+        );
+        tx.execute_batch(migration.sql).map_err(open_error)?;
+        tx.pragma_update(None, "user_version", version)
+            .map_err(open_error)?;
+    }
+    tx.commit().map_err(open_error)?;
+    Ok(pending.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_file_in_migrations_is_applied_in_order() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .collect();
+        files.sort();
+        let names: Vec<&str> = MIGRATIONS.iter().map(|m| m.name).collect();
+        assert_eq!(files, names);
+        for (index, migration) in MIGRATIONS.iter().enumerate() {
+            let prefix = format!("{:04}_", index + 1);
+            assert!(migration.name.starts_with(&prefix), "{}", migration.name);
+            let on_disk = std::fs::read_to_string(dir.join(migration.name)).unwrap();
+            assert_eq!(on_disk, migration.sql, "{}", migration.name);
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Which candidate an acquire grants, decided without I/O: the ledger reads each proxy's load
+//! and the target's cooldowns inside its write transaction and asks this module.
+
+use jiff::Timestamp;
+
+use super::lease::{Candidate, NoMatch};
+
+/// What the ledger knows about one proxy's active leases at the moment of an acquire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ProxyLoad {
+    /// Leases counting towards capacity (active and not past their expiry).
+    pub active: u32,
+    /// The earliest expiry among those leases.
+    pub earliest_expiry: Option<Timestamp>,
+}
+
+/// The decision of an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Selection {
+    /// Grant a lease on `candidates[index]`.
+    Chosen(usize),
+    /// Grant nothing.
+    NoMatch(NoMatch),
+}
+
+/// Picks the healthy candidate with a free slot and no cooldown that has the fewest active
+/// leases, then the lowest latency (unknown latency last), then the smallest name (namespace
+/// and UID break remaining ties, so the choice is deterministic).
+///
+/// `load` gives a proxy's load by UID; `cooldown_until` gives the end of a cooldown in force
+/// for the acquire's target, by UID. When nothing is chosen, every candidate is counted in one
+/// bucket (unhealthy, then at capacity, then in cooldown) and `retry_after` is the earliest
+/// moment a healthy candidate frees up: for a proxy at capacity the earliest expiry of its
+/// leases (or the end of its cooldown if that is later), for one in cooldown the cooldown's end.
+/// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
+/// the hint is then early, and the next attempt gets a fresh one.
+pub(crate) fn select(
+    candidates: &[Candidate],
+    load: impl Fn(&str) -> ProxyLoad,
+    cooldown_until: impl Fn(&str) -> Option<Timestamp>,
+) -> Selection {
+    let mut stats = NoMatch {
+        considered: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
+        ..NoMatch::default()
+    };
+    let mut best: Option<(usize, u32)> = None;
+    for (index, candidate) in candidates.iter().enumerate() {
+        if !candidate.healthy {
+            stats.unhealthy += 1;
+            continue;
+        }
+        if candidate.max_leases == 0 {
+            stats.at_capacity += 1;
+            continue;
+        }
+        let uid = candidate.proxy.uid.as_str();
+        let load = load(uid);
+        let cooldown = cooldown_until(uid);
+        if load.active >= candidate.max_leases {
+            stats.at_capacity += 1;
+            let frees_at = load
+                .earliest_expiry
+                .map(|expiry| cooldown.map_or(expiry, |until| until.max(expiry)));
+            stats.retry_after = earliest(stats.retry_after, frees_at);
+            continue;
+        }
+        if let Some(until) = cooldown {
+            stats.in_cooldown += 1;
+            stats.retry_after = earliest(stats.retry_after, Some(until));
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some((best_index, best_active)) => {
+                ranks_before(candidate, load.active, &candidates[best_index], best_active)
+            }
+        };
+        if better {
+            best = Some((index, load.active));
+        }
+    }
+    match best {
+        Some((index, _)) => Selection::Chosen(index),
+        None => Selection::NoMatch(stats),
+    }
+}
+
+/// Selection order: active leases asc, latency asc (unknown last), name, namespace, UID asc.
+fn ranks_before(a: &Candidate, a_active: u32, b: &Candidate, b_active: u32) -> bool {
+    let key = |c: &Candidate, active: u32| (active, c.latency.is_none(), c.latency);
+    (
+        key(a, a_active),
+        &a.proxy.name,
+        &a.proxy.namespace,
+        &a.proxy.uid,
+    ) < (
+        key(b, b_active),
+        &b.proxy.name,
+        &b.proxy.namespace,
+        &b.proxy.uid,
+    )
+}
+
+fn earliest(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::proxy::ProxyId;
+
+    /// `(proxy name, active leases, earliest expiry second)`.
+    type Loads = Vec<(&'static str, u32, i64)>;
+    /// `(proxy name, cooldown end second)`.
+    type Cooldowns = Vec<(&'static str, i64)>;
+
+    fn ts(second: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + second).unwrap()
+    }
+
+    fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>) -> Candidate {
+        Candidate {
+            proxy: ProxyId {
+                namespace: "crawl".into(),
+                name: name.into(),
+                uid: format!("uid-{name}"),
+            },
+            max_leases,
+            healthy,
+            latency: latency_ms.map(Duration::from_millis),
+        }
+    }
+
+    /// Runs a selection with loads `(name, active, earliest expiry second)` and cooldowns
+    /// `(name, until second)`, and returns the chosen name or the no-match stats.
+    fn run(
+        candidates: &[Candidate],
+        loads: &[(&str, u32, i64)],
+        cooldowns: &[(&str, i64)],
+    ) -> Result<String, NoMatch> {
+        let loads: HashMap<String, ProxyLoad> = loads
+            .iter()
+            .map(|&(name, active, expiry)| {
+                let load = ProxyLoad {
+                    active,
+                    earliest_expiry: Some(ts(expiry)),
+                };
+                (format!("uid-{name}"), load)
+            })
+            .collect();
+        let cooldowns: HashMap<String, Timestamp> = cooldowns
+            .iter()
+            .map(|&(name, until)| (format!("uid-{name}"), ts(until)))
+            .collect();
+        match select(
+            candidates,
+            |uid| loads.get(uid).copied().unwrap_or_default(),
+            |uid| cooldowns.get(uid).copied(),
+        ) {
+            Selection::Chosen(index) => Ok(candidates[index].proxy.name.clone()),
+            Selection::NoMatch(stats) => Err(stats),
+        }
+    }
+
+    #[test]
+    fn chooses_by_active_leases_then_latency_then_name() {
+        let cases: [(&str, Vec<Candidate>, Loads, &str); 6] = [
+            (
+                "fewest active leases wins over lower latency",
+                vec![
+                    candidate("a", 5, true, Some(5)),
+                    candidate("b", 5, true, Some(50)),
+                ],
+                vec![("a", 2, 60), ("b", 1, 60)],
+                "b",
+            ),
+            (
+                "equal load: lower latency wins",
+                vec![
+                    candidate("a", 5, true, Some(50)),
+                    candidate("b", 5, true, Some(5)),
+                ],
+                vec![("a", 1, 60), ("b", 1, 60)],
+                "b",
+            ),
+            (
+                "unknown latency sorts last",
+                vec![
+                    candidate("a", 5, true, None),
+                    candidate("b", 5, true, Some(900)),
+                ],
+                vec![],
+                "b",
+            ),
+            (
+                "equal load and latency: smallest name wins regardless of order",
+                vec![
+                    candidate("c", 5, true, Some(7)),
+                    candidate("a", 5, true, Some(7)),
+                ],
+                vec![],
+                "a",
+            ),
+            (
+                "a full proxy is skipped even when it is the fastest",
+                vec![
+                    candidate("a", 2, true, Some(1)),
+                    candidate("b", 2, true, Some(99)),
+                ],
+                vec![("a", 2, 60), ("b", 1, 60)],
+                "b",
+            ),
+            (
+                "unhealthy and unleasable proxies are never chosen",
+                vec![
+                    candidate("a", 5, false, Some(1)),
+                    candidate("b", 0, true, Some(1)),
+                    candidate("c", 5, true, Some(99)),
+                ],
+                vec![],
+                "c",
+            ),
+        ];
+        for (name, candidates, loads, expected) in cases {
+            assert_eq!(
+                run(&candidates, &loads, &[]),
+                Ok(expected.to_owned()),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn cooldown_skips_the_proxy_for_the_target() {
+        let candidates = [
+            candidate("a", 5, true, Some(1)),
+            candidate("b", 5, true, Some(9)),
+        ];
+        assert_eq!(run(&candidates, &[], &[("a", 30)]), Ok("b".to_owned()));
+    }
+
+    #[test]
+    fn no_match_counts_each_candidate_once_and_hints_the_earliest_free_slot() {
+        let cases: [(&str, Vec<Candidate>, Loads, Cooldowns, NoMatch); 5] = [
+            ("no candidates", vec![], vec![], vec![], NoMatch::default()),
+            (
+                "all unhealthy: nothing frees up by itself",
+                vec![
+                    candidate("a", 5, false, None),
+                    candidate("b", 5, false, None),
+                ],
+                vec![],
+                vec![],
+                NoMatch {
+                    considered: 2,
+                    unhealthy: 2,
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "maxLeases 0 is at capacity and never frees up",
+                vec![candidate("a", 0, true, None)],
+                vec![],
+                vec![],
+                NoMatch {
+                    considered: 1,
+                    at_capacity: 1,
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "full proxies: the earliest lease expiry",
+                vec![candidate("a", 1, true, None), candidate("b", 2, true, None)],
+                vec![("a", 1, 90), ("b", 3, 40)],
+                vec![],
+                NoMatch {
+                    considered: 2,
+                    at_capacity: 2,
+                    retry_after: Some(ts(40)),
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "mixed: a full proxy also cooling down frees up at the later of the two",
+                vec![
+                    candidate("sick", 5, false, None),
+                    candidate("full", 1, true, None),
+                    candidate("cool", 5, true, None),
+                    candidate("zero", 0, true, None),
+                ],
+                vec![("full", 1, 20), ("cool", 1, 10)],
+                vec![("full", 70), ("cool", 50)],
+                NoMatch {
+                    considered: 4,
+                    at_capacity: 2,
+                    in_cooldown: 1,
+                    unhealthy: 1,
+                    retry_after: Some(ts(50)),
+                },
+            ),
+        ];
+        for (name, candidates, loads, cooldowns, expected) in cases {
+            assert_eq!(
+                run(&candidates, &loads, &cooldowns),
+                Err(expected),
+                "{name}"
+            );
+        }
+    }
+}
