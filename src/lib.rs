@@ -1,10 +1,12 @@
 //! proxy-operator: turns a fleet of HTTP egress proxies into Kubernetes `Proxy` objects,
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
+pub mod api;
 pub mod crd;
 pub mod health;
 pub mod inventory;
 pub mod ledger;
+pub mod metrics;
 pub mod naming;
 pub mod provider;
 pub mod proxy;

@@ -1,0 +1,128 @@
+//! The API's error type: every non-2xx answer is `{"error":"<code>","message":"<text>"}`
+//! (a 409 on acquire adds the counts of why nothing was free).
+
+use actix_web::http::StatusCode;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// The JSON body of every error answer.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, ToSchema)]
+pub struct ErrorBody {
+    /// Machine-readable code, e.g. `no_match`, `invalid_body`, `unauthorized`.
+    pub error: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// The 409 body of an acquire that found nothing: why each matching proxy was skipped.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NoMatchBody {
+    /// Always `no_match`.
+    pub error: String,
+    /// Human-readable explanation.
+    pub message: String,
+    /// Proxies matching the selector.
+    pub considered: u32,
+    /// Healthy proxies with every lease slot taken (or `maxLeases: 0`).
+    pub at_capacity: u32,
+    /// Healthy proxies with a free slot that are cooling down for the target.
+    pub in_cooldown: u32,
+    /// Proxies failing health checks (or not yet checked).
+    pub unhealthy: u32,
+    /// Seconds until a proxy frees up by itself (also sent as `Retry-After`); absent when
+    /// nothing will.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<u64>,
+}
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiError {
+    /// A plain error with a status, a code and a message.
+    Plain {
+        /// HTTP status.
+        status: StatusCode,
+        /// Machine-readable code.
+        code: &'static str,
+        /// Human-readable message.
+        message: String,
+    },
+    /// An acquire that found nothing (409).
+    NoMatch(NoMatchBody),
+}
+
+impl ApiError {
+    /// An error with the given status, code and message.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::Plain {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// 400 for a request that is malformed or names a bad value.
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    /// 404 for an unknown lease.
+    pub fn unknown_lease(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "unknown_lease",
+            format!("no lease {id:?} (never issued, or pruned after the cooldown window)"),
+        )
+    }
+
+    /// 500 for a failure on our side; the details go to the log, not to the client.
+    pub fn internal(context: &str, error: impl std::fmt::Display) -> Self {
+        log::error!("{context}: {error}");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("{context}; see the server log"),
+        )
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ApiError::Plain { code, message, .. } => write!(f, "{code}: {message}"),
+            ApiError::NoMatch(body) => write!(f, "{}: {}", body.error, body.message),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::Plain { status, .. } => *status,
+            ApiError::NoMatch(_) => StatusCode::CONFLICT,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        match self {
+            ApiError::Plain {
+                status,
+                code,
+                message,
+            } => HttpResponse::build(*status).json(ErrorBody {
+                error: (*code).to_owned(),
+                message: message.clone(),
+            }),
+            ApiError::NoMatch(body) => {
+                let mut response = HttpResponse::Conflict();
+                if let Some(seconds) = body.retry_after_seconds {
+                    response.insert_header((header::RETRY_AFTER, HeaderValue::from(seconds)));
+                }
+                response.json(body)
+            }
+        }
+    }
+}

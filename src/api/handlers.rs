@@ -1,0 +1,421 @@
+//! The route handlers. Each one reads the inventory and health snapshot, calls the ledger on a
+//! blocking thread, and maps the outcome to the API's JSON shapes.
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, web};
+
+use super::body::ApiJson;
+use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::selector::Selector;
+use super::state::ApiState;
+use super::types::{
+    AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, ProxyView, RenewRequest,
+    ReportRequest, StatusBody,
+};
+use crate::ledger::{AcquireOutcome, Candidate, Lease, LedgerError, NoMatch, ReportResult};
+use crate::proxy::Proxy;
+
+/// Runs a ledger call on a blocking thread.
+async fn ledger_call<T: Send + 'static>(
+    state: &ApiState,
+    context: &'static str,
+    call: impl FnOnce(&crate::ledger::Ledger) -> Result<T, LedgerError> + Send + 'static,
+) -> Result<Result<T, LedgerError>, ApiError> {
+    let ledger = state.ledger.clone();
+    web::block(move || call(&ledger))
+        .await
+        .map_err(|e| ApiError::internal(context, e))
+}
+
+/// Host and port of a proxy, when it has an address.
+fn address(proxy: &Proxy) -> Option<(String, i32)> {
+    let host = proxy.spec.effective_host(proxy.status.as_ref())?;
+    Some((host.to_owned(), proxy.spec.effective_port()))
+}
+
+fn proxy_url(host: &str, port: i32) -> String {
+    if host.contains(':') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    }
+}
+
+fn parse_target(target: Option<String>) -> Result<Option<String>, ApiError> {
+    match target.map(|t| t.trim().to_ascii_lowercase()) {
+        Some(t) if t.is_empty() => Err(ApiError::bad_request(
+            "invalid_body",
+            "`target` must not be empty (omit it to acquire for any target)",
+        )),
+        other => Ok(other),
+    }
+}
+
+fn parse_ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Result<Duration, ApiError> {
+    match ttl_seconds {
+        None => Ok(state.default_ttl),
+        Some(0) => Err(ApiError::bad_request(
+            "invalid_body",
+            "`ttlSeconds` must be at least 1",
+        )),
+        Some(seconds) => Ok(Duration::from_secs(seconds)),
+    }
+}
+
+fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
+    let snapshot = state.inventory.snapshot();
+    let address = snapshot.get(&lease.proxy).and_then(|p| address(p));
+    LeaseView {
+        lease_id: lease.id.clone(),
+        proxy: LeaseProxy {
+            name: lease.proxy.name.clone(),
+            namespace: lease.proxy.namespace.clone(),
+            url: address.as_ref().map(|(h, p)| proxy_url(h, *p)),
+            host: address.as_ref().map(|(h, _)| h.clone()),
+            port: address.map(|(_, p)| p),
+        },
+        target: lease.target.clone(),
+        state: lease.state.as_str().to_owned(),
+        acquired_at: lease.acquired_at.to_string(),
+        expires_at: lease.expires_at.to_string(),
+        ttl_seconds: lease.ttl.as_secs(),
+        released_at: lease.released_at.map(|t| t.to_string()),
+    }
+}
+
+fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
+    let now = state.clock.now();
+    let retry_after_seconds = no_match.retry_after.map(|at| {
+        let millis = at.duration_since(now).as_millis().max(0);
+        u64::try_from((millis + 999) / 1000)
+            .unwrap_or(u64::MAX)
+            .max(1)
+    });
+    NoMatchBody {
+        error: "no_match".into(),
+        message: format!(
+            "no proxy can take a lease: {} match the selector, {} unhealthy, {} at capacity, {} cooling down for the target",
+            no_match.considered, no_match.unhealthy, no_match.at_capacity, no_match.in_cooldown
+        ),
+        considered: no_match.considered,
+        at_capacity: no_match.at_capacity,
+        in_cooldown: no_match.in_cooldown,
+        unhealthy: no_match.unhealthy,
+        retry_after_seconds,
+    }
+}
+
+/// Lists proxies, optionally only healthy (or unhealthy) ones matching a selector.
+#[utoipa::path(
+    get,
+    path = "/v1/proxies",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "Matching proxies (possibly none)", body = ProxyList),
+        (status = 400, description = "Bad `healthy` or `selector`", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn list_proxies(
+    state: web::Data<ApiState>,
+    query: web::Query<ListQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let healthy_filter = match query.healthy.as_deref() {
+        None | Some("") => None,
+        Some("true") => Some(true),
+        Some("false") => Some(false),
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                format!("`healthy` must be true or false, not {other:?}"),
+            ));
+        }
+    };
+    let selector = Selector::parse(query.selector.as_deref().unwrap_or_default())
+        .map_err(|e| ApiError::bad_request("invalid_query", format!("`selector`: {e}")))?;
+    let counts = ledger_call(&state, "reading lease counts", |l| l.active_counts())
+        .await?
+        .map_err(|e| ApiError::internal("reading lease counts", e))?;
+    let snapshot = state.inventory.snapshot();
+    let health = state.health.read();
+    let proxies: Vec<ProxyView> = snapshot
+        .proxies()
+        .iter()
+        .filter(|p| selector.matches(p.metadata.labels.as_ref()))
+        .filter_map(|p| {
+            let id = p.id();
+            let (host, port) = address(p)?;
+            let h = health.get(&id);
+            let healthy = h.and_then(|h| h.healthy) == Some(true);
+            if healthy_filter.is_some_and(|want| want != healthy) {
+                return None;
+            }
+            Some(ProxyView {
+                url: proxy_url(&host, port),
+                name: id.name.clone(),
+                namespace: id.namespace.clone(),
+                host,
+                port,
+                healthy,
+                latency_ms: h
+                    .and_then(|h| h.latency)
+                    .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
+                active_leases: counts.get(&id.uid).copied().unwrap_or(0),
+                max_leases: p.spec.max_leases(),
+                labels: p.labels(),
+            })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(ProxyList {
+        count: proxies.len(),
+        proxies,
+    }))
+}
+
+/// The acquire candidates: every proxy matching the selector; only healthy ones with an
+/// address can be chosen, the rest are counted as unhealthy.
+fn candidates(state: &ApiState, selector: &Selector) -> Vec<Candidate> {
+    let snapshot = state.inventory.snapshot();
+    let health = state.health.read();
+    snapshot
+        .proxies()
+        .iter()
+        .filter(|p| selector.matches(p.metadata.labels.as_ref()))
+        .map(|p| {
+            let id = p.id();
+            let h = health.get(&id);
+            Candidate {
+                healthy: address(p).is_some() && h.and_then(|h| h.healthy) == Some(true),
+                latency: h.and_then(|h| h.latency),
+                max_leases: p.spec.max_leases(),
+                proxy: id,
+            }
+        })
+        .collect()
+}
+
+/// Leases the least-loaded healthy proxy matching the selector.
+#[utoipa::path(
+    post,
+    path = "/v1/leases",
+    request_body = AcquireRequest,
+    responses(
+        (status = 201, description = "Lease granted", body = LeaseView),
+        (status = 400, description = "Malformed body", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 409, description = "No proxy can take a lease; `Retry-After` says when one frees up", body = NoMatchBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "Body is not JSON", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn acquire(
+    state: web::Data<ApiState>,
+    body: ApiJson<AcquireRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let request = body.0;
+    let target = parse_target(request.target)?;
+    let ttl = parse_ttl(&state, request.ttl_seconds)?;
+    let candidates = candidates(&state, &Selector::from(request.selector));
+    let outcome = ledger_call(&state, "acquiring a lease", move |l| {
+        l.acquire(&candidates, target.as_deref(), ttl)
+    })
+    .await?
+    .map_err(|e| ApiError::internal("acquiring a lease", e))?;
+    match outcome {
+        AcquireOutcome::Granted(lease) => {
+            state.metrics.lease_granted();
+            Ok(HttpResponse::Created().json(lease_view(&state, &lease)))
+        }
+        AcquireOutcome::NoMatch(no_match) => {
+            state.metrics.lease_rejected(&no_match);
+            Err(ApiError::NoMatch(no_match_body(&state, &no_match)))
+        }
+    }
+}
+
+/// Reads a lease.
+#[utoipa::path(
+    get,
+    path = "/v1/leases/{id}",
+    params(("id" = String, Path, description = "Lease ID")),
+    responses(
+        (status = 200, description = "The lease", body = LeaseView),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Unknown lease", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_lease(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    let lookup = id.clone();
+    let lease = ledger_call(&state, "reading a lease", move |l| l.get(&lookup))
+        .await?
+        .map_err(|e| ApiError::internal("reading a lease", e))?
+        .ok_or_else(|| ApiError::unknown_lease(&id))?;
+    Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
+}
+
+/// Gives a lease back. Always 204: releasing twice, or an unknown lease, is not an error.
+#[utoipa::path(
+    delete,
+    path = "/v1/leases/{id}",
+    params(("id" = String, Path, description = "Lease ID")),
+    responses(
+        (status = 204, description = "Released (or already gone)"),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn release(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    ledger_call(&state, "releasing a lease", move |l| l.release(&id))
+        .await?
+        .map_err(|e| ApiError::internal("releasing a lease", e))?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// Extends an active lease (sticky sessions).
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{id}/renew",
+    params(("id" = String, Path, description = "Lease ID")),
+    request_body = RenewRequest,
+    responses(
+        (status = 200, description = "Renewed", body = LeaseView),
+        (status = 400, description = "Malformed body", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Unknown lease", body = ErrorBody),
+        (status = 409, description = "The lease was released or has expired", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn renew(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+    body: ApiJson<RenewRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    let ttl = parse_ttl(&state, body.0.ttl_seconds)?;
+    let lookup = id.clone();
+    match ledger_call(&state, "renewing a lease", move |l| l.renew(&lookup, ttl)).await? {
+        Ok(lease) => Ok(HttpResponse::Ok().json(lease_view(&state, &lease))),
+        Err(LedgerError::UnknownLease(_)) => Err(ApiError::unknown_lease(&id)),
+        Err(LedgerError::NotActive { state: s, .. }) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "lease_not_active",
+            format!("lease {id:?} is {s}; acquire a new one"),
+        )),
+        Err(e) => Err(ApiError::internal("renewing a lease", e)),
+    }
+}
+
+/// Records what the crawler saw through the lease's proxy.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{id}/report",
+    params(("id" = String, Path, description = "Lease ID")),
+    request_body = ReportRequest,
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "Unknown result or malformed body", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Unknown lease", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn report(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+    body: ApiJson<ReportRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    let request = body.0;
+    let result: ReportResult = request.result.parse().map_err(|_| {
+        let allowed: Vec<&str> = ReportResult::ALL.iter().map(|r| r.as_str()).collect();
+        ApiError::bad_request(
+            "unknown_result",
+            format!(
+                "`result` {:?} is not one of {}",
+                request.result,
+                allowed.join(", ")
+            ),
+        )
+    })?;
+    let target = parse_target(request.target)?;
+    let lookup = id.clone();
+    match ledger_call(&state, "recording a report", move |l| {
+        l.report(&lookup, result, target.as_deref())
+    })
+    .await?
+    {
+        Ok(_) => {
+            state.metrics.report_received(result);
+            Ok(HttpResponse::NoContent().finish())
+        }
+        Err(LedgerError::UnknownLease(_)) => Err(ApiError::unknown_lease(&id)),
+        Err(e) => Err(ApiError::internal("recording a report", e)),
+    }
+}
+
+/// Liveness: the process is serving.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    responses((status = 200, description = "Serving", body = StatusBody))
+)]
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(StatusBody {
+        status: "ok".into(),
+    })
+}
+
+/// Readiness: the inventory has synced and the ledger answers.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    responses(
+        (status = 200, description = "Ready", body = StatusBody),
+        (status = 503, description = "Not ready yet", body = ErrorBody),
+    )
+)]
+pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    let not_ready =
+        |message: String| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", message);
+    if !state.inventory.snapshot().is_synced() {
+        return Err(not_ready("the proxy inventory has not synced yet".into()));
+    }
+    ledger_call(&state, "checking the ledger", |l| l.active_total())
+        .await?
+        .map_err(|e| not_ready(format!("the ledger does not answer: {e}")))?;
+    Ok(HttpResponse::Ok().json(StatusBody {
+        status: "ready".into(),
+    }))
+}
+
+/// Every request that matches no route.
+pub async fn not_found() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route",
+    ))
+}
+
+/// A known route called with the wrong method.
+pub async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not accept that method",
+    ))
+}

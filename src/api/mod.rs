@@ -1,0 +1,109 @@
+//! The discovery and lease API crawlers call (actix-web on `--discovery-addr`).
+//!
+//! `/v1/*` needs the bearer token (when one is configured); `/healthz` and `/readyz` do not.
+//! Every error answer is `{"error":"<code>","message":"<text>"}`.
+
+mod auth;
+mod body;
+mod error;
+mod handlers;
+mod observe;
+pub mod openapi;
+mod selector;
+mod state;
+pub mod types;
+
+use std::net::TcpListener;
+
+use actix_web::dev::Server;
+use actix_web::middleware::from_fn;
+use actix_web::{App, HttpResponse, HttpServer, web};
+
+pub use auth::ApiToken;
+pub use body::MAX_BODY_BYTES;
+pub use error::{ApiError, ErrorBody, NoMatchBody};
+pub use selector::{Selector, SelectorError};
+pub use state::{ApiState, DEFAULT_LEASE_TTL};
+
+/// How long a stopping server lets in-flight requests finish.
+pub const SHUTDOWN_GRACE_SECS: u64 = 10;
+
+/// Registers every route, the middleware and the JSON error handlers on an app.
+pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg: &mut web::ServiceConfig| {
+        let query_config = web::QueryConfig::default().error_handler(|err, _req| {
+            ApiError::bad_request("invalid_query", err.to_string()).into()
+        });
+        let path_config = web::PathConfig::default().error_handler(|err, _req| {
+            ApiError::bad_request("invalid_path", err.to_string()).into()
+        });
+        cfg.app_data(web::Data::new(state))
+            .app_data(web::Data::new(token))
+            .app_data(query_config)
+            .app_data(path_config)
+            .route("/healthz", web::get().to(handlers::healthz))
+            .route("/readyz", web::get().to(handlers::readyz))
+            .service(
+                web::scope("/v1")
+                    .wrap(from_fn(auth::require_token))
+                    .service(
+                        web::resource("/proxies")
+                            .get(handlers::list_proxies)
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .service(
+                        web::resource("/leases")
+                            .post(handlers::acquire)
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .service(
+                        web::resource("/leases/{id}")
+                            .get(handlers::get_lease)
+                            .delete(handlers::release)
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .service(
+                        web::resource("/leases/{id}/renew")
+                            .post(handlers::renew)
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .service(
+                        web::resource("/leases/{id}/report")
+                            .post(handlers::report)
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .service(
+                        web::resource("/openapi.json")
+                            .get(|| async { HttpResponse::Ok().json(openapi::document()) })
+                            .default_service(web::to(handlers::method_not_allowed)),
+                    )
+                    .default_service(web::to(handlers::not_found)),
+            )
+            .default_service(web::to(handlers::not_found));
+    }
+}
+
+/// Starts the API on an already bound listener. The returned server runs until its handle is
+/// stopped; a graceful stop drains in-flight requests for up to [`SHUTDOWN_GRACE_SECS`].
+/// Signals are the caller's business (the process stops every server on SIGTERM/SIGINT).
+pub fn serve(listener: TcpListener, state: ApiState, token: ApiToken) -> std::io::Result<Server> {
+    if !token.is_required() {
+        log::warn!(
+            "DISCOVERY_TOKEN is empty: the lease API on {} accepts requests from anyone who can reach it",
+            listener
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_default()
+        );
+    }
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(from_fn(observe::observe))
+            .configure(configure(state.clone(), token.clone()))
+    })
+    .listen(listener)?
+    .disable_signals()
+    .shutdown_timeout(SHUTDOWN_GRACE_SECS)
+    .run();
+    Ok(server)
+}

@@ -1,0 +1,29 @@
+//! What every handler shares.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::health::HealthSnapshot;
+use crate::inventory::Inventory;
+use crate::ledger::{Clock, Ledger};
+use crate::metrics::LeaseMetrics;
+
+/// Default lifetime of a lease whose request names none.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
+
+/// The inventory, health snapshot and ledger the API reads and writes.
+#[derive(Clone)]
+pub struct ApiState {
+    /// Proxies known to the process.
+    pub inventory: Inventory,
+    /// Their health, as the engine last saw it.
+    pub health: HealthSnapshot,
+    /// The lease ledger.
+    pub ledger: Ledger,
+    /// The ledger's clock (for `Retry-After`).
+    pub clock: Arc<dyn Clock>,
+    /// Lease counters.
+    pub metrics: LeaseMetrics,
+    /// TTL of a lease whose request names none.
+    pub default_ttl: Duration,
+}

@@ -1,0 +1,219 @@
+//! Prometheus metrics of the fleet and the lease API, in a registry passed around (never the
+//! global one), served on `--metrics-addr` at `/metrics`.
+//!
+//! Gauges that describe state (proxies per phase, active leases, active cooldowns) are computed
+//! at scrape time from the inventory, the health snapshot and the ledger, so they can never
+//! drift or leak series the way incremented gauges do.
+
+use std::sync::Mutex;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+use crate::health::HealthSnapshot;
+use crate::inventory::Inventory;
+use crate::ledger::{Ledger, NoMatch, ReportResult};
+use crate::proxy::{Phase, Proxy};
+
+/// Counters the lease API increments.
+#[derive(Clone, Debug)]
+pub struct LeaseMetrics {
+    granted: IntCounter,
+    rejections: IntCounterVec,
+    reports: IntCounterVec,
+}
+
+impl LeaseMetrics {
+    /// Creates the counters and registers them in `registry`.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let granted = IntCounter::new(
+            "proxy_operator_leases_granted_total",
+            "Leases granted by the API.",
+        )?;
+        let rejections = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_lease_rejections_total",
+                "Lease requests answered 409, by the main reason nothing was free.",
+            ),
+            &["reason"],
+        )?;
+        let reports = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_lease_reports_total",
+                "Lease reports received, by result.",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(granted.clone()))?;
+        registry.register(Box::new(rejections.clone()))?;
+        registry.register(Box::new(reports.clone()))?;
+        for result in ReportResult::ALL {
+            reports.with_label_values(&[result.as_str()]);
+        }
+        for reason in RejectionReason::ALL {
+            rejections.with_label_values(&[reason.as_str()]);
+        }
+        Ok(LeaseMetrics {
+            granted,
+            rejections,
+            reports,
+        })
+    }
+
+    /// Counts a granted lease.
+    pub fn lease_granted(&self) {
+        self.granted.inc();
+    }
+
+    /// Counts a refused acquire.
+    pub fn lease_rejected(&self, no_match: &NoMatch) {
+        self.rejections
+            .with_label_values(&[RejectionReason::of(no_match).as_str()])
+            .inc();
+    }
+
+    /// Counts a report.
+    pub fn report_received(&self, result: ReportResult) {
+        self.reports.with_label_values(&[result.as_str()]).inc();
+    }
+}
+
+/// The main reason an acquire found nothing, as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectionReason {
+    /// No proxy matches the selector.
+    NoProxies,
+    /// Every matching proxy is unhealthy.
+    Unhealthy,
+    /// Healthy proxies exist but every one is full.
+    Capacity,
+    /// Healthy proxies with free slots exist, but all are cooling down for the target.
+    Cooldown,
+}
+
+impl RejectionReason {
+    const ALL: [RejectionReason; 4] = [
+        RejectionReason::NoProxies,
+        RejectionReason::Unhealthy,
+        RejectionReason::Capacity,
+        RejectionReason::Cooldown,
+    ];
+
+    /// The reason for a refused acquire: the first that explains it wholly.
+    pub fn of(no_match: &NoMatch) -> Self {
+        if no_match.considered == 0 {
+            RejectionReason::NoProxies
+        } else if no_match.unhealthy == no_match.considered {
+            RejectionReason::Unhealthy
+        } else if no_match.at_capacity == 0 {
+            RejectionReason::Cooldown
+        } else {
+            RejectionReason::Capacity
+        }
+    }
+
+    /// Label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectionReason::NoProxies => "no_proxies",
+            RejectionReason::Unhealthy => "unhealthy",
+            RejectionReason::Capacity => "capacity",
+            RejectionReason::Cooldown => "cooldown",
+        }
+    }
+}
+
+/// The phase a proxy is reported in: its status phase when the reconciler wrote one, otherwise
+/// (standalone mode, or before the first reconcile) what its health says.
+pub fn reported_phase(proxy: &Proxy, healthy: Option<bool>) -> Phase {
+    if let Some(phase) = proxy.status.as_ref().and_then(|s| s.phase) {
+        return phase;
+    }
+    match healthy {
+        Some(true) => Phase::Ready,
+        Some(false) => Phase::Unhealthy,
+        None => Phase::Pending,
+    }
+}
+
+/// Scrape-time gauges over the inventory, health snapshot and ledger.
+pub struct FleetCollector {
+    inventory: Inventory,
+    health: HealthSnapshot,
+    ledger: Ledger,
+    proxies: IntGaugeVec,
+    leases_active: IntGauge,
+    cooldowns_active: IntGauge,
+    /// Serializes scrapes, which reset and refill the gauges.
+    scrape: Mutex<()>,
+}
+
+impl FleetCollector {
+    /// A collector reading the given sources; register it with `registry.register(Box::new(..))`.
+    pub fn new(
+        inventory: Inventory,
+        health: HealthSnapshot,
+        ledger: Ledger,
+    ) -> Result<Self, prometheus::Error> {
+        Ok(FleetCollector {
+            inventory,
+            health,
+            ledger,
+            proxies: IntGaugeVec::new(
+                Opts::new("proxy_operator_proxies", "Proxies by phase."),
+                &["phase"],
+            )?,
+            leases_active: IntGauge::new(
+                "proxy_operator_leases_active",
+                "Leases currently counting towards capacity.",
+            )?,
+            cooldowns_active: IntGauge::new(
+                "proxy_operator_cooldowns_active",
+                "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
+            )?,
+            scrape: Mutex::new(()),
+        })
+    }
+}
+
+impl Collector for FleetCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let mut descs = self.proxies.desc();
+        descs.extend(self.leases_active.desc());
+        descs.extend(self.cooldowns_active.desc());
+        descs
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = [0i64; Phase::ALL.len()];
+        {
+            let snapshot = self.inventory.snapshot();
+            let health = self.health.read();
+            for proxy in snapshot.proxies() {
+                let healthy = health.get(&proxy.id()).and_then(|h| h.healthy);
+                let phase = reported_phase(proxy, healthy);
+                if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
+                    counts[i] += 1;
+                }
+            }
+        }
+        for (phase, count) in Phase::ALL.iter().zip(counts) {
+            self.proxies.with_label_values(&[phase.as_str()]).set(count);
+        }
+        let mut families = self.proxies.collect();
+        match (self.ledger.active_total(), self.ledger.cooldowns_active()) {
+            (Ok(leases), Ok(cooldowns)) => {
+                self.leases_active
+                    .set(i64::try_from(leases).unwrap_or(i64::MAX));
+                self.cooldowns_active
+                    .set(i64::try_from(cooldowns).unwrap_or(i64::MAX));
+                families.extend(self.leases_active.collect());
+                families.extend(self.cooldowns_active.collect());
+            }
+            (Err(e), _) | (_, Err(e)) => log::warn!("metrics: cannot read the ledger: {e}"),
+        }
+        families
+    }
+}
