@@ -2,10 +2,13 @@
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
 pub mod crd;
+pub mod gc;
 pub mod health;
 pub mod inventory;
+pub mod leader;
 pub mod naming;
 pub mod provider;
 pub mod proxy;
+pub mod reconcile;
 pub mod spec_hash;
 pub mod validation;
