@@ -196,10 +196,9 @@ pub async fn run_gc(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::{CreateRequest, ErrorClass, InstanceState, ProviderError};
+    use crate::provider::InstanceState;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use std::sync::Mutex;
 
     const MIN_AGE: Duration = Duration::from_secs(600);
 
@@ -335,80 +334,5 @@ mod tests {
         config.allow_namespaced = true;
         assert_eq!(config.check_scope(), Ok(()));
         assert_eq!(GcConfig::default().check_scope(), Ok(()));
-    }
-
-    /// An in-test provider holding machines in memory.
-    struct StubProvider {
-        name: String,
-        machines: Mutex<Vec<Instance>>,
-        list_fails: bool,
-    }
-
-    #[async_trait::async_trait]
-    impl Provider for StubProvider {
-        fn name(&self) -> &str {
-            &self.name
-        }
-        async fn create(&self, _: &CreateRequest) -> Result<Instance, ProviderError> {
-            unreachable!("GC never creates")
-        }
-        async fn get(&self, _: &str) -> Result<Instance, ProviderError> {
-            unreachable!("GC never gets")
-        }
-        async fn delete(&self, id: &str) -> Result<(), ProviderError> {
-            self.machines
-                .lock()
-                .unwrap()
-                .retain(|m| m.provider_id != id);
-            Ok(())
-        }
-        async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
-            if self.list_fails {
-                return Err(ProviderError::new(
-                    ErrorClass::Transient,
-                    "list",
-                    &self.name,
-                    "",
-                    "unreachable",
-                ));
-            }
-            Ok(self.machines.lock().unwrap().clone())
-        }
-    }
-
-    fn stub(name: &str, machines: Vec<Instance>, list_fails: bool) -> Arc<StubProvider> {
-        Arc::new(StubProvider {
-            name: name.into(),
-            machines: Mutex::new(machines),
-            list_fails,
-        })
-    }
-
-    #[tokio::test]
-    async fn one_failing_provider_does_not_stop_the_sweep() {
-        let broken = stub("broken", vec![], true);
-        let local = stub(
-            "local",
-            vec![
-                instance("orphan", Some("gone"), Some(0)),
-                instance("kept", Some("live"), Some(0)),
-            ],
-            false,
-        );
-        let providers: Vec<Arc<dyn Provider>> = vec![broken, local.clone()];
-        let report = sweep(&providers, &live(&["live"]), ts(10_000), MIN_AGE).await;
-        assert_eq!(report.failures, 1);
-        assert_eq!(
-            report.deleted,
-            vec![("local".to_owned(), "orphan".to_owned())]
-        );
-        let left: Vec<String> = local
-            .machines
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|m| m.provider_id.clone())
-            .collect();
-        assert_eq!(left, ["kept"]);
     }
 }
