@@ -267,7 +267,7 @@ async fn execute(
             machine.ctx.health.forget(&proxy.id());
             Step::requeue(controller::Action::await_change())
         }
-        Action::Create { hash } => create(machine, api, &hash).await?,
+        Action::Create { hash } => create(machine, current, api, &hash).await?,
         Action::Recover { hash } => {
             let provider = machine.provider()?;
             let name = machine_name(&proxy.id().uid);
@@ -287,7 +287,7 @@ async fn execute(
                         }
                     }
                     None => match desired_hash {
-                        Some(hash) => create(machine, api, hash).await?,
+                        Some(hash) => create(machine, current, api, hash).await?,
                         None => cloud_init_missing("cloud-init cannot be resolved", config),
                     },
                 },
@@ -389,7 +389,12 @@ async fn execute(
 }
 
 /// Marks the create pending, creates the machine, and records its ID and the hash.
-async fn create(machine: &Machine<'_>, api: &Api<Proxy>, hash: &str) -> Result<Step, Error> {
+async fn create(
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    api: &Api<Proxy>,
+    hash: &str,
+) -> Result<Step, Error> {
     let provider = machine.provider()?;
     let proxy = machine.proxy;
     api.patch(
@@ -425,12 +430,7 @@ async fn create(machine: &Machine<'_>, api: &Api<Proxy>, hash: &str) -> Result<S
                 requeue: controller::Action::requeue(machine.ctx.config.provisioning_poll),
             })
         }
-        Err(e) => failure(
-            proxy,
-            &proxy.status.clone().unwrap_or_default(),
-            e,
-            machine.ctx,
-        ),
+        Err(e) => failure(proxy, current, e, machine.ctx),
     }
 }
 
