@@ -3,12 +3,15 @@
 
 pub mod api;
 pub mod crd;
+pub mod gc;
 pub mod health;
 pub mod inventory;
+pub mod leader;
 pub mod ledger;
 pub mod metrics;
 pub mod naming;
 pub mod provider;
 pub mod proxy;
+pub mod reconcile;
 pub mod spec_hash;
 pub mod validation;

@@ -1,0 +1,337 @@
+//! Building the Proxy's status and the patches that write it, as pure functions.
+//!
+//! The reconciler is the only status writer. It computes the whole desired status from the
+//! current one, what the action did and the last health transition, and writes it only when it
+//! differs — as a JSON merge patch with explicit `null`s, because a merge patch that merely
+//! omits a field leaves the old value in place.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::phase::{Provisioning, compute_phase};
+use crate::proxy::{
+    CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, ProxyStatus,
+};
+
+/// `Provisioned` reason: the machine runs with an address.
+pub const REASON_RUNNING: &str = "Running";
+/// `Provisioned` reason: the machine is being created.
+pub const REASON_PROVISIONING: &str = "Provisioning";
+/// `Provisioned` reason: the machine is being replaced after a spec change.
+pub const REASON_REPLACING: &str = "Replacing";
+/// `Provisioned` reason: the machine stopped or terminated and is being deleted.
+pub const REASON_MACHINE_STOPPED: &str = "MachineStopped";
+/// `Provisioned` reason: the machine disappeared; a new one will be created.
+pub const REASON_MACHINE_GONE: &str = "MachineGone";
+/// `Provisioned` reason: the Proxy is being deleted.
+pub const REASON_DELETING: &str = "Deleting";
+/// `Provisioned` reason: an External proxy is provisioned by definition.
+pub const REASON_EXTERNAL: &str = "ExternalEndpoint";
+/// `Provisioned` reason: the provider refused for quota; retried in minutes.
+pub const REASON_QUOTA: &str = "QuotaExceeded";
+/// `Provisioned` reason: the provider refused permanently; no retry until the spec changes.
+pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
+/// `Provisioned` reason: the cloud-init Secret or key is missing.
+pub const REASON_CLOUD_INIT: &str = "CloudInitUnavailable";
+/// `Provisioned` reason: `spec.provider` names no entry in the providers config.
+pub const REASON_UNKNOWN_PROVIDER: &str = "UnknownProvider";
+/// `Healthy` reason: the last status-affecting probe succeeded.
+pub const REASON_PROBE_SUCCEEDED: &str = "ProbeSucceeded";
+/// `Healthy` reason: the last status-affecting probe failed.
+pub const REASON_PROBE_FAILED: &str = "ProbeFailed";
+/// `Healthy` reason: no probe result yet.
+pub const REASON_NOT_PROBED: &str = "NotProbed";
+
+/// The last health transition the health engine reported for a proxy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthSignal {
+    /// Healthy after the transition.
+    pub healthy: bool,
+    /// Latency of the probe that caused it.
+    pub latency: Duration,
+    /// When that probe finished.
+    pub at: jiff::Timestamp,
+    /// Why (the probe error, or a short success note).
+    pub message: String,
+}
+
+/// A change to one optional status field.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FieldChange {
+    /// Leave the current value.
+    Keep,
+    /// Set this value.
+    Set(String),
+    /// Remove the value.
+    Clear,
+}
+
+impl FieldChange {
+    fn apply(&self, current: &Option<String>) -> Option<String> {
+        match self {
+            FieldChange::Keep => current.clone(),
+            FieldChange::Set(value) => Some(value.clone()),
+            FieldChange::Clear => None,
+        }
+    }
+}
+
+/// What an executed action means for status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusChange {
+    /// Where the machine now is.
+    pub provisioning: Provisioning,
+    /// `status.providerID`.
+    pub provider_id: FieldChange,
+    /// `status.ip`.
+    pub ip: FieldChange,
+    /// The `Provisioned` condition's status.
+    pub provisioned: ConditionStatus,
+    /// The `Provisioned` condition's reason.
+    pub reason: &'static str,
+    /// The `Provisioned` condition's message.
+    pub message: String,
+}
+
+/// Sets a condition in a list-map keyed by type. `lastTransitionTime` moves only when the
+/// condition's status changes; reason, message and observedGeneration always follow.
+pub fn set_condition(conditions: &mut Vec<Condition>, new: Condition) {
+    match conditions.iter_mut().find(|c| c.type_ == new.type_) {
+        Some(existing) => {
+            let transition_time = if existing.status == new.status {
+                existing.last_transition_time
+            } else {
+                new.last_transition_time
+            };
+            *existing = Condition {
+                last_transition_time: transition_time,
+                ..new
+            };
+        }
+        None => conditions.push(new),
+    }
+}
+
+/// The whole desired status: `current` with `change` and `health` applied.
+///
+/// Without a health signal the current Healthy condition is kept (no flap to Unknown after a
+/// restart); a proxy never probed gets `Healthy=Unknown/NotProbed`.
+pub fn desired_status(
+    current: &ProxyStatus,
+    change: &StatusChange,
+    health: Option<&HealthSignal>,
+    generation: Option<i64>,
+    now: jiff::Timestamp,
+) -> ProxyStatus {
+    let mut status = current.clone();
+    status.provider_id = change.provider_id.apply(&current.provider_id);
+    status.ip = change.ip.apply(&current.ip);
+    status.observed_generation = generation;
+    set_condition(
+        &mut status.conditions,
+        Condition {
+            type_: CONDITION_PROVISIONED.to_owned(),
+            status: change.provisioned,
+            reason: change.reason.to_owned(),
+            message: change.message.clone(),
+            last_transition_time: now,
+            observed_generation: generation,
+        },
+    );
+    match health {
+        Some(signal) => {
+            let (value, reason) = if signal.healthy {
+                (ConditionStatus::True, REASON_PROBE_SUCCEEDED)
+            } else {
+                (ConditionStatus::False, REASON_PROBE_FAILED)
+            };
+            set_condition(
+                &mut status.conditions,
+                Condition {
+                    type_: CONDITION_HEALTHY.to_owned(),
+                    status: value,
+                    reason: reason.to_owned(),
+                    message: signal.message.clone(),
+                    last_transition_time: signal.at,
+                    observed_generation: generation,
+                },
+            );
+            status.latency_ms = Some(i64::try_from(signal.latency.as_millis()).unwrap_or(i64::MAX));
+            status.last_health_check_time = Some(signal.at);
+        }
+        None if status.condition(CONDITION_HEALTHY).is_none() => {
+            status.conditions.push(Condition {
+                type_: CONDITION_HEALTHY.to_owned(),
+                status: ConditionStatus::Unknown,
+                reason: REASON_NOT_PROBED.to_owned(),
+                message: "no probe result yet".to_owned(),
+                last_transition_time: now,
+                observed_generation: generation,
+            });
+        }
+        None => {}
+    }
+    status.phase = Some(compute_phase(change.provisioning, status.healthy()));
+    status
+}
+
+/// The JSON merge patch that makes the status subresource equal `status`: every field is
+/// present, `null` where unset, so stale values are removed.
+pub fn status_patch(status: &ProxyStatus) -> Value {
+    json!({
+        "status": {
+            "phase": status.phase,
+            "providerID": status.provider_id,
+            "ip": status.ip,
+            "observedGeneration": status.observed_generation,
+            "conditions": status.conditions,
+            "latencyMs": status.latency_ms,
+            "lastHealthCheckTime": status.last_health_check_time,
+        }
+    })
+}
+
+/// A JSON merge patch setting (`Some`) or removing (`None`) annotations.
+pub fn annotations_patch(changes: &[(&str, Option<&str>)]) -> Value {
+    let annotations: serde_json::Map<String, Value> = changes
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), json!(value)))
+        .collect();
+    json!({ "metadata": { "annotations": annotations } })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::Phase;
+
+    fn ts(seconds: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(seconds).unwrap()
+    }
+
+    fn running(ip: &str) -> StatusChange {
+        StatusChange {
+            provisioning: Provisioning::Done,
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Set(ip.into()),
+            provisioned: ConditionStatus::True,
+            reason: REASON_RUNNING,
+            message: "machine is running".into(),
+        }
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_the_status_changes() {
+        let mut conditions = Vec::new();
+        let cond = |status, reason: &str, at, generation| Condition {
+            type_: CONDITION_PROVISIONED.into(),
+            status,
+            reason: reason.into(),
+            message: String::new(),
+            last_transition_time: at,
+            observed_generation: Some(generation),
+        };
+        set_condition(
+            &mut conditions,
+            cond(ConditionStatus::False, "Provisioning", ts(10), 1),
+        );
+        set_condition(
+            &mut conditions,
+            cond(ConditionStatus::False, "QuotaExceeded", ts(20), 2),
+        );
+        assert_eq!(conditions.len(), 1);
+        assert_eq!(conditions[0].last_transition_time, ts(10));
+        assert_eq!(conditions[0].reason, "QuotaExceeded");
+        assert_eq!(conditions[0].observed_generation, Some(2));
+        set_condition(
+            &mut conditions,
+            cond(ConditionStatus::True, "Running", ts(30), 2),
+        );
+        assert_eq!(conditions[0].last_transition_time, ts(30));
+    }
+
+    #[test]
+    fn desired_status_is_stable_when_nothing_changed() {
+        let first = desired_status(
+            &ProxyStatus::default(),
+            &running("10.0.0.1"),
+            None,
+            Some(3),
+            ts(100),
+        );
+        assert_eq!(first.phase, Some(Phase::Provisioning));
+        assert_eq!(first.ip.as_deref(), Some("10.0.0.1"));
+        assert_eq!(first.observed_generation, Some(3));
+        assert_eq!(first.healthy(), None);
+        let second = desired_status(&first, &running("10.0.0.1"), None, Some(3), ts(200));
+        assert_eq!(first, second, "a later pass with no change must not differ");
+    }
+
+    #[test]
+    fn health_signal_drives_phase_latency_and_check_time() {
+        let signal = HealthSignal {
+            healthy: true,
+            latency: Duration::from_millis(42),
+            at: ts(150),
+            message: "204".into(),
+        };
+        let status = desired_status(
+            &ProxyStatus::default(),
+            &running("10.0.0.1"),
+            Some(&signal),
+            Some(1),
+            ts(160),
+        );
+        assert_eq!(status.phase, Some(Phase::Ready));
+        assert_eq!(status.latency_ms, Some(42));
+        assert_eq!(status.last_health_check_time, Some(ts(150)));
+        let healthy = status.condition(CONDITION_HEALTHY).unwrap();
+        assert_eq!(healthy.reason, REASON_PROBE_SUCCEEDED);
+        assert_eq!(healthy.last_transition_time, ts(150));
+        // Without a new signal the seeded condition is kept, not reset to Unknown.
+        let later = desired_status(&status, &running("10.0.0.1"), None, Some(1), ts(500));
+        assert_eq!(later, status);
+        let down = HealthSignal {
+            healthy: false,
+            ..signal
+        };
+        let unhealthy =
+            desired_status(&status, &running("10.0.0.1"), Some(&down), Some(1), ts(600));
+        assert_eq!(unhealthy.phase, Some(Phase::Unhealthy));
+    }
+
+    #[test]
+    fn clearing_fields_sends_explicit_nulls() {
+        let current = desired_status(
+            &ProxyStatus::default(),
+            &running("10.0.0.1"),
+            None,
+            Some(1),
+            ts(1),
+        );
+        let gone = StatusChange {
+            provisioning: Provisioning::InProgress,
+            provider_id: FieldChange::Clear,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_MACHINE_GONE,
+            message: String::new(),
+        };
+        let status = desired_status(&current, &gone, None, Some(1), ts(2));
+        let patch = status_patch(&status);
+        assert_eq!(patch["status"]["ip"], Value::Null);
+        assert_eq!(patch["status"]["providerID"], Value::Null);
+        assert!(patch["status"].as_object().unwrap().contains_key("ip"));
+        assert_eq!(patch["status"]["phase"], "Provisioning");
+    }
+
+    #[test]
+    fn annotation_patch_sets_and_removes() {
+        let patch = annotations_patch(&[("a", Some("1")), ("b", None)]);
+        assert_eq!(
+            patch,
+            json!({"metadata": {"annotations": {"a": "1", "b": null}}})
+        );
+    }
+}

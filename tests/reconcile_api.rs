@@ -1,0 +1,758 @@
+//! The reconciler's exact Kubernetes API traffic, checked request by request against a mock API
+//! server (tower-test), with an in-test provider stub recording every provider call.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use kube::Client;
+use kube::client::Body;
+use kube::runtime::controller::Action as Requeue;
+use kube::runtime::events::Recorder;
+use serde_json::{Value, json};
+use tower_test::mock;
+
+use proxy_operator::provider::{
+    CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
+};
+use proxy_operator::proxy::Proxy;
+use proxy_operator::reconcile::{Context, HealthSignal, HealthStates, ReconcilerConfig, reconcile};
+use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
+
+const NS: &str = "crawl";
+const NAME: &str = "p1";
+const UID: &str = "7d0f9a1e-2c44-4b59-9a4f-0e5b1f3c2d10";
+const PROXY_PATH: &str = "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/p1";
+const STATUS_PATH: &str = "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/p1/status";
+const EVENTS_PATH: &str = "/apis/events.k8s.io/v1/namespaces/crawl/events";
+const CLOUD_INIT: &str = "#cloud-config\n";
+const NOW: &str = "2023-11-14T22:13:20Z";
+
+fn now() -> jiff::Timestamp {
+    jiff::Timestamp::from_second(1_700_000_000).unwrap()
+}
+
+/// What the provider stub answers and every call it received.
+#[derive(Default)]
+struct Stub {
+    calls: Mutex<Vec<String>>,
+    get: Mutex<Option<Result<Instance, ErrorClass>>>,
+    create: Mutex<Option<Result<Instance, ErrorClass>>>,
+    created: Mutex<Option<CreateRequest>>,
+    listed: Mutex<Vec<Instance>>,
+}
+
+impl Stub {
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+fn instance(state: InstanceState, ip: Option<&str>) -> Instance {
+    Instance {
+        provider_id: "crawl/proxy-abc".into(),
+        name: "proxy-abc".into(),
+        state,
+        ip: ip.map(str::to_owned),
+        uid: Some(UID.into()),
+        created_at: None,
+    }
+}
+
+fn answer(
+    stored: &Mutex<Option<Result<Instance, ErrorClass>>>,
+    op: &'static str,
+) -> Result<Instance, ProviderError> {
+    match stored.lock().unwrap().clone() {
+        Some(Ok(instance)) => Ok(instance),
+        Some(Err(class)) => Err(ProviderError::new(
+            class,
+            op,
+            "local",
+            "proxy-abc",
+            "stub says no",
+        )),
+        None => panic!("unexpected provider {op}"),
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for Stub {
+    fn name(&self) -> &str {
+        "local"
+    }
+    async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("create {}", request.machine_name));
+        *self.created.lock().unwrap() = Some(request.clone());
+        answer(&self.create, "create")
+    }
+    async fn get(&self, id: &str) -> Result<Instance, ProviderError> {
+        self.calls.lock().unwrap().push(format!("get {id}"));
+        answer(&self.get, "get")
+    }
+    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
+        self.calls.lock().unwrap().push(format!("delete {id}"));
+        Ok(())
+    }
+    async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.calls.lock().unwrap().push("list".into());
+        Ok(self.listed.lock().unwrap().clone())
+    }
+}
+
+/// One expected request: method, path, and a check of its JSON body.
+struct Expect {
+    method: Method,
+    path: &'static str,
+    body: Box<dyn Fn(&Value) + Send>,
+}
+
+fn expect(method: Method, path: &'static str, body: impl Fn(&Value) + Send + 'static) -> Expect {
+    Expect {
+        method,
+        path,
+        body: Box::new(body),
+    }
+}
+
+fn body_eq(expected: Value) -> impl Fn(&Value) + Send + 'static {
+    move |actual| assert_eq!(actual, &expected)
+}
+
+/// Runs one reconcile of `proxy` against the scripted requests; returns its requeue action.
+/// Fails on any request out of order, any extra request, and any expected request not made.
+async fn run(
+    proxy: Value,
+    stub: Option<Arc<Stub>>,
+    health: Option<HealthSignal>,
+    script: Vec<Expect>,
+) -> Requeue {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    let stored = serde_json::to_vec(&proxy).unwrap();
+    let proxy: Proxy = serde_json::from_value(proxy).unwrap();
+    let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
+    if let Some(stub) = stub {
+        providers.insert("local".into(), stub);
+    }
+    let states = HealthStates::default();
+    if let Some(signal) = health {
+        states.record(proxy.id(), signal);
+    }
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), "proxy-operator".into()),
+        client,
+        providers,
+        install: "test-install".into(),
+        config: ReconcilerConfig {
+            provisioning_poll: Duration::from_secs(1),
+            drift_poll: Duration::from_secs(2),
+            deletion_poll: Duration::from_secs(3),
+            quota_requeue: Duration::from_secs(300),
+            error_requeue: Duration::from_secs(4),
+        },
+        health: states,
+        clock: now,
+    });
+    let verifier = tokio::spawn(async move {
+        for (i, step) in script.into_iter().enumerate() {
+            let (request, send) = handle.next_request().await.expect("service not called");
+            assert_eq!(request.method(), step.method, "request {i}");
+            assert_eq!(request.uri().path(), step.path, "request {i}");
+            let bytes = request.into_body().collect_bytes().await.unwrap();
+            let body: Value = if bytes.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_slice(&bytes).unwrap()
+            };
+            (step.body)(&body);
+            // Patches get the stored Proxy back; an Event is echoed.
+            let reply = if step.path == EVENTS_PATH {
+                bytes.to_vec()
+            } else {
+                stored.clone()
+            };
+            send.send_response(Response::builder().body(Body::from(reply)).unwrap());
+        }
+        // Dropping the handle makes any further request fail the reconcile.
+    });
+    let result = tokio::time::timeout(Duration::from_secs(30), reconcile(Arc::new(proxy), ctx))
+        .await
+        .expect("reconcile hung");
+    tokio::time::timeout(Duration::from_secs(30), verifier)
+        .await
+        .expect("expected requests were not made")
+        .unwrap();
+    result.expect("reconcile failed")
+}
+
+fn managed(extra_metadata: Value, status: Value) -> Value {
+    let mut metadata = json!({
+        "name": NAME, "namespace": NS, "uid": UID, "generation": 2, "resourceVersion": "41",
+    });
+    for (k, v) in extra_metadata.as_object().unwrap() {
+        metadata[k] = v.clone();
+    }
+    json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": metadata,
+        "spec": {"mode": "Managed", "provider": "local", "cloudInit": {"inline": CLOUD_INIT}},
+        "status": status,
+    })
+}
+
+fn desired_hash() -> String {
+    let proxy: Proxy = serde_json::from_value(managed(json!({}), json!({}))).unwrap();
+    SpecHashInput::new(&proxy.spec, Some(CLOUD_INIT)).hash()
+}
+
+fn recorded(hash: &str) -> Value {
+    json!({
+        "crawl.example.com/spec-hash": hash,
+        "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
+    })
+}
+
+fn event_with_reason(reason: &'static str) -> impl Fn(&Value) + Send + 'static {
+    move |body| {
+        assert_eq!(body["reason"], reason);
+        assert_eq!(body["regarding"]["name"], NAME);
+        assert_eq!(body["regarding"]["kind"], "Proxy");
+    }
+}
+
+fn provisioned(status: &str, reason: &str, message: &str) -> Value {
+    json!({"type": "Provisioned", "status": status, "reason": reason, "message": message,
+           "lastTransitionTime": NOW, "observedGeneration": 2})
+}
+
+fn not_probed() -> Value {
+    json!({"type": "Healthy", "status": "Unknown", "reason": "NotProbed",
+           "message": "no probe result yet", "lastTransitionTime": NOW, "observedGeneration": 2})
+}
+
+#[tokio::test]
+async fn first_reconcile_adds_the_finalizer_and_nothing_else() {
+    let stub = Arc::new(Stub::default());
+    let requeue = run(
+        managed(json!({}), json!(null)),
+        Some(stub.clone()),
+        None,
+        vec![expect(
+            Method::PATCH,
+            PROXY_PATH,
+            body_eq(json!({"metadata": {"finalizers": ["crawl.example.com/finalizer"], "resourceVersion": "41"}})),
+        )],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::await_change());
+    assert!(stub.calls().is_empty(), "{:?}", stub.calls());
+}
+
+#[tokio::test]
+async fn create_marks_pending_creates_records_status_then_hash() {
+    let stub = Arc::new(Stub::default());
+    *stub.create.lock().unwrap() = Some(Ok(instance(InstanceState::Provisioning, None)));
+    let hash = desired_hash();
+    let requeue = run(
+        managed(json!({"finalizers": ["crawl.example.com/finalizer"]}), json!(null)),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(
+                Method::PATCH,
+                PROXY_PATH,
+                body_eq(json!({"metadata": {"annotations": {"crawl.example.com/create-pending": hash}}})),
+            ),
+            expect(
+                Method::PATCH,
+                STATUS_PATH,
+                body_eq(json!({"status": {
+                    "phase": "Provisioning",
+                    "providerID": "crawl/proxy-abc",
+                    "ip": null,
+                    "observedGeneration": 2,
+                    "conditions": [provisioned("False", "Provisioning", "machine is being created"), not_probed()],
+                    "latencyMs": null,
+                    "lastHealthCheckTime": null,
+                }})),
+            ),
+            expect(
+                Method::PATCH,
+                PROXY_PATH,
+                body_eq(json!({"metadata": {"annotations": {
+                    "crawl.example.com/spec-hash": hash,
+                    "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
+                    "crawl.example.com/create-pending": null,
+                }}})),
+            ),
+            expect(Method::POST, EVENTS_PATH, event_with_reason("Created")),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(1)));
+    let request = stub.created.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        request.machine_name,
+        proxy_operator::naming::machine_name(UID)
+    );
+    assert_eq!(request.cloud_init.as_deref(), Some(CLOUD_INIT));
+    assert_eq!(request.labels["crawl.example.com/managed"], "true");
+    assert_eq!(request.labels["crawl.example.com/proxy-uid"], UID);
+    assert_eq!(request.labels[INSTALL_LABEL], "test-install");
+}
+
+#[tokio::test]
+async fn interrupted_create_is_recovered_by_name_without_a_second_create() {
+    // The stub lists nothing, so recovery falls through to create (idempotent by name).
+    let stub = Arc::new(Stub::default());
+    *stub.create.lock().unwrap() = Some(Ok(instance(InstanceState::Provisioning, None)));
+    let hash = desired_hash();
+    let metadata = json!({
+        "finalizers": ["crawl.example.com/finalizer"],
+        "annotations": {"crawl.example.com/create-pending": hash},
+    });
+    run(
+        managed(metadata, json!(null)),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, PROXY_PATH, |_| {}),
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["providerID"], "crawl/proxy-abc")
+            }),
+            expect(Method::PATCH, PROXY_PATH, |_| {}),
+            expect(Method::POST, EVENTS_PATH, event_with_reason("Created")),
+        ],
+    )
+    .await;
+    let name = proxy_operator::naming::machine_name(UID);
+    assert_eq!(stub.calls(), ["list".to_owned(), format!("create {name}")]);
+}
+
+#[tokio::test]
+async fn running_sets_the_ip_once_and_then_writes_nothing() {
+    let stub = Arc::new(Stub::default());
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
+    let hash = desired_hash();
+    let metadata =
+        json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded(&hash)});
+    let health = HealthSignal {
+        healthy: true,
+        latency: Duration::from_millis(37),
+        at: now(),
+        message: "HTTP 204".into(),
+    };
+    let expected_status = json!({
+        "phase": "Ready",
+        "providerID": "crawl/proxy-abc",
+        "ip": "10.1.2.3",
+        "observedGeneration": 2,
+        "conditions": [
+            provisioned("True", "Running", "machine is running"),
+            {"type": "Healthy", "status": "True", "reason": "ProbeSucceeded", "message": "HTTP 204",
+             "lastTransitionTime": NOW, "observedGeneration": 2},
+        ],
+        "latencyMs": 37,
+        "lastHealthCheckTime": NOW,
+    });
+    let before = json!({
+        "phase": "Provisioning",
+        "providerID": "crawl/proxy-abc",
+        "observedGeneration": 2,
+        "conditions": [provisioned("False", "Provisioning", "machine is being created"), not_probed()],
+    });
+    let requeue = run(
+        managed(metadata.clone(), before),
+        Some(stub.clone()),
+        Some(health.clone()),
+        vec![expect(
+            Method::PATCH,
+            STATUS_PATH,
+            body_eq(json!({"status": expected_status})),
+        )],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(2)));
+
+    // Next pass with that status stored: a provider get, and no API request at all.
+    let requeue = run(
+        managed(metadata, expected_status),
+        Some(stub.clone()),
+        Some(health),
+        vec![],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(2)));
+    assert_eq!(stub.calls(), ["get crawl/proxy-abc", "get crawl/proxy-abc"]);
+}
+
+fn running_status() -> Value {
+    json!({
+        "phase": "Ready",
+        "providerID": "crawl/proxy-abc",
+        "ip": "10.1.2.3",
+        "observedGeneration": 1,
+        "conditions": [
+            {"type": "Provisioned", "status": "True", "reason": "Running", "message": "machine is running",
+             "lastTransitionTime": "2023-01-01T00:00:00Z", "observedGeneration": 1},
+            {"type": "Healthy", "status": "True", "reason": "ProbeSucceeded", "message": "",
+             "lastTransitionTime": "2023-01-01T00:00:00Z", "observedGeneration": 1},
+        ],
+    })
+}
+
+#[tokio::test]
+async fn spec_change_replaces_and_waits_for_not_found() {
+    let stub = Arc::new(Stub::default());
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
+    let metadata =
+        json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded("old-hash")});
+    let replacing = |b: &Value| {
+        let s = &b["status"];
+        assert_eq!(s["phase"], "Replacing");
+        assert_eq!(s["providerID"], "crawl/proxy-abc");
+        assert_eq!(s["ip"], Value::Null);
+        assert_eq!(s["conditions"][0]["reason"], "Replacing");
+        assert_eq!(s["conditions"][0]["status"], "False");
+        assert_eq!(s["conditions"][0]["lastTransitionTime"], NOW);
+        // Healthy did not change: its transition time stays.
+        assert_eq!(
+            s["conditions"][1]["lastTransitionTime"],
+            "2023-01-01T00:00:00Z"
+        );
+    };
+    let requeue = run(
+        managed(metadata.clone(), running_status()),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, STATUS_PATH, replacing),
+            expect(Method::POST, EVENTS_PATH, event_with_reason("Replacing")),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(3)));
+    assert_eq!(
+        stub.calls(),
+        ["get crawl/proxy-abc", "delete crawl/proxy-abc"]
+    );
+
+    // Still there (terminating): delete again, no create, no second event.
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Terminated, None)));
+    let mut status = running_status();
+    status["phase"] = json!("Replacing");
+    status["ip"] = Value::Null;
+    status["observedGeneration"] = json!(2);
+    status["conditions"][0] = provisioned(
+        "False",
+        "Replacing",
+        "spec changed; deleting the machine to create a new one",
+    );
+    status["conditions"][1]["observedGeneration"] = json!(1);
+    run(
+        managed(metadata.clone(), status.clone()),
+        Some(stub.clone()),
+        None,
+        vec![],
+    )
+    .await;
+    assert_eq!(
+        stub.calls()[2..],
+        ["get crawl/proxy-abc", "delete crawl/proxy-abc"]
+    );
+
+    // NotFound: forget the ID and IP, record the new hash; the next pass creates.
+    *stub.get.lock().unwrap() = Some(Err(ErrorClass::NotFound));
+    let hash = desired_hash();
+    let requeue = run(
+        managed(metadata, status),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["providerID"], Value::Null);
+                assert_eq!(b["status"]["phase"], "Provisioning");
+                assert_eq!(b["status"]["conditions"][0]["reason"], "MachineGone");
+            }),
+            expect(
+                Method::PATCH,
+                PROXY_PATH,
+                body_eq(json!({"metadata": {"annotations": {
+                    "crawl.example.com/spec-hash": hash,
+                    "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
+                    "crawl.example.com/create-pending": null,
+                }}})),
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::ZERO));
+    assert!(
+        !stub.calls().iter().any(|c| c.starts_with("create")),
+        "{:?}",
+        stub.calls()
+    );
+}
+
+#[tokio::test]
+async fn empty_hash_annotation_is_adopted_not_replaced() {
+    let stub = Arc::new(Stub::default());
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
+    let hash = desired_hash();
+    run(
+        managed(
+            json!({"finalizers": ["crawl.example.com/finalizer"]}),
+            running_status(),
+        ),
+        Some(stub.clone()),
+        None,
+        vec![expect(
+            Method::PATCH,
+            PROXY_PATH,
+            body_eq(json!({"metadata": {"annotations": {
+                "crawl.example.com/spec-hash": hash,
+                "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
+                "crawl.example.com/create-pending": null,
+            }}})),
+        )],
+    )
+    .await;
+    assert_eq!(stub.calls(), ["get crawl/proxy-abc"]);
+}
+
+#[tokio::test]
+async fn deletion_deletes_the_machine_then_removes_the_finalizer() {
+    let stub = Arc::new(Stub::default());
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
+    let metadata = json!({
+        "finalizers": ["other.example.com/keep", "crawl.example.com/finalizer"],
+        "deletionTimestamp": "2023-11-14T22:00:00Z",
+        "annotations": recorded(&desired_hash()),
+    });
+    let requeue = run(
+        managed(metadata.clone(), running_status()),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["phase"], "Deleting");
+                assert_eq!(b["status"]["conditions"][0]["reason"], "Deleting");
+            }),
+            expect(Method::POST, EVENTS_PATH, event_with_reason("Deleting")),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(3)));
+    assert_eq!(
+        stub.calls(),
+        ["get crawl/proxy-abc", "delete crawl/proxy-abc"]
+    );
+
+    *stub.get.lock().unwrap() = Some(Err(ErrorClass::NotFound));
+    let requeue = run(
+        managed(metadata, running_status()),
+        Some(stub.clone()),
+        None,
+        vec![expect(
+            Method::PATCH,
+            PROXY_PATH,
+            body_eq(json!({"metadata": {"finalizers": ["other.example.com/keep"], "resourceVersion": "41"}})),
+        )],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::await_change());
+    assert_eq!(stub.calls().len(), 3, "only a get: {:?}", stub.calls());
+}
+
+#[tokio::test]
+async fn external_gets_status_without_finalizer_or_provider() {
+    let proxy = json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 2, "resourceVersion": "41"},
+        "spec": {"mode": "External", "endpoint": {"host": "proxy.example.net", "port": 8080}},
+    });
+    let requeue = run(
+        proxy,
+        None,
+        None,
+        vec![expect(
+            Method::PATCH,
+            STATUS_PATH,
+            body_eq(json!({"status": {
+                "phase": "Provisioning",
+                "providerID": null,
+                "ip": "proxy.example.net",
+                "observedGeneration": 2,
+                "conditions": [provisioned("True", "ExternalEndpoint", "external endpoint"), not_probed()],
+                "latencyMs": null,
+                "lastHealthCheckTime": null,
+            }})),
+        )],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::await_change());
+}
+
+#[tokio::test]
+async fn permanent_failure_marks_failed_and_stops_calling_the_provider() {
+    let stub = Arc::new(Stub::default());
+    *stub.create.lock().unwrap() = Some(Err(ErrorClass::Permanent));
+    let metadata = json!({"finalizers": ["crawl.example.com/finalizer"]});
+    let mut stored = Value::Null;
+    run(
+        managed(metadata.clone(), json!(null)),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, PROXY_PATH, |_| {}),
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["phase"], "Failed");
+                assert_eq!(b["status"]["conditions"][0]["reason"], "ProviderFailed");
+                assert_eq!(b["status"]["conditions"][0]["observedGeneration"], 2);
+            }),
+            expect(
+                Method::POST,
+                EVENTS_PATH,
+                event_with_reason("ProviderFailed"),
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(stub.calls().len(), 1);
+    stored["phase"] = json!("Failed");
+    stored["observedGeneration"] = json!(2);
+    stored["conditions"] = json!([provisioned("False", "ProviderFailed", "x"), not_probed()]);
+    let requeue = run(managed(metadata, stored), Some(stub.clone()), None, vec![]).await;
+    assert_eq!(requeue, Requeue::await_change());
+    assert_eq!(
+        stub.calls().len(),
+        1,
+        "no provider call after Failed: {:?}",
+        stub.calls()
+    );
+}
+
+#[tokio::test]
+async fn quota_sets_the_condition_and_requeues_in_minutes() {
+    let stub = Arc::new(Stub::default());
+    *stub.create.lock().unwrap() = Some(Err(ErrorClass::QuotaExceeded));
+    let requeue = run(
+        managed(
+            json!({"finalizers": ["crawl.example.com/finalizer"]}),
+            json!(null),
+        ),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, PROXY_PATH, |_| {}),
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["phase"], "Pending");
+                assert_eq!(b["status"]["conditions"][0]["reason"], "QuotaExceeded");
+            }),
+            expect(
+                Method::POST,
+                EVENTS_PATH,
+                event_with_reason("QuotaExceeded"),
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(300)));
+}
+
+#[tokio::test]
+async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
+    let stub = Arc::new(Stub::default());
+    let mut proxy = managed(
+        json!({"finalizers": ["crawl.example.com/finalizer"]}),
+        json!(null),
+    );
+    proxy["spec"]["cloudInit"] = json!({"secretRef": {"name": "ci", "key": "user-data"}});
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), "proxy-operator".into()),
+        client,
+        providers: HashMap::from([("local".to_owned(), stub.clone() as Arc<dyn Provider>)]),
+        install: "test-install".into(),
+        config: ReconcilerConfig::default(),
+        health: HealthStates::default(),
+        clock: now,
+    });
+    let stored = serde_json::to_vec(&proxy).unwrap();
+    let proxy: Proxy = serde_json::from_value(proxy).unwrap();
+    let task = tokio::spawn(reconcile(Arc::new(proxy), ctx));
+    let (request, send) = handle.next_request().await.unwrap();
+    assert_eq!(request.method(), Method::GET);
+    assert_eq!(request.uri().path(), "/api/v1/namespaces/crawl/secrets/ci");
+    let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "message": "secrets \"ci\" not found", "reason": "NotFound", "code": 404});
+    send.send_response(
+        Response::builder()
+            .status(404)
+            .body(Body::from(serde_json::to_vec(&not_found).unwrap()))
+            .unwrap(),
+    );
+    let (request, send) = handle.next_request().await.unwrap();
+    assert_eq!(request.uri().path(), STATUS_PATH);
+    let bytes = request.into_body().collect_bytes().await.unwrap();
+    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(body["status"]["phase"], "Pending");
+    assert_eq!(
+        body["status"]["conditions"][0]["reason"],
+        "CloudInitUnavailable"
+    );
+    assert_eq!(
+        body["status"]["conditions"][0]["message"],
+        "Secret crawl/ci not found"
+    );
+    send.send_response(Response::builder().body(Body::from(stored)).unwrap());
+    let requeue = task.await.unwrap().unwrap();
+    assert_eq!(
+        requeue,
+        Requeue::requeue(ReconcilerConfig::default().provisioning_poll)
+    );
+    assert!(stub.calls().is_empty());
+}
+
+#[tokio::test]
+async fn interrupted_create_finds_the_machine_by_name_and_records_the_pending_hash() {
+    let stub = Arc::new(Stub::default());
+    let mut machine = instance(InstanceState::Provisioning, None);
+    machine.name = proxy_operator::naming::machine_name(UID);
+    *stub.listed.lock().unwrap() = vec![instance(InstanceState::Running, None), machine];
+    stub.listed.lock().unwrap()[0].name = "proxy-someoneelse".into();
+    stub.listed.lock().unwrap()[0].provider_id = "crawl/proxy-someoneelse".into();
+    let metadata = json!({
+        "finalizers": ["crawl.example.com/finalizer"],
+        "annotations": {"crawl.example.com/create-pending": "hash-at-create"},
+    });
+    run(
+        managed(metadata, json!(null)),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["providerID"], "crawl/proxy-abc");
+            }),
+            expect(
+                Method::PATCH,
+                PROXY_PATH,
+                body_eq(json!({"metadata": {"annotations": {
+                    "crawl.example.com/spec-hash": "hash-at-create",
+                    "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
+                    "crawl.example.com/create-pending": null,
+                }}})),
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(stub.calls(), ["list"]);
+}
