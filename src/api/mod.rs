@@ -22,6 +22,7 @@ use actix_web::{App, HttpResponse, HttpServer, web};
 pub use auth::ApiToken;
 pub use body::MAX_BODY_BYTES;
 pub use error::{ApiError, ErrorBody, NoMatchBody};
+pub use observe::observe;
 pub use selector::{Selector, SelectorError};
 pub use state::{ApiState, DEFAULT_LEASE_TTL};
 

@@ -4,11 +4,11 @@
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
+use actix_web::Error;
 use actix_web::body::BoxBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::middleware::Next;
-use actix_web::{Error, ResponseError};
 use futures_util::FutureExt;
 
 use super::error::ApiError;
@@ -22,17 +22,18 @@ pub async fn observe(
     let started = Instant::now();
     let method = req.method().clone();
     let path = req.path().to_owned();
-    let http_request = req.request().clone();
+    // The request cannot be cloned here (routing needs it unshared), so a caught panic is
+    // returned as an error, which actix renders with `ApiError::error_response`.
     let result = match AssertUnwindSafe(next.call(req)).catch_unwind().await {
         Ok(result) => result,
         Err(_) => {
-            let error = ApiError::new(
+            log::error!("{method} {path}: handler panicked");
+            Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 "the request handler failed; see the server log",
-            );
-            log::error!("{method} {path}: handler panicked");
-            Ok(ServiceResponse::new(http_request, error.error_response()))
+            )
+            .into())
         }
     };
     let status = match &result {
