@@ -9,7 +9,9 @@ use std::sync::Mutex;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use actix_web::dev::Server;
+use actix_web::{App, HttpResponse, HttpServer, web};
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
@@ -215,5 +217,40 @@ impl Collector for FleetCollector {
             (Err(e), _) | (_, Err(e)) => log::warn!("metrics: cannot read the ledger: {e}"),
         }
         families
+    }
+}
+
+/// Serves `registry` in the Prometheus text format at `/metrics` on `listener`.
+pub fn serve(listener: std::net::TcpListener, registry: Registry) -> std::io::Result<Server> {
+    let server = HttpServer::new(move || {
+        let registry = registry.clone();
+        App::new()
+            .route(
+                "/metrics",
+                web::get().to(move || {
+                    let registry = registry.clone();
+                    async move { render(&registry) }
+                }),
+            )
+            .route("/healthz", web::get().to(HttpResponse::Ok))
+    })
+    .workers(1)
+    .listen(listener)?
+    .disable_signals()
+    .shutdown_timeout(2)
+    .run();
+    Ok(server)
+}
+
+fn render(registry: &Registry) -> HttpResponse {
+    let mut buffer = Vec::new();
+    match TextEncoder::new().encode(&registry.gather(), &mut buffer) {
+        Ok(()) => HttpResponse::Ok()
+            .content_type(prometheus::TEXT_FORMAT)
+            .body(buffer),
+        Err(e) => {
+            log::error!("cannot encode metrics: {e}");
+            HttpResponse::InternalServerError().finish()
+        }
     }
 }

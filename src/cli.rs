@@ -1,0 +1,200 @@
+//! The command line of the `proxy-operator` binary. Every flag has an environment twin and
+//! shows its default in `--help`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::ledger::Durability;
+
+/// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
+/// proxy and leases them to crawlers.
+#[derive(Parser, Debug)]
+#[command(name = "proxy-operator", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run without Kubernetes: External proxies from an inventory file, with the health
+    /// engine, the lease ledger, the API and metrics. The bearer token comes from
+    /// `DISCOVERY_TOKEN` (empty: open API).
+    Standalone(StandaloneArgs),
+    /// Run the operator against a Kubernetes cluster (in-cluster config or kubeconfig).
+    Run(RunArgs),
+    /// Print the Proxy CustomResourceDefinition as YAML (what `crd/proxy.yaml` holds).
+    Crd,
+}
+
+/// Flags shared by `standalone` and `run`.
+#[derive(Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Address of the discovery and lease API.
+    #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_ADDR", default_value = "0.0.0.0:8090")]
+    pub discovery_addr: SocketAddr,
+
+    /// Address of the Prometheus metrics endpoint (`/metrics`).
+    #[arg(long, env = "PROXY_OPERATOR_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+
+    /// The lease ledger (an SQLite file; created if missing).
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER", default_value = "./proxy-operator.db")]
+    pub ledger: PathBuf,
+
+    /// What an acknowledged lease survives: `normal` (process crash, kill -9) or `full`
+    /// (also power loss; one fsync per write).
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_DURABILITY", value_enum, default_value_t = DurabilityArg::Normal)]
+    pub ledger_durability: DurabilityArg,
+
+    /// Probes in flight at once.
+    #[arg(long, env = "PROXY_OPERATOR_HEALTH_WORKERS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub health_workers: u16,
+
+    /// How long a proxy is skipped for a target after a `rate_limited`/`blocked` report (and
+    /// how long finished leases are kept so late reports land).
+    #[arg(long, env = "PROXY_OPERATOR_LEASE_COOLDOWN", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub lease_cooldown: Duration,
+
+    /// Longest lease TTL granted; longer requests are cut to it.
+    #[arg(long, env = "PROXY_OPERATOR_MAX_LEASE_TTL", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub max_lease_ttl: Duration,
+
+    /// TTL of a lease whose request names none.
+    #[arg(long, env = "PROXY_OPERATOR_DEFAULT_LEASE_TTL", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub default_lease_ttl: Duration,
+
+    /// How long lease history is kept in the ledger.
+    #[arg(long, env = "PROXY_OPERATOR_HISTORY_RETENTION", default_value = "7days", value_parser = humantime::parse_duration)]
+    pub history_retention: Duration,
+}
+
+/// `--ledger-durability` values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DurabilityArg {
+    /// Survives a crash of the process.
+    Normal,
+    /// Also survives a power loss.
+    Full,
+}
+
+impl From<DurabilityArg> for Durability {
+    fn from(value: DurabilityArg) -> Self {
+        match value {
+            DurabilityArg::Normal => Durability::Normal,
+            DurabilityArg::Full => Durability::Full,
+        }
+    }
+}
+
+/// Flags of `standalone`.
+#[derive(Args, Debug, Clone)]
+pub struct StandaloneArgs {
+    /// Multi-document YAML file of External `Proxy` objects (what `kubectl apply -f` takes).
+    /// Reloaded when it changes and on SIGHUP.
+    #[arg(long, env = "PROXY_OPERATOR_INVENTORY")]
+    pub inventory: PathBuf,
+
+    /// How often the inventory file is checked for changes.
+    #[arg(long, env = "PROXY_OPERATOR_INVENTORY_POLL", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub inventory_poll: Duration,
+
+    /// The flags shared with `run`.
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Flags of `run`.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// The providers config (YAML) naming the machine providers Managed proxies use.
+    #[arg(long, env = "PROXY_OPERATOR_PROVIDERS_CONFIG")]
+    pub providers_config: PathBuf,
+
+    /// Watch Proxies in this namespace only (default: all namespaces).
+    #[arg(long, env = "PROXY_OPERATOR_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
+
+    /// How often orphaned machines are looked for.
+    #[arg(long, env = "PROXY_OPERATOR_GC_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub gc_interval: Duration,
+
+    /// Machines younger than this are never collected as orphans.
+    #[arg(long, env = "PROXY_OPERATOR_GC_MIN_AGE", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub gc_min_age: Duration,
+
+    /// Allow orphan GC while watching a single namespace (it would otherwise delete the
+    /// machines of Proxies in other namespaces).
+    #[arg(long, env = "PROXY_OPERATOR_GC_ALLOW_NAMESPACED")]
+    pub gc_allow_namespaced: bool,
+
+    /// Identifies this install on the machines it creates, so installs sharing a cluster or
+    /// cloud project never touch each other's machines.
+    #[arg(long, env = "PROXY_OPERATOR_INSTALL_ID", default_value = "default")]
+    pub install_id: String,
+
+    /// Namespace of the leader-election Lease (default: the pod's namespace, else `default`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub leader_namespace: Option<String>,
+
+    /// The flags shared with `standalone`.
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let cli = Cli::try_parse_from(["proxy-operator", "standalone", "--inventory", "inv.yaml"]).unwrap();
+        let Command::Standalone(args) = cli.command else {
+            panic!("not standalone");
+        };
+        assert_eq!(args.common.discovery_addr.to_string(), "0.0.0.0:8090");
+        assert_eq!(args.common.metrics_addr.to_string(), "0.0.0.0:8080");
+        assert_eq!(args.common.ledger, PathBuf::from("./proxy-operator.db"));
+        assert_eq!(args.common.health_workers, 8);
+        assert_eq!(args.common.lease_cooldown, Duration::from_secs(600));
+        assert_eq!(args.common.max_lease_ttl, Duration::from_secs(3600));
+        assert_eq!(args.common.history_retention, Duration::from_secs(7 * 86400));
+        assert_eq!(args.inventory_poll, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_flag_named() {
+        for args in [
+            vec!["proxy-operator", "standalone", "--inventory", "i", "--lease-cooldown", "soon"],
+            vec!["proxy-operator", "standalone", "--inventory", "i", "--health-workers", "0"],
+            vec!["proxy-operator", "standalone", "--inventory", "i", "--discovery-addr", "nowhere"],
+            vec!["proxy-operator", "standalone"],
+        ] {
+            let err = Cli::try_parse_from(&args).unwrap_err().to_string();
+            assert!(err.contains("--"), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn help_shows_defaults_and_env_twins() {
+        let help = Cli::command()
+            .find_subcommand_mut("standalone")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        for expected in ["[default: 0.0.0.0:8090]", "PROXY_OPERATOR_LEDGER", "[default: 10m]"] {
+            assert!(help.contains(expected), "{expected} missing from\n{help}");
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The long-running process: the parts both modes share (ledger, health engine, API and
+//! metrics servers, ledger sweep) and the supervisor that runs them as tasks, stops them all
+//! on SIGTERM/SIGINT, and takes the process down when any of them dies.
+
+pub mod standalone;
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::{Server, ServerHandle};
+use prometheus::Registry;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, ApiState, ApiToken};
+use crate::cli::CommonArgs;
+use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
+use crate::inventory::Inventory;
+use crate::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
+use crate::metrics::{self, FleetCollector, LeaseMetrics};
+
+/// How often expired leases are marked and old rows pruned.
+pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+/// How long stopping tasks get after the API has drained.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+
+/// A start-up failure; the message names the file, flag or address at fault.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct StartError(pub String);
+
+impl StartError {
+    fn from_display(context: &str, error: impl std::fmt::Display) -> Self {
+        StartError(format!("{context}: {error}"))
+    }
+}
+
+/// How a started process ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped by a signal, every task ended cleanly.
+    Clean,
+    /// A task died (already logged).
+    TaskFailed,
+}
+
+/// The parts every mode shares, opened and ready to start.
+pub struct Core {
+    /// Proxies the health engine and API read.
+    pub inventory: Inventory,
+    /// Health as the engine last saw it.
+    pub health: HealthSnapshot,
+    /// The lease ledger.
+    pub ledger: Ledger,
+    /// The ledger's clock.
+    pub clock: Arc<dyn Clock>,
+    /// The metrics registry.
+    pub registry: Registry,
+    /// Probe metrics for the health engine.
+    pub probe_metrics: ProbeMetrics,
+    /// Lease counters for the API.
+    pub lease_metrics: LeaseMetrics,
+}
+
+impl Core {
+    /// Opens (and migrates) the ledger and registers the metrics.
+    pub fn open(common: &CommonArgs, inventory: Inventory) -> Result<Core, StartError> {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let config = LedgerConfig {
+            max_ttl: common.max_lease_ttl,
+            cooldown: common.lease_cooldown,
+            history_retention: common.history_retention,
+            durability: common.ledger_durability.into(),
+        };
+        let ledger = Ledger::open(&common.ledger, config, clock.clone())
+            .map_err(|e| StartError::from_display("--ledger", e))?;
+        let health = HealthSnapshot::new();
+        let registry = Registry::new();
+        let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
+        let probe_metrics = ProbeMetrics::register(&registry).map_err(metric_error)?;
+        let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
+        let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone())
+            .map_err(metric_error)?;
+        registry.register(Box::new(fleet)).map_err(metric_error)?;
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .map_err(metric_error)?;
+        Ok(Core {
+            inventory,
+            health,
+            ledger,
+            clock,
+            registry,
+            probe_metrics,
+            lease_metrics,
+        })
+    }
+}
+
+fn bind(addr: SocketAddr, flag: &str) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr).map_err(|e| StartError(format!("{flag} {addr}: cannot listen: {e}")))
+}
+
+/// Tasks of a running process, each named for the log line that reports its death.
+pub struct Supervisor {
+    tasks: JoinSet<(&'static str, Result<(), String>)>,
+    servers: Vec<ServerHandle>,
+    shutdown: CancellationToken,
+}
+
+impl Default for Supervisor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Supervisor {
+    /// No tasks yet.
+    pub fn new() -> Self {
+        Supervisor {
+            tasks: JoinSet::new(),
+            servers: Vec::new(),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    /// Cancelled when the process stops; long-running tasks return when it fires.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Runs `task` until it returns; returning before shutdown stops the process.
+    pub fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = Result<(), String>> + Send + 'static,
+    ) {
+        self.tasks.spawn(async move { (name, task.await) });
+    }
+
+    /// Runs an HTTP server; it is stopped gracefully (draining requests) at shutdown.
+    pub fn spawn_server(&mut self, name: &'static str, server: Server) {
+        self.servers.push(server.handle());
+        self.spawn(name, async move {
+            server.await.map_err(|e| e.to_string())
+        });
+    }
+
+    /// Waits for SIGTERM/SIGINT or the first task to end, then stops everything.
+    pub async fn run(mut self) -> Result<Exit, StartError> {
+        let mut terminate = signal(SignalKind::terminate())
+            .map_err(|e| StartError::from_display("installing the SIGTERM handler", e))?;
+        let mut interrupt = signal(SignalKind::interrupt())
+            .map_err(|e| StartError::from_display("installing the SIGINT handler", e))?;
+        let exit = tokio::select! {
+            _ = terminate.recv() => { log::info!("SIGTERM: stopping"); Exit::Clean }
+            _ = interrupt.recv() => { log::info!("SIGINT: stopping"); Exit::Clean }
+            Some(joined) = self.tasks.join_next() => {
+                match joined {
+                    Ok((name, Ok(()))) => log::error!("{name} stopped unexpectedly; stopping the process"),
+                    Ok((name, Err(e))) => log::error!("{name} failed: {e}; stopping the process"),
+                    Err(e) => log::error!("a task panicked: {e}; stopping the process"),
+                }
+                Exit::TaskFailed
+            }
+        };
+        self.shutdown.cancel();
+        for server in &self.servers {
+            server.stop(true).await;
+        }
+        let drained = tokio::time::timeout(STOP_GRACE, async {
+            let mut clean = true;
+            while let Some(joined) = self.tasks.join_next().await {
+                match joined {
+                    Ok((_, Ok(()))) => {}
+                    Ok((name, Err(e))) => {
+                        log::error!("{name} failed while stopping: {e}");
+                        clean = false;
+                    }
+                    Err(e) => {
+                        log::error!("a task panicked while stopping: {e}");
+                        clean = false;
+                    }
+                }
+            }
+            clean
+        })
+        .await;
+        match (exit, drained) {
+            (Exit::Clean, Ok(true)) => {
+                log::info!("stopped cleanly");
+                Ok(Exit::Clean)
+            }
+            (Exit::Clean, Ok(false)) => Ok(Exit::TaskFailed),
+            (_, Err(_)) => {
+                log::error!("tasks did not stop within {STOP_GRACE:?}");
+                Ok(Exit::TaskFailed)
+            }
+            (exit, Ok(_)) => Ok(exit),
+        }
+    }
+}
+
+/// Starts the parts both modes share: the health engine, the ledger sweep, the API and the
+/// metrics server. Health transitions go to `transitions`.
+pub fn start_core(
+    supervisor: &mut Supervisor,
+    core: &Core,
+    common: &CommonArgs,
+    transitions: mpsc::Sender<HealthTransition>,
+) -> Result<(), StartError> {
+    let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
+    let metrics_listener = bind(common.metrics_addr, "--metrics-addr")?;
+    let engine = HealthEngine::new(
+        EngineConfig {
+            workers: usize::from(common.health_workers),
+            ..EngineConfig::default()
+        },
+        core.inventory.clone(),
+        core.health.clone(),
+        core.probe_metrics.clone(),
+        transitions,
+    );
+    let shutdown = supervisor.shutdown_token();
+    supervisor.spawn("health engine", async move {
+        engine.run(shutdown).await;
+        Ok(())
+    });
+    supervisor.spawn(
+        "ledger sweep",
+        sweep_ledger(core.ledger.clone(), supervisor.shutdown_token()),
+    );
+    let token = ApiToken::new(&std::env::var("DISCOVERY_TOKEN").unwrap_or_default());
+    let state = ApiState {
+        inventory: core.inventory.clone(),
+        health: core.health.clone(),
+        ledger: core.ledger.clone(),
+        clock: core.clock.clone(),
+        metrics: core.lease_metrics.clone(),
+        default_ttl: common.default_lease_ttl,
+    };
+    let api = api::serve(api_listener, state, token)
+        .map_err(|e| StartError::from_display("--discovery-addr", e))?;
+    supervisor.spawn_server("lease API server", api);
+    let metrics = metrics::serve(metrics_listener, core.registry.clone())
+        .map_err(|e| StartError::from_display("--metrics-addr", e))?;
+    supervisor.spawn_server("metrics server", metrics);
+    log::info!(
+        "lease API on {}, metrics on {}, ledger {}",
+        common.discovery_addr,
+        common.metrics_addr,
+        common.ledger.display()
+    );
+    Ok(())
+}
+
+/// Marks expired leases and prunes old rows every [`LEDGER_SWEEP_INTERVAL`]. A failed sweep
+/// is logged and retried; it never stops the process.
+async fn sweep_ledger(ledger: Ledger, shutdown: CancellationToken) -> Result<(), String> {
+    let mut ticker = tokio::time::interval(LEDGER_SWEEP_INTERVAL);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            _ = ticker.tick() => {}
+        }
+        let ledger = ledger.clone();
+        match tokio::task::spawn_blocking(move || ledger.sweep()).await {
+            Ok(Ok(stats)) => log::debug!("ledger sweep: {stats:?}"),
+            Ok(Err(e)) => log::warn!("ledger sweep failed (will retry): {e}"),
+            Err(e) => return Err(format!("ledger sweep panicked: {e}")),
+        }
+    }
+}
+
+/// Logs health transitions (the standalone mode has no reconciler to write them anywhere).
+pub async fn log_transitions(mut transitions: mpsc::Receiver<HealthTransition>) -> Result<(), String> {
+    while let Some(t) = transitions.recv().await {
+        let state = if t.healthy { "healthy" } else { "unhealthy" };
+        log::info!("proxy {} is {state}: {}", t.id, t.message);
+    }
+    Ok(())
+}
