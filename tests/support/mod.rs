@@ -3,7 +3,7 @@
 //!
 //! Used by integration tests with `mod support;` and by benches with
 //! `#[path = "../tests/support/mod.rs"] mod support;`. Not every user needs every helper.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub mod squid;
 pub mod target;

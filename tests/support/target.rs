@@ -13,6 +13,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+/// Name of the target's threads, so a bench can tell their CPU time apart from its own.
+pub const THREAD_NAME: &str = "probe-target";
+
 /// What the target answers, shared with its server tasks.
 #[derive(Debug)]
 struct Behaviour {
@@ -83,6 +86,7 @@ impl Target {
             std::thread::spawn(move || {
                 let runtime = tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
+                    .thread_name(THREAD_NAME)
                     .enable_all()
                     .build()
                     .expect("target runtime");
