@@ -36,15 +36,27 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct CommonArgs {
     /// Address of the discovery and lease API.
-    #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_ADDR", default_value = "0.0.0.0:8090")]
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_DISCOVERY_ADDR",
+        default_value = "0.0.0.0:8090"
+    )]
     pub discovery_addr: SocketAddr,
 
     /// Address of the Prometheus metrics endpoint (`/metrics`).
-    #[arg(long, env = "PROXY_OPERATOR_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_METRICS_ADDR",
+        default_value = "0.0.0.0:8080"
+    )]
     pub metrics_addr: SocketAddr,
 
     /// The lease ledger (an SQLite file; created if missing).
-    #[arg(long, env = "PROXY_OPERATOR_LEDGER", default_value = "./proxy-operator.db")]
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_LEDGER",
+        default_value = "./proxy-operator.db"
+    )]
     pub ledger: PathBuf,
 
     /// What an acknowledged lease survives: `normal` (process crash, kill -9) or `full`
@@ -159,7 +171,8 @@ mod tests {
 
     #[test]
     fn defaults_apply() {
-        let cli = Cli::try_parse_from(["proxy-operator", "standalone", "--inventory", "inv.yaml"]).unwrap();
+        let cli = Cli::try_parse_from(["proxy-operator", "standalone", "--inventory", "inv.yaml"])
+            .unwrap();
         let Command::Standalone(args) = cli.command else {
             panic!("not standalone");
         };
@@ -169,16 +182,40 @@ mod tests {
         assert_eq!(args.common.health_workers, 8);
         assert_eq!(args.common.lease_cooldown, Duration::from_secs(600));
         assert_eq!(args.common.max_lease_ttl, Duration::from_secs(3600));
-        assert_eq!(args.common.history_retention, Duration::from_secs(7 * 86400));
+        assert_eq!(
+            args.common.history_retention,
+            Duration::from_secs(7 * 86400)
+        );
         assert_eq!(args.inventory_poll, Duration::from_secs(2));
     }
 
     #[test]
     fn bad_values_are_refused_with_the_flag_named() {
         for args in [
-            vec!["proxy-operator", "standalone", "--inventory", "i", "--lease-cooldown", "soon"],
-            vec!["proxy-operator", "standalone", "--inventory", "i", "--health-workers", "0"],
-            vec!["proxy-operator", "standalone", "--inventory", "i", "--discovery-addr", "nowhere"],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--lease-cooldown",
+                "soon",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--health-workers",
+                "0",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--discovery-addr",
+                "nowhere",
+            ],
             vec!["proxy-operator", "standalone"],
         ] {
             let err = Cli::try_parse_from(&args).unwrap_err().to_string();
@@ -193,7 +230,11 @@ mod tests {
             .unwrap()
             .render_long_help()
             .to_string();
-        for expected in ["[default: 0.0.0.0:8090]", "PROXY_OPERATOR_LEDGER", "[default: 10m]"] {
+        for expected in [
+            "[default: 0.0.0.0:8090]",
+            "PROXY_OPERATOR_LEDGER",
+            "[default: 10m]",
+        ] {
             assert!(help.contains(expected), "{expected} missing from\n{help}");
         }
     }

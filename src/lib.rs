@@ -2,6 +2,7 @@
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
 pub mod api;
+pub mod cli;
 pub mod crd;
 pub mod gc;
 pub mod health;
@@ -10,6 +11,7 @@ pub mod leader;
 pub mod ledger;
 pub mod metrics;
 pub mod naming;
+pub mod process;
 pub mod provider;
 pub mod proxy;
 pub mod reconcile;

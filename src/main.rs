@@ -1,36 +1,47 @@
-//! The `proxy-operator` binary: parses the command line and wires the parts together.
+//! The `proxy-operator` binary: parses the command line and hands over to the mode asked for.
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-/// Kubernetes operator for a fleet of HTTP egress proxies.
-#[derive(Parser, Debug)]
-#[command(name = "proxy-operator", version, about)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Print the Proxy CustomResourceDefinition as YAML (what `crd/proxy.yaml` holds).
-    Crd,
-}
+use clap::Parser;
+use proxy_operator::cli::{Cli, Command};
+use proxy_operator::process::{self, Exit, StartError};
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::parse();
-    match cli.command {
-        Command::Crd => match proxy_operator::crd::crd_yaml() {
-            Ok(yaml) => {
-                print!("{yaml}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                log::error!("cannot render the CRD: {e}");
-                ExitCode::FAILURE
-            }
-        },
+    let outcome = match cli.command {
+        Command::Crd => {
+            return match proxy_operator::crd::crd_yaml() {
+                Ok(yaml) => {
+                    print!("{yaml}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    log::error!("cannot render the CRD: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Command::Standalone(args) => {
+            runtime().and_then(|rt| rt.block_on(process::standalone::run(args)))
+        }
+        Command::Run(_) => Err(StartError(
+            "`run` needs the provider registry, which this build does not have yet".into(),
+        )),
+    };
+    match outcome {
+        Ok(Exit::Clean) => ExitCode::SUCCESS,
+        Ok(Exit::TaskFailed) => ExitCode::FAILURE,
+        Err(e) => {
+            log::error!("cannot start: {e}");
+            ExitCode::from(2)
+        }
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, StartError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| StartError(format!("cannot start the async runtime: {e}")))
 }

@@ -7,11 +7,13 @@
 
 use std::sync::Mutex;
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::MetricFamily;
 use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
-use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{
+    Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;

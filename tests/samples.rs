@@ -60,6 +60,17 @@ fn external_sample() {
 }
 
 #[test]
+fn standalone_sample_loads_as_an_inventory() {
+    let file =
+        proxy_operator::inventory::file::InventoryFile::new(samples_dir().join("standalone.yaml"))
+            .unwrap();
+    let proxies = file.load().unwrap();
+    assert_eq!(proxies.len(), 3);
+    assert!(proxies.iter().all(|p| p.spec.mode == Mode::External));
+    assert_eq!(proxies[2].key(), "partners/partner-eu-1");
+}
+
+#[test]
 fn managed_samples_name_providers_in_the_providers_config() {
     let config = ProvidersConfig::load(&samples_dir().join("providers-config.yaml")).unwrap();
     for file in ["proxy_kubernetes.yaml", "proxy_gcp.yaml"] {
@@ -80,6 +91,7 @@ fn every_yaml_sample_is_covered() {
         "proxy_gcp.yaml",
         "proxy_external.yaml",
         "providers-config.yaml",
+        "standalone.yaml",
     ];
     for entry in std::fs::read_dir(samples_dir()).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();

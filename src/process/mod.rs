@@ -147,9 +147,7 @@ impl Supervisor {
     /// Runs an HTTP server; it is stopped gracefully (draining requests) at shutdown.
     pub fn spawn_server(&mut self, name: &'static str, server: Server) {
         self.servers.push(server.handle());
-        self.spawn(name, async move {
-            server.await.map_err(|e| e.to_string())
-        });
+        self.spawn(name, async move { server.await.map_err(|e| e.to_string()) });
     }
 
     /// Waits for SIGTERM/SIGINT or the first task to end, then stops everything.
@@ -279,7 +277,9 @@ async fn sweep_ledger(ledger: Ledger, shutdown: CancellationToken) -> Result<(),
 }
 
 /// Logs health transitions (the standalone mode has no reconciler to write them anywhere).
-pub async fn log_transitions(mut transitions: mpsc::Receiver<HealthTransition>) -> Result<(), String> {
+pub async fn log_transitions(
+    mut transitions: mpsc::Receiver<HealthTransition>,
+) -> Result<(), String> {
     while let Some(t) = transitions.recv().await {
         let state = if t.healthy { "healthy" } else { "unhealthy" };
         log::info!("proxy {} is {state}: {}", t.id, t.message);

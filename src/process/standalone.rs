@@ -13,7 +13,9 @@ use crate::inventory::file::{self, InventoryFile};
 pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     let inventory_file = InventoryFile::new(&args.inventory)
         .map_err(|e| StartError::from_display("inventory schema", e))?;
-    let proxies = inventory_file.load().map_err(|e| StartError(e.to_string()))?;
+    let proxies = inventory_file
+        .load()
+        .map_err(|e| StartError(e.to_string()))?;
     log::info!(
         "inventory {}: {} proxies",
         args.inventory.display(),

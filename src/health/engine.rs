@@ -1,0 +1,333 @@
+//! The health engine: a long-lived task that probes every proxy of the inventory on its own
+//! interval, applies the thresholds, publishes the [`HealthSnapshot`] and pushes health
+//! *transitions* to the reconciler (the only status writer).
+//!
+//! One scheduler loop owns all state: on every tick it syncs with the inventory (new proxies get
+//! a first probe time jittered over one interval, vanished ones are pruned together with their
+//! snapshot entry and metric series) and queues the proxies that are due. At most
+//! `workers` probes run at once, and a proxy that is queued or in flight is never queued again.
+//! Transitions are sent with `try_send`: a full channel never stalls probing, and the transition
+//! stays pending (not marked as reported) so the next probe of that proxy retries it.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::task::{AbortHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use super::metrics::ProbeMetrics;
+use super::probe::{ProbeClient, ProbeResult, ProbeSettings, ProbeTls};
+use super::snapshot::{HealthSnapshot, ProxyHealth};
+use super::thresholds::{HealthState, Thresholds};
+use crate::inventory::{Inventory, InventorySnapshot};
+use crate::proxy::{Proxy, ProxyId};
+
+/// Default number of concurrent probes (`--health-workers`).
+pub const DEFAULT_WORKERS: usize = 8;
+/// Default scheduler tick.
+pub const DEFAULT_TICK: Duration = Duration::from_secs(1);
+
+/// How the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Maximum number of probes in flight at once (at least 1).
+    pub workers: usize,
+    /// How often the scheduler looks for due proxies and syncs with the inventory.
+    pub tick: Duration,
+    /// Extra trusted root certificates (DER) for `https://` probe URLs, on top of the system
+    /// roots.
+    pub extra_root_certs: Vec<Vec<u8>>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            workers: DEFAULT_WORKERS,
+            tick: DEFAULT_TICK,
+            extra_root_certs: Vec::new(),
+        }
+    }
+}
+
+/// A health change worth a status write, pushed to the reconciler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthTransition {
+    /// The proxy.
+    pub id: ProxyId,
+    /// Thresholded health.
+    pub healthy: bool,
+    /// Latency of the probe that caused the transition.
+    pub latency: Duration,
+    /// When that probe finished.
+    pub at: jiff::Timestamp,
+    /// Human-readable outcome of that probe (the failure, or the status and latency).
+    pub message: String,
+}
+
+/// The engine task; build it with [`HealthEngine::new`] and drive it with [`HealthEngine::run`].
+#[derive(Debug)]
+pub struct HealthEngine {
+    workers: usize,
+    tick: Duration,
+    inventory: Inventory,
+    scheduler: Scheduler,
+}
+
+impl HealthEngine {
+    /// Prepares the engine. The TLS roots are loaded here, once for all probes.
+    pub fn new(
+        config: EngineConfig,
+        inventory: Inventory,
+        snapshot: HealthSnapshot,
+        metrics: ProbeMetrics,
+        transitions: mpsc::Sender<HealthTransition>,
+    ) -> Self {
+        HealthEngine {
+            workers: config.workers.max(1),
+            tick: config.tick,
+            inventory,
+            scheduler: Scheduler {
+                tls: ProbeTls::new(&config.extra_root_certs),
+                tracked: HashMap::new(),
+                ready: VecDeque::new(),
+                snapshot,
+                metrics,
+                transitions,
+            },
+        }
+    }
+
+    /// Probes until `shutdown` is cancelled; probes still in flight are then abandoned.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let HealthEngine {
+            workers,
+            tick,
+            inventory,
+            mut scheduler,
+        } = self;
+        let mut ticker = tokio::time::interval(tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut probes: JoinSet<(ProxyId, ProbeResult)> = JoinSet::new();
+        log::info!("health engine started with {workers} workers");
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break,
+                Some(joined) = probes.join_next(), if !probes.is_empty() => match joined {
+                    Ok((id, result)) => scheduler.record(&id, &result, Instant::now()),
+                    Err(e) if e.is_cancelled() => {}
+                    Err(e) => log::error!("a health probe task failed: {e}"),
+                },
+                _ = ticker.tick() => {
+                    let now = Instant::now();
+                    scheduler.sync(&inventory.snapshot(), now);
+                    scheduler.queue_due(now);
+                }
+            }
+            scheduler.dispatch(&mut probes, workers, Instant::now());
+        }
+        probes.abort_all();
+        log::info!("health engine stopped");
+    }
+}
+
+/// One proxy the engine probes.
+#[derive(Debug)]
+struct Tracked {
+    client: ProbeClient,
+    thresholds: Thresholds,
+    interval: Duration,
+    state: HealthState,
+    next_due: Instant,
+    queued: bool,
+    in_flight: Option<AbortHandle>,
+}
+
+impl Tracked {
+    /// Picks up spec changes; the client is rebuilt only when its settings changed.
+    fn refresh(&mut self, proxy: &Proxy, settings: ProbeSettings, tls: &ProbeTls) {
+        let check = proxy.spec.health_check();
+        self.thresholds = Thresholds::of(check);
+        self.interval = check.interval();
+        if self.client.settings() != &settings {
+            self.client = ProbeClient::new(settings, tls);
+        }
+    }
+}
+
+/// The engine's state, owned by the scheduler loop.
+#[derive(Debug)]
+struct Scheduler {
+    tls: ProbeTls,
+    tracked: HashMap<ProxyId, Tracked>,
+    ready: VecDeque<ProxyId>,
+    snapshot: HealthSnapshot,
+    metrics: ProbeMetrics,
+    transitions: mpsc::Sender<HealthTransition>,
+}
+
+impl Scheduler {
+    /// Starts tracking new proxies, refreshes changed ones and prunes vanished ones.
+    fn sync(&mut self, inventory: &InventorySnapshot, now: Instant) {
+        let mut live = HashSet::with_capacity(inventory.len());
+        for proxy in inventory.proxies() {
+            let Some(settings) = ProbeSettings::for_proxy(proxy) else {
+                continue;
+            };
+            let id = proxy.id();
+            live.insert(id.clone());
+            match self.tracked.get_mut(&id) {
+                Some(tracked) => tracked.refresh(proxy, settings, &self.tls),
+                None => self.track(id, proxy, settings, now),
+            }
+        }
+        self.prune(&live);
+    }
+
+    fn track(&mut self, id: ProxyId, proxy: &Proxy, settings: ProbeSettings, now: Instant) {
+        let check = proxy.spec.health_check();
+        let interval = check.interval();
+        let seed = proxy.status.as_ref().and_then(|s| s.healthy());
+        let jitter = if interval.is_zero() {
+            Duration::ZERO
+        } else {
+            rand::rng().random_range(Duration::ZERO..interval)
+        };
+        self.snapshot.set(
+            id.clone(),
+            ProxyHealth {
+                healthy: seed,
+                ..ProxyHealth::default()
+            },
+        );
+        self.tracked.insert(
+            id,
+            Tracked {
+                client: ProbeClient::new(settings, &self.tls),
+                thresholds: Thresholds::of(check),
+                interval,
+                state: HealthState::seeded(seed),
+                next_due: now + jitter,
+                queued: false,
+                in_flight: None,
+            },
+        );
+    }
+
+    fn prune(&mut self, live: &HashSet<ProxyId>) {
+        let gone: Vec<ProxyId> = self
+            .tracked
+            .keys()
+            .filter(|id| !live.contains(*id))
+            .cloned()
+            .collect();
+        for id in &gone {
+            if let Some(Tracked {
+                in_flight: Some(probe),
+                ..
+            }) = self.tracked.remove(id)
+            {
+                probe.abort();
+            }
+            // A re-created Proxy (same name, new UID) keeps using the name's series.
+            let name_still_used = live
+                .iter()
+                .any(|other| other.namespace == id.namespace && other.name == id.name);
+            if !name_still_used {
+                self.metrics.remove(&id.namespace, &id.name);
+            }
+        }
+        if !gone.is_empty() {
+            self.ready.retain(|id| live.contains(id));
+            self.snapshot.retain(|id| live.contains(id));
+        }
+    }
+
+    /// Queues every proxy that is due and neither queued nor in flight.
+    fn queue_due(&mut self, now: Instant) {
+        for (id, tracked) in &mut self.tracked {
+            if tracked.next_due <= now && !tracked.queued && tracked.in_flight.is_none() {
+                tracked.queued = true;
+                self.ready.push_back(id.clone());
+            }
+        }
+    }
+
+    /// Starts queued probes while fewer than `workers` are in flight.
+    fn dispatch(
+        &mut self,
+        probes: &mut JoinSet<(ProxyId, ProbeResult)>,
+        workers: usize,
+        now: Instant,
+    ) {
+        while probes.len() < workers {
+            let Some(id) = self.ready.pop_front() else {
+                return;
+            };
+            let Some(tracked) = self.tracked.get_mut(&id) else {
+                continue;
+            };
+            tracked.queued = false;
+            tracked.next_due += tracked.interval;
+            if tracked.next_due <= now {
+                // Fell behind (saturated pool): skip the missed slots instead of bursting.
+                tracked.next_due = now + tracked.interval;
+            }
+            let client = tracked.client.clone();
+            let handle = probes.spawn(async move { (id, client.probe().await) });
+            tracked.in_flight = Some(handle);
+        }
+    }
+
+    /// Applies one probe result: metrics, thresholds, snapshot, and a transition if one is due.
+    fn record(&mut self, id: &ProxyId, result: &ProbeResult, now: Instant) {
+        let Some(tracked) = self.tracked.get_mut(id) else {
+            return;
+        };
+        tracked.in_flight = None;
+        let at = jiff::Timestamp::now();
+        self.metrics.observe(id, result);
+        let report =
+            tracked
+                .state
+                .observe(result.is_success(), result.latency, now, tracked.thresholds);
+        self.snapshot.set(
+            id.clone(),
+            ProxyHealth {
+                healthy: tracked.state.healthy(),
+                latency: Some(result.latency),
+                last_probe: Some(at),
+                last_error: result.outcome.as_ref().err().map(ToString::to_string),
+            },
+        );
+        let Some(report) = report else {
+            return;
+        };
+        let message = match &result.outcome {
+            Ok(status) => format!(
+                "probe answered {status} in {} ms",
+                result.latency.as_millis()
+            ),
+            Err(e) => e.to_string(),
+        };
+        let transition = HealthTransition {
+            id: id.clone(),
+            healthy: report.healthy,
+            latency: result.latency,
+            at,
+            message,
+        };
+        match self.transitions.try_send(transition) {
+            Ok(()) => tracked.state.mark_reported(result.latency, now),
+            Err(TrySendError::Full(t)) => {
+                log::debug!("transition channel full, {} stays pending", t.id);
+            }
+            Err(TrySendError::Closed(t)) => {
+                log::debug!("no transition receiver, {} stays pending", t.id);
+            }
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! One probe: an HTTP(S) request to the probe URL *through* the proxy, on a fresh connection.
+//!
+//! A [`ProbeClient`] is built once per proxy and cached until the proxy's probe settings change:
+//! building a reqwest client is far more expensive than a probe. Connection pooling is off
+//! (`pool_max_idle_per_host(0)`), so every probe still opens a new TCP connection and, for
+//! `https://` probe URLs, a new CONNECT tunnel — a cached tunnel would hide a broken proxy.
+//! All clients share one TLS configuration ([`ProbeTls`]) whose root store is loaded once.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustls::pki_types::CertificateDer;
+
+use crate::proxy::Proxy;
+
+/// Why a probe failed. The names are the `result` label of the probe counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProbeErrorKind {
+    /// The proxy itself refused the TCP connection (it is down or not listening).
+    ConnectRefused,
+    /// The proxy accepted the connection but refused the CONNECT tunnel (ACL denial, or it could
+    /// not reach the target).
+    ConnectTunnelRefused,
+    /// Connecting, the TLS handshake or the response took longer than the probe timeout.
+    Timeout,
+    /// The TLS handshake with the probe target failed (certificate, protocol).
+    Tls,
+    /// A response arrived, but its status is not one of the expected status codes.
+    UnexpectedStatus,
+    /// The probe settings are unusable (bad proxy address or probe URL, TLS setup failure).
+    InvalidConfig,
+    /// Any other transport failure (connection reset, protocol error, ...).
+    Other,
+}
+
+impl ProbeErrorKind {
+    /// Every kind, for removing all per-proxy metric series.
+    pub const ALL: [ProbeErrorKind; 7] = [
+        ProbeErrorKind::ConnectRefused,
+        ProbeErrorKind::ConnectTunnelRefused,
+        ProbeErrorKind::Timeout,
+        ProbeErrorKind::Tls,
+        ProbeErrorKind::UnexpectedStatus,
+        ProbeErrorKind::InvalidConfig,
+        ProbeErrorKind::Other,
+    ];
+
+    /// Stable snake_case name, used as a metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeErrorKind::ConnectRefused => "connect_refused",
+            ProbeErrorKind::ConnectTunnelRefused => "connect_tunnel_refused",
+            ProbeErrorKind::Timeout => "timeout",
+            ProbeErrorKind::Tls => "tls",
+            ProbeErrorKind::UnexpectedStatus => "unexpected_status",
+            ProbeErrorKind::InvalidConfig => "invalid_config",
+            ProbeErrorKind::Other => "other",
+        }
+    }
+}
+
+impl fmt::Display for ProbeErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A failed probe: its kind, the status if a response arrived, and a human-readable message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct ProbeError {
+    /// Classification of the failure.
+    pub kind: ProbeErrorKind,
+    /// HTTP status of the response, when one arrived.
+    pub status: Option<u16>,
+    /// What went wrong, including the underlying error chain.
+    pub message: String,
+}
+
+impl ProbeError {
+    fn new(kind: ProbeErrorKind, message: impl Into<String>) -> Self {
+        ProbeError {
+            kind,
+            status: None,
+            message: message.into(),
+        }
+    }
+}
+
+/// The outcome of one probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeResult {
+    /// The response status on success, or why the probe failed.
+    pub outcome: Result<u16, ProbeError>,
+    /// Wall time of the request, from sending to the response head (or the failure).
+    pub latency: Duration,
+}
+
+impl ProbeResult {
+    /// Whether the probe succeeded (no transport error and an expected status).
+    pub fn is_success(&self) -> bool {
+        self.outcome.is_ok()
+    }
+
+    /// The `result` label of the probe counter: `ok` or the error kind.
+    pub fn label(&self) -> &'static str {
+        match &self.outcome {
+            Ok(_) => "ok",
+            Err(e) => e.kind.as_str(),
+        }
+    }
+}
+
+/// What a probe of one proxy needs; a change to any field rebuilds the proxy's client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeSettings {
+    /// `http://host:port` of the proxy.
+    pub proxy_url: String,
+    /// URL requested through the proxy.
+    pub probe_url: String,
+    /// Connect, TLS and total response timeout.
+    pub timeout: Duration,
+    /// Statuses that count as success.
+    pub expected_status_codes: Vec<u16>,
+}
+
+impl ProbeSettings {
+    /// Settings for a proxy, or `None` when it has no address yet (a Managed proxy without an
+    /// IP is not probed).
+    pub fn for_proxy(proxy: &Proxy) -> Option<ProbeSettings> {
+        let host = proxy.spec.effective_host(proxy.status.as_ref())?;
+        if host.is_empty() {
+            return None;
+        }
+        let port = proxy.spec.effective_port();
+        let host = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        let check = proxy.spec.health_check();
+        Some(ProbeSettings {
+            proxy_url: format!("http://{host}:{port}"),
+            probe_url: check.probe_url.clone(),
+            timeout: check.timeout(),
+            expected_status_codes: check
+                .expected_status_codes
+                .iter()
+                .filter_map(|&c| u16::try_from(c).ok())
+                .collect(),
+        })
+    }
+}
+
+/// The TLS client configuration shared by every probe client: the system roots plus any extra
+/// roots, parsed once.
+#[derive(Clone)]
+pub struct ProbeTls {
+    config: Result<Arc<rustls::ClientConfig>, String>,
+}
+
+impl fmt::Debug for ProbeTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProbeTls")
+            .field("ready", &self.config.is_ok())
+            .finish()
+    }
+}
+
+impl ProbeTls {
+    /// Loads the system roots once and adds `extra_roots` (DER certificates, e.g. a private CA
+    /// in front of the probe target).
+    ///
+    /// A failure (an unparsable extra root, no roots at all) does not stop the engine: it is
+    /// logged, and every probe fails with [`ProbeErrorKind::InvalidConfig`] and this message,
+    /// so the cause shows up in each proxy's status.
+    pub fn new(extra_roots: &[Vec<u8>]) -> ProbeTls {
+        let config = Self::build(extra_roots).map_err(|e| {
+            let message = format!("probe TLS setup failed: {e}");
+            log::error!("{message}");
+            message
+        });
+        ProbeTls { config }
+    }
+
+    fn build(extra_roots: &[Vec<u8>]) -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let roots = extra_roots
+            .iter()
+            .map(|der| CertificateDer::from(der.clone()));
+        let verifier =
+            rustls_platform_verifier::Verifier::new_with_extra_roots(roots, provider.clone())?;
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+/// A reqwest client bound to one proxy, reused for every probe of that proxy.
+#[derive(Debug, Clone)]
+pub struct ProbeClient {
+    settings: ProbeSettings,
+    client: Result<reqwest::Client, ProbeError>,
+}
+
+impl ProbeClient {
+    /// Builds the client for `settings`. Unusable settings do not fail here: every probe then
+    /// reports an [`ProbeErrorKind::InvalidConfig`] error, so the proxy turns unhealthy with
+    /// the reason in its status.
+    pub fn new(settings: ProbeSettings, tls: &ProbeTls) -> ProbeClient {
+        let client = Self::build(&settings, tls);
+        if let Err(e) = &client {
+            log::warn!("cannot probe through {}: {e}", settings.proxy_url);
+        }
+        ProbeClient { settings, client }
+    }
+
+    fn build(settings: &ProbeSettings, tls: &ProbeTls) -> Result<reqwest::Client, ProbeError> {
+        let invalid = |what: &str, e: &dyn StdError| {
+            ProbeError::new(ProbeErrorKind::InvalidConfig, format!("{what}: {e}"))
+        };
+        let tls = tls
+            .config
+            .as_ref()
+            .map_err(|e| ProbeError::new(ProbeErrorKind::InvalidConfig, e.clone()))?;
+        reqwest::Url::parse(&settings.probe_url)
+            .map_err(|e| invalid(&format!("invalid probe URL {:?}", settings.probe_url), &e))?;
+        let proxy = reqwest::Proxy::all(&settings.proxy_url)
+            .map_err(|e| invalid(&format!("invalid proxy address {}", settings.proxy_url), &e))?;
+        reqwest::Client::builder()
+            .proxy(proxy)
+            .pool_max_idle_per_host(0)
+            .connect_timeout(settings.timeout)
+            .timeout(settings.timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .tls_backend_preconfigured(rustls::ClientConfig::clone(tls))
+            .build()
+            .map_err(|e| invalid("cannot build the probe client", &e))
+    }
+
+    /// The settings this client was built from.
+    pub fn settings(&self) -> &ProbeSettings {
+        &self.settings
+    }
+
+    /// Requests the probe URL through the proxy once and classifies the outcome.
+    pub async fn probe(&self) -> ProbeResult {
+        let started = Instant::now();
+        let outcome = match &self.client {
+            Ok(client) => self.request(client).await,
+            Err(e) => Err(e.clone()),
+        };
+        ProbeResult {
+            outcome,
+            latency: started.elapsed(),
+        }
+    }
+
+    async fn request(&self, client: &reqwest::Client) -> Result<u16, ProbeError> {
+        let response = client
+            .get(&self.settings.probe_url)
+            .send()
+            .await
+            .map_err(|e| classify(&e))?;
+        let status = response.status().as_u16();
+        if self.settings.expected_status_codes.contains(&status) {
+            return Ok(status);
+        }
+        let proxy_error = response
+            .headers()
+            .get("x-squid-error")
+            .and_then(|v| v.to_str().ok())
+            .map(|v| format!(" (proxy error {v})"))
+            .unwrap_or_default();
+        Err(ProbeError {
+            kind: ProbeErrorKind::UnexpectedStatus,
+            status: Some(status),
+            message: format!(
+                "status {status} is not one of {:?}{proxy_error}",
+                self.settings.expected_status_codes
+            ),
+        })
+    }
+}
+
+/// Sorts a reqwest error into a [`ProbeErrorKind`] by walking its `source()` chain (reqwest does
+/// not export its tunnel error type, so the CONNECT refusal is recognised by its text).
+pub fn classify(error: &reqwest::Error) -> ProbeError {
+    let chain = error_chain(error);
+    let message = chain.join(": ");
+    let kind = if error.is_timeout() {
+        ProbeErrorKind::Timeout
+    } else if chain.iter().any(|m| {
+        m == "tunnel error: unsuccessful" || m == "tunnel error: proxy authorization required"
+    }) {
+        ProbeErrorKind::ConnectTunnelRefused
+    } else if refused(error) {
+        ProbeErrorKind::ConnectRefused
+    } else if is_tls(error) {
+        ProbeErrorKind::Tls
+    } else {
+        ProbeErrorKind::Other
+    };
+    ProbeError::new(kind, message)
+}
+
+/// Every error in the chain, outermost first, including errors wrapped inside `io::Error`
+/// (whose `source()` skips the wrapped error itself).
+fn sources<'a>(error: &'a (dyn StdError + 'static)) -> Vec<&'a (dyn StdError + 'static)> {
+    let mut out = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        out.push(e);
+        next = match e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => e.source(),
+        };
+    }
+    out
+}
+
+fn error_chain(error: &reqwest::Error) -> Vec<String> {
+    let mut messages: Vec<String> = Vec::new();
+    for e in sources(error) {
+        let text = e.to_string();
+        if messages.last() != Some(&text) {
+            messages.push(text);
+        }
+    }
+    messages
+}
+
+fn refused(error: &reqwest::Error) -> bool {
+    sources(error).iter().any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
+}
+
+fn is_tls(error: &reqwest::Error) -> bool {
+    sources(error)
+        .iter()
+        .any(|e| e.downcast_ref::<rustls::Error>().is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::ProxySpec;
+
+    fn proxy(spec: serde_json::Value) -> Proxy {
+        let spec: ProxySpec = serde_json::from_value(spec).unwrap();
+        Proxy::new("p", spec)
+    }
+
+    #[test]
+    fn settings_follow_the_spec() {
+        let p = proxy(serde_json::json!({
+            "mode": "External",
+            "endpoint": {"host": "10.1.2.3", "port": 8080},
+            "healthCheck": {"probeURL": "http://example.com/", "timeout": "2s",
+                            "expectedStatusCodes": [204]}
+        }));
+        let s = ProbeSettings::for_proxy(&p).unwrap();
+        assert_eq!(s.proxy_url, "http://10.1.2.3:8080");
+        assert_eq!(s.probe_url, "http://example.com/");
+        assert_eq!(s.timeout, Duration::from_secs(2));
+        assert_eq!(s.expected_status_codes, vec![204]);
+    }
+
+    #[test]
+    fn ipv6_hosts_are_bracketed_and_managed_without_ip_is_not_probed() {
+        let p = proxy(serde_json::json!({
+            "mode": "External", "endpoint": {"host": "::1", "port": 3128}
+        }));
+        assert_eq!(
+            ProbeSettings::for_proxy(&p).unwrap().proxy_url,
+            "http://[::1]:3128"
+        );
+        let managed = proxy(serde_json::json!({"mode": "Managed", "provider": "local"}));
+        assert_eq!(ProbeSettings::for_proxy(&managed), None);
+    }
+
+    #[tokio::test]
+    async fn unusable_settings_fail_every_probe_with_a_clear_message() {
+        let tls = ProbeTls::new(&[]);
+        let cases = [
+            ("http://127.0.0.1:3128", "not a url", "invalid probe URL"),
+            (
+                "http://bad host:3128",
+                "http://example.com/",
+                "invalid proxy address",
+            ),
+        ];
+        for (proxy_url, probe_url, expected) in cases {
+            let client = ProbeClient::new(
+                ProbeSettings {
+                    proxy_url: proxy_url.into(),
+                    probe_url: probe_url.into(),
+                    timeout: Duration::from_secs(1),
+                    expected_status_codes: vec![204],
+                },
+                &tls,
+            );
+            let err = client.probe().await.outcome.unwrap_err();
+            assert_eq!(err.kind, ProbeErrorKind::InvalidConfig);
+            assert!(err.message.contains(expected), "{}", err.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_extra_root_is_reported_on_every_probe() {
+        let tls = ProbeTls::new(&[b"not a certificate".to_vec()]);
+        let client = ProbeClient::new(
+            ProbeSettings {
+                proxy_url: "http://127.0.0.1:3128".into(),
+                probe_url: "https://example.com/".into(),
+                timeout: Duration::from_secs(1),
+                expected_status_codes: vec![204],
+            },
+            &tls,
+        );
+        let err = client.probe().await.outcome.unwrap_err();
+        assert_eq!(err.kind, ProbeErrorKind::InvalidConfig);
+        assert!(err.message.contains("probe TLS setup failed"), "{}", err);
+    }
+
+    #[test]
+    fn labels_are_distinct() {
+        let mut labels: Vec<&str> = ProbeErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        labels.push("ok");
+        let count = labels.len();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), count);
+    }
+}

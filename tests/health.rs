@@ -1,0 +1,609 @@
+//! The probe and the health engine against a real squid and a real loopback target.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use prometheus::Registry;
+use proxy_operator::health::{
+    EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeClient, ProbeErrorKind,
+    ProbeMetrics, ProbeSettings, ProbeTls,
+};
+use proxy_operator::inventory::Inventory;
+use proxy_operator::proxy::{Proxy, ProxyId};
+use support::{DEADLINE, Squid, SquidOptions, Target, wait_until};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+fn settings(squid: &Squid, probe_url: String, timeout: Duration) -> ProbeSettings {
+    ProbeSettings {
+        proxy_url: squid.url(),
+        probe_url,
+        timeout,
+        expected_status_codes: vec![200, 204],
+    }
+}
+
+/// A probe client through `squid` that trusts the target's CA.
+fn client(squid: &Squid, target: &Target, probe_url: String) -> ProbeClient {
+    let tls = ProbeTls::new(&[target.ca_cert_der()]);
+    ProbeClient::new(settings(squid, probe_url, Duration::from_secs(10)), &tls)
+}
+
+fn error_kind(result: &proxy_operator::health::ProbeResult) -> ProbeErrorKind {
+    result
+        .outcome
+        .as_ref()
+        .expect_err("the probe must fail")
+        .kind
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_probe_tunnels_through_squid_on_a_fresh_connection_every_time() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let client = client(&squid, &target, target.https_url());
+    for _ in 0..3 {
+        let result = client.probe().await;
+        assert_eq!(result.outcome, Ok(204));
+        assert!(result.latency > Duration::ZERO);
+    }
+    assert_eq!(target.connections(), 3, "one connection per probe");
+    wait_until("three CONNECT tunnels in squid's access log", || {
+        squid.access_log().matches(" CONNECT ").count() == 3
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_probe_is_forwarded_and_any_expected_status_succeeds() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_status(200);
+    let client = client(&squid, &target, target.http_url());
+    assert_eq!(client.probe().await.outcome, Ok(200));
+    wait_until("the forwarded GET in squid's access log", || {
+        squid
+            .access_log()
+            .contains(&format!(" GET {}", target.http_url()))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unexpected_status_fails_with_the_status() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_status(500);
+    for url in [target.http_url(), target.https_url()] {
+        let err = client(&squid, &target, url.clone())
+            .probe()
+            .await
+            .outcome
+            .unwrap_err();
+        assert_eq!(err.kind, ProbeErrorKind::UnexpectedStatus, "{url}: {err}");
+        assert_eq!(err.status, Some(500), "{url}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_proxy_is_connect_refused() {
+    let mut squid = Squid::start();
+    let target = Target::start();
+    squid.kill();
+    for url in [target.http_url(), target.https_url()] {
+        let result = client(&squid, &target, url.clone()).probe().await;
+        assert_eq!(error_kind(&result), ProbeErrorKind::ConnectRefused, "{url}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connect_is_an_error_not_a_response() {
+    let squid = Squid::start_with(SquidOptions { deny_connect: true });
+    let target = Target::start();
+    let result = client(&squid, &target, target.https_url()).probe().await;
+    let err = result.outcome.unwrap_err();
+    assert_eq!(err.kind, ProbeErrorKind::ConnectTunnelRefused, "{err}");
+    assert_eq!(err.status, None);
+    // The same proxy still forwards plain HTTP: only CONNECT is denied.
+    let plain = client(&squid, &target, target.http_url()).probe().await;
+    assert_eq!(plain.outcome, Ok(204));
+    assert_eq!(
+        target.connections(),
+        1,
+        "the tunnel never reached the target"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_cannot_reach_the_target_fails_both_ways() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let https = client(&squid, &target, format!("https://127.0.0.1:{closed}/"))
+        .probe()
+        .await;
+    assert_eq!(error_kind(&https), ProbeErrorKind::ConnectTunnelRefused);
+    // For http:// URLs the proxy's failure arrives as its own response.
+    let http = client(&squid, &target, format!("http://127.0.0.1:{closed}/"))
+        .probe()
+        .await;
+    let err = http.outcome.unwrap_err();
+    assert_eq!(err.kind, ProbeErrorKind::UnexpectedStatus);
+    assert_eq!(err.status, Some(503));
+    assert!(err.message.contains("proxy error"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_target_times_out_at_the_probe_timeout() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_delay(Duration::from_secs(10));
+    let tls = ProbeTls::new(&[target.ca_cert_der()]);
+    let timeout = Duration::from_millis(400);
+    let client = ProbeClient::new(settings(&squid, target.https_url(), timeout), &tls);
+    let result = client.probe().await;
+    assert_eq!(error_kind(&result), ProbeErrorKind::Timeout);
+    assert!(result.latency >= timeout, "{:?}", result.latency);
+    assert!(
+        result.latency < Duration::from_secs(5),
+        "{:?}",
+        result.latency
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_certificate_is_a_tls_error() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let client = ProbeClient::new(
+        settings(&squid, target.https_url(), Duration::from_secs(10)),
+        &ProbeTls::new(&[]),
+    );
+    let result = client.probe().await;
+    assert_eq!(error_kind(&result), ProbeErrorKind::Tls, "{result:?}");
+}
+
+// ---- the engine ----
+
+/// An External proxy through `squid_port` probing `probe_url`, with `health_check` overrides.
+fn proxy(
+    name: &str,
+    uid: &str,
+    squid_port: u16,
+    probe_url: &str,
+    health_check: serde_json::Value,
+) -> Proxy {
+    let mut check =
+        serde_json::json!({"probeURL": probe_url, "interval": "100ms", "timeout": "5s"});
+    if let (Some(check), Some(overrides)) = (check.as_object_mut(), health_check.as_object()) {
+        check.extend(overrides.clone());
+    }
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": name, "namespace": "crawl", "uid": uid},
+        "spec": {
+            "mode": "External",
+            "endpoint": {"host": "127.0.0.1", "port": squid_port},
+            "healthCheck": check,
+        },
+    }))
+    .unwrap()
+}
+
+struct Running {
+    inventory: Inventory,
+    snapshot: HealthSnapshot,
+    registry: Registry,
+    transitions: mpsc::Receiver<HealthTransition>,
+    sender: mpsc::Sender<HealthTransition>,
+    shutdown: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    fn start(target: &Target, proxies: Vec<Proxy>, channel: usize) -> Running {
+        let inventory = Inventory::new();
+        inventory.replace(proxies);
+        let snapshot = HealthSnapshot::new();
+        let registry = Registry::new();
+        let metrics = ProbeMetrics::register(&registry).unwrap();
+        let (sender, transitions) = mpsc::channel(channel);
+        let config = EngineConfig {
+            workers: 4,
+            tick: Duration::from_millis(20),
+            extra_root_certs: vec![target.ca_cert_der()],
+        };
+        let engine = HealthEngine::new(
+            config,
+            inventory.clone(),
+            snapshot.clone(),
+            metrics,
+            sender.clone(),
+        );
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(engine.run(shutdown.clone()));
+        Running {
+            inventory,
+            snapshot,
+            registry,
+            transitions,
+            sender,
+            shutdown,
+            task,
+        }
+    }
+
+    async fn next_transition(&mut self) -> HealthTransition {
+        tokio::time::timeout(DEADLINE, self.transitions.recv())
+            .await
+            .expect("a transition within the deadline")
+            .expect("the engine keeps the channel open")
+    }
+
+    /// `proxy_operator_probes_total{name, result}` (0 when the series does not exist).
+    fn probes(&self, name: &str, result: &str) -> u64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|family| family.name() == "proxy_operator_probes_total")
+            .flat_map(|family| family.get_metric())
+            .filter(|metric| {
+                let label = |key: &str| {
+                    metric
+                        .get_label()
+                        .iter()
+                        .find(|l| l.name() == key)
+                        .map(|l| l.value().to_owned())
+                };
+                label("name").as_deref() == Some(name) && label("result").as_deref() == Some(result)
+            })
+            .map(|metric| metric.get_counter().value() as u64)
+            .sum()
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the engine stops on shutdown")
+            .unwrap();
+    }
+}
+
+fn id(name: &str, uid: &str) -> ProxyId {
+    ProxyId {
+        namespace: "crawl".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_proxy_turns_healthy_after_the_success_threshold() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "interval": "200ms", "successThreshold": 3
+        }),
+    );
+    let mut engine = Running::start(&target, vec![p], 16);
+    let transition = engine.next_transition().await;
+    assert_eq!(transition.id, id("a", "uid-a"));
+    assert!(transition.healthy, "{transition:?}");
+    assert!(transition.message.contains("204"), "{}", transition.message);
+    assert!(
+        engine.probes("a", "ok") >= 3,
+        "three successes before the flip"
+    );
+    let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
+    assert_eq!(health.healthy, Some(true));
+    assert!(health.latency.is_some() && health.last_probe.is_some());
+    assert_eq!(health.last_error, None);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_squid_turns_unhealthy_and_recovers_after_restart() {
+    let mut squid = Squid::start();
+    let target = Target::start();
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "failureThreshold": 2
+        }),
+    );
+    let mut engine = Running::start(&target, vec![p], 16);
+    assert!(engine.next_transition().await.healthy);
+
+    squid.kill();
+    let down = engine.next_transition().await;
+    assert!(!down.healthy, "{down:?}");
+    assert!(
+        down.message.starts_with("connect_refused"),
+        "{}",
+        down.message
+    );
+    assert!(
+        engine.probes("a", "connect_refused") >= 2,
+        "two failures before the flip"
+    );
+    let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
+    assert_eq!(health.healthy, Some(false));
+    assert!(health.last_error.unwrap().starts_with("connect_refused"));
+
+    squid.restart();
+    let up = engine.next_transition().await;
+    assert!(up.healthy, "{up:?}");
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_denying_connect_is_unhealthy_with_the_connect_refused_kind() {
+    let squid = Squid::start_with(SquidOptions { deny_connect: true });
+    let target = Target::start();
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "failureThreshold": 1
+        }),
+    );
+    let mut engine = Running::start(&target, vec![p], 16);
+    let transition = engine.next_transition().await;
+    assert!(!transition.healthy);
+    assert!(
+        transition.message.starts_with("connect_tunnel_refused"),
+        "{}",
+        transition.message
+    );
+    assert!(engine.probes("a", "connect_tunnel_refused") >= 1);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_answering_500_makes_the_proxy_unhealthy() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_status(500);
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "failureThreshold": 2
+        }),
+    );
+    let mut engine = Running::start(&target, vec![p], 16);
+    let transition = engine.next_transition().await;
+    assert!(!transition.healthy);
+    assert!(
+        transition.message.starts_with("unexpected_status"),
+        "{}",
+        transition.message
+    );
+    assert!(transition.message.contains("500"), "{}", transition.message);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_timeout_is_unhealthy_within_timeout_plus_scheduling_slack() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_delay(Duration::from_secs(20));
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "interval": "200ms", "timeout": "500ms", "failureThreshold": 1
+        }),
+    );
+    let started = Instant::now();
+    let mut engine = Running::start(&target, vec![p], 16);
+    let transition = engine.next_transition().await;
+    let elapsed = started.elapsed();
+    assert!(!transition.healthy);
+    assert!(
+        transition.message.starts_with("timeout"),
+        "{}",
+        transition.message
+    );
+    assert!(transition.latency >= Duration::from_millis(500));
+    // First probe within one interval (jitter), then the 500 ms timeout, plus slack for a
+    // loaded machine.
+    assert!(
+        elapsed < Duration::from_millis(200 + 500) + Duration::from_secs(3),
+        "{elapsed:?}"
+    );
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_name_different_uid_keeps_separate_counters_and_vanished_state_is_pruned() {
+    let live = Squid::start();
+    let mut dead = Squid::start();
+    dead.kill();
+    let target = Target::start();
+    let thresholds = serde_json::json!({"failureThreshold": 1, "successThreshold": 1});
+    let old = proxy(
+        "p",
+        "uid-old",
+        dead.port(),
+        &target.https_url(),
+        thresholds.clone(),
+    );
+    let new = proxy("p", "uid-new", live.port(), &target.https_url(), thresholds);
+    let mut engine = Running::start(&target, vec![old, new.clone()], 64);
+
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let t = engine.next_transition().await;
+        seen.retain(|s: &HealthTransition| s.id != t.id);
+        seen.push(t);
+    }
+    seen.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(
+        (seen[0].id.uid.as_str(), seen[0].healthy),
+        ("uid-new", true)
+    );
+    assert_eq!(
+        (seen[1].id.uid.as_str(), seen[1].healthy),
+        ("uid-old", false)
+    );
+    // Shared counters would flip both back and forth on every probe.
+    let probes_before = engine.probes("p", "ok") + engine.probes("p", "connect_refused");
+    wait_until("ten more probes", || {
+        engine.probes("p", "ok") + engine.probes("p", "connect_refused") >= probes_before + 10
+    })
+    .await;
+    assert!(
+        engine.transitions.try_recv().is_err(),
+        "no flapping between the two objects"
+    );
+    assert_eq!(
+        engine.snapshot.get(&id("p", "uid-old")).unwrap().healthy,
+        Some(false)
+    );
+    assert_eq!(
+        engine.snapshot.get(&id("p", "uid-new")).unwrap().healthy,
+        Some(true)
+    );
+
+    // The old object goes away: its state goes, the name's metrics stay for the new one.
+    engine.inventory.replace(vec![new]);
+    wait_until("the old UID pruned from the snapshot", || {
+        engine.snapshot.get(&id("p", "uid-old")).is_none()
+    })
+    .await;
+    assert_eq!(
+        engine.snapshot.get(&id("p", "uid-new")).unwrap().healthy,
+        Some(true)
+    );
+    assert!(engine.probes("p", "ok") > 0);
+
+    // The last one goes too: snapshot and metric series are gone.
+    engine.inventory.replace(Vec::new());
+    wait_until("the snapshot emptied", || engine.snapshot.read().is_empty()).await;
+    wait_until("the series removed", || engine.probes("p", "ok") == 0).await;
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_healthy_condition_seeds_the_state_with_zero_counters() {
+    let mut squid = Squid::start();
+    squid.kill();
+    let target = Target::start();
+    let mut p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "failureThreshold": 3
+        }),
+    );
+    p.status = Some(
+        serde_json::from_value(serde_json::json!({
+            "conditions": [{"type": "Healthy", "status": "True", "reason": "ProbeSucceeded",
+                            "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+        }))
+        .unwrap(),
+    );
+    let mut engine = Running::start(&target, vec![p], 16);
+    wait_until("the proxy in the snapshot", || {
+        engine.snapshot.get(&id("a", "uid-a")).is_some()
+    })
+    .await;
+    assert_eq!(
+        engine.snapshot.get(&id("a", "uid-a")).unwrap().healthy,
+        Some(true)
+    );
+    // The first result reports the seeded state, not a flap.
+    let first = engine.next_transition().await;
+    assert!(first.healthy, "{first:?}");
+    // A full run of failures is still needed to flip.
+    let flip = engine.next_transition().await;
+    assert!(!flip.healthy);
+    assert!(engine.probes("a", "connect_refused") >= 3);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_transition_channel_never_stalls_probing_and_the_transition_stays_pending() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({}),
+    );
+    let mut engine = Running::start(&target, vec![p], 1);
+    let filler = HealthTransition {
+        id: id("filler", "uid-filler"),
+        healthy: false,
+        latency: Duration::ZERO,
+        at: jiff::Timestamp::UNIX_EPOCH,
+        message: "fills the channel".into(),
+    };
+    engine.sender.try_send(filler.clone()).unwrap();
+    wait_until("five probes with the channel full", || {
+        engine.probes("a", "ok") >= 5
+    })
+    .await;
+    assert_eq!(
+        engine.snapshot.get(&id("a", "uid-a")).unwrap().healthy,
+        Some(true)
+    );
+
+    assert_eq!(engine.next_transition().await, filler);
+    let pending = engine.next_transition().await;
+    assert_eq!(pending.id, id("a", "uid-a"));
+    assert!(pending.healthy);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_abandons_probes_in_flight() {
+    let squid = Squid::start();
+    let target = Target::start();
+    target.set_delay(Duration::from_secs(60));
+    let p = proxy(
+        "a",
+        "uid-a",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({
+            "timeout": "60s"
+        }),
+    );
+    let engine = Running::start(&target, vec![p], 16);
+    wait_until("a probe in flight", || target.connections() >= 1).await;
+    let started = Instant::now();
+    engine.stop().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -1,0 +1,29 @@
+//! Real parts for tests and benches: a squid forward proxy on a loopback port, and a loopback
+//! HTTP + HTTPS probe target whose answer (status, delay) is set by the test.
+//!
+//! Used by integration tests with `mod support;` and by benches with
+//! `#[path = "../tests/support/mod.rs"] mod support;`. Not every user needs every helper.
+#![allow(dead_code, unused_imports)]
+
+pub mod squid;
+pub mod target;
+
+pub use squid::{Squid, SquidOptions};
+pub use target::Target;
+
+use std::time::{Duration, Instant};
+
+/// Generous deadline for conditions that depend on real processes on a loaded machine.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `condition` every 10 ms until it holds, panicking with `what` after [`DEADLINE`].
+pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !condition() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

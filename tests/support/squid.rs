@@ -1,0 +1,202 @@
+//! A real squid (Debian package `squid`) on a free loopback port, with its own config, pid,
+//! log and cache paths in a temp dir. Killed on drop.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// How the proxy behaves.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SquidOptions {
+    /// Refuse every CONNECT request (403), as a proxy with a strict ACL does.
+    pub deny_connect: bool,
+}
+
+/// A running (or killed, restartable) squid.
+#[derive(Debug)]
+pub struct Squid {
+    dir: TempDir,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Squid {
+    /// Starts a permissive squid.
+    pub fn start() -> Squid {
+        Squid::start_with(SquidOptions::default())
+    }
+
+    /// Starts a squid with `options`, on a free loopback port, and waits until it accepts.
+    pub fn start_with(options: SquidOptions) -> Squid {
+        let binary = binary();
+        let mut dir = tempfile::Builder::new()
+            .prefix("squid-")
+            .tempdir()
+            .expect("create a temp dir for squid");
+        // Started as root, squid drops to the `proxy` user, which must write here.
+        make_world_writable(dir.path());
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            std::fs::write(
+                dir.path().join("squid.conf"),
+                config(dir.path(), port, options),
+            )
+            .expect("write squid.conf");
+            let mut squid = Squid {
+                dir,
+                port,
+                child: None,
+            };
+            match squid.spawn(&binary) {
+                Ok(()) => return squid,
+                // Another process took the port between probing and binding: try another.
+                Err(log) => {
+                    last_log = log;
+                    dir = squid.into_dir();
+                }
+            }
+        }
+        panic!("squid did not start; cache.log:\n{last_log}");
+    }
+
+    /// The port squid listens on (stays the same across restarts).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `http://127.0.0.1:<port>`, the proxy URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills squid (SIGKILL) and reaps it; the port then refuses connections.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts squid again on the same port with the same config.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + super::DEADLINE;
+        loop {
+            match self.spawn(&binary()) {
+                Ok(()) => return,
+                Err(log) if Instant::now() > deadline => {
+                    panic!(
+                        "squid did not restart on port {}; cache.log:\n{log}",
+                        self.port
+                    )
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// The access log: one line per request squid served (CONNECT tunnels included).
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
+    }
+
+    fn spawn(&mut self, binary: &Path) -> Result<(), String> {
+        let conf = self.dir.path().join("squid.conf");
+        let mut child = Command::new(binary)
+            .arg("-N")
+            .arg("-f")
+            .arg(&conf)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", binary.display()));
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let deadline = Instant::now() + super::DEADLINE;
+        loop {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                self.child = Some(child);
+                return Ok(());
+            }
+            let exited = matches!(child.try_wait(), Ok(Some(_)));
+            if exited || Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(self.cache_log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn cache_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("cache.log")).unwrap_or_default()
+    }
+
+    fn into_dir(mut self) -> TempDir {
+        self.kill();
+        let placeholder = tempfile::tempdir().expect("create a temp dir");
+        std::mem::replace(&mut self.dir, placeholder)
+    }
+}
+
+impl Drop for Squid {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The squid binary, or a panic that says how to install it.
+fn binary() -> PathBuf {
+    let candidates = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")]);
+    for dir in candidates {
+        let candidate = dir.join("squid");
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!("squid is required by the health tests; install squid: apt-get install -y squid");
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("find a free loopback port")
+}
+
+fn make_world_writable(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
+        .expect("make the squid dir writable");
+}
+
+fn config(dir: &Path, port: u16, options: SquidOptions) -> String {
+    let dir = dir.display();
+    let connect_rule = if options.deny_connect {
+        "http_access deny CONNECT\n"
+    } else {
+        ""
+    };
+    format!(
+        "http_port 127.0.0.1:{port}\n\
+         pid_filename {dir}/squid.pid\n\
+         access_log stdio:{dir}/access.log\n\
+         cache_log {dir}/cache.log\n\
+         cache_store_log none\n\
+         cache deny all\n\
+         coredump_dir {dir}\n\
+         pinger_enable off\n\
+         visible_hostname proxy-operator-test\n\
+         shutdown_lifetime 0 seconds\n\
+         {connect_rule}\
+         http_access allow all\n"
+    )
+}
