@@ -81,6 +81,11 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_DEFAULT_LEASE_TTL", default_value = "5m", value_parser = humantime::parse_duration)]
     pub default_lease_ttl: Duration,
 
+    /// PEM file of extra CA certificates trusted for `https://` probe URLs (on top of the
+    /// system roots), for probe targets behind a private CA.
+    #[arg(long, env = "PROXY_OPERATOR_PROBE_CA_FILE")]
+    pub probe_ca_file: Option<PathBuf>,
+
     /// How long lease history is kept in the ledger.
     #[arg(long, env = "PROXY_OPERATOR_HISTORY_RETENTION", default_value = "7days", value_parser = humantime::parse_duration)]
     pub history_retention: Duration,

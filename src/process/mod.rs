@@ -218,6 +218,7 @@ pub fn start_core(
     let engine = HealthEngine::new(
         EngineConfig {
             workers: usize::from(common.health_workers),
+            extra_root_certs: probe_roots(common)?,
             ..EngineConfig::default()
         },
         core.inventory.clone(),
@@ -256,6 +257,26 @@ pub fn start_core(
         common.ledger.display()
     );
     Ok(())
+}
+
+/// The certificates of `--probe-ca-file`, as DER.
+fn probe_roots(common: &CommonArgs) -> Result<Vec<Vec<u8>>, StartError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let Some(path) = &common.probe_ca_file else {
+        return Ok(Vec::new());
+    };
+    let fail =
+        |e: &dyn std::fmt::Display| StartError(format!("--probe-ca-file {}: {e}", path.display()));
+    let pem = std::fs::read(path).map_err(|e| fail(&e))?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .map(|c| c.map(|c| c.to_vec()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| fail(&e))?;
+    if certs.is_empty() {
+        return Err(fail(&"no PEM certificate in the file"));
+    }
+    Ok(certs)
 }
 
 /// Marks expired leases and prunes old rows every [`LEDGER_SWEEP_INTERVAL`]. A failed sweep

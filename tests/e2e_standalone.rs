@@ -1,0 +1,463 @@
+//! End to end: the real `proxy-operator standalone` binary, three real squids (one refusing
+//! every CONNECT), a loopback HTTPS probe target, a real ledger file — driven only through
+//! the API, the metrics endpoint, signals and the `sqlite3` CLI, as an operator would.
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use support::{DEADLINE, Squid, SquidOptions, Target};
+
+const TOKEN: &str = "e2e-secret";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn proxy_doc(name: &str, port: u16, max_leases: u32, probe_url: &str) -> String {
+    format!(
+        "apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata:
+  name: {name}
+  labels: {{pool: e2e}}
+spec:
+  mode: External
+  endpoint: {{host: 127.0.0.1, port: {port}}}
+  maxLeases: {max_leases}
+  healthCheck:
+    probeURL: {probe_url}
+    interval: 300ms
+    timeout: 2s
+    failureThreshold: 2
+---
+"
+    )
+}
+
+/// The running binary, killed on drop.
+struct Operator {
+    child: Child,
+    api: String,
+    metrics: String,
+}
+
+impl Operator {
+    fn start(
+        dir: &Path,
+        inventory: &Path,
+        ca: &Path,
+        api_port: u16,
+        metrics_port: u16,
+    ) -> Operator {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("operator.log"))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+            .args(["standalone", "--inventory"])
+            .arg(inventory)
+            .arg("--ledger")
+            .arg(dir.join("ledger.db"))
+            .arg("--probe-ca-file")
+            .arg(ca)
+            .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--inventory-poll", "100ms", "--lease-cooldown", "10m"])
+            .env("DISCOVERY_TOKEN", TOKEN)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Operator {
+            child,
+            api: format!("http://127.0.0.1:{api_port}"),
+            metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
+        }
+    }
+
+    fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).unwrap()
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Client {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("{}{}", self.base, path))
+            .bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let (status, headers) = (response.status(), response.headers().clone());
+        let text = response.text().await.unwrap();
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap()
+        };
+        (status, headers, value)
+    }
+
+    async fn healthy_names(&self) -> Vec<String> {
+        let (_, _, v) = self
+            .call(
+                reqwest::Method::GET,
+                "/v1/proxies?healthy=true&selector=pool=e2e",
+                None,
+            )
+            .await;
+        v["proxies"]
+            .as_array()
+            .map(|ps| {
+                ps.iter()
+                    .map(|p| p["name"].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    async fn acquire(&self, body: Value) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+        self.call(reqwest::Method::POST, "/v1/leases", Some(body))
+            .await
+    }
+}
+
+/// Polls an async condition until it holds.
+async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !condition().await {
+        assert!(
+            start.elapsed() < DEADLINE * 2,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_ready(client: &Client) {
+    eventually("the API to be ready", || async {
+        match client
+            .http
+            .get(format!("{}/readyz", client.base))
+            .send()
+            .await
+        {
+            Ok(r) => r.status() == StatusCode::OK,
+            Err(_) => false,
+        }
+    })
+    .await;
+}
+
+fn sqlite(db: &PathBuf, sql: &str) -> String {
+    let output = Command::new("sqlite3")
+        .arg(db)
+        .arg(sql)
+        .output()
+        .expect("the sqlite3 CLI is installed (apt-get install -y sqlite3)");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
+}
+
+fn metric_lines_are_valid(text: &str) {
+    let sample = regex::Regex::new(
+        r#"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? (-?[0-9.eE+-]+|NaN|\+Inf|-Inf)$"#,
+    )
+    .unwrap();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        assert!(
+            sample.is_match(line),
+            "not valid exposition format: {line:?}"
+        );
+    }
+}
+
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, target.ca_cert_pem()).unwrap();
+    let probe = target.https_url();
+    let mut alpha = Squid::start();
+    let beta = Squid::start();
+    let refusing = Squid::start_with(SquidOptions { deny_connect: true });
+    let inventory = dir.path().join("inventory.yaml");
+    let base_inventory = format!(
+        "{}{}{}",
+        proxy_doc("alpha", alpha.port(), 2, &probe),
+        proxy_doc("beta", beta.port(), 1, &probe),
+        proxy_doc("refusing", refusing.port(), 2, &probe),
+    );
+    std::fs::write(&inventory, &base_inventory).unwrap();
+    let (api_port, metrics_port) = (free_port(), free_port());
+    let mut operator = Operator::start(dir.path(), &inventory, &ca, api_port, metrics_port);
+    let client = Client {
+        http: reqwest::Client::new(),
+        base: operator.api.clone(),
+    };
+    wait_ready(&client).await;
+
+    // Exactly the two permissive squids become healthy.
+    eventually("alpha and beta healthy", || async {
+        client.healthy_names().await == ["alpha", "beta"]
+    })
+    .await;
+    let (_, _, unhealthy) = client
+        .call(reqwest::Method::GET, "/v1/proxies?healthy=false", None)
+        .await;
+    assert_eq!(unhealthy["count"], 1);
+    assert_eq!(unhealthy["proxies"][0]["name"], "refusing");
+
+    // No token, no API.
+    let r = client
+        .http
+        .get(format!("{}/v1/proxies", client.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+
+    // Acquire until the pool is full: alpha 2 + beta 1.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (s, _, lease) = client
+            .acquire(json!({"selector": {"pool": "e2e"}, "ttlSeconds": 120}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{lease}");
+        held.push(lease);
+    }
+    let (s, headers, body) = client.acquire(json!({"selector": {"pool": "e2e"}})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"], "no_match");
+    assert_eq!(
+        (
+            body["considered"].as_u64(),
+            body["atCapacity"].as_u64(),
+            body["unhealthy"].as_u64()
+        ),
+        (Some(3), Some(2), Some(1))
+    );
+    let retry_after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=120).contains(&retry_after), "{retry_after}");
+
+    // Free one alpha slot; a rate_limited report on it sends example.com elsewhere.
+    let alpha_lease = held
+        .iter()
+        .position(|l| l["proxy"]["name"] == "alpha")
+        .unwrap();
+    let alpha_lease = held.remove(alpha_lease);
+    let alpha_id = alpha_lease["leaseID"].as_str().unwrap();
+    let (s, _, _) = client
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/leases/{alpha_id}/report"),
+            Some(json!({"result": "rate_limited", "target": "example.com"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _, _) = client
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/v1/leases/{alpha_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _, body) = client
+        .acquire(json!({"selector": {"pool": "e2e"}, "target": "example.com"}))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::CONFLICT,
+        "alpha is cooling down for example.com and beta is full: {body}"
+    );
+    assert_eq!(body["inCooldown"], 1);
+    let (s, _, lease) = client
+        .acquire(json!({"selector": {"pool": "e2e"}, "target": "other.org", "ttlSeconds": 120}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(lease["proxy"]["name"], "alpha");
+    held.push(lease);
+
+    // Kill alpha: it goes unhealthy and leaves the candidate set.
+    alpha.kill();
+    eventually("alpha unhealthy", || async {
+        client.healthy_names().await == ["beta"]
+    })
+    .await;
+
+    // kill -9 the operator, restart it on the same ledger: every acknowledged lease is there
+    // and capacity is still enforced (beta's one slot is held).
+    let status = Command::new("kill")
+        .args(["-9", &operator.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    drop(operator);
+    operator = Operator::start(dir.path(), &inventory, &ca, api_port, metrics_port);
+    wait_ready(&client).await;
+    for lease in &held {
+        let id = lease["leaseID"].as_str().unwrap();
+        let (s, _, got) = client
+            .call(reqwest::Method::GET, &format!("/v1/leases/{id}"), None)
+            .await;
+        assert_eq!(s, StatusCode::OK, "lease {id} lost");
+        assert_eq!(got["state"], "active", "{got}");
+    }
+    eventually("beta healthy after restart", || async {
+        client.healthy_names().await == ["beta"]
+    })
+    .await;
+    let (s, _, body) = client.acquire(json!({"selector": {"pool": "e2e"}})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["atCapacity"], 1, "{body}");
+
+    // Edit the inventory: beta takes two leases now, no restart needed.
+    std::fs::write(
+        &inventory,
+        base_inventory.replace(
+            &proxy_doc("beta", beta.port(), 1, &probe),
+            &proxy_doc("beta", beta.port(), 2, &probe),
+        ),
+    )
+    .unwrap();
+    eventually("beta's new capacity", || async {
+        let (_, _, v) = client
+            .call(reqwest::Method::GET, "/v1/proxies?selector=pool=e2e", None)
+            .await;
+        v["proxies"].as_array().is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p["name"] == "beta" && p["maxLeases"] == 2)
+        })
+    })
+    .await;
+    let (s, _, lease) = client.acquire(json!({"selector": {"pool": "e2e"}})).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(lease["proxy"]["name"], "beta");
+
+    // Metrics: valid exposition format and the fleet's series.
+    let text = client
+        .http
+        .get(&operator.metrics)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metric_lines_are_valid(&text);
+    assert_eq!(
+        metric(&text, "proxy_operator_leases_active"),
+        Some(4.0),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "proxy_operator_cooldowns_active"), Some(1.0));
+    assert_eq!(
+        metric(&text, r#"proxy_operator_proxies{phase="Ready"}"#),
+        Some(1.0)
+    );
+    // alpha and refusing are Pending (no verdict yet since the restart) or Unhealthy.
+    let not_ready = metric(&text, r#"proxy_operator_proxies{phase="Unhealthy"}"#).unwrap()
+        + metric(&text, r#"proxy_operator_proxies{phase="Pending"}"#).unwrap();
+    assert_eq!(not_ready, 2.0);
+    assert_eq!(
+        metric(&text, "proxy_operator_leases_granted_total"),
+        Some(1.0)
+    );
+    assert!(
+        text.contains("proxy_operator_probe_duration_seconds_bucket"),
+        "{text}"
+    );
+    assert!(text.contains("proxy_operator_probes_total{"), "{text}");
+    assert!(text.contains("process_resident_memory_bytes"));
+
+    // The history is in the ledger file, readable with the sqlite3 CLI.
+    let db = dir.path().join("ledger.db");
+    let acquired: u32 = sqlite(
+        &db,
+        "SELECT count(*) FROM lease_events WHERE kind = 'acquired'",
+    )
+    .parse()
+    .unwrap();
+    assert_eq!(acquired, 5);
+    assert_eq!(
+        sqlite(
+            &db,
+            "SELECT result FROM lease_events WHERE kind = 'reported'"
+        ),
+        "rate_limited"
+    );
+    assert_eq!(sqlite(&db, "SELECT count(*) FROM active_leases"), "4");
+
+    // SIGTERM stops it cleanly.
+    let status = Command::new("kill")
+        .args(["-TERM", &operator.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    let exit = loop {
+        if let Some(exit) = operator.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(start.elapsed() < DEADLINE, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        exit.success(),
+        "{exit:?}\n{}",
+        std::fs::read_to_string(dir.path().join("operator.log")).unwrap_or_default()
+    );
+}
