@@ -195,8 +195,8 @@ impl Collector for FleetCollector {
         {
             let snapshot = self.inventory.snapshot();
             let health = self.health.read();
-            for proxy in snapshot.proxies() {
-                let healthy = health.get(&proxy.id()).and_then(|h| h.healthy);
+            for (id, proxy) in snapshot.entries() {
+                let healthy = health.get(id).and_then(|h| h.healthy);
                 let phase = reported_phase(proxy, healthy);
                 if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
                     counts[i] += 1;

@@ -142,13 +142,11 @@ pub async fn list_proxies(
     let snapshot = state.inventory.snapshot();
     let health = state.health.read();
     let proxies: Vec<ProxyView> = snapshot
-        .proxies()
-        .iter()
-        .filter(|p| selector.matches(p.metadata.labels.as_ref()))
-        .filter_map(|p| {
-            let id = p.id();
+        .entries()
+        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
+        .filter_map(|(id, p)| {
             let (host, port) = address(p)?;
-            let h = health.get(&id);
+            let h = health.get(id);
             let healthy = h.and_then(|h| h.healthy) == Some(true);
             if healthy_filter.is_some_and(|want| want != healthy) {
                 return None;
@@ -181,17 +179,15 @@ fn candidates(state: &ApiState, selector: &Selector) -> Vec<Candidate> {
     let snapshot = state.inventory.snapshot();
     let health = state.health.read();
     snapshot
-        .proxies()
-        .iter()
-        .filter(|p| selector.matches(p.metadata.labels.as_ref()))
-        .map(|p| {
-            let id = p.id();
-            let h = health.get(&id);
+        .entries()
+        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
+        .map(|(id, p)| {
+            let h = health.get(id);
             Candidate {
                 healthy: address(p).is_some() && h.and_then(|h| h.healthy) == Some(true),
                 latency: h.and_then(|h| h.latency),
                 max_leases: p.spec.max_leases(),
-                proxy: id,
+                proxy: id.clone(),
             }
         })
         .collect()

@@ -16,6 +16,9 @@ use crate::proxy::{Proxy, ProxyId};
 pub struct InventorySnapshot {
     /// Proxies sorted by namespace/name.
     proxies: Vec<Arc<Proxy>>,
+    /// Identity of each proxy in `proxies`, computed once per replacement (the API and the
+    /// health engine look proxies up by identity on every request and tick).
+    ids: Vec<ProxyId>,
     /// Position of each proxy in `proxies`, by identity.
     by_id: HashMap<ProxyId, usize>,
     /// Whether the feeder has delivered its first complete set (drives `/readyz`).
@@ -26,6 +29,11 @@ impl InventorySnapshot {
     /// Every proxy, sorted by namespace/name.
     pub fn proxies(&self) -> &[Arc<Proxy>] {
         &self.proxies
+    }
+
+    /// Every proxy with its identity, sorted by namespace/name.
+    pub fn entries(&self) -> impl Iterator<Item = (&ProxyId, &Arc<Proxy>)> {
+        self.ids.iter().zip(&self.proxies)
     }
 
     /// The proxy with this identity, if present.
@@ -74,13 +82,15 @@ impl Inventory {
     pub fn replace(&self, proxies: impl IntoIterator<Item = Proxy>) {
         let mut proxies: Vec<Arc<Proxy>> = proxies.into_iter().map(Arc::new).collect();
         proxies.sort_by_key(|p| p.key());
-        let by_id = proxies
+        let ids: Vec<ProxyId> = proxies.iter().map(|p| p.id()).collect();
+        let by_id = ids
             .iter()
             .enumerate()
-            .map(|(i, p)| (p.id(), i))
+            .map(|(i, id)| (id.clone(), i))
             .collect();
         self.sender.send_replace(Arc::new(InventorySnapshot {
             proxies,
+            ids,
             by_id,
             synced: true,
         }));
@@ -123,6 +133,8 @@ mod tests {
         assert_eq!(keys, ["a/x", "a/y", "b/x"]);
         let id = proxy("a", "y").id();
         assert_eq!(snap.get(&id).unwrap().key(), "a/y");
+        let ids: Vec<String> = snap.entries().map(|(id, _)| id.key()).collect();
+        assert_eq!(ids, keys);
         assert_eq!(snap.len(), 3);
     }
 
