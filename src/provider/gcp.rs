@@ -553,3 +553,396 @@ impl Provider for GcpProvider {
 fn bad_id(id: &str) -> String {
     format!("provider ID {id:?} is not of the form zones/<zone>/instances/<name>")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::Placement;
+
+    const UID: &str = "6a1f4c9e-2b7d-4e8a-b1c3-d5e6f7a8b9c0";
+
+    fn config() -> GcpConfig {
+        GcpConfig {
+            project: "my-project".to_owned(),
+            default_zone: Some("europe-west1-b".to_owned()),
+            default_machine_type: None,
+            default_image: None,
+            service_account: None,
+        }
+    }
+
+    fn request() -> CreateRequest {
+        CreateRequest {
+            namespace: "crawl".to_owned(),
+            proxy_name: "eu-1".to_owned(),
+            proxy_uid: UID.to_owned(),
+            machine_name: crate::naming::machine_name(UID),
+            port: 3128,
+            placement: None,
+            cloud_init: Some("#cloud-config\nruncmd: [[echo, hi]]\n".to_owned()),
+            labels: machine_labels(UID, "prod"),
+        }
+    }
+
+    fn body(insert: &instances::InsertRequest) -> &model::Instance {
+        insert.body.as_ref().unwrap()
+    }
+
+    fn metadata_value<'a>(vm: &'a model::Instance, key: &str) -> Option<&'a str> {
+        vm.metadata
+            .as_ref()?
+            .items
+            .iter()
+            .find(|i| i.key.as_deref() == Some(key))?
+            .value
+            .as_deref()
+    }
+
+    #[test]
+    fn insert_request_with_defaults_field_by_field() {
+        let insert = insert_request("my-project", &config(), &request(), "prod").unwrap();
+        assert_eq!(insert.project, "my-project");
+        assert_eq!(insert.zone, "europe-west1-b");
+        let vm = body(&insert);
+        assert_eq!(vm.name.as_deref(), Some(request().machine_name.as_str()));
+        assert_eq!(
+            vm.machine_type.as_deref(),
+            Some("zones/europe-west1-b/machineTypes/e2-small")
+        );
+
+        assert_eq!(vm.disks.len(), 1);
+        let disk = &vm.disks[0];
+        assert_eq!(disk.boot, Some(true));
+        assert_eq!(disk.auto_delete, Some(true));
+        assert_eq!(disk.r#type, Some(attached_disk::Type::Persistent));
+        let params = disk.initialize_params.as_ref().unwrap();
+        assert_eq!(params.source_image.as_deref(), Some(DEFAULT_IMAGE));
+        assert_eq!(params.disk_size_gb, Some(10));
+
+        assert_eq!(vm.network_interfaces.len(), 1);
+        let nic = &vm.network_interfaces[0];
+        assert_eq!(nic.network.as_deref(), Some("global/networks/default"));
+        assert_eq!(nic.subnetwork, None);
+        assert_eq!(nic.access_configs.len(), 1);
+        let nat = &nic.access_configs[0];
+        assert_eq!(nat.name.as_deref(), Some("External NAT"));
+        assert_eq!(nat.r#type, Some(access_config::Type::OneToOneNat));
+
+        assert_eq!(
+            metadata_value(vm, "user-data"),
+            Some("#cloud-config\nruncmd: [[echo, hi]]\n")
+        );
+        assert_eq!(vm.metadata.as_ref().unwrap().items.len(), 1);
+
+        let labels: BTreeMap<&str, &str> = vm
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            labels,
+            BTreeMap::from([
+                ("crawl-example-com_managed", "true"),
+                ("crawl-example-com_proxy-uid", UID),
+                ("crawl-example-com_install", "prod"),
+            ])
+        );
+        assert_eq!(vm.tags.as_ref().unwrap().items, ["proxy-operator"]);
+        assert!(vm.service_accounts.is_empty());
+        assert_eq!(
+            vm.description.as_deref(),
+            Some("proxy-operator: Proxy crawl/eu-1")
+        );
+    }
+
+    #[test]
+    fn insert_request_takes_the_placement_over_the_config() {
+        let mut config = config();
+        config.default_machine_type = Some("n2-standard-2".to_owned());
+        config.default_image =
+            Some("projects/debian-cloud/global/images/family/debian-12".to_owned());
+        config.service_account = Some("config-sa@my-project.iam.gserviceaccount.com".to_owned());
+        let mut req = request();
+        req.placement = Some(Placement {
+            zone: Some("us-central1-a".to_owned()),
+            machine_type: Some("e2-micro".to_owned()),
+            image: Some("projects/my-project/global/images/squid-v3".to_owned()),
+            disk_size_gb: Some(20),
+            network: Some("crawl-net".to_owned()),
+            subnetwork: Some("crawl-subnet".to_owned()),
+            tags: vec!["egress".to_owned(), "proxy-operator".to_owned()],
+            service_account: Some("proxy@my-project.iam.gserviceaccount.com".to_owned()),
+        });
+        let insert = insert_request("my-project", &config, &req, "prod").unwrap();
+        assert_eq!(insert.zone, "us-central1-a");
+        let vm = body(&insert);
+        assert_eq!(
+            vm.machine_type.as_deref(),
+            Some("zones/us-central1-a/machineTypes/e2-micro")
+        );
+        let params = vm.disks[0].initialize_params.as_ref().unwrap();
+        assert_eq!(
+            params.source_image.as_deref(),
+            Some("projects/my-project/global/images/squid-v3")
+        );
+        assert_eq!(params.disk_size_gb, Some(20));
+        let nic = &vm.network_interfaces[0];
+        assert_eq!(nic.network.as_deref(), Some("global/networks/crawl-net"));
+        assert_eq!(
+            nic.subnetwork.as_deref(),
+            Some("regions/us-central1/subnetworks/crawl-subnet")
+        );
+        assert_eq!(
+            vm.tags.as_ref().unwrap().items,
+            ["proxy-operator", "egress"]
+        );
+        assert_eq!(vm.service_accounts.len(), 1);
+        let sa = &vm.service_accounts[0];
+        assert_eq!(
+            sa.email.as_deref(),
+            Some("proxy@my-project.iam.gserviceaccount.com")
+        );
+        assert_eq!(sa.scopes, [SERVICE_ACCOUNT_SCOPE]);
+    }
+
+    #[test]
+    fn insert_request_uses_the_config_defaults_and_service_account() {
+        let mut config = config();
+        config.default_machine_type = Some("n2-standard-2".to_owned());
+        config.default_image =
+            Some("projects/debian-cloud/global/images/family/debian-12".to_owned());
+        config.service_account = Some("config-sa@my-project.iam.gserviceaccount.com".to_owned());
+        let insert = insert_request("my-project", &config, &request(), "prod").unwrap();
+        let vm = body(&insert);
+        assert_eq!(
+            vm.machine_type.as_deref(),
+            Some("zones/europe-west1-b/machineTypes/n2-standard-2")
+        );
+        assert_eq!(
+            vm.disks[0]
+                .initialize_params
+                .as_ref()
+                .unwrap()
+                .source_image
+                .as_deref(),
+            Some("projects/debian-cloud/global/images/family/debian-12")
+        );
+        assert_eq!(
+            vm.service_accounts[0].email.as_deref(),
+            Some("config-sa@my-project.iam.gserviceaccount.com")
+        );
+    }
+
+    #[test]
+    fn full_urls_are_kept_as_given() {
+        let mut req = request();
+        let machine_type = "https://www.googleapis.com/compute/v1/projects/p/zones/europe-west1-b/machineTypes/c3-standard-4";
+        req.placement = Some(Placement {
+            machine_type: Some(machine_type.to_owned()),
+            network: Some("projects/shared/global/networks/vpc".to_owned()),
+            subnetwork: Some("projects/shared/regions/europe-west1/subnetworks/s".to_owned()),
+            ..Placement::default()
+        });
+        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        let vm = body(&insert);
+        assert_eq!(vm.machine_type.as_deref(), Some(machine_type));
+        let nic = &vm.network_interfaces[0];
+        assert_eq!(
+            nic.network.as_deref(),
+            Some("projects/shared/global/networks/vpc")
+        );
+        assert_eq!(
+            nic.subnetwork.as_deref(),
+            Some("projects/shared/regions/europe-west1/subnetworks/s")
+        );
+    }
+
+    #[test]
+    fn without_cloud_init_the_vm_installs_squid_on_the_port() {
+        let mut req = request();
+        req.cloud_init = None;
+        req.port = 8080;
+        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        assert_eq!(
+            metadata_value(body(&insert), USER_DATA_KEY),
+            Some(squid_cloud_init(8080).as_str())
+        );
+    }
+
+    #[test]
+    fn insert_request_refuses_a_missing_zone_and_bad_labels() {
+        let mut config = config();
+        config.default_zone = None;
+        assert!(matches!(
+            insert_request("p", &config, &request(), "prod"),
+            Err(InsertError::NoZone)
+        ));
+        let mut req = request();
+        req.labels.insert("geo".to_owned(), "EU".to_owned());
+        let err = insert_request("p", &self::config(), &req, "prod").unwrap_err();
+        assert!(
+            matches!(&err, InsertError::InvalidLabel { key, value } if key == "geo" && value == "EU"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn request_labels_cannot_override_the_managed_labels() {
+        let mut req = request();
+        req.labels
+            .insert(INSTALL_LABEL.to_owned(), "someone-else".to_owned());
+        let insert = insert_request("p", &config(), &req, "prod").unwrap();
+        assert_eq!(body(&insert).labels["crawl-example-com_install"], "prod");
+    }
+
+    #[test]
+    fn label_keys_in_gcp_form() {
+        assert_eq!(gcp_label_key(MANAGED_LABEL), "crawl-example-com_managed");
+        assert_eq!(
+            gcp_label_key(PROXY_UID_LABEL),
+            "crawl-example-com_proxy-uid"
+        );
+        assert_eq!(gcp_label_key("geo"), "geo");
+        assert_eq!(
+            managed_filter("prod"),
+            "(labels.crawl-example-com_managed = \"true\") AND (labels.crawl-example-com_install = \"prod\")"
+        );
+    }
+
+    #[test]
+    fn provider_ids_round_trip_and_bad_ones_are_refused() {
+        let id = provider_id("europe-west1-b", "proxy-abc");
+        assert_eq!(id, "zones/europe-west1-b/instances/proxy-abc");
+        assert_eq!(
+            parse_provider_id(&id),
+            Some(("europe-west1-b", "proxy-abc"))
+        );
+        for bad in [
+            "",
+            "proxy-abc",
+            "zones/z/instances/",
+            "zones//instances/n",
+            "zones/z/instances/n/extra",
+            "regions/r/instances/n",
+            "crawl/proxy-abc",
+        ] {
+            assert_eq!(parse_provider_id(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn state_mapping_table() {
+        use InstanceState as S;
+        use instance::Status::*;
+        let cases = [
+            (None, None, S::Provisioning),
+            (Some(Provisioning), None, S::Provisioning),
+            (Some(Staging), None, S::Provisioning),
+            (Some(Pending), None, S::Provisioning),
+            (Some(Repairing), Some("34.1.2.3"), S::Provisioning),
+            (Some(Running), None, S::Provisioning),
+            (Some(Running), Some(""), S::Provisioning),
+            (Some(Running), Some("34.1.2.3"), S::Running),
+            (Some(Stopping), Some("34.1.2.3"), S::Stopped),
+            (Some(Stopped), None, S::Stopped),
+            (Some(Suspending), None, S::Stopped),
+            (Some(Suspended), None, S::Stopped),
+            (Some(PendingStop), None, S::Stopped),
+            (Some(Terminated), None, S::Terminated),
+            (Some(Deprovisioning), None, S::Terminated),
+        ];
+        for (status, ip, want) in cases {
+            assert_eq!(
+                instance_state(status.as_ref(), ip),
+                want,
+                "{status:?} {ip:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn classification_table() {
+        use ErrorClass::*;
+        let cases: &[(Option<u16>, &[&str], ErrorClass)] = &[
+            (Some(404), &["notFound"], NotFound),
+            (Some(429), &[], QuotaExceeded),
+            (Some(429), &["rateLimitExceeded"], QuotaExceeded),
+            (Some(403), &["quotaExceeded"], QuotaExceeded),
+            (Some(403), &["QUOTA_EXCEEDED"], QuotaExceeded),
+            (Some(403), &["rateLimitExceeded"], QuotaExceeded),
+            (Some(403), &["userRateLimitExceeded"], QuotaExceeded),
+            (Some(403), &["forbidden"], Permanent),
+            (Some(403), &[], Permanent),
+            (Some(400), &["invalid"], Permanent),
+            (Some(400), &["quotaExceeded"], Permanent),
+            (Some(401), &["authError"], Permanent),
+            (Some(412), &["conditionNotMet"], Permanent),
+            (Some(408), &[], Transient),
+            (Some(409), &["resourceNotReady"], Transient),
+            (Some(500), &["backendError"], Transient),
+            (Some(502), &[], Transient),
+            (Some(503), &["serviceUnavailable"], Transient),
+            (None, &[], Transient),
+        ];
+        for (status, reasons, want) in cases {
+            assert_eq!(classify(*status, reasons), *want, "{status:?} {reasons:?}");
+        }
+    }
+
+    fn failed_operation(codes: &[&str]) -> model::Operation {
+        let errors = codes.iter().map(|code| {
+            model::operation::error::Errors::new()
+                .set_code(*code)
+                .set_message(format!("{code} happened"))
+        });
+        model::Operation::new()
+            .set_status(model::operation::Status::Done)
+            .set_error(model::operation::Error::new().set_errors(errors))
+    }
+
+    #[test]
+    fn operation_errors_returned_by_insert() {
+        let pending = model::Operation::new().set_status(model::operation::Status::Running);
+        assert_eq!(operation_failure(&pending), None);
+        assert_eq!(
+            operation_failure(&failed_operation(&["RESOURCE_ALREADY_EXISTS"])),
+            None
+        );
+        let (class, message) = operation_failure(&failed_operation(&["QUOTA_EXCEEDED"])).unwrap();
+        assert_eq!(class, ErrorClass::QuotaExceeded);
+        assert!(message.contains("QUOTA_EXCEEDED happened"), "{message}");
+        let (class, _) =
+            operation_failure(&failed_operation(&["ZONE_RESOURCE_POOL_EXHAUSTED"])).unwrap();
+        assert_eq!(class, ErrorClass::Transient);
+    }
+
+    #[test]
+    fn instance_from_a_running_vm() {
+        let vm = model::Instance::new()
+            .set_name("proxy-abc")
+            .set_zone("https://www.googleapis.com/compute/v1/projects/p/zones/europe-west1-b")
+            .set_status(instance::Status::Running)
+            .set_creation_timestamp("2026-03-04T05:06:07.123-08:00")
+            .set_labels([(gcp_label_key(PROXY_UID_LABEL), UID)])
+            .set_network_interfaces([NetworkInterface::new()
+                .set_network_ip("10.132.0.5")
+                .set_access_configs([AccessConfig::new().set_nat_ip("34.77.1.2")])]);
+        let instance = instance_from_vm(&vm);
+        assert_eq!(
+            instance,
+            Instance {
+                provider_id: "zones/europe-west1-b/instances/proxy-abc".to_owned(),
+                name: "proxy-abc".to_owned(),
+                state: InstanceState::Running,
+                ip: Some("34.77.1.2".to_owned()),
+                uid: Some(UID.to_owned()),
+                created_at: Some("2026-03-04T13:06:07.123Z".parse().unwrap()),
+            }
+        );
+        let no_nat =
+            vm.set_network_interfaces([NetworkInterface::new().set_network_ip("10.1.1.1")]);
+        let instance = instance_from_vm(&no_nat);
+        assert_eq!(instance.state, InstanceState::Provisioning);
+        assert_eq!(instance.ip, None);
+    }
+}
