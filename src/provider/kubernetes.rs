@@ -15,15 +15,13 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use super::config::KubernetesConfig;
-use super::squid_conf::{SQUID_CONF_PATH, squid_config};
+use super::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config};
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
     machine_labels, op,
 };
 use crate::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
 
-/// Env var carrying the generated squid configuration into the container.
-pub const SQUID_CONFIG_ENV: &str = "SQUID_CONFIG";
 /// Name of the squid container (and of its port).
 const CONTAINER_NAME: &str = "squid";
 /// Pods per list request; larger fleets are read in pages.
@@ -82,9 +80,6 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
         "app.kubernetes.io/managed-by".to_owned(),
         "proxy-operator".to_owned(),
     );
-    let script = format!(
-        "printf '%s' \"${SQUID_CONFIG_ENV}\" > {SQUID_CONF_PATH} && exec squid -f {SQUID_CONF_PATH} -NYC"
-    );
     let quantities = |cpu: &str, memory: &str| {
         BTreeMap::from([
             ("cpu".to_owned(), Quantity(cpu.to_owned())),
@@ -106,10 +101,14 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
             containers: vec![Container {
                 name: CONTAINER_NAME.to_owned(),
                 image: Some(image),
-                command: Some(vec!["/bin/sh".to_owned(), "-c".to_owned(), script]),
+                command: Some(vec![
+                    "/bin/sh".to_owned(),
+                    "-c".to_owned(),
+                    pod_launch_script(POD_RUN_DIR),
+                ]),
                 env: Some(vec![EnvVar {
                     name: SQUID_CONFIG_ENV.to_owned(),
-                    value: Some(squid_config(request.port)),
+                    value: Some(pod_squid_config(request.port, POD_RUN_DIR)),
                     ..EnvVar::default()
                 }]),
                 ports: Some(vec![ContainerPort {
@@ -355,21 +354,14 @@ mod tests {
         let c = container(&pod);
         assert_eq!(c.image.as_deref(), Some("ubuntu/squid"));
         let command = c.command.as_ref().unwrap();
-        assert_eq!(command[..2], ["/bin/sh", "-c"]);
-        assert!(
-            command[2].starts_with("printf '%s' \"$SQUID_CONFIG\" > /etc/squid/squid.conf && "),
-            "{}",
-            command[2]
-        );
-        assert!(
-            command[2].ends_with("exec squid -f /etc/squid/squid.conf -NYC"),
-            "{}",
-            command[2]
-        );
+        assert_eq!(command, &["/bin/sh", "-c", &pod_launch_script(POD_RUN_DIR)]);
         let env = c.env.as_ref().unwrap();
         assert_eq!(env.len(), 1);
         assert_eq!(env[0].name, SQUID_CONFIG_ENV);
-        assert_eq!(env[0].value.as_deref(), Some(squid_config(3129).as_str()));
+        assert_eq!(
+            env[0].value.as_deref(),
+            Some(pod_squid_config(3129, POD_RUN_DIR).as_str())
+        );
     }
 
     #[test]
