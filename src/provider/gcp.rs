@@ -399,8 +399,9 @@ pub fn classify_error(err: &google_cloud_compute_v1::Error) -> ErrorClass {
 
 /// Whether an insert failed only because the VM already exists.
 fn is_already_exists(err: &google_cloud_compute_v1::Error) -> bool {
+    let reasons = reasons(err);
     err.http_status_code() == Some(409)
-        && (reasons(err).is_empty() || reasons(err).iter().any(|r| is_already_exists_reason(r)))
+        && (reasons.is_empty() || reasons.iter().any(|r| is_already_exists_reason(r)))
 }
 
 /// The error an insert's operation already carries when Compute answers with a finished,
