@@ -2,6 +2,7 @@
 //! metrics servers, ledger sweep) and the supervisor that runs them as tasks, stops them all
 //! on SIGTERM/SIGINT, and takes the process down when any of them dies.
 
+pub mod operator;
 pub mod standalone;
 
 use std::future::Future;

@@ -25,8 +25,8 @@ use crate::reconcile::{self, Context, HealthSignal, HealthStates, ReconcilerConf
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
-    let providers_config = ProvidersConfig::load(&args.providers_config)
-        .map_err(|e| StartError(e.to_string()))?;
+    let providers_config =
+        ProvidersConfig::load(&args.providers_config).map_err(|e| StartError(e.to_string()))?;
     let gc_config = GcConfig {
         interval: args.gc_interval,
         min_age: args.gc_min_age,
@@ -83,7 +83,10 @@ pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
         clock: jiff::Timestamp::now,
     });
     let (signals_tx, signals_rx) = mpsc::channel(1024);
-    supervisor.spawn("health transition relay", relay_transitions(transitions_rx, signals_tx));
+    supervisor.spawn(
+        "health transition relay",
+        relay_transitions(transitions_rx, signals_tx),
+    );
     let triggers = reconcile::health_triggers(signals_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
@@ -123,9 +126,10 @@ async fn feed_inventory(
     shutdown: CancellationToken,
 ) -> Result<(), String> {
     let (reader, writer) = reflector::store();
-    let mut events = Box::pin(
-        reflector(writer, watcher(api, watcher::Config::default()).default_backoff()),
-    );
+    let mut events = Box::pin(reflector(
+        writer,
+        watcher(api, watcher::Config::default()).default_backoff(),
+    ));
     let mut listed = false;
     loop {
         let event = tokio::select! {

@@ -71,7 +71,7 @@ fn default_squid_image() -> String {
 }
 
 /// The provider types this build knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ProviderType {
     /// Squid Pods in the cluster.
     Kubernetes,

@@ -6,17 +6,34 @@
 
 pub mod config;
 pub mod error;
+#[cfg(feature = "gcp")]
+pub mod gcp;
+pub mod kubernetes;
+pub mod metered;
+pub mod registry;
+pub mod squid_conf;
 
 use std::collections::BTreeMap;
 
 pub use config::{ConfigError, ProviderEntry, ProviderType, ProvidersConfig};
 pub use error::{ErrorClass, ProviderError, class_of};
 
-use crate::proxy::Placement;
+use crate::proxy::{MANAGED_LABEL, PROXY_UID_LABEL, Placement};
 
 /// Label naming the operator install that created a machine, so two installs sharing a
 /// cloud project or cluster never touch each other's machines.
 pub const INSTALL_LABEL: &str = "crawl.example.com/install";
+
+/// The labels every machine of this install carries: managed, proxy-uid and install. Providers
+/// put them on every machine they create (over whatever the request carries) and
+/// [`Provider::list_managed`] selects on managed and install.
+pub fn machine_labels(proxy_uid: &str, install_id: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (MANAGED_LABEL.to_owned(), "true".to_owned()),
+        (PROXY_UID_LABEL.to_owned(), proxy_uid.to_owned()),
+        (INSTALL_LABEL.to_owned(), install_id.to_owned()),
+    ])
+}
 
 /// Lifecycle state of a machine as the provider reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,6 +84,18 @@ pub struct CreateRequest {
     pub cloud_init: Option<String>,
     /// Labels to put on the machine (managed, proxy-uid, install).
     pub labels: BTreeMap<String, String>,
+}
+
+/// The name of a provider operation, used in errors and as the `op` metric label.
+pub mod op {
+    /// [`super::Provider::create`].
+    pub const CREATE: &str = "create";
+    /// [`super::Provider::get`].
+    pub const GET: &str = "get";
+    /// [`super::Provider::delete`].
+    pub const DELETE: &str = "delete";
+    /// [`super::Provider::list_managed`].
+    pub const LIST: &str = "list";
 }
 
 /// A source of machines. Implementations are cheap to share (`Arc<dyn Provider>`).
