@@ -14,6 +14,7 @@ pub mod naming;
 pub mod process;
 pub mod provider;
 pub mod proxy;
+pub mod rbac;
 pub mod reconcile;
 pub mod spec_hash;
 pub mod validation;

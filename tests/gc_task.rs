@@ -144,6 +144,11 @@ async fn sweeps_only_while_leader_and_keeps_proxies_being_deleted() {
         .expect("no sweep after becoming leader")
         .unwrap();
     assert_eq!(request.method(), Method::GET);
+    let target = request.uri().path_and_query().unwrap().as_str();
+    assert!(
+        proxy_operator::rbac::permits("GET", target),
+        "GET {target} is not granted by rbac::API_CALLS"
+    );
     assert_eq!(
         request.uri().path(),
         "/apis/crawl.example.com/v1alpha1/proxies"

@@ -123,6 +123,17 @@ fn body_eq(expected: Value) -> impl Fn(&Value) + Send + 'static {
     move |actual| assert_eq!(actual, &expected)
 }
 
+/// Fails when the install's RBAC (`rbac::API_CALLS`, which `manifests/` grants) would refuse
+/// `request`.
+fn assert_rbac_permits(request: &Request<Body>) {
+    let target = request.uri().path_and_query().map_or("", |p| p.as_str());
+    assert!(
+        proxy_operator::rbac::permits(request.method().as_str(), target),
+        "{} {target} is not granted by rbac::API_CALLS",
+        request.method()
+    );
+}
+
 /// Runs one reconcile of `proxy` against the scripted requests; returns its requeue action.
 /// Fails on any request out of order, any extra request, and any expected request not made.
 async fn run(
@@ -161,6 +172,7 @@ async fn run(
     let verifier = tokio::spawn(async move {
         for (i, step) in script.into_iter().enumerate() {
             let (request, send) = handle.next_request().await.expect("service not called");
+            assert_rbac_permits(&request);
             assert_eq!(request.method(), step.method, "request {i}");
             assert_eq!(request.uri().path(), step.path, "request {i}");
             let bytes = request.into_body().collect_bytes().await.unwrap();
