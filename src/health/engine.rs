@@ -2,19 +2,22 @@
 //! interval, applies the thresholds, publishes the [`HealthSnapshot`] and pushes health
 //! *transitions* to the reconciler (the only status writer).
 //!
-//! One scheduler loop owns all state: on every tick it syncs with the inventory (new proxies get
-//! a first probe time jittered over one interval, vanished ones are pruned together with their
-//! snapshot entry and metric series) and queues the proxies that are due. At most
-//! `workers` probes run at once, and a proxy that is queued or in flight is never queued again.
+//! One scheduler loop owns all state: on every tick it syncs with the inventory when that
+//! changed (new proxies get a first probe time jittered over one interval, vanished ones are
+//! pruned together with their snapshot entry and metric series) and queues the proxies that are
+//! due. At most `workers` probes run at once, and a proxy that is queued or in flight is never
+//! queued again.
 //! Transitions are sent with `try_send`: a full channel never stalls probing, and the transition
 //! stays pending (not marked as reported) so the next probe of that proxy retries it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::Rng;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
+use tokio::task::Id as TaskId;
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
@@ -33,9 +36,10 @@ pub const DEFAULT_TICK: Duration = Duration::from_secs(1);
 /// How the engine runs.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Maximum number of probes in flight at once (at least 1).
+    /// Maximum number of probes in flight at once (`--health-workers`; at least 1).
     pub workers: usize,
-    /// How often the scheduler looks for due proxies and syncs with the inventory.
+    /// How often the scheduler looks for due proxies and syncs with the inventory (at least
+    /// 1 ms).
     pub tick: Duration,
     /// Extra trusted root certificates (DER) for `https://` probe URLs, on top of the system
     /// roots.
@@ -87,7 +91,8 @@ impl HealthEngine {
     ) -> Self {
         HealthEngine {
             workers: config.workers.max(1),
-            tick: config.tick,
+            // A zero period would make the ticker panic.
+            tick: config.tick.max(Duration::from_millis(1)),
             inventory,
             scheduler: Scheduler {
                 tls: ProbeTls::new(&config.extra_root_certs),
@@ -111,21 +116,27 @@ impl HealthEngine {
         let mut ticker = tokio::time::interval(tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut probes: JoinSet<(ProxyId, ProbeResult)> = JoinSet::new();
+        // The inventory set last synced; the scan is skipped while it is unchanged.
+        let mut synced: Option<Arc<InventorySnapshot>> = None;
         log::info!("health engine started with {workers} workers");
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                Some(joined) = probes.join_next(), if !probes.is_empty() => match joined {
-                    Ok((id, result)) => scheduler.record(&id, &result, Instant::now()),
+                _ = ticker.tick() => {
+                    let now = Instant::now();
+                    let current = inventory.snapshot();
+                    if !synced.as_ref().is_some_and(|s| Arc::ptr_eq(s, &current)) {
+                        scheduler.sync(&current, now);
+                        synced = Some(current);
+                    }
+                    scheduler.queue_due(now);
+                }
+                Some(joined) = probes.join_next_with_id(), if !probes.is_empty() => match joined {
+                    Ok((task, (id, result))) => scheduler.record(task, &id, &result, Instant::now()),
                     Err(e) if e.is_cancelled() => {}
                     Err(e) => log::error!("a health probe task failed: {e}"),
                 },
-                _ = ticker.tick() => {
-                    let now = Instant::now();
-                    scheduler.sync(&inventory.snapshot(), now);
-                    scheduler.queue_due(now);
-                }
             }
             scheduler.dispatch(&mut probes, workers, Instant::now());
         }
@@ -270,6 +281,9 @@ impl Scheduler {
             let Some(tracked) = self.tracked.get_mut(&id) else {
                 continue;
             };
+            if !tracked.queued || tracked.in_flight.is_some() {
+                continue;
+            }
             tracked.queued = false;
             tracked.next_due += tracked.interval;
             if tracked.next_due <= now {
@@ -283,10 +297,14 @@ impl Scheduler {
     }
 
     /// Applies one probe result: metrics, thresholds, snapshot, and a transition if one is due.
-    fn record(&mut self, id: &ProxyId, result: &ProbeResult, now: Instant) {
+    /// A result of a probe the proxy no longer waits for (it vanished meanwhile) is dropped.
+    fn record(&mut self, task: TaskId, id: &ProxyId, result: &ProbeResult, now: Instant) {
         let Some(tracked) = self.tracked.get_mut(id) else {
             return;
         };
+        if tracked.in_flight.as_ref().map(AbortHandle::id) != Some(task) {
+            return;
+        }
         tracked.in_flight = None;
         let at = jiff::Timestamp::now();
         self.metrics.observe(id, result);
