@@ -645,16 +645,18 @@ fn leases_cooldowns_and_history_survive_reopening() {
 }
 
 #[test]
-fn lease_ids_are_random_uuids() {
+fn lease_ids_are_unique_and_carry_128_random_bits() {
     let f = Fixture::new();
     let c = [candidate("a", 1000, true, None)];
     let ids: HashSet<String> = (0..500)
         .map(|_| granted(f.ledger.acquire(&c, None, MINUTE).unwrap()).id)
         .collect();
     assert_eq!(ids.len(), 500);
+    let time_prefix = format!("{:012x}", start().as_millisecond());
     for id in &ids {
-        let uuid = uuid::Uuid::parse_str(id).unwrap();
-        assert_eq!(uuid.get_version(), Some(uuid::Version::Random), "{id}");
+        assert_eq!(id.len(), 12 + 32, "{id}");
+        assert!(id.starts_with(&time_prefix), "{id}");
+        assert!(u128::from_str_radix(&id[12..], 16).is_ok(), "{id}");
     }
 }
 
