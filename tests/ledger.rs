@@ -139,6 +139,21 @@ fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
 }
 
 #[test]
+fn full_durability_opens_and_keeps_leases_across_reopening() {
+    let mut f = Fixture::with_config(LedgerConfig {
+        durability: Durability::Full,
+        ..config()
+    });
+    let lease = granted(
+        f.ledger
+            .acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+            .unwrap(),
+    );
+    f.reopen();
+    assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
+}
+
+#[test]
 fn a_database_from_a_newer_binary_is_refused() {
     let f = Fixture::new();
     f.raw()

@@ -25,9 +25,9 @@ use crate::proxy::ProxyId;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections in the pool: one is held by the writer, the rest serve reads.
 const POOL_SIZE: u32 = 8;
-/// Page cache of the writer connection (negative: KiB). The writer keeps its cache across
-/// transactions because no other connection writes; a larger one keeps the random-UUID
-/// lease index pages in memory.
+/// Page cache of the writer connection, in KiB. The writer keeps its cache across
+/// transactions because no other connection of the process writes, so a larger one keeps the
+/// hot index pages in memory.
 const WRITER_CACHE_KIB: i64 = 32 * 1024;
 /// Upper bound of every configured duration, so timestamps stay in range.
 const MAX_CONFIG_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
