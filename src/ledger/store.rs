@@ -14,15 +14,21 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, Transaction, Trans
 
 use super::clock::Clock;
 use super::error::LedgerError;
-use super::lease::{AcquireOutcome, Candidate, Lease, LeaseState, ReportResult, SweepStats};
+use super::lease::{
+    AcquireOutcome, Candidate, Lease, LeaseState, ReportResult, SweepStats, new_lease_id,
+};
 use super::schema;
 use super::selection::{ProxyLoad, Selection, select};
 use crate::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections in the pool: one writer at a time, the rest serve reads.
+/// Connections in the pool: one is held by the writer, the rest serve reads.
 const POOL_SIZE: u32 = 8;
+/// Page cache of the writer connection, in KiB. The writer keeps its cache across
+/// transactions because no other connection of the process writes, so a larger one keeps the
+/// hot index pages in memory.
+const WRITER_CACHE_KIB: i64 = 32 * 1024;
 /// Upper bound of every configured duration, so timestamps stay in range.
 const MAX_CONFIG_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
@@ -109,9 +115,11 @@ struct Inner {
     pool: Pool<SqliteConnectionManager>,
     clock: Arc<dyn Clock>,
     config: LedgerConfig,
-    /// Writers queue here instead of spinning on SQLite's busy handler; `BEGIN IMMEDIATE`
-    /// still guards against other processes opening the same file.
-    write_lock: Mutex<()>,
+    /// The one connection every write goes through. Writers queue on the mutex instead of
+    /// spinning on SQLite's busy handler, and the connection's page cache stays valid because
+    /// no other connection of this process writes. `BEGIN IMMEDIATE` still guards against
+    /// other processes opening the same file.
+    writer: Mutex<PooledConnection<SqliteConnectionManager>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -180,13 +188,15 @@ impl Ledger {
             .min_idle(Some(1))
             .test_on_check_out(false)
             .build(manager)?;
+        let writer = pool.get()?;
+        writer.pragma_update(None, "cache_size", -WRITER_CACHE_KIB)?;
         Ok(Ledger {
             inner: Arc::new(Inner {
                 path: path.to_owned(),
                 pool,
                 clock,
                 config,
-                write_lock: Mutex::new(()),
+                writer: Mutex::new(writer),
             }),
         })
     }
@@ -226,7 +236,7 @@ impl Ledger {
             };
             let proxy = candidates[index].proxy.clone();
             let expires_at = now.saturating_add(ttl_ms);
-            let id = uuid::Uuid::new_v4().to_string();
+            let id = new_lease_id(now);
             tx.prepare_cached(
                 "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
                  acquired_at, expires_at, ttl_ms) \
@@ -362,7 +372,9 @@ impl Ledger {
 
     /// Marks leases past their expiry as expired (one `expired` event each, timed at the
     /// expiry), deletes finished leases whose expiry is older than the cooldown window, ended
-    /// cooldowns, and history older than the retention period.
+    /// cooldowns, and history older than the retention period. History is deleted from its
+    /// start up to the first row inside the retention period, so the scan touches only what
+    /// it deletes.
     pub fn sweep(&self) -> Result<SweepStats, LedgerError> {
         let config = &self.inner.config;
         let retained_after = millis(config.cooldown);
@@ -389,7 +401,11 @@ impl Ledger {
                 .prepare_cached("DELETE FROM cooldowns WHERE until <= ?1")?
                 .execute([now])?;
             let events_pruned = tx
-                .prepare_cached("DELETE FROM lease_events WHERE at < ?1")?
+                .prepare_cached(
+                    "DELETE FROM lease_events WHERE seq < coalesce(\
+                     (SELECT seq FROM lease_events WHERE at >= ?1 ORDER BY seq LIMIT 1), \
+                     (SELECT max(seq) + 1 FROM lease_events), 0)",
+                )?
                 .execute([now.saturating_sub(retention)])?;
             Ok(SweepStats {
                 expired: expired as u64,
@@ -438,12 +454,11 @@ impl Ledger {
         &self,
         op: impl FnOnce(&Transaction<'_>, i64) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
-        let _serialized = self
+        let mut conn = self
             .inner
-            .write_lock
+            .writer
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut conn = self.inner.pool.get()?;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let now = self.now_ms();
         let value = op(&tx, now)?;
