@@ -152,14 +152,24 @@ impl Supervisor {
     }
 
     /// Waits for SIGTERM/SIGINT or the first task to end, then stops everything.
-    pub async fn run(mut self) -> Result<Exit, StartError> {
+    pub async fn run(self) -> Result<Exit, StartError> {
         let mut terminate = signal(SignalKind::terminate())
             .map_err(|e| StartError::from_display("installing the SIGTERM handler", e))?;
         let mut interrupt = signal(SignalKind::interrupt())
             .map_err(|e| StartError::from_display("installing the SIGINT handler", e))?;
+        self.run_until(async move {
+            tokio::select! {
+                _ = terminate.recv() => log::info!("SIGTERM: stopping"),
+                _ = interrupt.recv() => log::info!("SIGINT: stopping"),
+            }
+        })
+        .await
+    }
+
+    /// Waits for `stop` or the first task to end, then stops everything.
+    pub async fn run_until(mut self, stop: impl Future<Output = ()>) -> Result<Exit, StartError> {
         let exit = tokio::select! {
-            _ = terminate.recv() => { log::info!("SIGTERM: stopping"); Exit::Clean }
-            _ = interrupt.recv() => { log::info!("SIGINT: stopping"); Exit::Clean }
+            () = stop => Exit::Clean,
             Some(joined) = self.tasks.join_next() => {
                 match joined {
                     Ok((name, Ok(()))) => log::error!("{name} stopped unexpectedly; stopping the process"),

@@ -25,22 +25,55 @@ use crate::reconcile::{self, Context, HealthSignal, HealthStates, ReconcilerConf
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
-    let providers_config =
-        ProvidersConfig::load(&args.providers_config).map_err(|e| StartError(e.to_string()))?;
-    let gc_config = GcConfig {
-        interval: args.gc_interval,
-        min_age: args.gc_min_age,
-        namespace: args.watch_namespace.clone(),
-        allow_namespaced: args.gc_allow_namespaced,
-    };
-    gc_config
-        .check_scope()
-        .map_err(|e| StartError(format!("--watch-namespace: {e}")))?;
+    let providers_config = load_config(&args)?;
     let client = Client::try_default().await.map_err(|e| {
         StartError(format!(
             "cannot build a Kubernetes client (in-cluster config or kubeconfig): {e}"
         ))
     })?;
+    let supervisor = start(args, providers_config, client).await?;
+    supervisor.run().await
+}
+
+/// Runs operator mode against `client` until `stop` completes or a task fails (the in-process
+/// entry point tests drive with a mock API server).
+pub async fn run_with_client(
+    args: RunArgs,
+    client: Client,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<Exit, StartError> {
+    let providers_config = load_config(&args)?;
+    let supervisor = start(args, providers_config, client).await?;
+    supervisor.run_until(stop).await
+}
+
+/// The providers config and the GC scope check: everything that can be refused before any
+/// connection is made.
+fn load_config(args: &RunArgs) -> Result<ProvidersConfig, StartError> {
+    let config =
+        ProvidersConfig::load(&args.providers_config).map_err(|e| StartError(e.to_string()))?;
+    gc_config(args)
+        .check_scope()
+        .map_err(|e| StartError(format!("--watch-namespace: {e}")))?;
+    Ok(config)
+}
+
+fn gc_config(args: &RunArgs) -> GcConfig {
+    GcConfig {
+        interval: args.gc_interval,
+        min_age: args.gc_min_age,
+        namespace: args.watch_namespace.clone(),
+        allow_namespaced: args.gc_allow_namespaced,
+    }
+}
+
+/// Opens the shared parts and starts every task of operator mode.
+async fn start(
+    args: RunArgs,
+    providers_config: ProvidersConfig,
+    client: Client,
+) -> Result<Supervisor, StartError> {
+    let gc_config = gc_config(&args);
     let inventory = Inventory::new();
     let core = Core::open(&args.common, inventory.clone())?;
     let providers = build_providers(
@@ -115,7 +148,7 @@ pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
             () = shutdown.cancelled() => Ok(()),
         }
     });
-    supervisor.run().await
+    Ok(supervisor)
 }
 
 /// Mirrors the cluster's Proxies into the inventory; the inventory becomes synced (and
