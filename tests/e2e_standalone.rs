@@ -4,24 +4,15 @@
 
 mod support;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use support::{DEADLINE, Squid, SquidOptions, Target};
+use support::{DEADLINE, Squid, SquidOptions, Target, free_port};
 
 const TOKEN: &str = "e2e-secret";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn proxy_doc(name: &str, port: u16, max_leases: u32, probe_url: &str) -> String {
     format!(

@@ -16,7 +16,7 @@ use proxy_operator::cli::{Cli, Command};
 use proxy_operator::process::{Exit, operator};
 use proxy_operator::rbac;
 use serde_json::{Value, json};
-use support::{DEADLINE, Squid, Target};
+use support::{DEADLINE, Squid, Target, free_port};
 use tower_test::mock;
 
 type Requests = Arc<Mutex<Vec<(String, String, Value)>>>;
@@ -117,14 +117,6 @@ async fn api_server(
         };
         send.send_response(response);
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn status_writes(requests: &Requests) -> Vec<Value> {

@@ -580,37 +580,36 @@ fn provisioning(provider_id: FieldChange) -> StatusChange {
 }
 
 fn cloud_init_missing(message: &str, config: &super::ReconcilerConfig) -> Step {
-    Step {
-        status: Some(StatusChange {
-            provisioning: Provisioning::Waiting,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Keep,
-            provisioned: ConditionStatus::False,
-            reason: REASON_CLOUD_INIT,
-            message: message.to_owned(),
-        }),
-        annotations: None,
-        event: None,
-        requeue: controller::Action::requeue(config.provisioning_poll),
-    }
+    waiting(
+        REASON_CLOUD_INIT,
+        message.to_owned(),
+        config.provisioning_poll,
+    )
 }
 
 fn unknown_provider(spec: &ProxySpec, ctx: &Context) -> Step {
+    let message = format!(
+        "provider {:?} is not in the operator's providers config",
+        spec.provider.as_deref().unwrap_or_default()
+    );
+    waiting(REASON_UNKNOWN_PROVIDER, message, ctx.config.drift_poll)
+}
+
+/// A Proxy that cannot be provisioned until something outside it changes: condition
+/// `Provisioned=False/<reason>`, machine fields untouched, a check again after `requeue`.
+fn waiting(reason: &'static str, message: String, requeue: std::time::Duration) -> Step {
     Step {
         status: Some(StatusChange {
             provisioning: Provisioning::Waiting,
             provider_id: FieldChange::Keep,
             ip: FieldChange::Keep,
             provisioned: ConditionStatus::False,
-            reason: REASON_UNKNOWN_PROVIDER,
-            message: format!(
-                "provider {:?} is not in the operator's providers config",
-                spec.provider.as_deref().unwrap_or_default()
-            ),
+            reason,
+            message,
         }),
         annotations: None,
         event: None,
-        requeue: controller::Action::requeue(ctx.config.drift_poll),
+        requeue: controller::Action::requeue(requeue),
     }
 }
 

@@ -8,7 +8,7 @@
 pub mod squid;
 pub mod target;
 
-pub use squid::{Squid, SquidOptions};
+pub use squid::{Squid, SquidOptions, free_port};
 pub use target::Target;
 
 use std::time::{Duration, Instant};

@@ -165,7 +165,8 @@ fn binary() -> PathBuf {
     panic!("squid is required by the health tests; install squid: apt-get install -y squid");
 }
 
-fn free_port() -> u16 {
+/// A loopback port nothing listens on right now.
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
