@@ -189,6 +189,10 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
@@ -294,8 +298,12 @@ async fn run() -> Report {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let ready_after = started.elapsed();
-    println!("ready after {:.1} s", ready_after.as_secs_f64());
+    let rss_now = || Operator::memory_kib(pid).map_or(0, |(rss, _)| rss);
+    println!(
+        "operator pid {pid} ready after {:.1} s, resident {}",
+        started.elapsed().as_secs_f64(),
+        mib(rss_now())
+    );
 
     let wanted = (PROXIES as f64 * HEALTHY_SHARE).ceil() as usize;
     let mut last_report = Instant::now();
@@ -305,8 +313,9 @@ async fn run() -> Report {
             .unwrap_or(0);
         if healthy >= wanted {
             println!(
-                "{healthy} of {PROXIES} healthy after {:.1} s",
-                started.elapsed().as_secs_f64()
+                "{healthy} of {PROXIES} healthy after {:.1} s, resident {}",
+                started.elapsed().as_secs_f64(),
+                mib(rss_now())
             );
             break;
         }
@@ -333,8 +342,11 @@ async fn run() -> Report {
     while measure_start.elapsed() < MEASURE {
         let series = &mut lists[turn % 2];
         let path = paths[turn % 2];
-        let (status, took, body) =
-            timed(http.get(format!("{}{path}", operator.api)).bearer_auth(TOKEN)).await;
+        let (status, took, body) = timed(
+            http.get(format!("{}{path}", operator.api))
+                .bearer_auth(TOKEN),
+        )
+        .await;
         assert_eq!(status, StatusCode::OK, "{path}");
         let count = serde_json::from_slice::<Count>(&body)
             .expect("a proxy list")
@@ -346,8 +358,7 @@ async fn run() -> Report {
     }
     let measured = measure_start.elapsed();
     assert_eq!(lists[0].count, PROXIES, "the full list lists every proxy");
-    let (probes_after, metrics_bytes, metrics_took) =
-        probes_total(&http, &operator.metrics).await;
+    let (probes_after, metrics_bytes, metrics_took) = probes_total(&http, &operator.metrics).await;
 
     let (status, acquire_took, lease) = timed(
         http.post(format!("{}/v1/leases", operator.api))
@@ -407,7 +418,6 @@ async fn run() -> Report {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let report = run().await;
-    let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
     println!();
     println!(
         "{:<44} {:>6} {:>11} {:>11} {:>11}",
@@ -428,7 +438,11 @@ async fn main() -> ExitCode {
     let mut failed = false;
     let peak = report.peak_rss_kib.max(report.hwm_kib);
     if peak >= RSS_LIMIT_KIB {
-        println!("FAIL: resident memory {} >= {}", mib(peak), mib(RSS_LIMIT_KIB));
+        println!(
+            "FAIL: resident memory {} >= {}",
+            mib(peak),
+            mib(RSS_LIMIT_KIB)
+        );
         failed = true;
     }
     for series in &report.lists {

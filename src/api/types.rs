@@ -1,6 +1,7 @@
 //! Request and response bodies of the API (their JSON shapes are the API contract, and the
 //! OpenAPI document is generated from them).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -16,16 +17,22 @@ pub struct ListQuery {
     pub selector: Option<String>,
 }
 
+// Borrows from the inventory where it can: a full list of a large fleet is serialised straight
+// from the inventory, without copying every name and label set first. (A doc comment here would
+// become the schema's description in the OpenAPI document.)
 /// One proxy as crawlers see it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct ProxyView {
+pub struct ProxyView<'a> {
     /// Name of the Proxy.
-    pub name: String,
+    #[schema(value_type = String)]
+    pub name: Cow<'a, str>,
     /// Namespace of the Proxy.
-    pub namespace: String,
+    #[schema(value_type = String)]
+    pub namespace: Cow<'a, str>,
     /// Address to connect to.
-    pub host: String,
+    #[schema(value_type = String)]
+    pub host: Cow<'a, str>,
     /// Port to connect to.
     pub port: i32,
     /// `http://host:port`, ready for an HTTP client's proxy setting.
@@ -40,14 +47,15 @@ pub struct ProxyView {
     /// How many leases it grants at once (0: never).
     pub max_leases: u32,
     /// Its selection labels.
-    pub labels: BTreeMap<String, String>,
+    #[schema(value_type = BTreeMap<String, String>)]
+    pub labels: Cow<'a, BTreeMap<String, String>>,
 }
 
 /// Answer of `GET /v1/proxies`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct ProxyList {
+pub struct ProxyList<'a> {
     /// Matching proxies, sorted by namespace/name.
-    pub proxies: Vec<ProxyView>,
+    pub proxies: Vec<ProxyView<'a>>,
     /// Number of proxies.
     pub count: usize,
 }

@@ -112,8 +112,8 @@ impl InventoryFile {
 
     /// Checks `text` as the file's content. Empty documents are skipped.
     pub fn parse(&self, text: &str) -> Result<Vec<Proxy>, InventoryError> {
-        let documents: Vec<Value> =
-            serde_saphyr::from_multiple_with_options(text, parse_options()).map_err(|e| InventoryError::Parse {
+        let documents: Vec<Value> = serde_saphyr::from_multiple_with_options(text, parse_options())
+            .map_err(|e| InventoryError::Parse {
                 path: self.path.clone(),
                 message: e.to_string(),
             })?;
