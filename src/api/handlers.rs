@@ -1,8 +1,6 @@
 //! The route handlers. Each one reads the inventory and health snapshot, calls the ledger on a
 //! blocking thread, and maps the outcome to the API's JSON shapes.
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
@@ -11,17 +9,14 @@ use actix_web::{HttpResponse, web};
 
 use super::body::ApiJson;
 use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::list::{Dynamic, ListBody, address, proxy_url};
 use super::selector::Selector;
 use super::state::ApiState;
 use super::types::{
-    AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, ProxyView, RenewRequest,
-    ReportRequest, StatusBody,
+    AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
+    StatusBody,
 };
 use crate::ledger::{AcquireOutcome, Candidate, Lease, LedgerError, NoMatch, ReportResult};
-use crate::proxy::Proxy;
-
-/// Typical size of one proxy in a list answer (with a few labels), to size the body buffer.
-const VIEW_JSON_BYTES: usize = 256;
 
 /// Runs a ledger call on a blocking thread.
 async fn ledger_call<T: Send + 'static>(
@@ -33,29 +28,6 @@ async fn ledger_call<T: Send + 'static>(
     web::block(move || call(&ledger))
         .await
         .map_err(|e| ApiError::internal(context, e))
-}
-
-/// Host and port of a proxy, when it has an address.
-fn address(proxy: &Proxy) -> Option<(&str, i32)> {
-    let host = proxy.spec.effective_host(proxy.status.as_ref())?;
-    Some((host, proxy.spec.effective_port()))
-}
-
-/// The labels of a proxy, borrowed (an unlabelled proxy gets an empty map, which does not
-/// allocate).
-fn labels(proxy: &Proxy) -> Cow<'_, BTreeMap<String, String>> {
-    match &proxy.metadata.labels {
-        Some(labels) => Cow::Borrowed(labels),
-        None => Cow::Owned(BTreeMap::new()),
-    }
-}
-
-fn proxy_url(host: &str, port: i32) -> String {
-    if host.contains(':') {
-        format!("http://[{host}]:{port}")
-    } else {
-        format!("http://{host}:{port}")
-    }
 }
 
 fn parse_target(target: Option<String>) -> Result<Option<String>, ApiError> {
@@ -155,45 +127,31 @@ pub async fn list_proxies(
         .await?
         .map_err(|e| ApiError::internal("reading lease counts", e))?;
     let snapshot = state.inventory.snapshot();
+    let fragments = state.proxy_list.fragments(&snapshot);
     let health = state.health.read();
-    let proxies: Vec<ProxyView> = snapshot
-        .entries()
-        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
-        .filter_map(|(id, p)| {
-            let (host, port) = address(p)?;
-            let h = health.get(id);
-            let healthy = h.and_then(|h| h.healthy) == Some(true);
-            if healthy_filter.is_some_and(|want| want != healthy) {
-                return None;
-            }
-            Some(ProxyView {
-                url: proxy_url(host, port),
-                name: Cow::Borrowed(&id.name),
-                namespace: Cow::Borrowed(&id.namespace),
-                host: Cow::Borrowed(host),
-                port,
-                healthy,
-                latency_ms: h
-                    .and_then(|h| h.latency)
-                    .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
-                active_leases: counts.get(&id.uid).copied().unwrap_or(0),
-                max_leases: p.spec.max_leases(),
-                labels: labels(p),
-            })
-        })
-        .collect();
+    let mut body = ListBody::default();
+    for (index, (id, p)) in snapshot.entries().enumerate() {
+        if !selector.matches(p.metadata.labels.as_ref()) {
+            continue;
+        }
+        let h = health.get(id);
+        let healthy = h.and_then(|h| h.healthy) == Some(true);
+        if healthy_filter.is_some_and(|want| want != healthy) {
+            continue;
+        }
+        let dynamic = Dynamic {
+            healthy,
+            latency_ms: h
+                .and_then(|h| h.latency)
+                .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
+            active_leases: counts.get(&id.uid).copied().unwrap_or(0),
+        };
+        body.push(&fragments, index, dynamic);
+    }
     drop(health);
-    let list = ProxyList {
-        count: proxies.len(),
-        proxies,
-    };
-    // One allocation of about the right size instead of repeated doubling.
-    let mut body = Vec::with_capacity(list.count * VIEW_JSON_BYTES);
-    serde_json::to_writer(&mut body, &list)
-        .map_err(|e| ApiError::internal("serialising the proxy list", e))?;
     Ok(HttpResponse::Ok()
         .content_type(ContentType::json())
-        .body(body))
+        .body(body.finish()))
 }
 
 /// The acquire candidates: every proxy matching the selector; only healthy ones with an

@@ -1,7 +1,6 @@
 //! Request and response bodies of the API (their JSON shapes are the API contract, and the
 //! OpenAPI document is generated from them).
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -17,22 +16,16 @@ pub struct ListQuery {
     pub selector: Option<String>,
 }
 
-// Borrows from the inventory where it can: a full list of a large fleet is serialised straight
-// from the inventory, without copying every name and label set first. (A doc comment here would
-// become the schema's description in the OpenAPI document.)
 /// One proxy as crawlers see it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct ProxyView<'a> {
+pub struct ProxyView {
     /// Name of the Proxy.
-    #[schema(value_type = String)]
-    pub name: Cow<'a, str>,
+    pub name: String,
     /// Namespace of the Proxy.
-    #[schema(value_type = String)]
-    pub namespace: Cow<'a, str>,
+    pub namespace: String,
     /// Address to connect to.
-    #[schema(value_type = String)]
-    pub host: Cow<'a, str>,
+    pub host: String,
     /// Port to connect to.
     pub port: i32,
     /// `http://host:port`, ready for an HTTP client's proxy setting.
@@ -47,15 +40,14 @@ pub struct ProxyView<'a> {
     /// How many leases it grants at once (0: never).
     pub max_leases: u32,
     /// Its selection labels.
-    #[schema(value_type = BTreeMap<String, String>)]
-    pub labels: Cow<'a, BTreeMap<String, String>>,
+    pub labels: BTreeMap<String, String>,
 }
 
 /// Answer of `GET /v1/proxies`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct ProxyList<'a> {
+pub struct ProxyList {
     /// Matching proxies, sorted by namespace/name.
-    pub proxies: Vec<ProxyView<'a>>,
+    pub proxies: Vec<ProxyView>,
     /// Number of proxies.
     pub count: usize,
 }
