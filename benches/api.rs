@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use proxy_operator::api::{self, ApiState, ApiToken};
+use proxy_operator::api::{self, ApiState, ApiToken, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
@@ -102,6 +102,7 @@ async fn main() {
         clock,
         metrics: LeaseMetrics::register(&prometheus::Registry::new()).expect("metrics"),
         default_ttl: Duration::from_secs(300),
+        proxy_list: ProxyListCache::default(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));

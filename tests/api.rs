@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
-use proxy_operator::api::{self, ApiState, ApiToken};
+use proxy_operator::api::{self, ApiState, ApiToken, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock};
@@ -74,6 +74,7 @@ impl Harness {
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(120),
+            proxy_list: ProxyListCache::default(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());

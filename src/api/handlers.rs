@@ -4,18 +4,19 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
+use actix_web::http::header::ContentType;
 use actix_web::{HttpResponse, web};
 
 use super::body::ApiJson;
 use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::list::{Dynamic, ListBody, address, proxy_url};
 use super::selector::Selector;
 use super::state::ApiState;
 use super::types::{
-    AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, ProxyView, RenewRequest,
-    ReportRequest, StatusBody,
+    AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
+    StatusBody,
 };
 use crate::ledger::{AcquireOutcome, Candidate, Lease, LedgerError, NoMatch, ReportResult};
-use crate::proxy::Proxy;
 
 /// Runs a ledger call on a blocking thread.
 async fn ledger_call<T: Send + 'static>(
@@ -27,20 +28,6 @@ async fn ledger_call<T: Send + 'static>(
     web::block(move || call(&ledger))
         .await
         .map_err(|e| ApiError::internal(context, e))
-}
-
-/// Host and port of a proxy, when it has an address.
-fn address(proxy: &Proxy) -> Option<(String, i32)> {
-    let host = proxy.spec.effective_host(proxy.status.as_ref())?;
-    Some((host.to_owned(), proxy.spec.effective_port()))
-}
-
-fn proxy_url(host: &str, port: i32) -> String {
-    if host.contains(':') {
-        format!("http://[{host}]:{port}")
-    } else {
-        format!("http://{host}:{port}")
-    }
 }
 
 fn parse_target(target: Option<String>) -> Result<Option<String>, ApiError> {
@@ -72,8 +59,8 @@ fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
         proxy: LeaseProxy {
             name: lease.proxy.name.clone(),
             namespace: lease.proxy.namespace.clone(),
-            url: address.as_ref().map(|(h, p)| proxy_url(h, *p)),
-            host: address.as_ref().map(|(h, _)| h.clone()),
+            url: address.map(|(h, p)| proxy_url(h, p)),
+            host: address.map(|(h, _)| h.to_owned()),
             port: address.map(|(_, p)| p),
         },
         target: lease.target.clone(),
@@ -140,37 +127,31 @@ pub async fn list_proxies(
         .await?
         .map_err(|e| ApiError::internal("reading lease counts", e))?;
     let snapshot = state.inventory.snapshot();
+    let fragments = state.proxy_list.fragments(&snapshot);
     let health = state.health.read();
-    let proxies: Vec<ProxyView> = snapshot
-        .entries()
-        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
-        .filter_map(|(id, p)| {
-            let (host, port) = address(p)?;
-            let h = health.get(id);
-            let healthy = h.and_then(|h| h.healthy) == Some(true);
-            if healthy_filter.is_some_and(|want| want != healthy) {
-                return None;
-            }
-            Some(ProxyView {
-                url: proxy_url(&host, port),
-                name: id.name.clone(),
-                namespace: id.namespace.clone(),
-                host,
-                port,
-                healthy,
-                latency_ms: h
-                    .and_then(|h| h.latency)
-                    .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
-                active_leases: counts.get(&id.uid).copied().unwrap_or(0),
-                max_leases: p.spec.max_leases(),
-                labels: p.labels(),
-            })
-        })
-        .collect();
-    Ok(HttpResponse::Ok().json(ProxyList {
-        count: proxies.len(),
-        proxies,
-    }))
+    let mut body = ListBody::default();
+    for (index, (id, p)) in snapshot.entries().enumerate() {
+        if !selector.matches(p.metadata.labels.as_ref()) {
+            continue;
+        }
+        let h = health.get(id);
+        let healthy = h.and_then(|h| h.healthy) == Some(true);
+        if healthy_filter.is_some_and(|want| want != healthy) {
+            continue;
+        }
+        let dynamic = Dynamic {
+            healthy,
+            latency_ms: h
+                .and_then(|h| h.latency)
+                .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
+            active_leases: counts.get(&id.uid).copied().unwrap_or(0),
+        };
+        body.push(&fragments, index, dynamic);
+    }
+    drop(health);
+    Ok(HttpResponse::Ok()
+        .content_type(ContentType::json())
+        .body(body.finish()))
 }
 
 /// The acquire candidates: every proxy matching the selector; only healthy ones with an

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::list::ProxyListCache;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
@@ -26,4 +27,6 @@ pub struct ApiState {
     pub metrics: LeaseMetrics,
     /// TTL of a lease whose request names none.
     pub default_ttl: Duration,
+    /// The serialised entries of the proxy list, kept per inventory snapshot.
+    pub proxy_list: ProxyListCache,
 }

@@ -17,6 +17,24 @@ use crate::validation::{ProxyValidator, SchemaError};
 const API_VERSION: &str = "crawl.example.com/v1alpha1";
 const KIND: &str = "Proxy";
 
+/// The most documents (proxies) one inventory file may hold.
+pub const MAX_DOCUMENTS: usize = 100_000;
+/// YAML parser events allowed per document on average; a Proxy document is about 50.
+const EVENTS_PER_DOCUMENT: usize = 1_000;
+
+/// The YAML parser's budget, scaled to a fleet: the default (1,024 documents, 1,000,000
+/// events, 250,000 nodes) is sized for one config file and refuses a 10,000-proxy inventory.
+/// The other limits (aliases, nesting, scalar bytes) keep their defaults.
+fn parse_options() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_documents = MAX_DOCUMENTS;
+    budget.max_events = MAX_DOCUMENTS * EVENTS_PER_DOCUMENT;
+    budget.max_nodes = MAX_DOCUMENTS * EVENTS_PER_DOCUMENT;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options
+}
+
 /// Why an inventory file was refused. Every variant names the file; document-level variants
 /// name the document (1-based) and the Proxy.
 #[derive(Debug, thiserror::Error)]
@@ -94,8 +112,8 @@ impl InventoryFile {
 
     /// Checks `text` as the file's content. Empty documents are skipped.
     pub fn parse(&self, text: &str) -> Result<Vec<Proxy>, InventoryError> {
-        let documents: Vec<Value> =
-            serde_saphyr::from_multiple(text).map_err(|e| InventoryError::Parse {
+        let documents: Vec<Value> = serde_saphyr::from_multiple_with_options(text, parse_options())
+            .map_err(|e| InventoryError::Parse {
                 path: self.path.clone(),
                 message: e.to_string(),
             })?;
@@ -323,6 +341,36 @@ spec:
             assert!(message.contains(expected), "{message:?} lacks {expected:?}");
             assert!(message.contains("/srv/inventory.yaml"), "{message}");
         }
+    }
+
+    fn fleet(size: usize) -> String {
+        (0..size)
+            .map(|i| {
+                format!(
+                    "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\n\
+                     metadata: {{name: p{i}, labels: {{pool: a, geo: eu, shard: s{}}}}}\n\
+                     spec:\n  mode: External\n  endpoint: {{host: 127.0.0.1, port: 3128}}\n  \
+                     healthCheck: {{interval: 30s, timeout: 5s}}\n---\n",
+                    i % 10
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parses_a_fleet_over_the_yaml_parsers_default_budget() {
+        // 7,000 documents of ~40 nodes: over the default 1,024 documents and 250,000 nodes.
+        let proxies = file().parse(&fleet(7_000)).unwrap();
+        assert_eq!(proxies.len(), 7_000);
+        assert_eq!(proxies[6_999].key(), "default/p6999");
+    }
+
+    #[test]
+    fn refuses_more_documents_than_the_limit() {
+        let text = "---\n{}\n".repeat(MAX_DOCUMENTS + 1);
+        let message = error(&text);
+        assert!(message.contains("Documents"), "{message}");
+        assert!(message.contains("/srv/inventory.yaml"), "{message}");
     }
 
     #[tokio::test]

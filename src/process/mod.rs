@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ApiState, ApiToken};
+use crate::api::{self, ApiState, ApiToken, ProxyListCache};
 use crate::cli::CommonArgs;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -254,6 +254,7 @@ pub fn start_core(
         clock: core.clock.clone(),
         metrics: core.lease_metrics.clone(),
         default_ttl: common.default_lease_ttl,
+        proxy_list: ProxyListCache::default(),
     };
     let api = api::serve(api_listener, state, token)
         .map_err(|e| StartError::from_display("--discovery-addr", e))?;

@@ -1,0 +1,291 @@
+//! The body of `GET /v1/proxies`. For a fleet of thousands of proxies the list is megabytes of
+//! JSON, and copying and escaping every name, address and label set on each request dominated
+//! its cost. So each proxy's entry is serialised once per inventory snapshot — by
+//! [`ProxyView`]'s own `Serialize`, so the shape cannot drift — and cut around the fields that
+//! change between requests (health, latency, lease count); a request writes only those.
+
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use super::types::ProxyView;
+use crate::inventory::InventorySnapshot;
+use crate::proxy::{Proxy, ProxyId};
+
+/// What a [`ProxyView`] with placeholder values for the changing fields serialises to between
+/// its static head and tail. Every string before it is escaped, so its first occurrence is
+/// the field itself.
+const PLACEHOLDER: &str = r#","healthy":false,"activeLeases":0,"#;
+
+/// Host and port of a proxy, when it has an address.
+pub fn address(proxy: &Proxy) -> Option<(&str, i32)> {
+    let host = proxy.spec.effective_host(proxy.status.as_ref())?;
+    Some((host, proxy.spec.effective_port()))
+}
+
+/// `http://host:port`, with brackets around an IPv6 host.
+pub fn proxy_url(host: &str, port: i32) -> String {
+    if host.contains(':') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    }
+}
+
+/// The fields of a listed proxy that change between requests.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dynamic {
+    /// Whether it passes health checks.
+    pub healthy: bool,
+    /// Latency of the last probe, in milliseconds.
+    pub latency_ms: Option<u64>,
+    /// Leases currently held on it.
+    pub active_leases: u32,
+}
+
+/// One proxy's entry as serialised JSON, cut around its changing fields.
+#[derive(Debug)]
+struct Fragment {
+    /// `{"name":…,"url":"…"`.
+    head: Box<str>,
+    /// `"maxLeases":…,"labels":{…}}`.
+    tail: Box<str>,
+}
+
+impl Fragment {
+    /// The entry of a proxy with an address; `None` for one without (it is not listed).
+    fn new(id: &ProxyId, proxy: &Proxy) -> Option<Fragment> {
+        let (host, port) = address(proxy)?;
+        let view = ProxyView {
+            name: id.name.clone(),
+            namespace: id.namespace.clone(),
+            host: host.to_owned(),
+            port,
+            url: proxy_url(host, port),
+            healthy: false,
+            latency_ms: None,
+            active_leases: 0,
+            max_leases: proxy.spec.max_leases(),
+            labels: proxy.labels(),
+        };
+        let json = serde_json::to_string(&view).ok()?;
+        let cut = json.find(PLACEHOLDER)?;
+        Some(Fragment {
+            head: json[..cut].into(),
+            tail: json[cut + PLACEHOLDER.len()..].into(),
+        })
+    }
+}
+
+/// The fragments of every proxy of one inventory snapshot, in the snapshot's order.
+#[derive(Debug)]
+pub struct Fragments {
+    snapshot: Weak<InventorySnapshot>,
+    entries: Vec<Option<Fragment>>,
+}
+
+impl Fragments {
+    fn new(snapshot: &Arc<InventorySnapshot>) -> Fragments {
+        Fragments {
+            snapshot: Arc::downgrade(snapshot),
+            entries: snapshot
+                .entries()
+                .map(|(id, proxy)| Fragment::new(id, proxy))
+                .collect(),
+        }
+    }
+}
+
+/// The fragments of the current inventory snapshot, shared by the API's workers and rebuilt
+/// on the first list after the inventory changes.
+#[derive(Debug, Clone, Default)]
+pub struct ProxyListCache {
+    current: Arc<Mutex<Option<Arc<Fragments>>>>,
+}
+
+impl ProxyListCache {
+    /// The fragments of `snapshot`, built if the cache holds another snapshot's.
+    pub fn fragments(&self, snapshot: &Arc<InventorySnapshot>) -> Arc<Fragments> {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        match current.as_ref() {
+            Some(fragments) if Weak::ptr_eq(&fragments.snapshot, &Arc::downgrade(snapshot)) => {
+                fragments.clone()
+            }
+            _ => {
+                let fragments = Arc::new(Fragments::new(snapshot));
+                *current = Some(fragments.clone());
+                fragments
+            }
+        }
+    }
+}
+
+/// A `{"proxies":[…],"count":N}` body being written.
+#[derive(Debug)]
+pub struct ListBody {
+    json: String,
+    count: usize,
+}
+
+impl Default for ListBody {
+    fn default() -> Self {
+        ListBody {
+            json: r#"{"proxies":["#.to_owned(),
+            count: 0,
+        }
+    }
+}
+
+impl ListBody {
+    /// Appends the proxy at `index` of the snapshot the fragments were built from. A proxy
+    /// without an address (no fragment) is skipped; returns whether it was listed.
+    pub fn push(&mut self, fragments: &Fragments, index: usize, dynamic: Dynamic) -> bool {
+        let Some(Some(fragment)) = fragments.entries.get(index) else {
+            return false;
+        };
+        if self.count > 0 {
+            self.json.push(',');
+        }
+        self.json.push_str(&fragment.head);
+        // Writing to a String cannot fail.
+        let _ = write!(self.json, r#","healthy":{}"#, dynamic.healthy);
+        if let Some(latency) = dynamic.latency_ms {
+            let _ = write!(self.json, r#","latencyMs":{latency}"#);
+        }
+        let _ = write!(self.json, r#","activeLeases":{},"#, dynamic.active_leases);
+        self.json.push_str(&fragment.tail);
+        self.count += 1;
+        true
+    }
+
+    /// The finished body.
+    pub fn finish(mut self) -> String {
+        let _ = write!(self.json, r#"],"count":{}}}"#, self.count);
+        self.json
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::api::types::ProxyList;
+    use crate::inventory::Inventory;
+    use crate::proxy::ProxySpec;
+
+    fn proxy(name: &str, host: Option<&str>, labels: &[(&str, &str)]) -> Proxy {
+        let spec: ProxySpec = match host {
+            Some(host) => serde_json::from_value(serde_json::json!({
+                "mode": "External",
+                "endpoint": {"host": host, "port": 3128},
+                "maxLeases": 0,
+            })),
+            None => serde_json::from_value(serde_json::json!({
+                "mode": "Managed",
+                "provider": "local",
+            })),
+        }
+        .unwrap();
+        let mut p = Proxy::new(name, spec);
+        if !labels.is_empty() {
+            p.metadata.labels = Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect::<BTreeMap<_, _>>(),
+            );
+        }
+        p
+    }
+
+    /// The body written from fragments equals serde's serialisation of the same list, for
+    /// every kind of entry: with and without latency, escaped strings, an IPv6 host, a label
+    /// named like a changing field, and a proxy without an address (not listed).
+    #[test]
+    fn body_matches_the_serde_shape() {
+        let proxies = vec![
+            proxy("a", Some("10.0.0.1"), &[("geo", "eu")]),
+            proxy("b\"quoted\\", Some("2001:db8::1"), &[]),
+            proxy("c", None, &[("geo", "us")]),
+            proxy("d-ünïcode", Some("h"), &[("healthy", "false"), ("x", "\n")]),
+        ];
+        let inventory = Inventory::new();
+        inventory.replace(proxies);
+        let snapshot = inventory.snapshot();
+        let dynamics = [
+            Dynamic {
+                healthy: true,
+                latency_ms: Some(12),
+                active_leases: 3,
+            },
+            Dynamic {
+                healthy: false,
+                latency_ms: None,
+                active_leases: 0,
+            },
+            Dynamic {
+                healthy: true,
+                latency_ms: Some(1),
+                active_leases: 1,
+            },
+            Dynamic {
+                healthy: false,
+                latency_ms: Some(u64::MAX),
+                active_leases: u32::MAX,
+            },
+        ];
+        let cache = ProxyListCache::default();
+        let fragments = cache.fragments(&snapshot);
+        let mut body = ListBody::default();
+        let mut expected = Vec::new();
+        for (index, ((id, p), dynamic)) in snapshot.entries().zip(dynamics).enumerate() {
+            let listed = body.push(&fragments, index, dynamic);
+            assert_eq!(listed, address(p).is_some(), "{}", id.name);
+            if let Some((host, port)) = address(p) {
+                expected.push(ProxyView {
+                    name: id.name.clone(),
+                    namespace: id.namespace.clone(),
+                    host: host.to_owned(),
+                    port,
+                    url: proxy_url(host, port),
+                    healthy: dynamic.healthy,
+                    latency_ms: dynamic.latency_ms,
+                    active_leases: dynamic.active_leases,
+                    max_leases: p.spec.max_leases(),
+                    labels: p.labels(),
+                });
+            }
+        }
+        let expected = serde_json::to_string(&ProxyList {
+            count: expected.len(),
+            proxies: expected,
+        })
+        .unwrap();
+        assert_eq!(body.finish(), expected);
+    }
+
+    #[test]
+    fn empty_list() {
+        assert_eq!(ListBody::default().finish(), r#"{"proxies":[],"count":0}"#);
+    }
+
+    #[test]
+    fn fragments_are_rebuilt_only_when_the_snapshot_changes() {
+        let inventory = Inventory::new();
+        inventory.replace(vec![proxy("a", Some("h"), &[])]);
+        let cache = ProxyListCache::default();
+        let first = cache.fragments(&inventory.snapshot());
+        assert!(Arc::ptr_eq(&first, &cache.fragments(&inventory.snapshot())));
+        inventory.replace(vec![proxy("a", Some("h2"), &[])]);
+        let second = cache.fragments(&inventory.snapshot());
+        assert!(!Arc::ptr_eq(&first, &second));
+        let mut body = ListBody::default();
+        let dynamic = Dynamic {
+            healthy: true,
+            latency_ms: None,
+            active_leases: 0,
+        };
+        assert!(body.push(&second, 0, dynamic));
+        assert!(body.finish().contains(r#""host":"h2""#));
+    }
+}
