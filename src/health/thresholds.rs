@@ -155,6 +155,15 @@ mod tests {
 
     /// Feeds `results` one second apart, marking every report as delivered, and returns the
     /// report of each step.
+    /// The seconds (result indexes) at which `run` produced a report.
+    fn report_seconds(reports: &[Option<Report>]) -> Vec<usize> {
+        reports
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.map(|_| i))
+            .collect()
+    }
+
     fn run(state: &mut HealthState, results: &[(bool, u64)]) -> Vec<Option<Report>> {
         let t0 = Instant::now();
         results
@@ -302,12 +311,7 @@ mod tests {
         let results: Vec<(bool, u64)> = (0..3600)
             .map(|i| (true, if i % 2 == 0 { 40 } else { 61 }))
             .collect();
-        let reports = run(&mut state, &results);
-        let at: Vec<usize> = reports
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.map(|_| i))
-            .collect();
+        let at = report_seconds(&run(&mut state, &results));
         // The first result, then at most one latency report; an hour of jitter adds nothing.
         assert_eq!(at.first(), Some(&0));
         assert!(at.len() <= 2, "reports at seconds {at:?}");
@@ -318,12 +322,7 @@ mod tests {
         let mut state = HealthState::seeded(Some(true));
         // Latency grows by 10 ms every second for ten minutes.
         let results: Vec<(bool, u64)> = (0..600).map(|i| (true, 10 + 10 * i)).collect();
-        let reports = run(&mut state, &results);
-        let at: Vec<usize> = reports
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.map(|_| i))
-            .collect();
+        let at = report_seconds(&run(&mut state, &results));
         assert!(at.len() > 2, "a real drift is reported: {at:?}");
         for pair in at.windows(2) {
             assert!(pair[1] - pair[0] >= 60, "reports at seconds {at:?}");
