@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::ledger::Durability;
+use crate::reconcile::ReconcilerConfig;
 
 /// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
 /// proxy and leases them to crawlers.
@@ -159,9 +160,55 @@ pub struct RunArgs {
     #[arg(long, env = "POD_NAMESPACE")]
     pub leader_namespace: Option<String>,
 
+    /// Name of the leader-election Lease; installs sharing a namespace need different names.
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_LEADER_LEASE",
+        default_value = "proxy-operator-leader"
+    )]
+    pub leader_lease: String,
+
+    /// Reconciles running at once.
+    #[arg(long, env = "PROXY_OPERATOR_MAX_CONCURRENT_RECONCILES", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_concurrent_reconciles: u16,
+
+    /// How often a machine being created is looked at again.
+    #[arg(long, env = "PROXY_OPERATOR_PROVISIONING_POLL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub provisioning_poll: Duration,
+
+    /// How often a running machine is looked at again (catches machines that die or vanish).
+    #[arg(long, env = "PROXY_OPERATOR_DRIFT_POLL", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub drift_poll: Duration,
+
+    /// How often a machine being deleted is looked at again.
+    #[arg(long, env = "PROXY_OPERATOR_DELETION_POLL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub deletion_poll: Duration,
+
+    /// Wait after a provider refused for quota.
+    #[arg(long, env = "PROXY_OPERATOR_QUOTA_REQUEUE", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub quota_requeue: Duration,
+
+    /// Wait after a transient failure of a reconcile.
+    #[arg(long, env = "PROXY_OPERATOR_ERROR_REQUEUE", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub error_requeue: Duration,
+
     /// The flags shared with `standalone`.
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+impl RunArgs {
+    /// The reconciler's poll intervals and concurrency from the flags.
+    pub fn reconciler_config(&self) -> ReconcilerConfig {
+        ReconcilerConfig {
+            provisioning_poll: self.provisioning_poll,
+            drift_poll: self.drift_poll,
+            deletion_poll: self.deletion_poll,
+            quota_requeue: self.quota_requeue,
+            error_requeue: self.error_requeue,
+            concurrency: self.max_concurrent_reconciles,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -192,6 +239,19 @@ mod tests {
             Duration::from_secs(7 * 86400)
         );
         assert_eq!(args.inventory_poll, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn run_defaults_are_the_reconcilers_defaults() {
+        let cli =
+            Cli::try_parse_from(["proxy-operator", "run", "--providers-config", "p.yaml"]).unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("not run");
+        };
+        assert_eq!(args.reconciler_config(), ReconcilerConfig::default());
+        assert_eq!(args.leader_lease, "proxy-operator-leader");
+        assert_eq!(args.gc_interval, Duration::from_secs(600));
+        assert_eq!(args.gc_min_age, Duration::from_secs(600));
     }
 
     #[test]

@@ -25,9 +25,7 @@ fn main() -> ExitCode {
         Command::Standalone(args) => {
             runtime().and_then(|rt| rt.block_on(process::standalone::run(args)))
         }
-        Command::Run(_) => Err(StartError(
-            "`run` needs the provider registry, which this build does not have yet".into(),
-        )),
+        Command::Run(args) => runtime().and_then(|rt| rt.block_on(process::operator::run(args))),
     };
     match outcome {
         Ok(Exit::Clean) => ExitCode::SUCCESS,

@@ -165,6 +165,7 @@ async fn run(
             deletion_poll: Duration::from_secs(3),
             quota_requeue: Duration::from_secs(300),
             error_requeue: Duration::from_secs(4),
+            ..ReconcilerConfig::default()
         },
         health: states,
         clock: now,

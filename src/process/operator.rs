@@ -21,7 +21,7 @@ use crate::leader::{self, LeaderConfig};
 use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::proxy::{Proxy, ProxyId};
-use crate::reconcile::{self, Context, HealthSignal, HealthStates, ReconcilerConfig};
+use crate::reconcile::{self, Context, HealthSignal, HealthStates};
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -111,7 +111,7 @@ async fn start(
             .map(|(name, p)| (name.clone(), p.clone()))
             .collect::<HashMap<_, _>>(),
         install: args.install_id.clone(),
-        config: ReconcilerConfig::default(),
+        config: args.reconciler_config(),
         health: HealthStates::default(),
         clock: jiff::Timestamp::now,
     });
@@ -137,7 +137,11 @@ async fn start(
         .leader_namespace
         .clone()
         .unwrap_or_else(|| "default".to_owned());
-    let leader = leader::watch_leadership(client, &LeaderConfig::new(lease_namespace, identity))
+    let leader_config = LeaderConfig {
+        lease_name: args.leader_lease.clone(),
+        ..LeaderConfig::new(lease_namespace, identity)
+    };
+    let leader = leader::watch_leadership(client, &leader_config)
         .await
         .map_err(|e| StartError(format!("leader election: {e}")))?;
     let gc_providers = providers.values().cloned().collect();

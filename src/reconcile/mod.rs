@@ -35,9 +35,6 @@ use crate::proxy::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyId};
 /// Its value is the spec hash the create was started with.
 pub const CREATE_PENDING_ANNOTATION: &str = "crawl.example.com/create-pending";
 
-/// Most reconciles running at once.
-pub const MAX_CONCURRENT_RECONCILES: u16 = 3;
-
 /// How often the reconciler looks again, per situation. Configuration so tests can shrink them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReconcilerConfig {
@@ -51,6 +48,8 @@ pub struct ReconcilerConfig {
     pub quota_requeue: Duration,
     /// After a transient failure.
     pub error_requeue: Duration,
+    /// Most reconciles running at once.
+    pub concurrency: u16,
 }
 
 impl Default for ReconcilerConfig {
@@ -61,6 +60,7 @@ impl Default for ReconcilerConfig {
             deletion_poll: Duration::from_secs(5),
             quota_requeue: Duration::from_secs(300),
             error_requeue: Duration::from_secs(15),
+            concurrency: 16,
         }
     }
 }
@@ -194,7 +194,7 @@ fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controll
 
 /// Runs the Proxy controller until the watch streams end: watches Proxies (in `namespace`, or
 /// in all namespaces), re-triggers on cloud-init Secrets and on `health` transitions, at most
-/// [`MAX_CONCURRENT_RECONCILES`] at once.
+/// [`ReconcilerConfig::concurrency`] at once.
 pub async fn run_controller(
     ctx: Arc<Context>,
     namespace: Option<&str>,
@@ -208,7 +208,7 @@ pub async fn run_controller(
         None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
     };
     let controller = Controller::new(proxies, watcher::Config::default())
-        .with_config(controller::Config::default().concurrency(MAX_CONCURRENT_RECONCILES));
+        .with_config(controller::Config::default().concurrency(ctx.config.concurrency));
     let store = controller.store();
     let secret_selector =
         watcher::Config::default().labels(&format!("{CLOUD_INIT_SECRET_LABEL}=true"));
