@@ -607,3 +607,32 @@ async fn shutdown_abandons_probes_in_flight() {
         started.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_added_after_start_is_probed_at_once_not_jittered() {
+    let squid = Squid::start();
+    let target = Target::start();
+    let early = proxy(
+        "early",
+        "uid-early",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({"interval": "100ms"}),
+    );
+    let mut engine = Running::start(&target, vec![early.clone()], 16);
+    // The first transition proves the engine has synced the start-up inventory.
+    assert_eq!(engine.next_transition().await.id, id("early", "uid-early"));
+    // With a one-hour interval a jittered first probe would almost surely miss the deadline.
+    let late = proxy(
+        "late",
+        "uid-late",
+        squid.port(),
+        &target.https_url(),
+        serde_json::json!({"interval": "1h"}),
+    );
+    engine.inventory.replace(vec![early, late]);
+    let transition = engine.next_transition().await;
+    assert_eq!(transition.id, id("late", "uid-late"));
+    assert!(transition.healthy, "{}", transition.message);
+    engine.stop().await;
+}

@@ -3,9 +3,10 @@
 //! *transitions* to the reconciler (the only status writer).
 //!
 //! One scheduler loop owns all state: on every tick it syncs with the inventory when that
-//! changed (new proxies get a first probe time jittered over one interval, vanished ones are
-//! pruned together with their snapshot entry and metric series) and queues the proxies that are
-//! due. At most `workers` probes run at once, and a proxy that is queued or in flight is never
+//! changed (the proxies of the first complete inventory get a first probe time jittered over
+//! one interval, so a restart does not probe the whole fleet at once; a proxy that appears later
+//! is probed at once; vanished ones are pruned together with their snapshot entry and metric
+//! series) and queues the proxies that are due. At most `workers` probes run at once, and a proxy that is queued or in flight is never
 //! queued again.
 //! Transitions are sent with `try_send`: a full channel never stalls probing, and the transition
 //! stays pending (not marked as reported) so the next probe of that proxy retries it.
@@ -97,6 +98,7 @@ impl HealthEngine {
             scheduler: Scheduler {
                 tls: ProbeTls::new(&config.extra_root_certs),
                 tracked: HashMap::new(),
+                started: false,
                 ready: VecDeque::new(),
                 snapshot,
                 metrics,
@@ -174,6 +176,9 @@ impl Tracked {
 struct Scheduler {
     tls: ProbeTls,
     tracked: HashMap<ProxyId, Tracked>,
+    /// Whether a complete inventory has been synced: proxies tracked after that are new to the
+    /// fleet and probed at once rather than jittered.
+    started: bool,
     ready: VecDeque<ProxyId>,
     snapshot: HealthSnapshot,
     metrics: ProbeMetrics,
@@ -196,13 +201,14 @@ impl Scheduler {
             }
         }
         self.prune(&live);
+        self.started |= inventory.is_synced();
     }
 
     fn track(&mut self, id: ProxyId, proxy: &Proxy, settings: ProbeSettings, now: Instant) {
         let check = proxy.spec.health_check();
         let interval = check.interval();
         let seed = proxy.status.as_ref().and_then(|s| s.healthy());
-        let jitter = if interval.is_zero() {
+        let jitter = if interval.is_zero() || self.started {
             Duration::ZERO
         } else {
             rand::rng().random_range(Duration::ZERO..interval)
