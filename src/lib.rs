@@ -4,6 +4,7 @@
 pub mod api;
 pub mod cli;
 pub mod crd;
+pub mod duration;
 pub mod gc;
 pub mod health;
 pub mod inventory;
@@ -14,6 +15,7 @@ pub mod naming;
 pub mod process;
 pub mod provider;
 pub mod proxy;
+pub mod proxy_watch;
 pub mod rbac;
 pub mod reconcile;
 pub mod spec_hash;

@@ -223,6 +223,9 @@ pub struct SecretKeyRef {
 
 /// How a proxy is probed: a request to `probeURL` sent *through* the proxy.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new(crate::duration::timeout_rule()).message(crate::duration::TIMEOUT_MESSAGE)
+)]
 #[schemars(transform = crate::crd::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct HealthCheck {
@@ -230,11 +233,27 @@ pub struct HealthCheck {
     #[serde(rename = "probeURL", default = "default_probe_url")]
     #[schemars(length(min = 1))]
     pub probe_url: String,
-    /// Time between probes, as a Go duration (e.g. `30s`, `1m`).
-    #[serde(default = "default_probe_interval")]
+    /// Time between probes, above zero: numbers each followed by a unit (`h`, `m`, `s`, `ms`,
+    /// `us`, `ns`), e.g. `30s`, `1m30s`, `1.5h`.
+    #[serde(
+        default = "default_probe_interval",
+        deserialize_with = "crate::duration::deserialize"
+    )]
+    #[schemars(length(max = 64))]
+    #[x_kube(
+        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE)
+    )]
     pub interval: kube::core::Duration,
-    /// Connect, TLS and response timeout of one probe, as a Go duration.
-    #[serde(default = "default_probe_timeout")]
+    /// Connect, TLS and response timeout of one probe, above zero and at most `interval`, in
+    /// the same syntax as `interval`.
+    #[serde(
+        default = "default_probe_timeout",
+        deserialize_with = "crate::duration::deserialize"
+    )]
+    #[schemars(length(max = 64))]
+    #[x_kube(
+        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE)
+    )]
     pub timeout: kube::core::Duration,
     /// Consecutive failed probes that mark the proxy unhealthy.
     #[serde(default = "default_failure_threshold")]

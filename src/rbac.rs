@@ -30,15 +30,16 @@ pub struct ApiCall {
 
 /// Every API call of the operator.
 pub const API_CALLS: &[ApiCall] = &[
-    // Watches of the Proxy controller and the inventory reflector (list + watch), the live-UID
-    // list of orphan GC, and merge patches of finalizers and annotations on the object itself
-    // (finalizers are patched through the main resource, so `proxies/finalizers` is not used).
+    // The one Proxy watch shared by the reconciler and the inventory (list + watch; raw objects,
+    // same URL as a typed watch), the live-UID list of orphan GC, and merge patches of
+    // finalizers and annotations on the object itself (finalizers are patched through the main
+    // resource, so `proxies/finalizers` is not used).
     ApiCall {
         group: "crawl.example.com",
         resource: "proxies",
         verbs: &["list", "patch", "watch"],
         scope: Scope::Cluster,
-        made_by: "reconcile, process::operator, gc",
+        made_by: "proxy_watch, reconcile, gc",
     },
     // The single status writer: one JSON merge patch per reconcile.
     ApiCall {
@@ -58,13 +59,13 @@ pub const API_CALLS: &[ApiCall] = &[
         made_by: "reconcile",
     },
     // kube-runtime's event `Recorder` writes `events.k8s.io/v1` Events (create, then patch to
-    // count repeats).
+    // count repeats): reconcile outcomes, and InvalidSpec on Proxies that do not decode.
     ApiCall {
         group: "events.k8s.io",
         resource: "events",
         verbs: &["create", "patch"],
         scope: Scope::Cluster,
-        made_by: "reconcile::apply",
+        made_by: "reconcile::apply, proxy_watch",
     },
     // The kubernetes provider: one squid Pod per Proxy in the Proxy's namespace, listed by label
     // across namespaces.

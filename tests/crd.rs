@@ -204,3 +204,58 @@ fn every_spec_field_is_documented() {
         "fields without a description: {missing:?}"
     );
 }
+
+/// Removes every `default` below `node`: the API server checks a default value against the
+/// rules as it is written, without filling the defaults nested inside it.
+fn without_defaults(node: &Value) -> Value {
+    match node {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(k, _)| *k != "default")
+                .map(|(k, v)| (k.clone(), without_defaults(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(without_defaults).collect()),
+        other => other.clone(),
+    }
+}
+
+/// Every schema node with a `default`, as (path, node).
+fn defaulted_nodes<'a>(node: &'a Value, path: &str, out: &mut Vec<(String, &'a Value)>) {
+    if node.get("default").is_some() {
+        out.push((path.to_owned(), node));
+    }
+    if let Some(Value::Object(props)) = node.get("properties") {
+        for (name, child) in props {
+            defaulted_nodes(child, &format!("{path}.{name}"), out);
+        }
+    }
+    if let Some(items) = node.get("items") {
+        defaulted_nodes(items, &format!("{path}[]"), out);
+    }
+}
+
+#[test]
+fn every_default_passes_the_rules_of_its_own_schema() {
+    // The API server refuses a CRD whose default breaks a rule at the default's level, and it
+    // evaluates the rule on the default as written: `healthCheck: {}` has no `interval` yet.
+    let schema = crd::openapi_schema();
+    let mut nodes = Vec::new();
+    defaulted_nodes(&schema, "", &mut nodes);
+    assert!(
+        nodes.iter().any(|(p, _)| p == ".spec.healthCheck"),
+        "{:?}",
+        nodes.iter().map(|(p, _)| p).collect::<Vec<_>>()
+    );
+    for (path, node) in nodes {
+        let compiled = kube_cel::compile_schema(&without_defaults(node));
+        assert!(!compiled.has_errors(), "{path}: rules do not compile");
+        let result =
+            kube_cel::Validator::new().validate_compiled(&compiled, &node["default"], None);
+        assert!(
+            result.is_ok(),
+            "{path}: default {}: {result:?}",
+            node["default"]
+        );
+    }
+}

@@ -27,8 +27,8 @@ spec:
   maxLeases: {max_leases}
   healthCheck:
     probeURL: {probe_url}
-    interval: 300ms
-    timeout: 2s
+    interval: 500ms
+    timeout: 500ms
     failureThreshold: 2
 ---
 "

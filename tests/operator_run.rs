@@ -1,7 +1,9 @@
 //! `proxy-operator run` in-process against a mock Kubernetes API server (tower-test): start-up
 //! lists and watches Proxies, `/readyz` turns ready once the watch has synced, and an External
 //! proxy backed by a real squid is reconciled to `Ready` with one status write — no finalizer,
-//! no provider call. Every request must be granted by the install's RBAC (`rbac::API_CALLS`).
+//! no provider call. A Proxy that does not decode is skipped (Warning Event, gauge) without
+//! holding up the others. Every request must be granted by the install's RBAC
+//! (`rbac::API_CALLS`).
 
 mod support;
 
@@ -40,6 +42,24 @@ fn proxy(squid_port: u16, probe_url: &str) -> Value {
     })
 }
 
+/// A Proxy stored before the CRD validated durations: `interval: "30"` has no unit.
+fn undecodable_proxy() -> Value {
+    json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {
+            "name": "typo", "namespace": "crawl", "uid": "5d0c1c1e-0000-4000-8000-000000000002",
+            "resourceVersion": "6", "generation": 1,
+            "creationTimestamp": "2026-11-30T00:00:00Z"
+        },
+        "spec": {
+            "mode": "External",
+            "endpoint": {"host": "127.0.0.1", "port": 3128},
+            "healthCheck": {"interval": "30"}
+        }
+    })
+}
+
 fn reply(status: StatusCode, body: &Value) -> Response<Body> {
     Response::builder()
         .status(status)
@@ -48,13 +68,14 @@ fn reply(status: StatusCode, body: &Value) -> Response<Body> {
         .unwrap()
 }
 
-/// Answers like an API server holding one External Proxy and nothing else. Watches are held
-/// open without events, as a quiet cluster's are.
+/// Answers like an API server holding these Proxies (status writes only for `ext`) and
+/// nothing else. Watches are held open without events, as a quiet cluster's are.
 async fn api_server(
     mut handle: mock::Handle<Request<Body>, Response<Body>>,
-    proxy: Value,
+    proxies: Vec<Value>,
     requests: Requests,
 ) {
+    let proxy = proxies[0].clone();
     let mut open_watches = Vec::new();
     while let Some((request, send)) = handle.next_request().await {
         let method = request.method().as_str().to_owned();
@@ -86,7 +107,7 @@ async fn api_server(
             ("GET", "/apis/crawl.example.com/v1alpha1/proxies") => reply(
                 StatusCode::OK,
                 &json!({"apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyList",
-                        "metadata": {"resourceVersion": "7"}, "items": [proxy]}),
+                        "metadata": {"resourceVersion": "7"}, "items": proxies}),
             ),
             ("GET", "/api/v1/secrets") => reply(
                 StatusCode::OK,
@@ -129,8 +150,23 @@ fn status_writes(requests: &Requests) -> Vec<Value> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_reconciles_an_external_proxy_to_ready() {
+/// The operator running in-process against the mock API server.
+struct Running {
+    requests: Requests,
+    api: String,
+    metrics: String,
+    http: reqwest::Client,
+    stop: tokio::sync::oneshot::Sender<()>,
+    operator: tokio::task::JoinHandle<Result<Exit, proxy_operator::process::StartError>>,
+    server: tokio::task::JoinHandle<()>,
+    _squid: Squid,
+    _target: Target,
+    _dir: tempfile::TempDir,
+}
+
+/// Starts the operator against an API server holding `ext` (an External proxy backed by a real
+/// squid) and then `others`, and waits for `/readyz`.
+async fn start(others: Vec<Value>) -> Running {
     let dir = tempfile::tempdir().unwrap();
     let target = Target::start();
     let squid = Squid::start();
@@ -139,6 +175,7 @@ async fn run_reconciles_an_external_proxy_to_ready() {
     let providers = dir.path().join("providers.yaml");
     std::fs::write(&providers, "providers: []\n").unwrap();
     let api_port = free_port();
+    let metrics_port = free_port();
     let ledger = dir.path().join("ledger.db");
     let cli = Cli::try_parse_from([
         "proxy-operator",
@@ -152,7 +189,7 @@ async fn run_reconciles_an_external_proxy_to_ready() {
         "--discovery-addr",
         &format!("127.0.0.1:{api_port}"),
         "--metrics-addr",
-        &format!("127.0.0.1:{}", free_port()),
+        &format!("127.0.0.1:{metrics_port}"),
         "--leader-namespace",
         "proxy-operator",
     ])
@@ -164,22 +201,32 @@ async fn run_reconciles_an_external_proxy_to_ready() {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
     let requests: Requests = Arc::default();
-    let server = tokio::spawn(api_server(
-        handle,
-        proxy(squid.port(), &target.https_url()),
-        requests.clone(),
-    ));
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut proxies = vec![proxy(squid.port(), &target.https_url())];
+    proxies.extend(others);
+    let server = tokio::spawn(api_server(handle, proxies, requests.clone()));
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let operator = tokio::spawn(operator::run_with_client(args, client, async move {
         let _ = stop_rx.await;
     }));
+    let running = Running {
+        requests,
+        api: format!("http://127.0.0.1:{api_port}"),
+        metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
+        http: reqwest::Client::new(),
+        stop,
+        operator,
+        server,
+        _squid: squid,
+        _target: target,
+        _dir: dir,
+    };
 
     // Ready once the Proxy watch has listed.
-    let http = reqwest::Client::new();
     let start = Instant::now();
     loop {
-        let ready = http
-            .get(format!("http://127.0.0.1:{api_port}/readyz"))
+        let ready = running
+            .http
+            .get(format!("{}/readyz", running.api))
             .send()
             .await;
         if ready.is_ok_and(|r| r.status() == reqwest::StatusCode::OK) {
@@ -188,23 +235,69 @@ async fn run_reconciles_an_external_proxy_to_ready() {
         assert!(start.elapsed() < DEADLINE, "/readyz never became ready");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    running
+}
+
+impl Running {
+    /// Waits for the status write that makes `ext` Ready, and returns it.
+    async fn ready_status(&self) -> Value {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = status_writes(&self.requests)
+                .into_iter()
+                .find(|s| s["phase"] == "Ready")
+            {
+                return status;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "no Ready status write; requests: {:#?}",
+                self.requests.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn get_json(&self, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.api))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    async fn metrics(&self) -> String {
+        self.http
+            .get(&self.metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        let exit = tokio::time::timeout(DEADLINE, self.operator)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(exit, Exit::Clean);
+        self.server.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_reconciles_an_external_proxy_to_ready() {
+    let running = start(Vec::new()).await;
 
     // The probe through the real squid makes it healthy; the reconciler writes Ready.
-    let start = Instant::now();
-    let ready = loop {
-        if let Some(status) = status_writes(&requests)
-            .into_iter()
-            .find(|s| s["phase"] == "Ready")
-        {
-            break status;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "no Ready status write; requests: {:#?}",
-            requests.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let ready = running.ready_status().await;
     assert_eq!(ready["ip"], "127.0.0.1");
     assert_eq!(ready["observedGeneration"], 1);
     let condition = |t: &str| {
@@ -222,21 +315,12 @@ async fn run_reconciles_an_external_proxy_to_ready() {
     assert!(ready.get("providerID").is_none_or(Value::is_null));
 
     // The API serves it as a healthy candidate.
-    let list: Value = http
-        .get(format!(
-            "http://127.0.0.1:{api_port}/v1/proxies?healthy=true"
-        ))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = running.get_json("/v1/proxies?healthy=true").await;
     assert_eq!(list["count"], 1);
     assert_eq!(list["proxies"][0]["name"], "ext");
 
     // An External proxy never gets a finalizer, and nothing touches Pods.
-    for (method, target, _) in requests.lock().unwrap().iter() {
+    for (method, target, _) in running.requests.lock().unwrap().iter() {
         assert!(
             !(method == "PATCH"
                 && target
@@ -246,12 +330,90 @@ async fn run_reconciles_an_external_proxy_to_ready() {
         assert!(!target.contains("/pods"), "{method} {target}");
     }
 
-    stop_tx.send(()).unwrap();
-    let exit = tokio::time::timeout(DEADLINE, operator)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert_eq!(exit, Exit::Clean);
-    server.abort();
+    // One Proxy watch serves the reconciler and the inventory: one list, one watch.
+    let proxy_requests = |watch: bool| {
+        running
+            .requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(m, t, _)| {
+                m == "GET"
+                    && t.starts_with("/apis/crawl.example.com/v1alpha1/proxies?")
+                    && t.contains("watch=true") == watch
+            })
+            .count()
+    };
+    assert_eq!(proxy_requests(false), 1, "Proxy lists");
+    assert_eq!(proxy_requests(true), 1, "Proxy watches");
+    assert!(
+        running
+            .metrics()
+            .await
+            .contains("\nproxy_operator_proxies_undecodable 0\n")
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_proxy_is_skipped_and_reported_while_the_others_run() {
+    // `/readyz` turning ready inside `start` is the first half of the point: a typed watch
+    // failed its whole list on this one object and never got there.
+    let running = start(vec![undecodable_proxy()]).await;
+    running.ready_status().await;
+
+    // Only the good Proxy is served.
+    let list = running.get_json("/v1/proxies").await;
+    assert_eq!(list["count"], 1, "{list}");
+    assert_eq!(list["proxies"][0]["name"], "ext");
+
+    // Counted on the metrics endpoint.
+    let metrics = running.metrics().await;
+    assert!(
+        metrics.contains("\nproxy_operator_proxies_undecodable 1\n"),
+        "{metrics}"
+    );
+
+    // One Warning Event on the object, naming the field and the reason.
+    let start = Instant::now();
+    let events = loop {
+        let events: Vec<Value> = running
+            .requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(m, t, b)| {
+                m == "POST"
+                    && t.starts_with("/apis/events.k8s.io/v1/namespaces/crawl/events")
+                    && b["reason"] == "InvalidSpec"
+            })
+            .map(|(_, _, b)| b.clone())
+            .collect();
+        if !events.is_empty() {
+            break events;
+        }
+        assert!(start.elapsed() < DEADLINE, "no InvalidSpec Event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let event = &events[0];
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["action"], "Decode");
+    assert_eq!(event["regarding"]["kind"], "Proxy");
+    assert_eq!(event["regarding"]["name"], "typo");
+    assert_eq!(event["regarding"]["resourceVersion"], "6");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains("spec.healthCheck.interval: \"30\" is not a duration"),
+        "{note}"
+    );
+
+    // Nothing is written to it: no status, no metadata.
+    for (method, target, _) in running.requests.lock().unwrap().iter() {
+        assert!(
+            !(method == "PATCH" && target.contains("/proxies/typo")),
+            "{method} {target}"
+        );
+    }
+    running.stop().await;
 }

@@ -335,6 +335,18 @@ spec:
                 "document 3 (default/a) repeats document 1",
             ),
             ("key: [unclosed\n".to_owned(), "/srv/inventory.yaml"),
+            (
+                format!(
+                    "{header}metadata: {{name: d}}\nspec: {{mode: External, endpoint: {{host: h, port: 1}}, healthCheck: {{interval: '30'}}}}\n"
+                ),
+                "document 1 (default/d): spec.healthCheck.interval: must be a positive duration: numbers each followed by a unit",
+            ),
+            (
+                format!(
+                    "{header}metadata: {{name: t}}\nspec: {{mode: External, endpoint: {{host: h, port: 1}}, healthCheck: {{interval: 1s, timeout: 2s}}}}\n"
+                ),
+                "document 1 (default/t): spec.healthCheck: timeout must not be longer than interval",
+            ),
         ];
         for (text, expected) in cases {
             let message = error(&text);

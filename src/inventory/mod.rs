@@ -1,6 +1,7 @@
 //! The in-memory inventory of Proxy objects: the one place the health engine and the API read
-//! proxies from. A feeder (the standalone file loader, or the Kubernetes watcher in operator
-//! mode) replaces the whole set; readers get cheap immutable snapshots.
+//! proxies from. A feeder (the standalone file loader, or the Kubernetes watch in operator
+//! mode) replaces the whole set; readers get cheap immutable snapshots. The operator's watch
+//! hands over the `Arc`s of its store, so a replacement copies pointers, not Proxies.
 
 pub mod file;
 
@@ -23,6 +24,8 @@ pub struct InventorySnapshot {
     by_id: HashMap<ProxyId, usize>,
     /// Whether the feeder has delivered its first complete set (drives `/readyz`).
     synced: bool,
+    /// How many replacements preceded this snapshot (0: the empty initial one).
+    version: u64,
 }
 
 impl InventorySnapshot {
@@ -44,6 +47,11 @@ impl InventorySnapshot {
     /// Whether a first complete set has been loaded.
     pub fn is_synced(&self) -> bool {
         self.synced
+    }
+
+    /// How many replacements preceded this snapshot: a feeder's rebuild rate is observable.
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// Number of proxies.
@@ -80,19 +88,28 @@ impl Inventory {
 
     /// Replaces the whole set and marks the inventory synced.
     pub fn replace(&self, proxies: impl IntoIterator<Item = Proxy>) {
-        let mut proxies: Vec<Arc<Proxy>> = proxies.into_iter().map(Arc::new).collect();
-        proxies.sort_by_key(|p| p.key());
-        let ids: Vec<ProxyId> = proxies.iter().map(|p| p.id()).collect();
+        self.replace_shared(proxies.into_iter().map(Arc::new));
+    }
+
+    /// Replaces the whole set with proxies shared with their owner (the operator's watch
+    /// store), and marks the inventory synced.
+    pub fn replace_shared(&self, proxies: impl IntoIterator<Item = Arc<Proxy>>) {
+        let mut entries: Vec<(ProxyId, Arc<Proxy>)> =
+            proxies.into_iter().map(|p| (p.id(), p)).collect();
+        entries.sort_unstable_by(|(a, _), (b, _)| key_order(a, b));
+        let (ids, proxies): (Vec<ProxyId>, Vec<Arc<Proxy>>) = entries.into_iter().unzip();
         let by_id = ids
             .iter()
             .enumerate()
             .map(|(i, id)| (id.clone(), i))
             .collect();
+        let version = self.sender.borrow().version + 1;
         self.sender.send_replace(Arc::new(InventorySnapshot {
             proxies,
             ids,
             by_id,
             synced: true,
+            version,
         }));
     }
 
@@ -105,6 +122,22 @@ impl Inventory {
     pub fn subscribe(&self) -> watch::Receiver<Arc<InventorySnapshot>> {
         self.sender.subscribe()
     }
+}
+
+/// Orders identities as their `namespace/name` strings order (then by UID), without building
+/// the strings.
+fn key_order(a: &ProxyId, b: &ProxyId) -> std::cmp::Ordering {
+    a.namespace
+        .bytes()
+        .chain(std::iter::once(b'/'))
+        .chain(a.name.bytes())
+        .cmp(
+            b.namespace
+                .bytes()
+                .chain(std::iter::once(b'/'))
+                .chain(b.name.bytes()),
+        )
+        .then_with(|| a.uid.cmp(&b.uid))
 }
 
 #[cfg(test)]
@@ -126,16 +159,39 @@ mod tests {
     fn replace_sorts_indexes_and_marks_synced() {
         let inventory = Inventory::new();
         assert!(!inventory.snapshot().is_synced());
-        inventory.replace([proxy("b", "x"), proxy("a", "y"), proxy("a", "x")]);
+        inventory.replace([
+            proxy("b", "x"),
+            proxy("a", "y"),
+            proxy("a-b", "x"),
+            proxy("a", "x"),
+        ]);
         let snap = inventory.snapshot();
         assert!(snap.is_synced());
         let keys: Vec<String> = snap.proxies().iter().map(|p| p.key()).collect();
-        assert_eq!(keys, ["a/x", "a/y", "b/x"]);
+        // The order of the `namespace/name` strings: `-` sorts before `/`.
+        assert_eq!(keys, ["a-b/x", "a/x", "a/y", "b/x"]);
         let id = proxy("a", "y").id();
         assert_eq!(snap.get(&id).unwrap().key(), "a/y");
         let ids: Vec<String> = snap.entries().map(|(id, _)| id.key()).collect();
         assert_eq!(ids, keys);
-        assert_eq!(snap.len(), 3);
+        assert_eq!(snap.len(), 4);
+        assert_eq!(snap.version(), 1);
+    }
+
+    #[test]
+    fn replace_shared_keeps_the_owners_arcs() {
+        let inventory = Inventory::new();
+        assert_eq!(inventory.snapshot().version(), 0);
+        let owned: Vec<Arc<Proxy>> = [proxy("b", "x"), proxy("a", "x")]
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        inventory.replace_shared(owned.iter().cloned());
+        let snap = inventory.snapshot();
+        assert_eq!(snap.version(), 1);
+        assert!(Arc::ptr_eq(&snap.proxies()[0], &owned[1]), "a/x is shared");
+        assert!(Arc::ptr_eq(&snap.proxies()[1], &owned[0]), "b/x is shared");
+        assert_eq!(Arc::strong_count(&owned[0]), 2);
     }
 
     #[tokio::test]

@@ -1,16 +1,14 @@
-//! `proxy-operator run`: the operator against a Kubernetes cluster. The Proxy watch feeds the
-//! same inventory standalone mode feeds from a file; health transitions feed the reconciler
-//! (the only status writer); orphan GC runs only while this process holds the leader Lease.
+//! `proxy-operator run`: the operator against a Kubernetes cluster. One Proxy watch
+//! (`proxy_watch`) feeds both the reconciler and the same inventory standalone mode feeds from
+//! a file; health transitions feed the reconciler (the only status writer); orphan GC runs
+//! only while this process holds the leader Lease.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use kube::runtime::events::Recorder;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use super::{Core, Exit, StartError, Supervisor, start_core};
 use crate::cli::RunArgs;
@@ -21,6 +19,7 @@ use crate::leader::{self, LeaderConfig};
 use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::proxy::{Proxy, ProxyId};
+use crate::proxy_watch::{self, WatchMetrics};
 use crate::reconcile::{self, Context, HealthSignal, HealthStates};
 
 /// Runs operator mode until a signal or a task failure.
@@ -94,17 +93,31 @@ async fn start(
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
     start_core(&mut supervisor, &core, &args.common, transitions_tx)?;
 
-    let proxies: Api<Proxy> = match &args.watch_namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
+    // One watch of raw Proxies, decoded one by one (an undecodable one is skipped and
+    // reported), feeding the inventory and the reconciler from one store.
+    let recorder = Recorder::new(client.clone(), "proxy-operator".into());
+    let watch_metrics = WatchMetrics::register(&core.registry)
+        .map_err(|e| StartError::from_display("metrics", e))?;
+    let (watch, reconciler_feed) = proxy_watch::shared_store();
+    let (reports_tx, reports_rx) = mpsc::channel(proxy_watch::REPORT_BUFFER);
     supervisor.spawn(
         "proxy watch",
-        feed_inventory(proxies.clone(), inventory, supervisor.shutdown_token()),
+        proxy_watch::run(
+            watch,
+            proxy_watch::raw_watch(client.clone(), args.watch_namespace.as_deref()),
+            inventory,
+            watch_metrics,
+            reports_tx,
+            supervisor.shutdown_token(),
+        ),
+    );
+    supervisor.spawn(
+        "undecodable Proxy events",
+        proxy_watch::publish_reports(recorder.clone(), reports_rx, supervisor.shutdown_token()),
     );
 
     let ctx = Arc::new(Context {
-        recorder: Recorder::new(client.clone(), "proxy-operator".into()),
+        recorder,
         client: client.clone(),
         providers: providers
             .iter()
@@ -123,9 +136,10 @@ async fn start(
     let triggers = reconcile::health_triggers(signals_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
+    let (store, proxies) = reconciler_feed.into_parts();
     supervisor.spawn("reconciler", async move {
         tokio::select! {
-            () = reconcile::run_controller(ctx, namespace.as_deref(), triggers) => Ok(()),
+            () = reconcile::run_controller(ctx, store, proxies, namespace.as_deref(), triggers) => Ok(()),
             () = shutdown.cancelled() => Ok(()),
         }
     });
@@ -141,9 +155,15 @@ async fn start(
         lease_name: args.leader_lease.clone(),
         ..LeaderConfig::new(lease_namespace, identity)
     };
-    let leader = leader::watch_leadership(client, &leader_config)
+    let leader = leader::watch_leadership(client.clone(), &leader_config)
         .await
         .map_err(|e| StartError(format!("leader election: {e}")))?;
+    // GC lists Proxy metadata only, so an undecodable Proxy still counts as live: its machine
+    // is kept.
+    let proxies: Api<Proxy> = match &args.watch_namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
     let gc_providers = providers.values().cloned().collect();
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("orphan GC", async move {
@@ -153,40 +173,6 @@ async fn start(
         }
     });
     Ok(supervisor)
-}
-
-/// Mirrors the cluster's Proxies into the inventory; the inventory becomes synced (and
-/// `/readyz` ready) once the first full list has arrived.
-async fn feed_inventory(
-    api: Api<Proxy>,
-    inventory: Inventory,
-    shutdown: CancellationToken,
-) -> Result<(), String> {
-    let (reader, writer) = reflector::store();
-    let mut events = Box::pin(reflector(
-        writer,
-        watcher(api, watcher::Config::default()).default_backoff(),
-    ));
-    let mut listed = false;
-    loop {
-        let event = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            event = events.next() => event,
-        };
-        match event {
-            None => return Err("the Proxy watch ended".into()),
-            Some(Err(e)) => log::warn!("Proxy watch: {e} (retrying)"),
-            Some(Ok(watcher::Event::InitDone)) => {
-                listed = true;
-                inventory.replace(reader.state().iter().map(|p| Proxy::clone(p)));
-            }
-            Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => {}
-            Some(Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_))) if listed => {
-                inventory.replace(reader.state().iter().map(|p| Proxy::clone(p)));
-            }
-            Some(Ok(_)) => {}
-        }
-    }
 }
 
 /// Hands the health engine's transitions to the reconciler's trigger stream.

@@ -18,7 +18,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::Recorder;
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use tokio::sync::mpsc;
@@ -192,24 +192,24 @@ fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controll
     controller::Action::requeue(ctx.config.error_requeue)
 }
 
-/// Runs the Proxy controller until the watch streams end: watches Proxies (in `namespace`, or
-/// in all namespaces), re-triggers on cloud-init Secrets and on `health` transitions, at most
-/// [`ReconcilerConfig::concurrency`] at once.
+/// Runs the Proxy controller until the trigger streams end: reconciles the Proxies in `store`
+/// (kept by the one Proxy watch, `proxy_watch`, which also yields `proxies`, each Proxy it
+/// stores), re-triggers on cloud-init Secrets (in `namespace`, or in all namespaces) and on
+/// `health` transitions, at most [`ReconcilerConfig::concurrency`] at once. A Proxy that is
+/// not in the store (deleted, or skipped as undecodable) is never reconciled.
 pub async fn run_controller(
     ctx: Arc<Context>,
+    store: Store<Proxy>,
+    proxies: impl Stream<Item = Arc<Proxy>> + Send + 'static,
     namespace: Option<&str>,
     health: impl Stream<Item = ObjectRef<Proxy>> + Send + 'static,
 ) {
-    let (proxies, secrets): (Api<Proxy>, Api<Secret>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(ctx.client.clone(), ns),
-            Api::namespaced(ctx.client.clone(), ns),
-        ),
-        None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
+    let secrets: Api<Secret> = match namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
     };
-    let controller = Controller::new(proxies, watcher::Config::default())
+    let controller = Controller::for_shared_stream(proxies, store.clone())
         .with_config(controller::Config::default().concurrency(ctx.config.concurrency));
-    let store = controller.store();
     let secret_selector =
         watcher::Config::default().labels(&format!("{CLOUD_INIT_SECRET_LABEL}=true"));
     controller
