@@ -5,9 +5,14 @@
 //! `#[path = "../tests/support/mod.rs"] mod support;`. Not every user needs every helper.
 #![allow(dead_code, unused_imports)]
 
+pub mod envtest;
+pub mod kubelet;
+pub mod operator;
 pub mod squid;
 pub mod target;
 
+pub use envtest::ControlPlane;
+pub use kubelet::{Behaviour, Kubelet};
 pub use squid::{Squid, SquidOptions, free_port};
 pub use target::Target;
 

@@ -1,0 +1,738 @@
+//! End to end on a real Kubernetes API server: the `proxy-operator run` binary as a process,
+//! with the identity and RBAC of `manifests/`, the CRD from `crd/`, a test kubelet running each
+//! managed Pod's squid config with real squid, and a loopback HTTPS probe target.
+//!
+//! Needs `KUBEBUILDER_ASSETS` (kube-apiserver + etcd); without it every test here passes as
+//! skipped and says how to get the binaries, unless `CI` is set.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use proxy_operator::naming::machine_name;
+use proxy_operator::provider::CreateRequest;
+use proxy_operator::provider::kubernetes::build_pod;
+use proxy_operator::proxy::Proxy;
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use support::envtest::ControlPlane;
+use support::kubelet::Kubelet;
+use support::operator::{OperatorOptions, OperatorProcess, metric_sum, write_file};
+use support::{Squid, Target};
+
+/// Deadline for anything that waits on the operator, the API server and real squids.
+const SLOW: Duration = Duration::from_secs(90);
+
+/// One test's world: its own namespace, kubelet, probe target and operator identity.
+struct World {
+    cp: &'static ControlPlane,
+    ns: String,
+    client: Client,
+    dir: tempfile::TempDir,
+    target: Target,
+    kubelet: Kubelet,
+}
+
+impl World {
+    /// A fresh namespace on the shared control plane, or `None` when there is none (skipped).
+    async fn new(prefix: &str) -> Option<World> {
+        let cp = ControlPlane::shared()?;
+        cp.apply_crd().await;
+        let ns = cp.new_namespace(prefix).await;
+        let client = cp.admin_client();
+        let kubelet = Kubelet::start(cp.admin_client(), Some(&ns));
+        Some(World {
+            cp,
+            ns,
+            client,
+            dir: tempfile::tempdir().expect("temp dir"),
+            target: Target::start(),
+            kubelet,
+        })
+    }
+
+    /// Starts `proxy-operator run` for this namespace (its own install ID and Lease) and waits
+    /// until it is ready.
+    async fn operator(&self, extra_args: &[&str]) -> OperatorProcess {
+        let kubeconfig = self.dir.path().join("operator.kubeconfig");
+        self.cp.operator_kubeconfig(&kubeconfig).await;
+        let ca = write_file(self.dir.path(), "probe-ca.pem", self.target.ca_cert_pem());
+        let mut args = vec!["--gc-allow-namespaced".to_owned()];
+        args.extend(extra_args.iter().map(|a| (*a).to_owned()));
+        let mut operator = OperatorProcess::start(OperatorOptions {
+            kubeconfig,
+            dir: self.dir.path().to_owned(),
+            install_id: self.ns.clone(),
+            watch_namespace: Some(self.ns.clone()),
+            extra_args: args,
+            probe_ca: Some(ca),
+        });
+        operator.wait_ready(SLOW).await;
+        operator
+    }
+
+    fn proxies(&self) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    fn raw_proxies(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.client.clone(),
+            &self.ns,
+            &ApiResource::erase::<Proxy>(&()),
+        )
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Creates a Proxy from its JSON `spec` (plus labels), as `kubectl apply` would.
+    async fn create(&self, name: &str, spec: Value) -> Result<DynamicObject, kube::Error> {
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name, "labels": {"pool": "envtest"}},
+            "spec": spec,
+        }))
+        .expect("a Proxy object");
+        self.raw_proxies()
+            .create(&PostParams::default(), &object)
+            .await
+    }
+
+    /// A health check that probes this world's HTTPS target every `interval` (also its
+    /// timeout: a loopback probe takes milliseconds).
+    fn health_check(&self, interval: &str) -> Value {
+        json!({
+            "probeURL": self.target.https_url(),
+            "interval": interval,
+            "timeout": interval,
+            "failureThreshold": 2,
+        })
+    }
+
+    fn managed_spec(&self, port: u16) -> Value {
+        json!({
+            "mode": "Managed",
+            "provider": "local",
+            "port": port,
+            "healthCheck": self.health_check("500ms"),
+        })
+    }
+
+    /// Waits until the Proxy's status satisfies `check`, returning the object.
+    async fn wait_proxy(&self, name: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+        let api = self.raw_proxies();
+        eventually(what, || async {
+            let object = api.get_opt(name).await.ok()??;
+            let value = serde_json::to_value(&object).ok()?;
+            check(&value["status"]).then_some(value)
+        })
+        .await
+    }
+
+    async fn wait_ready(&self, name: &str) -> Value {
+        self.wait_proxy(name, &format!("Proxy {name} Ready with an IP"), |s| {
+            s["phase"] == "Ready" && s["ip"].as_str().is_some_and(|ip| !ip.is_empty())
+        })
+        .await
+    }
+
+    /// The machine Pod of a Proxy, if it exists.
+    async fn pod_of(&self, proxy: &Value) -> Option<Pod> {
+        let uid = proxy["metadata"]["uid"].as_str()?;
+        self.pods().get_opt(&machine_name(uid)).await.ok()?
+    }
+
+    /// Events about the object `name` (events.k8s.io/v1), as `reason` values.
+    async fn event_reasons(&self, name: &str) -> Vec<String> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .expect("list events");
+        list.items
+            .iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .filter_map(|e| e.reason.clone())
+            .collect()
+    }
+}
+
+/// Polls `probe` until it yields a value, panicking with `what` after [`SLOW`].
+async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        assert!(
+            start.elapsed() < SLOW,
+            "timed out after {SLOW:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The `reason` of a failed API call (the server's verdict), or a panic if it succeeded.
+fn refusal(result: Result<DynamicObject, kube::Error>) -> String {
+    match result {
+        Err(kube::Error::Api(status)) => status.message,
+        Err(e) => panic!("not an API refusal: {e}"),
+        Ok(o) => panic!(
+            "accepted: {}",
+            serde_json::to_string(&o).unwrap_or_default()
+        ),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crd_rules_and_defaults_are_enforced_by_the_server() {
+    let Some(world) = World::new("crd").await else {
+        return;
+    };
+    let endpoint = json!({"host": "127.0.0.1", "port": 3128});
+    // Each create-time CEL rule, seen from the server.
+    for (name, spec, expected) in [
+        (
+            "managed-no-provider",
+            json!({"mode": "Managed"}),
+            "provider is required",
+        ),
+        (
+            "external-with-provider",
+            json!({"mode": "External", "provider": "local", "endpoint": endpoint}),
+            "provider",
+        ),
+        (
+            "external-no-endpoint",
+            json!({"mode": "External"}),
+            "endpoint is required",
+        ),
+        (
+            "managed-with-endpoint",
+            json!({"mode": "Managed", "provider": "local", "endpoint": endpoint}),
+            "endpoint",
+        ),
+        (
+            "cloud-init-both",
+            json!({"mode": "Managed", "provider": "local", "cloudInit": {
+                "inline": "#cloud-config", "secretRef": {"name": "s", "key": "k"}}}),
+            "cloudInit",
+        ),
+        (
+            "cloud-init-neither",
+            json!({"mode": "Managed", "provider": "local", "cloudInit": {}}),
+            "cloudInit",
+        ),
+        (
+            "negative-max-leases",
+            json!({"mode": "External", "endpoint": endpoint, "maxLeases": -1}),
+            "maxLeases",
+        ),
+    ] {
+        let message = refusal(world.create(name, spec).await);
+        assert!(
+            message.contains(expected),
+            "{name}: refusal {message:?} does not mention {expected:?}"
+        );
+    }
+
+    // Server-side defaults: an explicit 0 survives, omitted fields are filled.
+    let zero = world
+        .create(
+            "zero",
+            json!({"mode": "External", "endpoint": endpoint, "maxLeases": 0}),
+        )
+        .await
+        .expect("create a Proxy with maxLeases 0");
+    assert_eq!(zero.data["spec"]["maxLeases"], 0);
+    let defaults = world
+        .create(
+            "defaults",
+            json!({"mode": "External", "endpoint": endpoint}),
+        )
+        .await
+        .expect("create a Proxy with defaults");
+    let spec = &defaults.data["spec"];
+    assert_eq!(spec["maxLeases"], 5);
+    assert_eq!(spec["port"], 3128);
+    assert_eq!(
+        spec["healthCheck"],
+        json!({
+            "probeURL": "https://www.gstatic.com/generate_204",
+            "interval": "30s",
+            "timeout": "5s",
+            "failureThreshold": 3,
+            "successThreshold": 1,
+            "expectedStatusCodes": [200, 204],
+        })
+    );
+
+    // Transition rules: mode and provider are immutable.
+    let managed = world
+        .create("managed", json!({"mode": "Managed", "provider": "local"}))
+        .await
+        .expect("create a Managed Proxy");
+    let api = world.raw_proxies();
+    for (patch, expected) in [
+        (
+            json!({"spec": {"mode": "External", "provider": null, "endpoint": endpoint}}),
+            "mode is immutable",
+        ),
+        (
+            json!({"spec": {"provider": "other"}}),
+            "provider is immutable",
+        ),
+    ] {
+        let result = api
+            .patch(
+                &managed.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await;
+        let message = refusal(result);
+        assert!(message.contains(expected), "{patch}: {message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_and_managed_proxies_reach_ready_and_are_leased() {
+    let Some(world) = World::new("ready").await else {
+        return;
+    };
+    let squid = Squid::start();
+    let operator = world.operator(&[]).await;
+    world
+        .create(
+            "ext",
+            json!({
+                "mode": "External",
+                "endpoint": {"host": "127.0.0.1", "port": squid.port()},
+                "healthCheck": world.health_check("500ms"),
+            }),
+        )
+        .await
+        .expect("create the External Proxy");
+    world
+        .create("managed", world.managed_spec(3128))
+        .await
+        .expect("create the Managed Proxy");
+
+    let ext = world.wait_ready("ext").await;
+    assert_eq!(ext["status"]["ip"], "127.0.0.1");
+    assert!(
+        ext["metadata"]["finalizers"].is_null(),
+        "an External Proxy gets no finalizer: {ext}"
+    );
+    let managed = world.wait_ready("managed").await;
+    let pod = world.pod_of(&managed).await.expect("the managed Pod");
+    let pod_ip = world
+        .kubelet
+        .address(&world.ns, &pod.name_any())
+        .expect("the kubelet published the Pod's IP");
+    assert_eq!(managed["status"]["ip"], pod_ip.to_string());
+    assert_eq!(
+        managed["status"]["providerID"],
+        format!("{}/{}", world.ns, pod.name_any())
+    );
+    assert_eq!(
+        managed["metadata"]["finalizers"],
+        json!(["crawl.example.com/finalizer"])
+    );
+    let labels = pod.labels();
+    assert_eq!(labels["crawl.example.com/managed"], "true");
+    assert_eq!(
+        labels["crawl.example.com/proxy-uid"],
+        managed["metadata"]["uid"].as_str().unwrap_or_default()
+    );
+
+    // The lease API serves both.
+    let (status, list) = operator
+        .call(
+            Method::GET,
+            "/v1/proxies?healthy=true&selector=pool=envtest",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(list["count"], 2, "{list}");
+    let (status, lease) = operator
+        .call(
+            Method::POST,
+            "/v1/leases",
+            Some(
+                json!({"selector": {"pool": "envtest"}, "target": "example.com", "ttlSeconds": 60}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{lease}");
+    let id = lease["leaseID"].as_str().expect("a lease ID").to_owned();
+    let (status, body) = operator
+        .call(
+            Method::POST,
+            &format!("/v1/leases/{id}/report"),
+            Some(json!({"result": "rate_limited", "target": "example.com"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    let (status, _) = operator
+        .call(Method::DELETE, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, released) = operator
+        .call(Method::GET, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{released}");
+    assert_eq!(released["state"], "released", "{released}");
+
+    // Creation is on record as an Event.
+    let reasons = world.event_reasons("managed").await;
+    assert!(reasons.iter().any(|r| r == "Created"), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_and_secret_changes_replace_the_pod_and_delete_cleans_up() {
+    let Some(world) = World::new("replace").await else {
+        return;
+    };
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.ns);
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "init", "labels": {"crawl.example.com/cloud-init": "true"}},
+        "stringData": {"user-data": "#cloud-config\n# v1\n"},
+    }))
+    .expect("a Secret");
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("create the cloud-init Secret");
+    let _operator = world.operator(&[]).await;
+    let mut spec = world.managed_spec(3128);
+    spec["cloudInit"] = json!({"secretRef": {"name": "init", "key": "user-data"}});
+    world.create("px", spec).await.expect("create the Proxy");
+    let first = world.wait_ready("px").await;
+    let first_pod = world.pod_of(&first).await.expect("the first Pod");
+    let first_ip = first["status"]["ip"].clone();
+
+    // A port change replaces the Pod: a new Pod (new UID) on a new IP, Ready again.
+    world
+        .proxies()
+        .patch(
+            "px",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"port": 3129}})),
+        )
+        .await
+        .expect("change the port");
+    let second = world
+        .wait_proxy("px", "Ready on a new Pod after the port change", |s| {
+            s["phase"] == "Ready" && s["ip"].is_string() && s["ip"] != first_ip
+        })
+        .await;
+    let second_pod = world.pod_of(&second).await.expect("the second Pod");
+    assert_ne!(second_pod.uid(), first_pod.uid());
+    let container = &second_pod.spec.as_ref().expect("a Pod spec").containers[0];
+    assert_eq!(
+        container.ports.as_ref().expect("ports")[0].container_port,
+        3129
+    );
+    let reasons = world.event_reasons("px").await;
+    assert!(reasons.iter().any(|r| r == "Replacing"), "{reasons:?}");
+
+    // Editing the referenced Secret replaces it again.
+    secrets
+        .patch(
+            "init",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"user-data": "#cloud-config\n# v2\n"}})),
+        )
+        .await
+        .expect("edit the Secret");
+    let second_ip = second["status"]["ip"].clone();
+    let third = world
+        .wait_proxy("px", "Ready on a new Pod after the Secret edit", |s| {
+            s["phase"] == "Ready" && s["ip"].is_string() && s["ip"] != second_ip
+        })
+        .await;
+    let third_pod = world.pod_of(&third).await.expect("the third Pod");
+    assert_ne!(third_pod.uid(), second_pod.uid());
+
+    // Deleting the Proxy removes the Pod first, then the Proxy.
+    world
+        .proxies()
+        .delete("px", &DeleteParams::default())
+        .await
+        .expect("delete the Proxy");
+    let pods = world.pods();
+    let pod_name = third_pod.name_any();
+    eventually("the Pod to be deleted", || async {
+        pods.get_opt(&pod_name)
+            .await
+            .ok()
+            .and_then(|p| p.is_none().then_some(()))
+    })
+    .await;
+    let proxies = world.proxies();
+    eventually("the Proxy to be gone", || async {
+        proxies
+            .get_opt("px")
+            .await
+            .ok()
+            .and_then(|p| p.is_none().then_some(()))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphan_pods_are_collected_while_holding_the_lease() {
+    let Some(world) = World::new("gc").await else {
+        return;
+    };
+    let _operator = world
+        .operator(&["--gc-interval", "1s", "--gc-min-age", "0s"])
+        .await;
+    world
+        .create("live", world.managed_spec(3128))
+        .await
+        .expect("create a live Proxy");
+    let live = world.wait_ready("live").await;
+
+    // A Pod with this install's labels whose Proxy never existed.
+    let orphan_uid = "00000000-0000-4000-8000-00000000dead";
+    let orphan = build_pod(
+        &CreateRequest {
+            namespace: world.ns.clone(),
+            proxy_name: "gone".to_owned(),
+            proxy_uid: orphan_uid.to_owned(),
+            machine_name: machine_name(orphan_uid),
+            port: 3128,
+            placement: None,
+            cloud_init: None,
+            labels: BTreeMap::new(),
+        },
+        "ubuntu/squid",
+        &world.ns,
+    );
+    let pods = world.pods();
+    pods.create(&PostParams::default(), &orphan)
+        .await
+        .expect("plant the orphan Pod");
+    let orphan_name = machine_name(orphan_uid);
+    eventually("the orphan Pod to be collected", || async {
+        pods.get_opt(&orphan_name)
+            .await
+            .ok()
+            .and_then(|p| p.is_none().then_some(()))
+    })
+    .await;
+
+    // Collected by the Lease holder; the live Proxy's Pod stays.
+    let leases: Api<Lease> = Api::namespaced(world.client.clone(), "proxy-operator");
+    let lease = leases
+        .get(&format!("leader-{}", world.ns))
+        .await
+        .expect("the leader Lease exists");
+    assert_eq!(
+        lease.spec.and_then(|s| s.holder_identity),
+        Some(format!("operator-{}", world.ns))
+    );
+    assert!(world.pod_of(&live).await.is_some(), "the live Pod was kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_keeps_pods_and_leases() {
+    let Some(world) = World::new("restart").await else {
+        return;
+    };
+    let mut operator = world.operator(&[]).await;
+    world
+        .create("px", world.managed_spec(3128))
+        .await
+        .expect("create the Proxy");
+    let before = world.wait_ready("px").await;
+    let pod = world.pod_of(&before).await.expect("the Pod");
+    let (status, lease) = operator
+        .call(
+            Method::POST,
+            "/v1/leases",
+            Some(json!({"selector": {"pool": "envtest"}, "ttlSeconds": 600})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{lease}");
+    let id = lease["leaseID"].as_str().expect("a lease ID").to_owned();
+
+    operator.restart();
+    operator.wait_ready(SLOW).await;
+    let (status, after_lease) = operator
+        .call(Method::GET, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{after_lease}");
+    assert_eq!(after_lease["state"], "active", "{after_lease}");
+
+    // Ready again on the same Pod, and no create was attempted by the new process.
+    let after = world
+        .wait_proxy("px", "Ready after the restart", |s| s["phase"] == "Ready")
+        .await;
+    assert_eq!(after["status"]["ip"], before["status"]["ip"]);
+    let same = world.pod_of(&after).await.expect("the Pod after restart");
+    assert_eq!(same.uid(), pod.uid());
+    assert_eq!(world.kubelet.started(&world.ns, &pod.name_any()).len(), 1);
+    // Let at least one drift poll (2 s) pass, then read the provider counters.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let metrics = operator.metrics().await;
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "proxy_operator_provider_requests_total",
+            &["op=\"create\""]
+        ),
+        0.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(
+            &metrics,
+            "proxy_operator_provider_requests_total",
+            &["op=\"get\""]
+        ) > 0.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steady_health_causes_no_status_writes() {
+    let Some(world) = World::new("steady").await else {
+        return;
+    };
+    let squid = Squid::start();
+    let _operator = world.operator(&[]).await;
+    world
+        .create(
+            "ext",
+            json!({
+                "mode": "External",
+                "endpoint": {"host": "127.0.0.1", "port": squid.port()},
+                "healthCheck": world.health_check("1s"),
+            }),
+        )
+        .await
+        .expect("create the Proxy");
+    let ready = world.wait_ready("ext").await;
+    let version = ready["metadata"]["resourceVersion"].clone();
+    let connects = || squid.access_log().matches("CONNECT").count();
+    let start = connects();
+
+    // 20 more probes; the latency rule allows at most one status write per 60 s.
+    let api = world.raw_proxies();
+    let mut versions = vec![version];
+    let began = Instant::now();
+    while connects() < start + 20 {
+        assert!(began.elapsed() < SLOW, "fewer than 20 probes in {SLOW:?}");
+        let object = api.get("ext").await.expect("read the Proxy");
+        let rv = json!(object.resource_version());
+        if versions.last() != Some(&rv) {
+            versions.push(rv);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        versions.len() <= 2,
+        "status written {} times during 20 steady probes: {versions:?}",
+        versions.len() - 1
+    );
+}
+
+/// The shared duration table (`tests/data/durations.json`), as the server judges it.
+#[derive(serde::Deserialize)]
+struct DurationTable {
+    strings: Vec<DurationCase>,
+    pairs: Vec<DurationPair>,
+}
+
+#[derive(serde::Deserialize)]
+struct DurationCase {
+    value: String,
+    accepted: bool,
+}
+
+#[derive(serde::Deserialize)]
+struct DurationPair {
+    interval: Option<String>,
+    timeout: Option<String>,
+    accepted: bool,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_accepts_exactly_the_durations_the_operator_decodes() {
+    let Some(world) = World::new("durations").await else {
+        return;
+    };
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/durations.json");
+    let table: DurationTable =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("read the duration table"))
+            .expect("parse the duration table");
+    let spec = |health_check: Value| {
+        json!({
+            "mode": "External",
+            "endpoint": {"host": "127.0.0.1", "port": 3128},
+            "healthCheck": health_check,
+        })
+    };
+    for (i, case) in table.strings.iter().enumerate() {
+        let result = world
+            .create(
+                &format!("s{i}"),
+                spec(json!({"interval": case.value, "timeout": case.value})),
+            )
+            .await;
+        if case.accepted {
+            result.unwrap_or_else(|e| panic!("{:?} refused by the server: {e}", case.value));
+        } else {
+            let message = refusal(result);
+            assert!(
+                message.contains("spec.healthCheck.interval")
+                    && message.contains("spec.healthCheck.timeout"),
+                "{:?}: the refusal names neither field: {message}",
+                case.value
+            );
+        }
+    }
+    for (i, pair) in table.pairs.iter().enumerate() {
+        let mut check = serde_json::Map::new();
+        if let Some(interval) = &pair.interval {
+            check.insert("interval".into(), json!(interval));
+        }
+        if let Some(timeout) = &pair.timeout {
+            check.insert("timeout".into(), json!(timeout));
+        }
+        let result = world
+            .create(&format!("p{i}"), spec(Value::Object(check)))
+            .await;
+        let what = format!("interval {:?}, timeout {:?}", pair.interval, pair.timeout);
+        if pair.accepted {
+            result.unwrap_or_else(|e| panic!("{what} refused by the server: {e}"));
+        } else {
+            let message = refusal(result);
+            assert!(
+                message.contains("spec.healthCheck")
+                    && message.contains("timeout must not be longer than interval"),
+                "{what}: {message}"
+            );
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The real `proxy-operator run` binary as a child process against a test control plane, and
+//! a small client for its lease API and metrics. Killed on drop; its log is printed when a
+//! test fails so the failure explains itself.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+
+use super::free_port;
+
+/// Bearer token of the lease API in these tests.
+pub const API_TOKEN: &str = "operator-test-token-0123456789";
+
+/// Delays shrunk so the tests run in seconds; every one is a flag of `run`.
+pub const FAST_FLAGS: &[&str] = &[
+    "--provisioning-poll",
+    "200ms",
+    "--drift-poll",
+    "2s",
+    "--deletion-poll",
+    "200ms",
+    "--error-requeue",
+    "500ms",
+    "--quota-requeue",
+    "2s",
+];
+
+/// How to start one operator process.
+#[derive(Debug, Clone)]
+pub struct OperatorOptions {
+    /// Kubeconfig of the operator's identity.
+    pub kubeconfig: PathBuf,
+    /// Working directory: ledger, providers config, log.
+    pub dir: PathBuf,
+    /// `--install-id`, also used to name the leader Lease, so tests never share either.
+    pub install_id: String,
+    /// `--watch-namespace`, when cluster-wide behaviour is not the point.
+    pub watch_namespace: Option<String>,
+    /// Extra flags (after [`FAST_FLAGS`], so they win).
+    pub extra_args: Vec<String>,
+    /// PEM bundle trusted for probe URLs.
+    pub probe_ca: Option<PathBuf>,
+}
+
+/// A running `proxy-operator run`.
+pub struct OperatorProcess {
+    child: Option<Child>,
+    options: OperatorOptions,
+    api_port: u16,
+    metrics_port: u16,
+    log: PathBuf,
+    http: reqwest::Client,
+}
+
+impl OperatorProcess {
+    /// Starts the binary with `options` on fresh loopback ports (not yet ready: see
+    /// [`OperatorProcess::wait_ready`]).
+    pub fn start(options: OperatorOptions) -> OperatorProcess {
+        let mut process = OperatorProcess {
+            child: None,
+            api_port: free_port(),
+            metrics_port: free_port(),
+            log: options.dir.join("operator.log"),
+            options,
+            http: reqwest::Client::new(),
+        };
+        process.spawn();
+        process
+    }
+
+    fn spawn(&mut self) {
+        let providers = self.options.dir.join("providers.yaml");
+        if !providers.exists() {
+            std::fs::write(
+                &providers,
+                "providers:\n  - name: local\n    type: kubernetes\n    kubernetes:\n      image: ubuntu/squid\n",
+            )
+            .expect("write the providers config");
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open the operator log");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_proxy-operator"));
+        command
+            .arg("run")
+            .arg("--providers-config")
+            .arg(&providers)
+            .arg("--ledger")
+            .arg(self.options.dir.join("ledger.db"))
+            .args(["--discovery-addr", &format!("127.0.0.1:{}", self.api_port)])
+            .args([
+                "--metrics-addr",
+                &format!("127.0.0.1:{}", self.metrics_port),
+            ])
+            .args(["--install-id", &self.options.install_id])
+            .args([
+                "--leader-lease",
+                &format!("leader-{}", self.options.install_id),
+            ])
+            .args(["--leader-namespace", "proxy-operator"])
+            .args(FAST_FLAGS);
+        if let Some(ns) = &self.options.watch_namespace {
+            command.args(["--watch-namespace", ns]);
+        }
+        if let Some(ca) = &self.options.probe_ca {
+            command.arg("--probe-ca-file").arg(ca);
+        }
+        command
+            .args(&self.options.extra_args)
+            .env("KUBECONFIG", &self.options.kubeconfig)
+            .env("DISCOVERY_TOKEN", API_TOKEN)
+            .env("POD_NAME", format!("operator-{}", self.options.install_id))
+            .env("RUST_LOG", "info,kube_lease_manager=warn")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        self.child = Some(command.spawn().expect("spawn proxy-operator run"));
+    }
+
+    /// Polls `/readyz` until it answers 200 (the Proxy list has arrived), panicking with the
+    /// log if the process exits or the deadline passes.
+    pub async fn wait_ready(&mut self, deadline: Duration) {
+        let url = format!("http://127.0.0.1:{}/readyz", self.api_port);
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exit_status() {
+                panic!(
+                    "the operator exited ({status}) before it was ready:\n{}",
+                    self.log_text()
+                );
+            }
+            let ready = self.http.get(&url).send().await;
+            if ready.is_ok_and(|r| r.status() == StatusCode::OK) {
+                return;
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "/readyz not 200 after {deadline:?}; log:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The process ID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The exit status, if the process has ended.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Kills the process with SIGKILL (no shutdown code runs) and reaps it.
+    pub fn kill_9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the binary again with the same options, ports and ledger.
+    pub fn restart(&mut self) {
+        self.kill_9();
+        self.spawn();
+    }
+
+    /// Sends SIGTERM and waits for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("the operator is running");
+        let pid = i32::try_from(child.id()).expect("pid fits i32");
+        // SAFETY: kill(2) with a pid this process spawned and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status;
+            }
+            assert!(start.elapsed() < super::DEADLINE, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What the process logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The ledger file.
+    pub fn ledger(&self) -> PathBuf {
+        self.options.dir.join("ledger.db")
+    }
+
+    /// Calls the lease API with the token; returns the status and the JSON body (Null if empty).
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("http://127.0.0.1:{}{path}", self.api_port))
+            .bearer_auth(API_TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("call the lease API");
+        let status = response.status();
+        let text = response.text().await.expect("read the API answer");
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+        };
+        (status, value)
+    }
+
+    /// The `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(format!("http://127.0.0.1:{}/metrics", self.metrics_port))
+            .send()
+            .await
+            .expect("scrape /metrics")
+            .text()
+            .await
+            .expect("read /metrics")
+    }
+}
+
+impl Drop for OperatorProcess {
+    fn drop(&mut self) {
+        self.kill_9();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- operator log ({}) ---\n{}",
+                self.log.display(),
+                tail(&self.log_text(), 200)
+            );
+        }
+    }
+}
+
+/// The last `lines` lines of `text`.
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The sum of the samples of `metric` whose labels contain every `label="value"` pair given.
+pub fn metric_sum(metrics: &str, metric: &str, labels: &[&str]) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(metric)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| labels.iter().all(|pair| l.contains(pair)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Writes `pem` to `dir/name` and returns the path.
+pub fn write_file(dir: &Path, name: &str, contents: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, contents).expect("write a test file");
+    path
+}
