@@ -20,7 +20,7 @@ use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
 use proxy_operator::proxy::Proxy;
 use serde_json::json;
 use support::envtest::ControlPlane;
-use support::operator::{OperatorOptions, OperatorProcess, write_file};
+use support::operator::OperatorProcess;
 use support::{Squid, Target};
 
 const BATCH: usize = 1_000;
@@ -55,18 +55,8 @@ async fn bench() -> ExitCode {
     let squids: Vec<Squid> = (0..SQUIDS).map(|_| Squid::start()).collect();
     let target = Target::start();
     let dir = tempfile::tempdir().expect("a temp dir");
-    let kubeconfig = dir.path().join("operator.kubeconfig");
-    cp.operator_kubeconfig(&kubeconfig).await;
-    let ca = write_file(dir.path(), "probe-ca.pem", target.ca_cert_pem());
-    let mut operator = OperatorProcess::start(OperatorOptions {
-        kubeconfig,
-        dir: dir.path().to_owned(),
-        install_id: "cluster-scale".to_owned(),
-        watch_namespace: None,
-        extra_args: Vec::new(),
-        probe_ca: Some(ca),
-    });
-    operator.wait_ready(Duration::from_secs(60)).await;
+    let operator =
+        OperatorProcess::start_ready(cp, dir.path(), &target, "cluster-scale", None, &[]).await;
 
     let client = cp.admin_client();
     let first = create_and_time(&client, cp, "scale-a", &squids, &target).await;

@@ -26,7 +26,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::envtest::ControlPlane;
 use support::kubelet::Kubelet;
-use support::operator::{OperatorOptions, OperatorProcess, metric_sum, write_file};
+use support::operator::{OperatorProcess, metric_sum};
 use support::{Squid, Target};
 
 /// Deadline for anything that waits on the operator, the API server and real squids.
@@ -63,21 +63,15 @@ impl World {
     /// Starts `proxy-operator run` for this namespace (its own install ID and Lease) and waits
     /// until it is ready.
     async fn operator(&self, extra_args: &[&str]) -> OperatorProcess {
-        let kubeconfig = self.dir.path().join("operator.kubeconfig");
-        self.cp.operator_kubeconfig(&kubeconfig).await;
-        let ca = write_file(self.dir.path(), "probe-ca.pem", self.target.ca_cert_pem());
-        let mut args = vec!["--gc-allow-namespaced".to_owned()];
-        args.extend(extra_args.iter().map(|a| (*a).to_owned()));
-        let mut operator = OperatorProcess::start(OperatorOptions {
-            kubeconfig,
-            dir: self.dir.path().to_owned(),
-            install_id: self.ns.clone(),
-            watch_namespace: Some(self.ns.clone()),
-            extra_args: args,
-            probe_ca: Some(ca),
-        });
-        operator.wait_ready(SLOW).await;
-        operator
+        OperatorProcess::start_ready(
+            self.cp,
+            self.dir.path(),
+            &self.target,
+            &self.ns,
+            Some(&self.ns),
+            extra_args,
+        )
+        .await
     }
 
     fn proxies(&self) -> Api<Proxy> {
@@ -118,6 +112,14 @@ impl World {
             "interval": interval,
             "timeout": interval,
             "failureThreshold": 2,
+        })
+    }
+
+    fn external_spec(&self, squid: &Squid, interval: &str) -> Value {
+        json!({
+            "mode": "External",
+            "endpoint": {"host": "127.0.0.1", "port": squid.port()},
+            "healthCheck": self.health_check(interval),
         })
     }
 
@@ -186,6 +188,22 @@ where
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Waits until the object `name` no longer exists.
+async fn wait_gone<K>(api: &Api<K>, name: &str)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    let what = format!("{} {name} to be gone", K::kind(&Default::default()));
+    eventually(&what, || async {
+        api.get_opt(name)
+            .await
+            .ok()
+            .and_then(|o| o.is_none().then_some(()))
+    })
+    .await;
 }
 
 /// The `reason` of a failed API call (the server's verdict), or a panic if it succeeded.
@@ -319,14 +337,7 @@ async fn external_and_managed_proxies_reach_ready_and_are_leased() {
     let squid = Squid::start();
     let operator = world.operator(&[]).await;
     world
-        .create(
-            "ext",
-            json!({
-                "mode": "External",
-                "endpoint": {"host": "127.0.0.1", "port": squid.port()},
-                "healthCheck": world.health_check("500ms"),
-            }),
-        )
+        .create("ext", world.external_spec(&squid, "500ms"))
         .await
         .expect("create the External Proxy");
     world
@@ -478,24 +489,8 @@ async fn spec_and_secret_changes_replace_the_pod_and_delete_cleans_up() {
         .delete("px", &DeleteParams::default())
         .await
         .expect("delete the Proxy");
-    let pods = world.pods();
-    let pod_name = third_pod.name_any();
-    eventually("the Pod to be deleted", || async {
-        pods.get_opt(&pod_name)
-            .await
-            .ok()
-            .and_then(|p| p.is_none().then_some(()))
-    })
-    .await;
-    let proxies = world.proxies();
-    eventually("the Proxy to be gone", || async {
-        proxies
-            .get_opt("px")
-            .await
-            .ok()
-            .and_then(|p| p.is_none().then_some(()))
-    })
-    .await;
+    wait_gone(&world.pods(), &third_pod.name_any()).await;
+    wait_gone(&world.proxies(), "px").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -532,14 +527,7 @@ async fn orphan_pods_are_collected_while_holding_the_lease() {
     pods.create(&PostParams::default(), &orphan)
         .await
         .expect("plant the orphan Pod");
-    let orphan_name = machine_name(orphan_uid);
-    eventually("the orphan Pod to be collected", || async {
-        pods.get_opt(&orphan_name)
-            .await
-            .ok()
-            .and_then(|p| p.is_none().then_some(()))
-    })
-    .await;
+    wait_gone(&pods, &machine_name(orphan_uid)).await;
 
     // Collected by the Lease holder; the live Proxy's Pod stays.
     let leases: Api<Lease> = Api::namespaced(world.client.clone(), "proxy-operator");
@@ -622,14 +610,7 @@ async fn steady_health_causes_no_status_writes() {
     let squid = Squid::start();
     let _operator = world.operator(&[]).await;
     world
-        .create(
-            "ext",
-            json!({
-                "mode": "External",
-                "endpoint": {"host": "127.0.0.1", "port": squid.port()},
-                "healthCheck": world.health_check("1s"),
-            }),
-        )
+        .create("ext", world.external_spec(&squid, "1s"))
         .await
         .expect("create the Proxy");
     let ready = world.wait_ready("ext").await;

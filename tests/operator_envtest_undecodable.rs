@@ -16,7 +16,7 @@ use proxy_operator::proxy_watch::{REASON_INVALID_SPEC, UNDECODABLE_METRIC};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 use support::envtest::{ControlPlane, parse_yaml_documents};
-use support::operator::{OperatorOptions, OperatorProcess, metric_sum, write_file};
+use support::operator::{OperatorProcess, metric_sum};
 use support::{Squid, Target};
 
 const SLOW: Duration = Duration::from_secs(90);
@@ -133,19 +133,9 @@ async fn an_undecodable_proxy_is_skipped_and_named_while_the_rest_is_served() {
     assert!(refused.is_err(), "today's CRD refuses interval \"30\"");
 
     let dir = tempfile::tempdir().expect("temp dir");
-    let kubeconfig = dir.path().join("operator.kubeconfig");
-    cp.operator_kubeconfig(&kubeconfig).await;
-    let ca = write_file(dir.path(), "probe-ca.pem", target.ca_cert_pem());
-    let mut operator = OperatorProcess::start(OperatorOptions {
-        kubeconfig,
-        dir: dir.path().to_owned(),
-        install_id: ns.clone(),
-        watch_namespace: Some(ns.clone()),
-        extra_args: vec!["--gc-allow-namespaced".to_owned()],
-        probe_ca: Some(ca),
-    });
     // Ready despite the bad object, and the good one is reconciled and served.
-    operator.wait_ready(SLOW).await;
+    let mut operator =
+        OperatorProcess::start_ready(cp, dir.path(), &target, &ns, Some(&ns), &[]).await;
     eventually("the good Proxy to be Ready", || async {
         let object = api.get("good").await.ok()?;
         (object.data["status"]["phase"] == "Ready").then_some(())

@@ -9,7 +9,11 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
-use super::free_port;
+use super::envtest::ControlPlane;
+use super::{Target, free_port};
+
+/// How long a start-up may take on a loaded machine.
+pub const READY_DEADLINE: Duration = Duration::from_secs(90);
 
 /// Bearer token of the lease API in these tests.
 pub const API_TOKEN: &str = "operator-test-token-0123456789";
@@ -69,6 +73,37 @@ impl OperatorProcess {
         };
         process.spawn();
         process
+    }
+
+    /// Starts `run` against `cp` with the operator's identity from `manifests/`, trusting
+    /// `target`'s CA for probes, and waits until it is ready. With a `watch_namespace`, orphan
+    /// GC is allowed too: the install ID already keeps it to this process's own machines.
+    pub async fn start_ready(
+        cp: &ControlPlane,
+        dir: &Path,
+        target: &Target,
+        install_id: &str,
+        watch_namespace: Option<&str>,
+        extra_args: &[&str],
+    ) -> OperatorProcess {
+        let kubeconfig = dir.join("operator.kubeconfig");
+        cp.operator_kubeconfig(&kubeconfig).await;
+        let probe_ca = write_file(dir, "probe-ca.pem", target.ca_cert_pem());
+        let mut args: Vec<String> = watch_namespace
+            .map(|_| "--gc-allow-namespaced".to_owned())
+            .into_iter()
+            .collect();
+        args.extend(extra_args.iter().map(|a| (*a).to_owned()));
+        let mut operator = OperatorProcess::start(OperatorOptions {
+            kubeconfig,
+            dir: dir.to_owned(),
+            install_id: install_id.to_owned(),
+            watch_namespace: watch_namespace.map(str::to_owned),
+            extra_args: args,
+            probe_ca: Some(probe_ca),
+        });
+        operator.wait_ready(READY_DEADLINE).await;
+        operator
     }
 
     fn spawn(&mut self) {
