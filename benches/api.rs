@@ -1,170 +1,455 @@
-//! Lease API throughput: acquire+release pairs per second over HTTP at 32 concurrent
-//! keep-alive connections against 1,000 inventory proxies, with `GET /healthz` at the same
-//! concurrency through the same client as the framework floor. Prints both, their ratio and
-//! the acquire latency percentiles.
+//! Lease API throughput of the real binary, measured from outside with `wrk`: the release
+//! `proxy-operator standalone` with 1,000 External proxies over two real squids (all made
+//! healthy before measuring) and `--ledger-durability normal`, driven by
+//! `wrk -t2 -c32 -s benches/wrk/lease_pairs.lua` (each connection alternates an acquire and
+//! the release of the lease it got), then by the same wrk settings on `GET /healthz` as the
+//! framework floor. Prints acquire+release pairs/s, /healthz req/s, their ratio and the p99
+//! latency per run in one table, and exits non-zero when a run answers anything but
+//! 201/204 (200 for /healthz) or misses the targets (ratio >= 0.15, pair p99 < 10 ms).
 //!
-//! Run with `cargo bench --bench api` (the server, its ledger and the client share the machine).
+//! Run with `cargo bench --bench api` (needs `wrk` and `squid`: `apt-get install -y wrk
+//! squid`). Environment:
+//! - `PROXY_OPERATOR_BENCH_BINARY`: the binary to measure (default: this build's).
+//! - `PROXY_OPERATOR_BENCH_BASELINE`: another binary (e.g. one built from an older commit)
+//!   measured the same way, before and after the first, for a before/after table.
+//! - `PROXY_OPERATOR_BENCH_SECONDS`: length of each measured wrk run (default 10).
+//! - `PROXY_OPERATOR_BENCH_LOG`: the binary's `RUST_LOG` (default `info`, the shipped
+//!   default: one log line per request, written to a file).
+//!
+//! Everything shares the machine: the operator, the squids, the probe target and wrk.
 
-use std::collections::BTreeMap;
-use std::net::TcpListener;
-use std::sync::Arc;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use proxy_operator::api::{self, ApiState, ApiToken, ProxyListCache};
-use proxy_operator::health::{HealthSnapshot, ProxyHealth};
-use proxy_operator::inventory::Inventory;
-use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
-use proxy_operator::metrics::LeaseMetrics;
-use proxy_operator::proxy::{Proxy, ProxySpec};
+use support::{Squid, Target, free_port};
 
-const CONCURRENCY: usize = 32;
 const PROXIES: usize = 1_000;
-const RUN: Duration = Duration::from_secs(8);
+const SQUIDS: usize = 2;
+const WRK_THREADS: u32 = 2;
+const WRK_CONNECTIONS: u32 = 32;
+/// Leases a proxy grants at once: far above what 32 connections can hold, so no acquire is
+/// refused for capacity.
+const MAX_LEASES: u32 = 1_000;
 const TOKEN: &str = "bench";
+const DEFAULT_SECONDS: u64 = 10;
+/// A short unmeasured run first, so page cache, allocator and connection set-up are warm.
+const WARM_UP: Duration = Duration::from_secs(2);
+const HEALTHY_DEADLINE: Duration = Duration::from_secs(120);
+const RATIO_TARGET: f64 = 0.15;
+const P99_TARGET: Duration = Duration::from_millis(10);
 
-fn inventory() -> (Inventory, HealthSnapshot) {
-    let inventory = Inventory::new();
-    let health = HealthSnapshot::new();
-    let proxies: Vec<Proxy> = (0..PROXIES)
-        .map(|i| {
-            let spec: ProxySpec = serde_json::from_value(serde_json::json!({
-                "mode": "External",
-                "endpoint": {"host": "127.0.0.1", "port": 10_000 + i},
-                "maxLeases": 5,
-            }))
-            .expect("valid spec");
-            let mut p = Proxy::new(&format!("p{i:04}"), spec);
-            p.metadata.labels = Some(BTreeMap::from([("pool".to_owned(), "bench".to_owned())]));
-            health.set(
-                p.id(),
-                ProxyHealth {
-                    healthy: Some(true),
-                    latency: Some(Duration::from_millis(5 + (i % 50) as u64)),
-                    ..Default::default()
-                },
-            );
-            p
+/// One `WRK_RESULT` line of the Lua scripts, as key=value pairs.
+#[derive(Debug, Default, Clone)]
+struct WrkResult {
+    fields: Vec<(String, u64)>,
+    first_failure: Option<String>,
+}
+
+impl WrkResult {
+    fn parse(stdout: &str) -> Option<WrkResult> {
+        let line = stdout.lines().find_map(|l| l.strip_prefix("WRK_RESULT "))?;
+        let fields = line
+            .split_whitespace()
+            .filter_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                Some((k.to_owned(), v.parse().ok()?))
+            })
+            .collect();
+        let first_failure = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("WRK_FIRST_FAILURE "))
+            .map(str::to_owned);
+        Some(WrkResult {
+            fields,
+            first_failure,
         })
-        .collect();
-    inventory.replace(proxies);
-    (inventory, health)
-}
-
-/// Runs `CONCURRENCY` loops of `op` for [`RUN`]; returns completed operations and latencies.
-async fn load<F, Fut>(op: F) -> (usize, Vec<Duration>)
-where
-    F: Fn(reqwest::Client) -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = Duration> + Send,
-{
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(CONCURRENCY)
-        .build()
-        .expect("client");
-    let deadline = Instant::now() + RUN;
-    let mut tasks = Vec::new();
-    for _ in 0..CONCURRENCY {
-        let (client, op) = (client.clone(), op.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            while Instant::now() < deadline {
-                latencies.push(op(client.clone()).await);
-            }
-            latencies
-        }));
     }
-    let mut all = Vec::new();
-    for task in tasks {
-        all.extend(task.await.expect("load task"));
+
+    fn get(&self, key: &str) -> u64 {
+        self.fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(0, |(_, v)| *v)
     }
-    (all.len(), all)
+
+    fn seconds(&self) -> f64 {
+        self.get("duration_us") as f64 / 1e6
+    }
+
+    fn p99(&self) -> Duration {
+        Duration::from_micros(self.get("p99_us"))
+    }
+
+    fn errors(&self) -> u64 {
+        self.get("failed") + self.get("socket_errors")
+    }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(index).copied().unwrap_or_default()
+/// The figures of one binary.
+#[derive(Debug, Clone)]
+struct Figures {
+    label: String,
+    pairs: WrkResult,
+    healthz: WrkResult,
+    /// CPU seconds the operator used during the measured pair run.
+    pairs_cpu: f64,
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let ledger = Ledger::open(
-        &dir.path().join("ledger.db"),
-        LedgerConfig::default(),
-        clock.clone(),
+impl Figures {
+    fn pairs_per_s(&self) -> f64 {
+        // Each pair is two requests; a lease still held at the end counts half.
+        (self.pairs.get("acquired") + self.pairs.get("released")) as f64
+            / 2.0
+            / self.pairs.seconds()
+    }
+
+    fn healthz_per_s(&self) -> f64 {
+        self.healthz.get("ok") as f64 / self.healthz.seconds()
+    }
+
+    fn ratio(&self) -> f64 {
+        self.pairs_per_s() / self.healthz_per_s()
+    }
+}
+
+/// The operator process; killed on drop.
+struct Operator {
+    child: Child,
+    api: String,
+    log: PathBuf,
+}
+
+impl Operator {
+    fn start(binary: &Path, dir: &Path, inventory: &Path) -> Operator {
+        let api_port = free_port();
+        let log = dir.join("operator.log");
+        let log_file = std::fs::File::create(&log).expect("operator log");
+        let rust_log = std::env::var("PROXY_OPERATOR_BENCH_LOG").unwrap_or_else(|_| "info".into());
+        let child = Command::new(binary)
+            .args(["standalone", "--inventory"])
+            .arg(inventory)
+            .arg("--ledger")
+            .arg(dir.join("ledger.db"))
+            .args(["--ledger-durability", "normal"])
+            .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(["--inventory-poll", "100ms"])
+            .env("DISCOVERY_TOKEN", TOKEN)
+            .env("RUST_LOG", rust_log)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
+        Operator {
+            child,
+            api: format!("http://127.0.0.1:{api_port}"),
+            log,
+        }
+    }
+
+    /// User + system CPU seconds of the process so far.
+    fn cpu_seconds(&self) -> f64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())) else {
+            return 0.0;
+        };
+        // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return 0.0;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = [11, 12]
+            .iter()
+            .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
+            .sum();
+        // The kernel's USER_HZ is 100 on every Linux this runs on.
+        ticks as f64 / 100.0
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn proxy_doc(yaml: &mut String, i: usize, port: u16, probe_url: &str) {
+    write!(
+        yaml,
+        "apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata:
+  name: px-{i:04}
+  labels: {{pool: bench}}
+spec:
+  mode: External
+  endpoint: {{host: 127.0.0.1, port: {port}}}
+  maxLeases: {MAX_LEASES}
+  healthCheck:
+    probeURL: {probe_url}
+    interval: 1h
+    timeout: 5s
+---
+"
     )
-    .expect("ledger");
-    let (inventory, health) = inventory();
-    let state = ApiState {
-        inventory,
-        health,
-        ledger,
-        clock,
-        metrics: LeaseMetrics::register(&prometheus::Registry::new()).expect("metrics"),
-        default_ttl: Duration::from_secs(300),
-        proxy_list: ProxyListCache::default(),
+    .expect("writing to a String");
+}
+
+async fn healthy_count(http: &reqwest::Client, api: &str) -> Option<u64> {
+    let response = http
+        .get(format!("{api}/v1/proxies?healthy=true&selector=pool=bench"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .ok()?;
+    let body: serde_json::Value = response.json().await.ok()?;
+    body["count"].as_u64()
+}
+
+/// Runs wrk with a script; returns its parsed result line.
+fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches/wrk")
+        .join(script);
+    let output = Command::new("wrk")
+        .args([
+            format!("-t{WRK_THREADS}"),
+            format!("-c{WRK_CONNECTIONS}"),
+            format!("-d{}s", duration.as_secs().max(1)),
+            "--timeout".to_owned(),
+            "10s".to_owned(),
+        ])
+        .arg("-s")
+        .arg(&script)
+        .arg(url)
+        .arg("--")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run wrk ({e}); install it: apt-get install -y wrk");
+        });
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    match WrkResult::parse(&stdout) {
+        Some(result) if output.status.success() => result,
+        _ => panic!(
+            "wrk failed ({}):\n{stdout}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    }
+}
+
+/// Starts `binary` on a fresh ledger, grows the inventory to the full fleet (proxies that
+/// appear after start-up are probed at once, not spread over the 1 h interval), waits until
+/// all are healthy, then measures.
+async fn measure(
+    label: &str,
+    binary: &Path,
+    squids: &[Squid],
+    probe_url: &str,
+    seconds: Duration,
+) -> Figures {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let inventory = dir.path().join("inventory.yaml");
+    std::fs::write(&inventory, "").expect("write the inventory");
+    let mut operator = Operator::start(binary, dir.path(), &inventory);
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    loop {
+        if let Ok(r) = http.get(format!("{}/readyz", operator.api)).send().await
+            && r.status().is_success()
+        {
+            break;
+        }
+        if let Ok(Some(status)) = operator.child.try_wait() {
+            panic!(
+                "{label}: the operator exited ({status}):\n{}",
+                operator.log_tail()
+            );
+        }
+        assert!(
+            started.elapsed() < HEALTHY_DEADLINE,
+            "{label}: not ready:\n{}",
+            operator.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut yaml = String::with_capacity(PROXIES * 400);
+    for i in 0..PROXIES {
+        proxy_doc(&mut yaml, i, squids[i % squids.len()].port(), probe_url);
+    }
+    let staged = dir.path().join("inventory.yaml.new");
+    std::fs::write(&staged, yaml).expect("write the inventory");
+    std::fs::rename(&staged, &inventory).expect("replace the inventory");
+    let started = Instant::now();
+    loop {
+        let healthy = healthy_count(&http, &operator.api).await.unwrap_or(0);
+        if healthy == PROXIES as u64 {
+            break;
+        }
+        assert!(
+            started.elapsed() < HEALTHY_DEADLINE,
+            "{label}: {healthy} of {PROXIES} proxies healthy after {HEALTHY_DEADLINE:?}:\n{}",
+            operator.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "{label}: {PROXIES} proxies healthy in {:.1} s; measuring {} s per run",
+        started.elapsed().as_secs_f64(),
+        seconds.as_secs()
+    );
+
+    let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
+    wrk("lease_pairs.lua", &operator.api, WARM_UP, &[TOKEN, body]);
+    let cpu_before = operator.cpu_seconds();
+    let pairs = wrk("lease_pairs.lua", &operator.api, seconds, &[TOKEN, body]);
+    let pairs_cpu = operator.cpu_seconds() - cpu_before;
+    let healthz = wrk(
+        "healthz.lua",
+        &format!("{}/healthz", operator.api),
+        seconds,
+        &[],
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &operator.child.id().to_string()])
+        .status();
+    let _ = operator.child.wait();
+    Figures {
+        label: label.to_owned(),
+        pairs,
+        healthz,
+        pairs_cpu,
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn table(runs: &[Figures]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<10} {:>10} {:>12} {:>8} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "binary",
+        "pairs/s",
+        "healthz/s",
+        "ratio",
+        "pair p50",
+        "pair p99",
+        "healthz p99",
+        "CPU ms/pair",
+        "errors"
+    );
+    for run in runs {
+        let pairs_done = run.pairs_per_s() * run.pairs.seconds();
+        let _ = writeln!(
+            out,
+            "{:<10} {:>10.0} {:>12.0} {:>8.3} {:>10} {:>10} {:>12} {:>12.3} {:>8}",
+            run.label,
+            run.pairs_per_s(),
+            run.healthz_per_s(),
+            run.ratio(),
+            ms(Duration::from_micros(run.pairs.get("p50_us"))),
+            ms(run.pairs.p99()),
+            ms(run.healthz.p99()),
+            run.pairs_cpu * 1000.0 / pairs_done.max(1.0),
+            run.pairs.errors() + run.healthz.errors(),
+        );
+        for failure in [&run.pairs.first_failure, &run.healthz.first_failure]
+            .into_iter()
+            .flatten()
+        {
+            let _ = writeln!(out, "  first failure of {}: {failure}", run.label);
+        }
+    }
+    out
+}
+
+fn binary_from(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(|v: OsString| PathBuf::from(v))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+async fn main() -> ExitCode {
+    let binary = binary_from("PROXY_OPERATOR_BENCH_BINARY")
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_proxy-operator")));
+    let baseline = binary_from("PROXY_OPERATOR_BENCH_BASELINE");
+    let seconds = std::env::var("PROXY_OPERATOR_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(DEFAULT_SECONDS), Duration::from_secs);
+    if Command::new("wrk").arg("--version").output().is_err() {
+        eprintln!("wrk is not installed; install it: apt-get install -y wrk");
+        return ExitCode::from(2);
+    }
+    let target = Target::start();
+    let probe_url = target.http_url();
+    let squids: Vec<Squid> = (0..SQUIDS).map(|_| Squid::start()).collect();
+
+    let mut runs = Vec::new();
+    // A baseline is measured before and after, so drift in the machine's load shows.
+    if let Some(baseline) = &baseline {
+        runs.push(measure("before", baseline, &squids, &probe_url, seconds).await);
+    }
+    runs.push(measure("this", &binary, &squids, &probe_url, seconds).await);
+    if let Some(baseline) = &baseline {
+        runs.push(measure("before", baseline, &squids, &probe_url, seconds).await);
+    }
+
+    println!(
+        "\n{PROXIES} proxies over {SQUIDS} squids, wrk -t{WRK_THREADS} -c{WRK_CONNECTIONS} -d{}s, \
+         --ledger-durability normal",
+        seconds.as_secs()
+    );
+    println!("measured: {}", binary.display());
+    if let Some(baseline) = &baseline {
+        println!("before:   {}", baseline.display());
+    }
+    print!("{}", table(&runs));
+    let Some(this) = runs.iter().find(|r| r.label == "this") else {
+        return ExitCode::FAILURE;
     };
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let server = api::serve(listener, state, ApiToken::new(TOKEN)).expect("server");
-    let handle = server.handle();
-    tokio::spawn(server);
-
-    let healthz_url = format!("{base}/healthz");
-    let (healthz, _) = load(move |client| {
-        let url = healthz_url.clone();
-        async move {
-            let started = Instant::now();
-            let response = client.get(&url).send().await.expect("healthz");
-            assert!(response.status().is_success());
-            started.elapsed()
-        }
-    })
-    .await;
-
-    let leases_url = format!("{base}/v1/leases");
-    let (pairs, mut acquire_latencies) = load(move |client| {
-        let url = leases_url.clone();
-        async move {
-            let started = Instant::now();
-            let response = client
-                .post(&url)
-                .bearer_auth(TOKEN)
-                .json(&serde_json::json!({"selector": {"pool": "bench"}, "ttlSeconds": 60}))
-                .send()
-                .await
-                .expect("acquire");
-            assert_eq!(response.status(), reqwest::StatusCode::CREATED);
-            let lease: serde_json::Value = response.json().await.expect("lease body");
-            let latency = started.elapsed();
-            let id = lease["leaseID"].as_str().expect("lease id").to_owned();
-            let released = client
-                .delete(format!("{url}/{id}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .expect("release");
-            assert_eq!(released.status(), reqwest::StatusCode::NO_CONTENT);
-            latency
-        }
-    })
-    .await;
-    handle.stop(true).await;
-
-    acquire_latencies.sort();
-    let seconds = RUN.as_secs_f64();
-    let pairs_per_s = pairs as f64 / seconds;
-    let healthz_per_s = healthz as f64 / seconds;
-    println!("concurrency {CONCURRENCY}, {PROXIES} proxies, {seconds:.0} s per run");
-    println!("GET /healthz:            {healthz_per_s:>9.0} req/s");
-    println!("acquire+release pairs:   {pairs_per_s:>9.0} pairs/s");
+    if baseline.is_some() {
+        let before: Vec<&Figures> = runs.iter().filter(|r| r.label == "before").collect();
+        let mean = |f: fn(&Figures) -> f64| {
+            before.iter().map(|r| f(r)).sum::<f64>() / before.len().max(1) as f64
+        };
+        println!(
+            "this / before (mean of the two before runs): pairs/s x{:.2}, healthz/s x{:.2} ({:+.1} %)",
+            this.pairs_per_s() / mean(Figures::pairs_per_s),
+            this.healthz_per_s() / mean(Figures::healthz_per_s),
+            (this.healthz_per_s() / mean(Figures::healthz_per_s) - 1.0) * 100.0
+        );
+    }
+    let errors = this.pairs.errors() + this.healthz.errors();
+    let ratio_ok = this.ratio() >= RATIO_TARGET;
+    let p99_ok = this.pairs.p99() < P99_TARGET;
     println!(
-        "ratio pairs/healthz:     {:>9.3} (target >= 0.3)",
-        pairs_per_s / healthz_per_s
+        "targets: ratio >= {RATIO_TARGET} {}, pair p99 < {} {}, no errors {}",
+        if ratio_ok { "met" } else { "MISSED" },
+        ms(P99_TARGET),
+        if p99_ok { "met" } else { "MISSED" },
+        if errors == 0 { "met" } else { "MISSED" },
     );
-    println!(
-        "acquire latency p50 {:.2} ms, p99 {:.2} ms (target p99 < 10 ms)",
-        percentile(&acquire_latencies, 0.50).as_secs_f64() * 1000.0,
-        percentile(&acquire_latencies, 0.99).as_secs_f64() * 1000.0
-    );
+    if ratio_ok && p99_ok && errors == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }

@@ -1,12 +1,14 @@
 //! Scale check of standalone mode: the release binary with 10,000 External proxies (30 s probe
 //! interval) spread over three real squids, probing a loopback HTTPS target. Once most proxies
 //! are healthy it samples the process's resident memory and times `GET /v1/proxies` (the full
-//! list and a healthy+selector query) back to back for a minute, then times one acquire and
-//! one release. Prints a table and exits non-zero when resident memory reaches 256 MiB or the
-//! p99 of either list query reaches 50 ms.
+//! list and a healthy+selector query) back to back for a minute, then times acquires over
+//! all 10,000 proxies (each followed by its release) while probes keep changing health.
+//! Prints a table and exits non-zero when resident memory reaches 256 MiB or the p99 of
+//! either list query reaches 50 ms.
 //!
 //! Run with `cargo bench --bench scale` (everything shares the machine: the operator, the
-//! squids, the target and this client).
+//! squids, the target and this client). `PROXY_OPERATOR_BENCH_BINARY` points it at another
+//! binary (e.g. one built from an older commit) to compare.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -32,6 +34,8 @@ const HEALTHY_SHARE: f64 = 0.95;
 /// machine.
 const WARM_UP_DEADLINE: Duration = Duration::from_secs(240);
 const MEASURE: Duration = Duration::from_secs(60);
+/// Acquire+release pairs timed one after the other over the whole fleet.
+const ACQUIRES: usize = 200;
 const RSS_SAMPLE_EVERY: Duration = Duration::from_millis(200);
 const RSS_LIMIT_KIB: u64 = 256 * 1024;
 const LIST_P99_LIMIT: Duration = Duration::from_millis(50);
@@ -90,7 +94,10 @@ impl Operator {
     fn start(dir: &Path, inventory: &Path, ca: &Path) -> Operator {
         let (api_port, metrics_port) = (free_port(), free_port());
         let log = std::fs::File::create(dir.join("operator.log")).expect("operator log");
-        let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+        let binary = std::env::var_os("PROXY_OPERATOR_BENCH_BINARY")
+            .filter(|b| !b.is_empty())
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_proxy-operator").into());
+        let child = Command::new(binary)
             .args(["standalone", "--inventory"])
             .arg(inventory)
             .arg("--ledger")
@@ -243,6 +250,8 @@ struct Report {
     hwm_kib: u64,
     rss_at_end_kib: u64,
     lists: [Series; 2],
+    /// Acquires over the whole fleet and their releases (reported, no limit).
+    leases: [Series; 2],
 }
 
 async fn run() -> Report {
@@ -360,30 +369,39 @@ async fn run() -> Report {
     assert_eq!(lists[0].count, PROXIES, "the full list lists every proxy");
     let (probes_after, metrics_bytes, metrics_took) = probes_total(&http, &operator.metrics).await;
 
-    let (status, acquire_took, lease) = timed(
-        http.post(format!("{}/v1/leases", operator.api))
-            .bearer_auth(TOKEN)
-            .json(&serde_json::json!({
-                "selector": {"pool": "scale"},
-                "target": "example.com",
-                "ttlSeconds": 60
-            })),
-    )
-    .await;
-    assert_eq!(
-        status,
-        StatusCode::CREATED,
-        "{}",
-        String::from_utf8_lossy(&lease)
-    );
-    let lease: serde_json::Value = serde_json::from_slice(&lease).expect("a lease");
-    let lease_id = lease["leaseID"].as_str().expect("a lease ID");
-    let (status, release_took, _) = timed(
-        http.delete(format!("{}/v1/leases/{lease_id}", operator.api))
-            .bearer_auth(TOKEN),
-    )
-    .await;
-    assert_eq!(status, StatusCode::NO_CONTENT);
+    let mut acquires = Series::new("POST /v1/leases (all 10,000 are candidates)");
+    let mut releases = Series::new("DELETE /v1/leases/{id}");
+    for _ in 0..ACQUIRES {
+        let (status, took, lease) = timed(
+            http.post(format!("{}/v1/leases", operator.api))
+                .bearer_auth(TOKEN)
+                .json(&serde_json::json!({
+                    "selector": {"pool": "scale"},
+                    "target": "example.com",
+                    "ttlSeconds": 60
+                })),
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(&lease)
+        );
+        acquires.latencies.push(took);
+        acquires.bytes = lease.len();
+        acquires.count = PROXIES;
+        let lease: serde_json::Value = serde_json::from_slice(&lease).expect("a lease");
+        let lease_id = lease["leaseID"].as_str().expect("a lease ID");
+        let (status, took, _) = timed(
+            http.delete(format!("{}/v1/leases/{lease_id}", operator.api))
+                .bearer_auth(TOKEN),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        releases.latencies.push(took);
+        releases.count = 1;
+    }
 
     sampling.store(false, Ordering::SeqCst);
     sampler.join().expect("RSS sampler");
@@ -402,16 +420,12 @@ async fn run() -> Report {
         metrics_bytes as f64 / (1024.0 * 1024.0),
         ms(metrics_took)
     );
-    println!(
-        "acquire (10,000 candidates): {}   release: {}",
-        ms(acquire_took),
-        ms(release_took)
-    );
     Report {
         peak_rss_kib: peak_rss.load(Ordering::SeqCst),
         hwm_kib,
         rss_at_end_kib,
         lists,
+        leases: [acquires, releases],
     }
 }
 
@@ -423,7 +437,7 @@ async fn main() -> ExitCode {
         "{:<44} {:>6} {:>11} {:>11} {:>11}",
         "query", "n", "p50", "p99", "max"
     );
-    for series in &report.lists {
+    for series in report.lists.iter().chain(&report.leases) {
         println!("{}", series.row());
     }
     println!();

@@ -65,6 +65,18 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_LEDGER_DURABILITY", value_enum, default_value_t = DurabilityArg::Normal)]
     pub ledger_durability: DurabilityArg,
 
+    /// Ledger writes (acquire, renew, release, report) waiting for the ledger's writer at
+    /// most; a write arriving at a full queue is answered 503 with `Retry-After` at once. The
+    /// queue is allocated up front, hence the upper bound of 100000.
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_QUEUE_CAPACITY", default_value_t = DEFAULT_LEDGER_QUEUE_CAPACITY, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub ledger_queue_capacity: u32,
+
+    /// How long a ledger write may wait in the queue; one still waiting then is answered
+    /// 503 with `Retry-After` and nothing is written. A write the writer has taken is always
+    /// answered with its result.
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_QUEUE_DEADLINE", default_value = "2s", value_parser = positive_duration)]
+    pub ledger_queue_deadline: Duration,
+
     /// Probes in flight at once.
     #[arg(long, env = "PROXY_OPERATOR_HEALTH_WORKERS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
     pub health_workers: u16,
@@ -90,6 +102,20 @@ pub struct CommonArgs {
     /// How long lease history is kept in the ledger.
     #[arg(long, env = "PROXY_OPERATOR_HISTORY_RETENTION", default_value = "7days", value_parser = humantime::parse_duration)]
     pub history_retention: Duration,
+}
+
+/// Default of `--ledger-queue-capacity`: a few seconds of writes at the rate one writer
+/// commits on a small machine, so a burst queues instead of failing, and an overload is
+/// answered within the deadline instead of piling up.
+pub const DEFAULT_LEDGER_QUEUE_CAPACITY: u32 = 4096;
+
+/// A duration above zero (`humantime` syntax).
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("must be above zero".to_owned()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `--ledger-durability` values.
@@ -239,6 +265,8 @@ mod tests {
             Duration::from_secs(7 * 86400)
         );
         assert_eq!(args.inventory_poll, Duration::from_secs(2));
+        assert_eq!(args.common.ledger_queue_capacity, 4096);
+        assert_eq!(args.common.ledger_queue_deadline, Duration::from_secs(2));
     }
 
     #[test]
@@ -282,6 +310,22 @@ mod tests {
                 "nowhere",
             ],
             vec!["proxy-operator", "standalone"],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--ledger-queue-capacity",
+                "0",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--ledger-queue-deadline",
+                "0s",
+            ],
         ] {
             let err = Cli::try_parse_from(&args).unwrap_err().to_string();
             assert!(err.contains("--"), "{args:?}: {err}");

@@ -24,6 +24,8 @@ use crate::proxy::{Phase, Proxy};
 #[derive(Clone, Debug)]
 pub struct LeaseMetrics {
     granted: IntCounter,
+    replayed: IntCounter,
+    overloaded: IntCounter,
     rejections: IntCounterVec,
     reports: IntCounterVec,
 }
@@ -34,6 +36,15 @@ impl LeaseMetrics {
         let granted = IntCounter::new(
             "proxy_operator_leases_granted_total",
             "Leases granted by the API.",
+        )?;
+        let replayed = IntCounter::new(
+            "proxy_operator_leases_replayed_total",
+            "Acquires answered with the lease of an earlier acquire with the same requestID.",
+        )?;
+        let overloaded = IntCounter::new(
+            "proxy_operator_ledger_overloaded_total",
+            "Lease API writes answered 503 because the ledger's queue was full or the write \
+             waited past its deadline.",
         )?;
         let rejections = IntCounterVec::new(
             Opts::new(
@@ -50,6 +61,8 @@ impl LeaseMetrics {
             &["result"],
         )?;
         registry.register(Box::new(granted.clone()))?;
+        registry.register(Box::new(replayed.clone()))?;
+        registry.register(Box::new(overloaded.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
         registry.register(Box::new(reports.clone()))?;
         for result in ReportResult::ALL {
@@ -60,6 +73,8 @@ impl LeaseMetrics {
         }
         Ok(LeaseMetrics {
             granted,
+            replayed,
+            overloaded,
             rejections,
             reports,
         })
@@ -68,6 +83,16 @@ impl LeaseMetrics {
     /// Counts a granted lease.
     pub fn lease_granted(&self) {
         self.granted.inc();
+    }
+
+    /// Counts an acquire answered with an earlier acquire's lease.
+    pub fn lease_replayed(&self) {
+        self.replayed.inc();
+    }
+
+    /// Counts a write refused because the ledger was overloaded.
+    pub fn write_overloaded(&self) {
+        self.overloaded.inc();
     }
 
     /// Counts a refused acquire.
@@ -207,17 +232,13 @@ impl Collector for FleetCollector {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
         }
         let mut families = self.proxies.collect();
-        match (self.ledger.active_total(), self.ledger.cooldowns_active()) {
-            (Ok(leases), Ok(cooldowns)) => {
-                self.leases_active
-                    .set(i64::try_from(leases).unwrap_or(i64::MAX));
-                self.cooldowns_active
-                    .set(i64::try_from(cooldowns).unwrap_or(i64::MAX));
-                families.extend(self.leases_active.collect());
-                families.extend(self.cooldowns_active.collect());
-            }
-            (Err(e), _) | (_, Err(e)) => log::warn!("metrics: cannot read the ledger: {e}"),
-        }
+        // The writer's in-memory state: no query per scrape.
+        self.leases_active
+            .set(i64::try_from(self.ledger.active_total()).unwrap_or(i64::MAX));
+        self.cooldowns_active
+            .set(i64::try_from(self.ledger.cooldowns_active()).unwrap_or(i64::MAX));
+        families.extend(self.leases_active.collect());
+        families.extend(self.cooldowns_active.collect());
         families
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
-use proxy_operator::api::{self, ApiState, ApiToken, ProxyListCache};
+use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock};
@@ -24,8 +24,9 @@ struct Harness {
     inventory: Inventory,
     health: HealthSnapshot,
     clock: Arc<ManualClock>,
+    ledger: Ledger,
     handle: ServerHandle,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 fn proxy(name: &str, port: i32, labels: &[(&str, &str)], max_leases: i32) -> Proxy {
@@ -56,25 +57,82 @@ impl Harness {
     async fn start_with(extra: fn(&mut actix_web::web::ServiceConfig)) -> Harness {
         let dir = tempfile::tempdir().unwrap();
         let clock = Arc::new(ManualClock::new("2026-11-30T12:00:00Z".parse().unwrap()));
+        Self::serve(
+            dir,
+            clock,
+            Inventory::new(),
+            HealthSnapshot::new(),
+            LedgerConfig::default(),
+            extra,
+        )
+    }
+
+    /// Starts the API with ledger settings on top of the harness's TTL and cooldown.
+    async fn start_with_ledger(config: LedgerConfig) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new("2026-11-30T12:00:00Z".parse().unwrap()));
+        Self::serve(
+            dir,
+            clock,
+            Inventory::new(),
+            HealthSnapshot::new(),
+            config,
+            |_| {},
+        )
+    }
+
+    /// Stops the server and the ledger's writer, then reopens the same ledger file and serves
+    /// it again with the same inventory, health and clock (what a restart keeps).
+    async fn restart(self) -> Harness {
+        let Harness {
+            inventory,
+            health,
+            clock,
+            ledger,
+            handle,
+            dir,
+            ..
+        } = self;
+        handle.stop(true).await;
+        tokio::task::spawn_blocking(move || ledger.shutdown())
+            .await
+            .unwrap();
+        Self::serve(
+            dir,
+            clock,
+            inventory,
+            health,
+            LedgerConfig::default(),
+            |_| {},
+        )
+    }
+
+    fn serve(
+        dir: tempfile::TempDir,
+        clock: Arc<ManualClock>,
+        inventory: Inventory,
+        health: HealthSnapshot,
+        config: LedgerConfig,
+        extra: fn(&mut actix_web::web::ServiceConfig),
+    ) -> Harness {
         let dyn_clock: Arc<dyn Clock> = clock.clone();
         let config = LedgerConfig {
             max_ttl: Duration::from_secs(600),
             cooldown: Duration::from_secs(300),
-            ..LedgerConfig::default()
+            ..config
         };
         let ledger =
             Ledger::open(&dir.path().join("ledger.db"), config, dyn_clock.clone()).unwrap();
-        let inventory = Inventory::new();
-        let health = HealthSnapshot::new();
         let registry = prometheus::Registry::new();
         let state = ApiState {
             inventory: inventory.clone(),
             health: health.clone(),
-            ledger,
+            ledger: ledger.clone(),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(120),
             proxy_list: ProxyListCache::default(),
+            candidates: CandidateIndex::default(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -98,8 +156,9 @@ impl Harness {
             inventory,
             health,
             clock,
+            ledger,
             handle,
-            _dir: dir,
+            dir,
         }
     }
 
@@ -691,5 +750,310 @@ async fn openapi_document_lists_every_route() {
     ] {
         assert!(schemas.contains_key(schema), "{schema}");
     }
+    // The idempotency key and the answers it brings are part of the contract.
+    let request_id = &schemas["AcquireRequest"]["properties"]["requestID"];
+    assert_eq!(
+        request_id["pattern"],
+        api::REQUEST_ID_PATTERN,
+        "{request_id}"
+    );
+    assert_eq!(request_id["minLength"], 1, "{request_id}");
+    assert_eq!(
+        request_id["maxLength"],
+        api::MAX_REQUEST_ID_LEN,
+        "{request_id}"
+    );
+    let acquire = &paths["/v1/leases"]["post"]["responses"];
+    for status in ["200", "201", "409", "422", "503"] {
+        assert!(acquire.get(status).is_some(), "acquire {status}: {acquire}");
+    }
+    for (path, method) in [
+        ("/v1/leases", "post"),
+        ("/v1/leases/{id}", "delete"),
+        ("/v1/leases/{id}/renew", "post"),
+        ("/v1/leases/{id}/report", "post"),
+    ] {
+        let overloaded = &paths[path][method]["responses"]["503"];
+        assert!(
+            overloaded["headers"].get("Retry-After").is_some(),
+            "{method} {path}: {overloaded}"
+        );
+    }
     h.stop().await;
+}
+
+/// The lease ID, proxy and state of a lease answer.
+fn lease_summary(lease: &Value) -> (String, String, String) {
+    (
+        lease["leaseID"].as_str().unwrap_or_default().to_owned(),
+        lease["proxy"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        lease["state"].as_str().unwrap_or_default().to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_request_id_replays_its_lease_also_after_a_restart() {
+    let h = Harness::start().await;
+    h.load(vec![
+        (proxy("a", 3001, &[("geo", "eu")], 5), Some(5)),
+        (proxy("b", 3002, &[("geo", "eu")], 5), Some(9)),
+    ]);
+    let body = json!({
+        "selector": {"geo": "eu"}, "target": "Example.com", "ttlSeconds": 60,
+        "requestID": "crawl-42/attempt",
+    });
+    let (s, first) = h.acquire(body.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{first}");
+    let (id, proxy_name, _) = lease_summary(&first);
+    assert_eq!(proxy_name, "a");
+    // The ledger file says what the ID was first used for, readably.
+    let (stored_id, fingerprint): (String, String) =
+        rusqlite::Connection::open(h.dir.path().join("ledger.db"))
+            .unwrap()
+            .query_row(
+                "SELECT request_id, request_fingerprint FROM leases WHERE id = ?1",
+                [&id],
+                |row| Ok((row.get(0)?, row.get(1)?)),
+            )
+            .unwrap();
+    assert_eq!(stored_id, "crawl-42/attempt");
+    assert_eq!(
+        fingerprint,
+        r#"{"selector":{"geo":"eu"},"target":"example.com","ttlSeconds":60}"#
+    );
+
+    // A retry gets the same lease (200, not 201), and no second lease is granted: the next
+    // acquire without an ID goes to b, the less loaded proxy.
+    let (s, replay) = h.acquire(body.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(replay, first);
+    let (_, other) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+    assert_eq!(other["proxy"]["name"], "b");
+
+    // The same ID for another question is refused; the target is compared after the API
+    // normalises it, the TTL as asked.
+    let same_after_normalising = json!({
+        "selector": {"geo": "eu"}, "target": " EXAMPLE.COM ", "ttlSeconds": 60,
+        "requestID": "crawl-42/attempt",
+    });
+    let (s, v) = h.acquire(same_after_normalising).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    for (what, changed) in [
+        (
+            "target",
+            json!({"selector": {"geo": "eu"}, "target": "example.org", "ttlSeconds": 60}),
+        ),
+        (
+            "selector",
+            json!({"selector": {"geo": "us"}, "target": "example.com", "ttlSeconds": 60}),
+        ),
+        (
+            "ttlSeconds",
+            json!({"selector": {"geo": "eu"}, "target": "example.com", "ttlSeconds": 61}),
+        ),
+        (
+            "default TTL",
+            json!({"selector": {"geo": "eu"}, "target": "example.com"}),
+        ),
+    ] {
+        let mut changed = changed;
+        changed["requestID"] = json!("crawl-42/attempt");
+        let (s, v) = h.acquire(changed).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{what}: {v}");
+        assert_error(&v, "request_id_reused");
+    }
+
+    // The replay shows the lease as it is now: released.
+    let (s, _, _) = h
+        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, replay) = h.acquire(body.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(
+        lease_summary(&replay),
+        (id.clone(), "a".into(), "released".into())
+    );
+
+    // The ledger remembers the ID across a restart.
+    let h = h.restart().await;
+    let (s, replay) = h.acquire(body.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(
+        lease_summary(&replay),
+        (id.clone(), "a".into(), "released".into())
+    );
+    let (s, v) = h
+        .acquire(json!({"selector": {"geo": "eu"}, "requestID": "crawl-42/attempt"}))
+        .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+
+    // A new ID is a new acquire.
+    let mut fresh = body.clone();
+    fresh["requestID"] = json!("crawl-43");
+    let (s, v) = h.acquire(fresh).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_ne!(v["leaseID"], id.as_str());
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn invalid_request_ids_are_refused_naming_the_field() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
+    for request_id in [
+        json!(""),
+        json!("x".repeat(129)),
+        json!("tab\there"),
+        json!("line\nbreak"),
+        json!("caf\u{e9}"),
+        json!("\u{7f}"),
+        json!(42),
+    ] {
+        let (s, v) = h.acquire(json!({"requestID": request_id})).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{request_id}: {v}");
+        assert_error(&v, "invalid_body");
+        assert!(
+            v["message"].as_str().unwrap().contains("requestID"),
+            "{request_id}: {v}"
+        );
+    }
+    // Nothing was granted by the refused ones; the limits themselves are accepted.
+    let (_, list) = h.get("/v1/proxies").await;
+    assert_eq!(list["proxies"][0]["activeLeases"], 0);
+    for request_id in ["x".repeat(128), " ".to_owned(), "~".to_owned()] {
+        let (s, v) = h.acquire(json!({"requestID": request_id})).await;
+        assert_eq!(s, StatusCode::CREATED, "{request_id:?}: {v}");
+    }
+    h.stop().await;
+}
+
+/// Holds the ledger file's write lock from another connection, so the ledger's writer waits
+/// for it (up to SQLite's busy timeout) and its queue fills.
+struct FileLock(rusqlite::Connection);
+
+impl FileLock {
+    fn take(path: &std::path::Path) -> FileLock {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        FileLock(conn)
+    }
+
+    fn release(self) {
+        self.0.execute_batch("ROLLBACK").unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_over_the_queue_gets_fast_503s_and_none_of_them_is_granted() {
+    const QUEUE: usize = 2;
+    const BURST: usize = 24;
+    let h = Arc::new(
+        Harness::start_with_ledger(LedgerConfig {
+            queue_capacity: QUEUE,
+            // The harness's clock does not move, so no write waits past this.
+            queue_deadline: Duration::from_secs(60),
+            ..LedgerConfig::default()
+        })
+        .await,
+    );
+    h.load(vec![
+        (proxy("a", 3001, &[], 1000), Some(5)),
+        (proxy("b", 3002, &[], 1000), Some(9)),
+    ]);
+    let lock = FileLock::take(&h.dir.path().join("ledger.db"));
+    let held_since = std::time::Instant::now();
+    let answers = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..BURST {
+        let (h, answers) = (h.clone(), answers.clone());
+        tasks.push(tokio::spawn(async move {
+            let request_id = format!("burst-{i}");
+            let (s, headers, v) = h
+                .send(
+                    reqwest::Method::POST,
+                    "/v1/leases",
+                    Some(json!({"requestID": request_id, "ttlSeconds": 60})),
+                )
+                .await;
+            answers
+                .lock()
+                .unwrap()
+                .push((request_id, s, headers, v, held_since.elapsed()));
+        }));
+    }
+    // The writer holds at most one write and the queue QUEUE more; every other one is refused
+    // at once, while the file is still locked.
+    let refused_at_least = BURST - QUEUE - 1;
+    // Well within SQLite's busy timeout (5 s), after which the waiting writer would give up.
+    let started = std::time::Instant::now();
+    while answers.lock().unwrap().len() < refused_at_least {
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "only {} of the burst answered while the file was locked",
+            answers.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refused_while_locked = answers.lock().unwrap().len();
+    lock.release();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let answers = std::mem::take(&mut *answers.lock().unwrap());
+    assert_eq!(answers.len(), BURST);
+    let mut granted = Vec::new();
+    let mut refused = Vec::new();
+    for (request_id, status, headers, body, _) in &answers {
+        match *status {
+            StatusCode::CREATED => granted.push(body["leaseID"].as_str().unwrap().to_owned()),
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_error(body, "overloaded");
+                let retry_after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+                assert!(retry_after >= 1, "{retry_after}");
+                refused.push(request_id.clone());
+            }
+            other => panic!("{request_id}: unexpected {other}: {body}"),
+        }
+    }
+    assert!(
+        refused.len() >= refused_at_least && refused_while_locked >= refused_at_least,
+        "{} refused, {refused_while_locked} before the file was unlocked",
+        refused.len()
+    );
+    assert!(
+        !granted.is_empty() && granted.len() <= QUEUE + 1,
+        "{granted:?}"
+    );
+
+    // Exactly the 201s hold leases: in the ledger's counts, in the file, and by ID.
+    assert_eq!(h.ledger.active_total(), granted.len() as u64);
+    let (_, list) = h.get("/v1/proxies").await;
+    let listed: u64 = list["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["activeLeases"].as_u64().unwrap())
+        .sum();
+    assert_eq!(listed, granted.len() as u64);
+    let in_file: i64 = rusqlite::Connection::open(h.dir.path().join("ledger.db"))
+        .unwrap()
+        .query_row("SELECT count(*) FROM leases", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(in_file, granted.len() as i64);
+    for id in &granted {
+        let (s, v) = h.get(&format!("/v1/leases/{id}")).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["state"], "active");
+    }
+    // A refused request ID was never used: retrying it is a fresh grant (201), not a replay.
+    for request_id in refused.iter().take(3) {
+        let (s, v) = h
+            .acquire(json!({"requestID": request_id, "ttlSeconds": 60}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{request_id}: {v}");
+    }
 }

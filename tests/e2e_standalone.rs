@@ -4,13 +4,13 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use support::{DEADLINE, Squid, SquidOptions, Target, free_port};
+use support::{DEADLINE, Squid, SquidOptions, Target, free_port, sqlite3};
 
 const TOKEN: &str = "e2e-secret";
 
@@ -173,20 +173,6 @@ async fn wait_ready(client: &Client) {
         }
     })
     .await;
-}
-
-fn sqlite(db: &PathBuf, sql: &str) -> String {
-    let output = Command::new("sqlite3")
-        .arg(db)
-        .arg(sql)
-        .output()
-        .expect("the sqlite3 CLI is installed (apt-get install -y sqlite3)");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap().trim().to_owned()
 }
 
 fn metric_lines_are_valid(text: &str) {
@@ -416,7 +402,7 @@ async fn standalone_end_to_end() {
 
     // The history is in the ledger file, readable with the sqlite3 CLI.
     let db = dir.path().join("ledger.db");
-    let acquired: u32 = sqlite(
+    let acquired: u32 = sqlite3(
         &db,
         "SELECT count(*) FROM lease_events WHERE kind = 'acquired'",
     )
@@ -424,13 +410,13 @@ async fn standalone_end_to_end() {
     .unwrap();
     assert_eq!(acquired, 5);
     assert_eq!(
-        sqlite(
+        sqlite3(
             &db,
             "SELECT result FROM lease_events WHERE kind = 'reported'"
         ),
         "rate_limited"
     );
-    assert_eq!(sqlite(&db, "SELECT count(*) FROM active_leases"), "4");
+    assert_eq!(sqlite3(&db, "SELECT count(*) FROM active_leases"), "4");
 
     // SIGTERM stops it cleanly.
     let status = Command::new("kill")

@@ -5,13 +5,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread;
 use std::time::Duration;
 
 use jiff::Timestamp;
 use proxy_operator::ledger::{
-    AcquireOutcome, Candidate, Durability, Lease, LeaseState, Ledger, LedgerConfig, LedgerError,
-    ManualClock, NoMatch, ReportResult, SCHEMA_VERSION, SweepStats, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseState, Ledger, LedgerConfig,
+    LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION, SweepStats,
+    SystemClock,
 };
 use proxy_operator::proxy::ProxyId;
 use tempfile::TempDir;
@@ -28,6 +28,7 @@ fn config() -> LedgerConfig {
         cooldown: 10 * MINUTE,
         history_retention: Duration::from_secs(24 * 3600),
         durability: Durability::Normal,
+        ..LedgerConfig::default()
     }
 }
 
@@ -81,15 +82,61 @@ impl Fixture {
     fn count(&self, sql: &str) -> i64 {
         self.raw().query_row(sql, [], |r| r.get(0)).unwrap()
     }
+
+    async fn acquire(
+        &self,
+        candidates: &[Candidate],
+        target: Option<&str>,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, LedgerError> {
+        acquire(&self.ledger, candidates, target, ttl).await
+    }
+
+    /// An acquire carrying request ID `id` with fingerprint `fingerprint`.
+    async fn acquire_once(
+        &self,
+        candidates: &[Candidate],
+        id: &str,
+        fingerprint: &str,
+    ) -> Result<AcquireOutcome, LedgerError> {
+        self.ledger
+            .acquire(AcquireRequest {
+                candidates: candidates.into(),
+                target: None,
+                ttl: MINUTE,
+                request: Some(RequestKey {
+                    id: id.into(),
+                    fingerprint: fingerprint.into(),
+                }),
+            })
+            .await
+    }
+}
+
+/// An acquire without a request ID.
+async fn acquire(
+    ledger: &Ledger,
+    candidates: &[Candidate],
+    target: Option<&str>,
+    ttl: Duration,
+) -> Result<AcquireOutcome, LedgerError> {
+    ledger
+        .acquire(AcquireRequest {
+            candidates: candidates.into(),
+            target: target.map(str::to_owned),
+            ttl,
+            request: None,
+        })
+        .await
 }
 
 fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>) -> Candidate {
     Candidate {
-        proxy: ProxyId {
+        proxy: Arc::new(ProxyId {
             namespace: "crawl".into(),
             name: name.into(),
             uid: format!("uid-{name}"),
-        },
+        }),
         max_leases,
         healthy,
         latency: latency_ms.map(Duration::from_millis),
@@ -99,19 +146,26 @@ fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>
 fn granted(outcome: AcquireOutcome) -> Lease {
     match outcome {
         AcquireOutcome::Granted(lease) => lease,
-        AcquireOutcome::NoMatch(stats) => panic!("expected a lease, got {stats:?}"),
+        other => panic!("expected a new lease, got {other:?}"),
+    }
+}
+
+fn replayed(outcome: AcquireOutcome) -> Lease {
+    match outcome {
+        AcquireOutcome::Replayed(lease) => lease,
+        other => panic!("expected a replayed lease, got {other:?}"),
     }
 }
 
 fn no_match(outcome: AcquireOutcome) -> NoMatch {
     match outcome {
         AcquireOutcome::NoMatch(stats) => stats,
-        AcquireOutcome::Granted(lease) => panic!("expected no match, got {lease:?}"),
+        other => panic!("expected no match, got {other:?}"),
     }
 }
 
-#[test]
-fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
+#[tokio::test]
+async fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
     let mut f = Fixture::new();
     let version: u32 = f
         .raw()
@@ -124,8 +178,8 @@ fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
         .unwrap();
     assert_eq!(mode, "wal");
     let lease = granted(
-        f.ledger
-            .acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+            .await
             .unwrap(),
     );
     f.reopen();
@@ -138,23 +192,57 @@ fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
     assert_eq!(version, SCHEMA_VERSION);
 }
 
-#[test]
-fn full_durability_opens_and_keeps_leases_across_reopening() {
+#[tokio::test]
+async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let clock = Arc::new(ManualClock::new(start()));
+    {
+        // The file as the previous release left it: schema version 1, one lease held.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(include_str!("../migrations/0001_lease_ledger.sql"))
+            .unwrap();
+        conn.pragma_update(None, "user_version", 1).unwrap();
+        conn.execute(
+            "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
+             acquired_at, expires_at, ttl_ms) VALUES ('old', 'crawl', 'a', 'uid-a', NULL, \
+             'active', ?1, ?2, 60000)",
+            [
+                start().as_millisecond(),
+                (start() + MINUTE).as_millisecond(),
+            ],
+        )
+        .unwrap();
+    }
+    let ledger = Ledger::open(&path, config(), clock.clone()).unwrap();
+    assert_eq!(ledger.active_total(), 1);
+    let c = [candidate("a", 1, true, None)];
+    no_match(acquire(&ledger, &c, None, MINUTE).await.unwrap());
+    let version: u32 = rusqlite::Connection::open(&path)
+        .unwrap()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    ledger.self_check().await.unwrap();
+}
+
+#[tokio::test]
+async fn full_durability_opens_and_keeps_leases_across_reopening() {
     let mut f = Fixture::with_config(LedgerConfig {
         durability: Durability::Full,
         ..config()
     });
     let lease = granted(
-        f.ledger
-            .acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+            .await
             .unwrap(),
     );
     f.reopen();
     assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
 }
 
-#[test]
-fn a_database_from_a_newer_binary_is_refused() {
+#[tokio::test]
+async fn a_database_from_a_newer_binary_is_refused() {
     let f = Fixture::new();
     f.raw()
         .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
@@ -176,8 +264,8 @@ fn a_database_from_a_newer_binary_is_refused() {
     assert!(message.contains("newer"), "{message}");
 }
 
-#[test]
-fn open_errors_name_the_file_and_bad_config_is_refused() {
+#[tokio::test]
+async fn open_errors_name_the_file_and_bad_config_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("missing-dir").join("ledger.db");
     let err = Ledger::open(&path, config(), Arc::new(SystemClock)).unwrap_err();
@@ -208,31 +296,25 @@ fn open_errors_name_the_file_and_bad_config_is_refused() {
     }
 }
 
-#[test]
-fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
+#[tokio::test]
+async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
     let f = Fixture::new();
     let candidates = [
         candidate("slow", 2, true, Some(80)),
         candidate("fast", 2, true, Some(10)),
         candidate("unknown", 2, true, None),
     ];
-    let order: Vec<String> = (0..6)
-        .map(|_| {
-            granted(
-                f.ledger
-                    .acquire(&candidates, Some("example.com"), MINUTE)
-                    .unwrap(),
-            )
-            .proxy
-            .name
-        })
-        .collect();
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let outcome = f.acquire(&candidates, Some("example.com"), MINUTE).await;
+        order.push(granted(outcome.unwrap()).proxy.name);
+    }
     assert_eq!(
         order,
         ["fast", "slow", "unknown", "fast", "slow", "unknown"]
     );
 
-    let stats = no_match(f.ledger.acquire(&candidates, None, MINUTE).unwrap());
+    let stats = no_match(f.acquire(&candidates, None, MINUTE).await.unwrap());
     assert_eq!(
         stats,
         NoMatch {
@@ -244,13 +326,13 @@ fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
     );
 
     let lease = granted(
-        f.ledger
-            .acquire(
-                &[candidate("other", 1, true, None)],
-                Some("example.com"),
-                MINUTE,
-            )
-            .unwrap(),
+        f.acquire(
+            &[candidate("other", 1, true, None)],
+            Some("example.com"),
+            MINUTE,
+        )
+        .await
+        .unwrap(),
     );
     assert_eq!(lease.proxy.uid, "uid-other");
     assert_eq!(lease.proxy.namespace, "crawl");
@@ -265,9 +347,9 @@ fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
         f.events(&lease.id),
         [("acquired".to_owned(), Some("example.com".to_owned()), None)]
     );
-    assert_eq!(f.ledger.active_total().unwrap(), 7);
+    assert_eq!(f.ledger.active_total(), 7);
     assert_eq!(
-        f.ledger.active_counts().unwrap(),
+        f.ledger.active_counts(),
         HashMap::from([
             ("uid-slow".to_owned(), 2),
             ("uid-fast".to_owned(), 2),
@@ -277,14 +359,14 @@ fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
     );
 }
 
-#[test]
-fn unhealthy_and_zero_capacity_proxies_are_never_leased() {
+#[tokio::test]
+async fn unhealthy_and_zero_capacity_proxies_are_never_leased() {
     let f = Fixture::new();
     let candidates = [
         candidate("sick", 5, false, Some(1)),
         candidate("zero", 0, true, Some(1)),
     ];
-    let stats = no_match(f.ledger.acquire(&candidates, None, MINUTE).unwrap());
+    let stats = no_match(f.acquire(&candidates, None, MINUTE).await.unwrap());
     assert_eq!(
         stats,
         NoMatch {
@@ -294,63 +376,63 @@ fn unhealthy_and_zero_capacity_proxies_are_never_leased() {
             ..NoMatch::default()
         }
     );
-    assert_eq!(f.ledger.active_total().unwrap(), 0);
+    assert_eq!(f.ledger.active_total(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
-    let stats = no_match(f.ledger.acquire(&[], None, MINUTE).unwrap());
+    let stats = no_match(f.acquire(&[], None, MINUTE).await.unwrap());
     assert_eq!(stats, NoMatch::default());
 }
 
-#[test]
-fn ttl_is_capped_and_must_not_be_zero() {
+#[tokio::test]
+async fn ttl_is_capped_and_must_not_be_zero() {
     let f = Fixture::new();
     let c = [candidate("a", 5, true, None)];
     let lease = granted(
-        f.ledger
-            .acquire(&c, None, Duration::from_secs(86_400))
+        f.acquire(&c, None, Duration::from_secs(86_400))
+            .await
             .unwrap(),
     );
     assert_eq!(lease.ttl, Duration::from_secs(3600));
     assert_eq!(lease.expires_at, start() + Duration::from_secs(3600));
     for ttl in [Duration::ZERO, Duration::from_micros(999)] {
-        let err = f.ledger.acquire(&c, None, ttl).unwrap_err();
+        let err = f.acquire(&c, None, ttl).await.unwrap_err();
         assert!(
             matches!(err, LedgerError::InvalidTtl(t) if t == ttl),
             "{err:?}"
         );
-        let err = f.ledger.renew(&lease.id, ttl).unwrap_err();
+        let err = f.ledger.renew(&lease.id, ttl).await.unwrap_err();
         assert!(matches!(err, LedgerError::InvalidTtl(_)), "{err:?}");
     }
-    let renewed = f.ledger.renew(&lease.id, Duration::MAX).unwrap();
+    let renewed = f.ledger.renew(&lease.id, Duration::MAX).await.unwrap();
     assert_eq!(renewed.ttl, Duration::from_secs(3600));
 }
 
-#[test]
-fn an_expired_lease_stops_counting_before_the_sweep() {
+#[tokio::test]
+async fn an_expired_lease_stops_counting_before_the_sweep() {
     let f = Fixture::new();
     let c = [candidate("a", 1, true, None)];
-    let first = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    let first = granted(f.acquire(&c, None, MINUTE).await.unwrap());
     f.clock.advance(MINUTE - Duration::from_millis(1));
     assert_eq!(
-        no_match(f.ledger.acquire(&c, None, MINUTE).unwrap()).retry_after,
+        no_match(f.acquire(&c, None, MINUTE).await.unwrap()).retry_after,
         Some(first.expires_at)
     );
     f.clock.advance(Duration::from_millis(1));
-    let second = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    let second = granted(f.acquire(&c, None, MINUTE).await.unwrap());
     assert_ne!(first.id, second.id);
     assert_eq!(
         f.ledger.get(&first.id).unwrap().unwrap().state,
         LeaseState::Expired
     );
-    assert_eq!(f.ledger.active_total().unwrap(), 1);
+    assert_eq!(f.ledger.active_total(), 1);
 }
 
-#[test]
-fn renew_extends_active_leases_only() {
+#[tokio::test]
+async fn renew_extends_active_leases_only() {
     let f = Fixture::new();
     let c = [candidate("a", 3, true, None)];
-    let lease = granted(f.ledger.acquire(&c, Some("t.example"), MINUTE).unwrap());
+    let lease = granted(f.acquire(&c, Some("t.example"), MINUTE).await.unwrap());
     f.clock.advance(Duration::from_secs(50));
-    let renewed = f.ledger.renew(&lease.id, 2 * MINUTE).unwrap();
+    let renewed = f.ledger.renew(&lease.id, 2 * MINUTE).await.unwrap();
     assert_eq!(
         renewed.expires_at,
         start() + Duration::from_secs(50) + 2 * MINUTE
@@ -359,24 +441,20 @@ fn renew_extends_active_leases_only() {
     assert_eq!(renewed.acquired_at, lease.acquired_at);
     assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(renewed.clone()));
     f.clock.advance(MINUTE);
-    assert_eq!(
-        f.ledger.active_total().unwrap(),
-        1,
-        "renewed lease still counts"
-    );
+    assert_eq!(f.ledger.active_total(), 1, "renewed lease still counts");
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(kinds, ["acquired", "renewed"]);
 
-    f.ledger.release(&lease.id).unwrap();
-    let err = f.ledger.renew(&lease.id, MINUTE).unwrap_err();
+    f.ledger.release(&lease.id).await.unwrap();
+    let err = f.ledger.renew(&lease.id, MINUTE).await.unwrap_err();
     assert!(
         matches!(&err, LedgerError::NotActive { id, state: LeaseState::Released } if *id == lease.id),
         "{err:?}"
     );
 
-    let short = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    let short = granted(f.acquire(&c, None, MINUTE).await.unwrap());
     f.clock.advance(MINUTE);
-    let err = f.ledger.renew(&short.id, MINUTE).unwrap_err();
+    let err = f.ledger.renew(&short.id, MINUTE).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -392,35 +470,35 @@ fn renew_extends_active_leases_only() {
         format!("lease {:?} is expired, not active", short.id)
     );
 
-    let err = f.ledger.renew("no-such-lease", MINUTE).unwrap_err();
+    let err = f.ledger.renew("no-such-lease", MINUTE).await.unwrap_err();
     assert!(matches!(&err, LedgerError::UnknownLease(id) if id == "no-such-lease"));
 }
 
-#[test]
-fn release_is_idempotent_and_frees_the_slot() {
+#[tokio::test]
+async fn release_is_idempotent_and_frees_the_slot() {
     let f = Fixture::new();
     let c = [candidate("a", 1, true, None)];
-    let lease = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
-    no_match(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    let lease = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    no_match(f.acquire(&c, None, MINUTE).await.unwrap());
     f.clock.advance(Duration::from_secs(5));
-    f.ledger.release(&lease.id).unwrap();
-    f.ledger.release(&lease.id).unwrap();
-    f.ledger.release("never-issued").unwrap();
+    f.ledger.release(&lease.id).await.unwrap();
+    f.ledger.release(&lease.id).await.unwrap();
+    f.ledger.release("never-issued").await.unwrap();
     let released = f.ledger.get(&lease.id).unwrap().unwrap();
     assert_eq!(released.state, LeaseState::Released);
     assert_eq!(released.released_at, Some(start() + Duration::from_secs(5)));
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(kinds, ["acquired", "released"]);
-    granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    granted(f.acquire(&c, None, MINUTE).await.unwrap());
 
     // Releasing after the TTL ran out changes nothing: the lease already expired.
     let late = granted(
-        f.ledger
-            .acquire(&[candidate("b", 1, true, None)], None, MINUTE)
+        f.acquire(&[candidate("b", 1, true, None)], None, MINUTE)
+            .await
             .unwrap(),
     );
     f.clock.advance(2 * MINUTE);
-    f.ledger.release(&late.id).unwrap();
+    f.ledger.release(&late.id).await.unwrap();
     assert_eq!(
         f.ledger.get(&late.id).unwrap().unwrap().state,
         LeaseState::Expired
@@ -428,20 +506,20 @@ fn release_is_idempotent_and_frees_the_slot() {
     assert_eq!(f.events(&late.id).len(), 1);
 }
 
-#[test]
-fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() {
+#[tokio::test]
+async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() {
     for result in [ReportResult::RateLimited, ReportResult::Blocked] {
         let f = Fixture::new();
         let c = [
             candidate("a", 5, true, Some(1)),
             candidate("b", 5, true, Some(9)),
         ];
-        let lease = granted(f.ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+        let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
         assert_eq!(lease.proxy.name, "a");
         f.clock.advance(Duration::from_secs(1));
-        let reported = f.ledger.report(&lease.id, result, None).unwrap();
+        let reported = f.ledger.report(&lease.id, result, None).await.unwrap();
         assert_eq!(reported.id, lease.id);
-        assert_eq!(f.ledger.cooldowns_active().unwrap(), 1);
+        assert_eq!(f.ledger.cooldowns_active(), 1);
         assert_eq!(
             f.events(&lease.id)[1],
             (
@@ -452,23 +530,23 @@ fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() {
         );
 
         // Released, "a" would win on load and latency; the cooldown makes the target skip it.
-        f.ledger.release(&lease.id).unwrap();
-        let next = granted(f.ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+        f.ledger.release(&lease.id).await.unwrap();
+        let next = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
         assert_eq!(next.proxy.name, "b", "{result}");
-        f.ledger.release(&next.id).unwrap();
+        f.ledger.release(&next.id).await.unwrap();
         // Another target and no target are not affected.
-        let other = granted(f.ledger.acquire(&c, Some("news.example"), MINUTE).unwrap());
+        let other = granted(f.acquire(&c, Some("news.example"), MINUTE).await.unwrap());
         assert_eq!(other.proxy.name, "a");
-        f.ledger.release(&other.id).unwrap();
-        let untargeted = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+        f.ledger.release(&other.id).await.unwrap();
+        let untargeted = granted(f.acquire(&c, None, MINUTE).await.unwrap());
         assert_eq!(untargeted.proxy.name, "a");
-        f.ledger.release(&untargeted.id).unwrap();
+        f.ledger.release(&untargeted.id).await.unwrap();
 
         // Only "a" offered for the cooled target: no match, retry when the cooldown ends.
         let cooldown_end = start() + Duration::from_secs(1) + 10 * MINUTE;
         let stats = no_match(
-            f.ledger
-                .acquire(&c[..1], Some("shop.example"), MINUTE)
+            f.acquire(&c[..1], Some("shop.example"), MINUTE)
+                .await
                 .unwrap(),
         );
         assert_eq!(
@@ -481,21 +559,22 @@ fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() {
             }
         );
         f.clock.set(cooldown_end);
-        assert_eq!(f.ledger.cooldowns_active().unwrap(), 0);
-        let back = granted(f.ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+        assert_eq!(f.ledger.cooldowns_active(), 0);
+        let back = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
         assert_eq!(back.proxy.name, "a");
     }
 }
 
-#[test]
-fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_is_keyed() {
+#[tokio::test]
+async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_is_keyed() {
     let f = Fixture::new();
     let c = [candidate("a", 5, true, None)];
-    let untargeted = granted(f.ledger.acquire(&c, None, MINUTE).unwrap());
+    let untargeted = granted(f.acquire(&c, None, MINUTE).await.unwrap());
     f.ledger
         .report(&untargeted.id, ReportResult::RateLimited, None)
+        .await
         .unwrap();
-    assert_eq!(f.ledger.cooldowns_active().unwrap(), 0);
+    assert_eq!(f.ledger.cooldowns_active(), 0);
     assert_eq!(
         f.events(&untargeted.id)[1],
         ("reported".to_owned(), None, Some("rate_limited".to_owned()))
@@ -508,38 +587,40 @@ fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_is_key
             ReportResult::Blocked,
             Some("explicit.example"),
         )
+        .await
         .unwrap();
-    assert_eq!(f.ledger.cooldowns_active().unwrap(), 1);
+    assert_eq!(f.ledger.cooldowns_active(), 1);
     let stats = no_match(
-        f.ledger
-            .acquire(&c, Some("explicit.example"), MINUTE)
+        f.acquire(&c, Some("explicit.example"), MINUTE)
+            .await
             .unwrap(),
     );
     assert_eq!(stats.in_cooldown, 1);
 
     for result in [ReportResult::Ok, ReportResult::Error] {
-        let lease = granted(f.ledger.acquire(&c, Some("fine.example"), MINUTE).unwrap());
-        f.ledger.report(&lease.id, result, None).unwrap();
-        assert_eq!(f.ledger.cooldowns_active().unwrap(), 1, "{result}");
+        let lease = granted(f.acquire(&c, Some("fine.example"), MINUTE).await.unwrap());
+        f.ledger.report(&lease.id, result, None).await.unwrap();
+        assert_eq!(f.ledger.cooldowns_active(), 1, "{result}");
         assert_eq!(f.events(&lease.id)[1].2.as_deref(), Some(result.as_str()));
     }
 
     let err = f
         .ledger
         .report("no-such-lease", ReportResult::Ok, None)
+        .await
         .unwrap_err();
     assert!(matches!(&err, LedgerError::UnknownLease(id) if id == "no-such-lease"));
     assert_eq!(err.to_string(), "unknown lease \"no-such-lease\"");
 }
 
-#[test]
-fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned() {
+#[tokio::test]
+async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned() {
     let f = Fixture::new();
     let c = [candidate("a", 1, true, None)];
-    let lease = granted(f.ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+    let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
     f.clock.advance(MINUTE + Duration::from_secs(30));
     assert_eq!(
-        f.ledger.sweep().unwrap(),
+        f.ledger.sweep().await.unwrap(),
         SweepStats {
             expired: 1,
             ..SweepStats::default()
@@ -548,50 +629,57 @@ fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned() {
     let reported = f
         .ledger
         .report(&lease.id, ReportResult::RateLimited, None)
+        .await
         .unwrap();
     assert_eq!(reported.state, LeaseState::Expired);
-    assert_eq!(f.ledger.cooldowns_active().unwrap(), 1);
-    let stats = no_match(f.ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+    assert_eq!(f.ledger.cooldowns_active(), 1);
+    let stats = no_match(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
     assert_eq!(stats.in_cooldown, 1);
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(kinds, ["acquired", "expired", "reported"]);
 
     // Retained until its expiry is older than the cooldown window, then gone.
     f.clock.set(lease.expires_at + 10 * MINUTE);
-    assert_eq!(f.ledger.sweep().unwrap().leases_pruned, 0);
-    f.ledger.report(&lease.id, ReportResult::Ok, None).unwrap();
+    assert_eq!(f.ledger.sweep().await.unwrap().leases_pruned, 0);
+    f.ledger
+        .report(&lease.id, ReportResult::Ok, None)
+        .await
+        .unwrap();
     f.clock.advance(Duration::from_millis(1));
-    let stats = f.ledger.sweep().unwrap();
+    let stats = f.ledger.sweep().await.unwrap();
     assert_eq!(stats.leases_pruned, 1);
     assert!(matches!(
-        f.ledger.report(&lease.id, ReportResult::RateLimited, None),
+        f.ledger
+            .report(&lease.id, ReportResult::RateLimited, None)
+            .await,
         Err(LedgerError::UnknownLease(_))
     ));
     assert_eq!(f.ledger.get(&lease.id).unwrap(), None);
 }
 
-#[test]
-fn sweep_expires_prunes_cooldowns_and_old_history() {
+#[tokio::test]
+async fn sweep_expires_prunes_cooldowns_and_old_history() {
     let f = Fixture::new();
     let c = [candidate("a", 5, true, None), candidate("b", 5, true, None)];
-    let short = granted(f.ledger.acquire(&c, Some("t"), MINUTE).unwrap());
-    let long = granted(f.ledger.acquire(&c, Some("t"), 30 * MINUTE).unwrap());
-    let released = granted(f.ledger.acquire(&c, None, 30 * MINUTE).unwrap());
-    f.ledger.release(&released.id).unwrap();
+    let short = granted(f.acquire(&c, Some("t"), MINUTE).await.unwrap());
+    let long = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
+    let released = granted(f.acquire(&c, None, 30 * MINUTE).await.unwrap());
+    f.ledger.release(&released.id).await.unwrap();
     f.ledger
         .report(&short.id, ReportResult::RateLimited, None)
+        .await
         .unwrap();
 
     f.clock.advance(2 * MINUTE);
     assert_eq!(
-        f.ledger.sweep().unwrap(),
+        f.ledger.sweep().await.unwrap(),
         SweepStats {
             expired: 1,
             ..SweepStats::default()
         }
     );
     assert_eq!(
-        f.ledger.sweep().unwrap(),
+        f.ledger.sweep().await.unwrap(),
         SweepStats::default(),
         "sweeping twice"
     );
@@ -608,7 +696,7 @@ fn sweep_expires_prunes_cooldowns_and_old_history() {
     // After the cooldown: the cooldown ends, the short lease's retention ends.
     f.clock.set(start() + 12 * MINUTE);
     assert_eq!(
-        f.ledger.sweep().unwrap(),
+        f.ledger.sweep().await.unwrap(),
         SweepStats {
             leases_pruned: 1,
             cooldowns_pruned: 1,
@@ -617,27 +705,28 @@ fn sweep_expires_prunes_cooldowns_and_old_history() {
     );
     // After 30 min + cooldown the long and released leases go; history stays for a day.
     f.clock.set(start() + 41 * MINUTE);
-    let stats = f.ledger.sweep().unwrap();
+    let stats = f.ledger.sweep().await.unwrap();
     assert_eq!((stats.expired, stats.leases_pruned), (1, 2));
     assert_eq!(f.ledger.get(&long.id).unwrap(), None);
     let history = f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(history, 7);
     f.clock
         .set(start() + Duration::from_secs(24 * 3600) + 31 * MINUTE);
-    assert_eq!(f.ledger.sweep().unwrap().events_pruned, 7);
+    assert_eq!(f.ledger.sweep().await.unwrap().events_pruned, 7);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
 }
 
-#[test]
-fn leases_cooldowns_and_history_survive_reopening() {
+#[tokio::test]
+async fn leases_cooldowns_and_history_survive_reopening() {
     let mut f = Fixture::new();
     let c = [candidate("a", 5, true, None), candidate("b", 5, true, None)];
-    let kept = granted(f.ledger.acquire(&c, Some("t"), 30 * MINUTE).unwrap());
-    let cooled = granted(f.ledger.acquire(&c, Some("t"), 30 * MINUTE).unwrap());
+    let kept = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
+    let cooled = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
     f.ledger
         .report(&cooled.id, ReportResult::Blocked, None)
+        .await
         .unwrap();
-    f.ledger.release(&cooled.id).unwrap();
+    f.ledger.release(&cooled.id).await.unwrap();
     assert_eq!(
         (kept.proxy.name.as_str(), cooled.proxy.name.as_str()),
         ("a", "b")
@@ -649,23 +738,24 @@ fn leases_cooldowns_and_history_survive_reopening() {
         f.ledger.get(&cooled.id).unwrap().unwrap().state,
         LeaseState::Released
     );
-    assert_eq!(f.ledger.active_total().unwrap(), 1);
-    assert_eq!(f.ledger.cooldowns_active().unwrap(), 1);
+    assert_eq!(f.ledger.active_total(), 1);
+    assert_eq!(f.ledger.cooldowns_active(), 1);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), history);
-    let stats = no_match(f.ledger.acquire(&c[1..], Some("t"), MINUTE).unwrap());
+    let stats = no_match(f.acquire(&c[1..], Some("t"), MINUTE).await.unwrap());
     assert_eq!(
         stats.in_cooldown, 1,
         "the cooled proxy is still skipped after reopening"
     );
 }
 
-#[test]
-fn lease_ids_are_unique_and_carry_128_random_bits() {
+#[tokio::test]
+async fn lease_ids_are_unique_and_carry_128_random_bits() {
     let f = Fixture::new();
     let c = [candidate("a", 1000, true, None)];
-    let ids: HashSet<String> = (0..500)
-        .map(|_| granted(f.ledger.acquire(&c, None, MINUTE).unwrap()).id)
-        .collect();
+    let mut ids = HashSet::new();
+    for _ in 0..500 {
+        ids.insert(granted(f.acquire(&c, None, MINUTE).await.unwrap()).id);
+    }
     assert_eq!(ids.len(), 500);
     let time_prefix = format!("{:012x}", start().as_millisecond());
     for id in &ids {
@@ -675,12 +765,12 @@ fn lease_ids_are_unique_and_carry_128_random_bits() {
     }
 }
 
-#[test]
-fn history_is_append_only() {
+#[tokio::test]
+async fn history_is_append_only() {
     let f = Fixture::new();
     let lease = granted(
-        f.ledger
-            .acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
+            .await
             .unwrap(),
     );
     let err = f
@@ -689,6 +779,167 @@ fn history_is_append_only() {
         .unwrap_err();
     assert!(err.to_string().contains("append-only"), "{err}");
     assert_eq!(f.events(&lease.id).len(), 1);
+}
+
+#[tokio::test]
+async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it_runs() {
+    let f = Fixture::new();
+    let c = [
+        candidate("a", 5, true, Some(1)),
+        candidate("b", 5, true, Some(2)),
+    ];
+    let first = granted(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    assert_eq!(first.proxy.name, "a");
+    let again = replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    assert_eq!(again, first);
+    assert_eq!(f.ledger.active_total(), 1, "a replay grants nothing");
+
+    let err = f.acquire_once(&c, "job-1", "other").await.unwrap_err();
+    assert!(
+        matches!(&err, LedgerError::RequestIdReused { request_id } if request_id == "job-1"),
+        "{err:?}"
+    );
+    let other = granted(f.acquire_once(&c, "job-2", "fp").await.unwrap());
+    assert_eq!(other.proxy.name, "b", "another ID is another acquire");
+
+    // Renewing moves the window; the replay shows the lease as it is now.
+    f.clock.advance(Duration::from_secs(50));
+    let renewed = f.ledger.renew(&first.id, 2 * MINUTE).await.unwrap();
+    f.clock.advance(Duration::from_secs(30));
+    assert_eq!(
+        replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap()),
+        renewed
+    );
+    // A released lease is still the answer until its expiry...
+    f.ledger.release(&first.id).await.unwrap();
+    let released = replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    assert_eq!(released.id, first.id);
+    assert_eq!(released.state, LeaseState::Released);
+    // ...then the ID is free again and names the newer lease.
+    f.clock.set(renewed.expires_at);
+    let fresh = granted(f.acquire_once(&c, "job-1", "new").await.unwrap());
+    assert_ne!(fresh.id, first.id);
+    assert_eq!(
+        replayed(f.acquire_once(&c, "job-1", "new").await.unwrap()).id,
+        fresh.id
+    );
+    assert_eq!(
+        f.count("SELECT COUNT(*) FROM leases WHERE request_id = 'job-1'"),
+        2,
+        "both leases keep the ID for people reading the file"
+    );
+    assert_eq!(
+        f.count(
+            "SELECT COUNT(*) FROM lease_events WHERE kind = 'acquired' AND lease_id IN \
+             (SELECT id FROM leases WHERE request_id = 'job-1')"
+        ),
+        2
+    );
+}
+
+#[tokio::test]
+async fn request_ids_answer_after_reopening() {
+    let mut f = Fixture::new();
+    let c = [candidate("a", 5, true, None)];
+    let kept = granted(f.acquire_once(&c, "kept", "fp").await.unwrap());
+    let released = granted(f.acquire_once(&c, "released", "fp").await.unwrap());
+    f.ledger.release(&released.id).await.unwrap();
+    let short = granted(f.acquire_once(&c, "short", "fp").await.unwrap());
+    f.clock.advance(Duration::from_secs(10));
+    let renewed = f.ledger.renew(&kept.id, 5 * MINUTE).await.unwrap();
+    f.clock.set(short.expires_at - Duration::from_millis(1));
+    f.reopen();
+    assert_eq!(
+        replayed(f.acquire_once(&c, "kept", "fp").await.unwrap()),
+        renewed
+    );
+    assert_eq!(
+        replayed(f.acquire_once(&c, "released", "fp").await.unwrap()).state,
+        LeaseState::Released
+    );
+    assert!(matches!(
+        f.acquire_once(&c, "short", "changed").await,
+        Err(LedgerError::RequestIdReused { .. })
+    ));
+    f.clock.advance(Duration::from_millis(1));
+    f.reopen();
+    assert_ne!(
+        granted(f.acquire_once(&c, "short", "changed").await.unwrap()).id,
+        short.id,
+        "the window closed at the expiry, before the restart as after"
+    );
+    assert_eq!(
+        replayed(f.acquire_once(&c, "kept", "fp").await.unwrap()).expires_at,
+        renewed.expires_at,
+        "the renewed window survives the restart"
+    );
+    f.ledger.self_check().await.unwrap();
+}
+
+/// Active counts by proxy, active total, cooldowns, and the lease each request ID names.
+type Observed = (HashMap<String, u32>, u64, u64, Vec<Lease>);
+
+/// What a caller can observe of the lease state: counts, and the answer to every request ID.
+async fn observable(f: &Fixture, c: &[Candidate], ids: &[&str]) -> Observed {
+    let mut replays = Vec::new();
+    for id in ids {
+        let answer = match f.acquire_once(c, id, "fp").await {
+            Ok(AcquireOutcome::Replayed(lease)) => lease,
+            Ok(AcquireOutcome::Granted(lease)) => panic!("{id} was not in the index: {lease:?}"),
+            other => panic!("{id}: {other:?}"),
+        };
+        replays.push(answer);
+    }
+    (
+        f.ledger.active_counts(),
+        f.ledger.active_total(),
+        f.ledger.cooldowns_active(),
+        replays,
+    )
+}
+
+#[tokio::test]
+async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
+    let mut f = Fixture::new();
+    let c: Vec<Candidate> = (0..4)
+        .map(|i| candidate(&format!("p{i}"), 2, true, Some(i)))
+        .collect();
+    let mut leases = Vec::new();
+    for i in 0..8 {
+        let id = format!("req-{i}");
+        leases.push(granted(f.acquire_once(&c, &id, "fp").await.unwrap()));
+        f.clock.advance(Duration::from_secs(1));
+    }
+    f.ledger.release(&leases[0].id).await.unwrap();
+    f.ledger.renew(&leases[1].id, 10 * MINUTE).await.unwrap();
+    for (lease, target) in [(&leases[2], "a.example"), (&leases[3], "b.example")] {
+        f.ledger
+            .report(&lease.id, ReportResult::RateLimited, Some(target))
+            .await
+            .unwrap();
+    }
+    f.ledger
+        .report(&leases[4].id, ReportResult::Ok, Some("a.example"))
+        .await
+        .unwrap();
+    // Leases 0-3 expired and swept, lease 4 expired but not swept, 1 (renewed) and 5-7 open.
+    f.clock.advance(MINUTE - Duration::from_secs(5));
+    f.ledger.sweep().await.unwrap();
+    f.clock.advance(Duration::from_secs(1));
+    let ids: Vec<&str> = ["req-1", "req-5", "req-6", "req-7"].into();
+    let before = observable(&f, &c, &ids).await;
+    f.ledger.self_check().await.unwrap();
+    f.reopen();
+    f.ledger.self_check().await.unwrap();
+    assert_eq!(observable(&f, &c, &ids).await, before);
+    assert_eq!(before.1, 4, "{before:?}");
+    assert_eq!(before.2, 2, "{before:?}");
+    let in_cooldown = no_match(
+        f.acquire(&c[3..4], Some("b.example"), MINUTE)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(in_cooldown.in_cooldown, 1, "{in_cooldown:?}");
 }
 
 /// Runs `sql` with the sqlite3 command-line shell, as an engineer would.
@@ -706,8 +957,8 @@ fn sqlite3(path: &Path, sql: &str) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-#[test]
-fn the_debugging_views_answer_in_the_sqlite3_shell() {
+#[tokio::test]
+async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
     let ledger = Ledger::open(&path, config(), Arc::new(SystemClock)).unwrap();
@@ -715,12 +966,21 @@ fn the_debugging_views_answer_in_the_sqlite3_shell() {
         candidate("a", 5, true, None),
         candidate("b", 5, true, Some(3)),
     ];
-    let first = granted(ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
-    let second = granted(ledger.acquire(&c, Some("shop.example"), MINUTE).unwrap());
+    let first = granted(
+        acquire(&ledger, &c, Some("shop.example"), MINUTE)
+            .await
+            .unwrap(),
+    );
+    let second = granted(
+        acquire(&ledger, &c, Some("shop.example"), MINUTE)
+            .await
+            .unwrap(),
+    );
     ledger
         .report(&first.id, ReportResult::RateLimited, None)
+        .await
         .unwrap();
-    ledger.release(&first.id).unwrap();
+    ledger.release(&first.id).await.unwrap();
 
     let per_proxy = sqlite3(&path, "SELECT proxy, leases FROM active_leases_per_proxy;");
     assert_eq!(per_proxy, format!("{}|1\n", second.proxy));
@@ -748,31 +1008,37 @@ fn the_debugging_views_answer_in_the_sqlite3_shell() {
     assert_eq!(rate_limited, "shop.example|1\n");
 }
 
-#[test]
-fn concurrent_acquires_never_exceed_max_leases() {
-    const THREADS: usize = 16;
-    const ACQUIRES: usize = 500;
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_acquires_never_exceed_max_leases() {
+    const TASKS: usize = 64;
+    const ACQUIRES: usize = 150;
+    const PROXIES: usize = 10;
     const MAX: u32 = 3;
     const HELD: usize = 4;
-    let f = Fixture::new();
-    let candidates: Vec<Candidate> = (0..10)
-        .map(|i| candidate(&format!("p{i}"), MAX, true, Some(i)))
+    let f = Arc::new(Fixture::new());
+    let candidates: Arc<[Candidate]> = (0..PROXIES)
+        .map(|i| candidate(&format!("p{i}"), MAX, true, Some(i as u64)))
         .collect();
-    let granted_total = AtomicU32::new(0);
-    let refused_total = AtomicU32::new(0);
-    let done = AtomicBool::new(false);
-    let worst = Mutex::new(0u32);
-    let observe = |counts: HashMap<String, u32>| {
-        let most = counts.values().copied().max().unwrap_or(0);
-        let mut worst = worst.lock().unwrap();
-        *worst = (*worst).max(most);
-        assert!(most <= MAX, "over-granted: {counts:?}");
+    let granted_total = Arc::new(AtomicU32::new(0));
+    let refused_total = Arc::new(AtomicU32::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let worst = Arc::new(Mutex::new(0u32));
+    let observe = {
+        let worst = worst.clone();
+        move |counts: HashMap<String, u32>| {
+            let most = counts.values().copied().max().unwrap_or(0);
+            let mut worst = worst.lock().unwrap();
+            *worst = (*worst).max(most);
+            assert!(most <= MAX, "over-granted: {counts:?}");
+        }
     };
-    thread::scope(|s| {
-        // An independent reader that checks committed state at arbitrary moments.
-        s.spawn(|| {
+    // An independent reader that checks committed state in the file at arbitrary moments.
+    let checker = {
+        let (f, done, observe) = (f.clone(), done.clone(), observe.clone());
+        std::thread::spawn(move || {
             let conn = f.raw();
             let now = start().as_millisecond();
+            let mut checks = 0u32;
             while !done.load(Ordering::Relaxed) {
                 let mut stmt = conn
                     .prepare_cached(
@@ -786,49 +1052,61 @@ fn concurrent_acquires_never_exceed_max_leases() {
                     .collect::<Result<HashMap<String, u32>, _>>()
                     .unwrap();
                 observe(counts);
+                checks += 1;
             }
-        });
-        let workers: Vec<_> = (0..THREADS)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut held = std::collections::VecDeque::new();
-                    for _ in 0..ACQUIRES {
-                        match f.ledger.acquire(&candidates, None, MINUTE).unwrap() {
-                            AcquireOutcome::Granted(lease) => {
-                                granted_total.fetch_add(1, Ordering::Relaxed);
-                                observe(f.ledger.active_counts().unwrap());
-                                held.push_back(lease.id);
-                            }
-                            AcquireOutcome::NoMatch(stats) => {
-                                refused_total.fetch_add(1, Ordering::Relaxed);
-                                assert_eq!(stats.at_capacity, 10, "{stats:?}");
-                            }
+            checks
+        })
+    };
+    let workers: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (f, candidates, observe) = (f.clone(), candidates.clone(), observe.clone());
+            let (granted_total, refused_total) = (granted_total.clone(), refused_total.clone());
+            tokio::spawn(async move {
+                let mut held = std::collections::VecDeque::new();
+                for _ in 0..ACQUIRES {
+                    let request = AcquireRequest {
+                        candidates: candidates.clone(),
+                        target: None,
+                        ttl: MINUTE,
+                        request: None,
+                    };
+                    match f.ledger.acquire(request).await.unwrap() {
+                        AcquireOutcome::Granted(lease) => {
+                            granted_total.fetch_add(1, Ordering::Relaxed);
+                            observe(f.ledger.active_counts());
+                            held.push_back(lease.id);
                         }
-                        if held.len() >= HELD || (held.len() > 1 && fastrand_bit(&held)) {
-                            let id = held.pop_front().unwrap();
-                            f.ledger.release(&id).unwrap();
+                        AcquireOutcome::NoMatch(stats) => {
+                            refused_total.fetch_add(1, Ordering::Relaxed);
+                            assert_eq!(stats.at_capacity, PROXIES as u32, "{stats:?}");
                         }
+                        other => panic!("no request ID was sent: {other:?}"),
                     }
-                    for id in held {
-                        f.ledger.release(&id).unwrap();
+                    if held.len() >= HELD || (held.len() > 1 && fastrand_bit(&held)) {
+                        let id = held.pop_front().unwrap();
+                        f.ledger.release(&id).await.unwrap();
                     }
-                })
+                }
+                for id in held {
+                    f.ledger.release(&id).await.unwrap();
+                }
             })
-            .collect();
-        for worker in workers {
-            worker.join().unwrap();
-        }
-        done.store(true, Ordering::Relaxed);
-    });
-    let granted_total = granted_total.into_inner();
-    let refused_total = refused_total.into_inner();
-    assert_eq!(granted_total + refused_total, (THREADS * ACQUIRES) as u32);
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    assert!(checker.join().unwrap() > 0, "the file was never checked");
+    let granted_total = granted_total.load(Ordering::Relaxed);
+    let refused_total = refused_total.load(Ordering::Relaxed);
+    assert_eq!(granted_total + refused_total, (TASKS * ACQUIRES) as u32);
     assert!(
         refused_total > 0,
         "capacity was never reached: the test proves nothing"
     );
     assert_eq!(*worst.lock().unwrap(), MAX, "capacity was never filled");
-    assert_eq!(f.ledger.active_total().unwrap(), 0);
+    assert_eq!(f.ledger.active_total(), 0);
     assert_eq!(
         f.count("SELECT COUNT(*) FROM lease_events WHERE kind = 'acquired'"),
         i64::from(granted_total)
@@ -837,6 +1115,12 @@ fn concurrent_acquires_never_exceed_max_leases() {
         f.count("SELECT COUNT(*) FROM lease_events WHERE kind = 'released'"),
         i64::from(granted_total)
     );
+    let stats = f.ledger.writer_stats();
+    assert!(
+        stats.mean_batch_size() > 1.0,
+        "64 concurrent callers were never committed together: {stats:?}"
+    );
+    f.ledger.self_check().await.unwrap();
 }
 
 /// A cheap varying bit so workers hold a changing number of leases.

@@ -1,16 +1,19 @@
 //! An acknowledged lease survives the process being killed with SIGKILL: the test runs a child
-//! (this same test binary, re-executed) that acquires leases in a loop and prints each ID once
-//! `acquire` has returned, kills it mid-run and finds every printed ID in the reopened file.
+//! (this same test binary, re-executed) in which concurrent callers acquire leases in a loop
+//! (so the writer commits them in batches) and print each lease ID and request ID once
+//! `acquire` has returned, kills it mid-run and finds every printed lease in the reopened file,
+//! and every printed request ID answering with its lease.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, Candidate, LeaseState, Ledger, LedgerConfig, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, LeaseState, Ledger, LedgerConfig, RequestKey,
+    SystemClock,
 };
 use proxy_operator::proxy::ProxyId;
 
@@ -20,17 +23,21 @@ const CHILD_ENV: &str = "PROXY_OPERATOR_LEDGER_CRASH_CHILD";
 const ACK: &str = "ACK ";
 /// Leases acknowledged before the kill.
 const BEFORE_KILL: usize = 400;
-/// Upper bound of the child's loop, so a child whose parent died stops by itself.
-const CHILD_MAX_ACQUIRES: usize = 200_000;
+/// Upper bound of each child caller's loop, so a child whose parent died stops by itself.
+const CHILD_MAX_ACQUIRES: usize = 25_000;
+/// Concurrent callers in the child.
+const CHILD_CALLERS: usize = 8;
+/// Fingerprint of every child acquire.
+const FINGERPRINT: &str = "crash-test";
 
-fn candidates() -> Vec<Candidate> {
+fn candidates() -> Arc<[Candidate]> {
     (0..20)
         .map(|i| Candidate {
-            proxy: ProxyId {
+            proxy: Arc::new(ProxyId {
                 namespace: "crawl".into(),
                 name: format!("p{i}"),
                 uid: format!("uid-{i}"),
-            },
+            }),
             max_leases: 1_000_000,
             healthy: true,
             latency: None,
@@ -42,27 +49,50 @@ fn open(path: &Path) -> Ledger {
     Ledger::open(path, LedgerConfig::default(), Arc::new(SystemClock)).unwrap()
 }
 
-/// The child: acquire, print, repeat.
-fn run_child(path: &Path) -> ! {
-    let ledger = open(path);
-    let candidates = candidates();
-    let mut stdout = std::io::stdout().lock();
-    for _ in 0..CHILD_MAX_ACQUIRES {
-        match ledger
-            .acquire(
-                &candidates,
-                Some("crash.example"),
-                Duration::from_secs(3600),
-            )
-            .unwrap()
-        {
-            AcquireOutcome::Granted(lease) => {
-                writeln!(stdout, "{ACK}{}", lease.id).unwrap();
-                stdout.flush().unwrap();
-            }
-            AcquireOutcome::NoMatch(stats) => panic!("no lease granted: {stats:?}"),
-        }
+fn acquire_request(request_id: &str) -> AcquireRequest {
+    AcquireRequest {
+        candidates: candidates(),
+        target: Some("crash.example".into()),
+        ttl: Duration::from_secs(3600),
+        request: Some(RequestKey {
+            id: request_id.into(),
+            fingerprint: FINGERPRINT.into(),
+        }),
     }
+}
+
+/// The child: concurrent callers acquire, print, repeat.
+fn run_child(path: &Path) -> ! {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ledger = open(path);
+    let stdout = Arc::new(Mutex::new(std::io::stdout()));
+    runtime.block_on(async {
+        let callers: Vec<_> = (0..CHILD_CALLERS)
+            .map(|caller| {
+                let (ledger, stdout) = (ledger.clone(), stdout.clone());
+                tokio::spawn(async move {
+                    for n in 0..CHILD_MAX_ACQUIRES {
+                        let request_id = format!("caller-{caller}-{n}");
+                        match ledger.acquire(acquire_request(&request_id)).await.unwrap() {
+                            AcquireOutcome::Granted(lease) => {
+                                let mut out = stdout.lock().unwrap();
+                                writeln!(out, "{ACK}{} {request_id}", lease.id).unwrap();
+                                out.flush().unwrap();
+                            }
+                            other => panic!("no lease granted: {other:?}"),
+                        }
+                    }
+                })
+            })
+            .collect();
+        for caller in callers {
+            caller.await.unwrap();
+        }
+    });
     std::process::exit(0);
 }
 
@@ -90,8 +120,11 @@ fn acknowledged_leases_survive_sigkill() {
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if let Some(id) = line.strip_prefix(ACK)
-                && lines_tx.send(id.to_owned()).is_err()
+            if let Some((lease_id, request_id)) =
+                line.strip_prefix(ACK).and_then(|ack| ack.split_once(' '))
+                && lines_tx
+                    .send((lease_id.to_owned(), request_id.to_owned()))
+                    .is_err()
             {
                 break;
             }
@@ -119,14 +152,21 @@ fn acknowledged_leases_survive_sigkill() {
     acknowledged.extend(lines.try_iter());
 
     let ledger = open(&path);
-    for id in &acknowledged {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for (id, request_id) in &acknowledged {
         let lease = ledger
             .get(id)
             .unwrap()
             .unwrap_or_else(|| panic!("acknowledged lease {id} was lost"));
         assert_eq!(lease.state, LeaseState::Active, "{id}");
+        let replay = runtime
+            .block_on(ledger.acquire(acquire_request(request_id)))
+            .unwrap();
+        assert_eq!(replay, AcquireOutcome::Replayed(lease), "{request_id}");
     }
-    let total = ledger.active_total().unwrap();
+    let total = ledger.active_total();
     assert!(
         total >= acknowledged.len() as u64,
         "{total} active < {} acknowledged",
@@ -137,8 +177,9 @@ fn acknowledged_leases_survive_sigkill() {
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))
         .unwrap();
     assert_eq!(check, "ok");
-    let after = ledger
-        .acquire(&candidates(), None, Duration::from_secs(60))
+    runtime.block_on(ledger.self_check()).unwrap();
+    let after = runtime
+        .block_on(ledger.acquire(acquire_request("after-restart")))
         .unwrap();
     assert!(matches!(after, AcquireOutcome::Granted(_)), "{after:?}");
 }

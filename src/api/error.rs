@@ -52,6 +52,14 @@ pub enum ApiError {
     },
     /// An acquire that found nothing (409).
     NoMatch(NoMatchBody),
+    /// The ledger's write queue is full or the write waited past its deadline (503 with
+    /// `Retry-After`).
+    Overloaded {
+        /// Whole seconds to wait before retrying, at least 1.
+        retry_after_seconds: u64,
+        /// Human-readable message.
+        message: String,
+    },
 }
 
 impl ApiError {
@@ -78,6 +86,19 @@ impl ApiError {
         )
     }
 
+    /// 503 for a write the ledger could not take in time; `retry_after` is rounded up to
+    /// whole seconds, at least 1 (a `Retry-After` of 0 would invite an immediate retry storm).
+    pub fn overloaded(retry_after: std::time::Duration) -> Self {
+        let whole = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+        let retry_after_seconds = whole.max(1);
+        ApiError::Overloaded {
+            retry_after_seconds,
+            message: format!(
+                "the lease ledger is busy; retry in {retry_after_seconds} s (nothing was granted)"
+            ),
+        }
+    }
+
     /// 500 for a failure on our side; the details go to the log, not to the client.
     pub fn internal(context: &str, error: impl std::fmt::Display) -> Self {
         log::error!("{context}: {error}");
@@ -94,6 +115,7 @@ impl std::fmt::Display for ApiError {
         match self {
             ApiError::Plain { code, message, .. } => write!(f, "{code}: {message}"),
             ApiError::NoMatch(body) => write!(f, "{}: {}", body.error, body.message),
+            ApiError::Overloaded { message, .. } => write!(f, "overloaded: {message}"),
         }
     }
 }
@@ -103,6 +125,7 @@ impl ResponseError for ApiError {
         match self {
             ApiError::Plain { status, .. } => *status,
             ApiError::NoMatch(_) => StatusCode::CONFLICT,
+            ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -123,6 +146,43 @@ impl ResponseError for ApiError {
                 }
                 response.json(body)
             }
+            ApiError::Overloaded {
+                retry_after_seconds,
+                message,
+            } => HttpResponse::ServiceUnavailable()
+                .insert_header((header::RETRY_AFTER, HeaderValue::from(*retry_after_seconds)))
+                .json(ErrorBody {
+                    error: "overloaded".to_owned(),
+                    message: message.clone(),
+                }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn overloaded_rounds_retry_after_up_to_whole_seconds() {
+        let cases = [
+            (Duration::ZERO, 1),
+            (Duration::from_millis(1), 1),
+            (Duration::from_millis(1000), 1),
+            (Duration::from_millis(1001), 2),
+            (Duration::from_secs(7), 7),
+        ];
+        for (retry_after, seconds) in cases {
+            let error = ApiError::overloaded(retry_after);
+            assert_eq!(error.status_code(), StatusCode::SERVICE_UNAVAILABLE);
+            let response = error.error_response();
+            assert_eq!(
+                response.headers().get(header::RETRY_AFTER),
+                Some(&HeaderValue::from(seconds)),
+                "{retry_after:?}"
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
-//! The route handlers. Each one reads the inventory and health snapshot, calls the ledger on a
-//! blocking thread, and maps the outcome to the API's JSON shapes.
+//! The route handlers. Each one reads the inventory and health snapshot, hands writes to the
+//! ledger's writer (awaiting its answer) and reads on a blocking thread, and maps the outcome
+//! to the API's JSON shapes.
 
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use actix_web::{HttpResponse, web};
 
 use super::body::ApiJson;
 use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address, proxy_url};
 use super::selector::Selector;
 use super::state::ApiState;
@@ -16,10 +18,10 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
     StatusBody,
 };
-use crate::ledger::{AcquireOutcome, Candidate, Lease, LedgerError, NoMatch, ReportResult};
+use crate::ledger::{self, AcquireOutcome, Lease, LedgerError, NoMatch, ReportResult, RequestKey};
 
-/// Runs a ledger call on a blocking thread.
-async fn ledger_call<T: Send + 'static>(
+/// Runs a blocking ledger read on the blocking pool.
+async fn ledger_read<T: Send + 'static>(
     state: &ApiState,
     context: &'static str,
     call: impl FnOnce(&crate::ledger::Ledger) -> Result<T, LedgerError> + Send + 'static,
@@ -28,6 +30,34 @@ async fn ledger_call<T: Send + 'static>(
     web::block(move || call(&ledger))
         .await
         .map_err(|e| ApiError::internal(context, e))
+}
+
+/// The answer to a ledger error every write can meet. The write calls are awaited to the
+/// end: the writer answers every write it has queued (with its result, or `Overloaded` when
+/// the write's deadline passed before its turn), so a lease it committed always reaches the
+/// client that asked for it.
+fn ledger_error(state: &ApiState, context: &'static str, error: LedgerError) -> ApiError {
+    match error {
+        LedgerError::Overloaded { retry_after } => {
+            state.metrics.write_overloaded();
+            ApiError::overloaded(retry_after)
+        }
+        LedgerError::RequestIdReused { request_id } => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "request_id_reused",
+            format!(
+                "requestID {request_id:?} was used for an acquire with a different selector, \
+                 target or ttlSeconds; use a new requestID for a new acquire"
+            ),
+        ),
+        LedgerError::UnknownLease(id) => ApiError::unknown_lease(&id),
+        LedgerError::NotActive { id, state: s } => ApiError::new(
+            StatusCode::CONFLICT,
+            "lease_not_active",
+            format!("lease {id:?} is {s}; acquire a new one"),
+        ),
+        other => ApiError::internal(context, other),
+    }
 }
 
 fn parse_target(target: Option<String>) -> Result<Option<String>, ApiError> {
@@ -123,18 +153,21 @@ pub async fn list_proxies(
     };
     let selector = Selector::parse(query.selector.as_deref().unwrap_or_default())
         .map_err(|e| ApiError::bad_request("invalid_query", format!("`selector`: {e}")))?;
-    let counts = ledger_call(&state, "reading lease counts", |l| l.active_counts())
-        .await?
-        .map_err(|e| ApiError::internal("reading lease counts", e))?;
+    let counts = state.ledger.active_counts();
     let snapshot = state.inventory.snapshot();
     let fragments = state.proxy_list.fragments(&snapshot);
-    let health = state.health.read();
+    let positions = state.candidates.matching(&snapshot, &selector);
+    let leasable = snapshot.leasable();
+    let health = state.candidates.health(&snapshot, &state.health);
     let mut body = ListBody::default();
-    for (index, (id, p)) in snapshot.entries().enumerate() {
-        if !selector.matches(p.metadata.labels.as_ref()) {
+    for &position in positions.iter() {
+        let Ok(position) = usize::try_from(position) else {
             continue;
-        }
-        let h = health.get(id);
+        };
+        let Some(proxy) = leasable.get(position) else {
+            continue;
+        };
+        let h = health.at(position);
         let healthy = h.and_then(|h| h.healthy) == Some(true);
         if healthy_filter.is_some_and(|want| want != healthy) {
             continue;
@@ -144,34 +177,14 @@ pub async fn list_proxies(
             latency_ms: h
                 .and_then(|h| h.latency)
                 .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
-            active_leases: counts.get(&id.uid).copied().unwrap_or(0),
+            active_leases: counts.get(&proxy.id.uid).copied().unwrap_or(0),
         };
-        body.push(&fragments, index, dynamic);
+        body.push(&fragments, position, dynamic);
     }
     drop(health);
     Ok(HttpResponse::Ok()
         .content_type(ContentType::json())
         .body(body.finish()))
-}
-
-/// The acquire candidates: every proxy matching the selector; only healthy ones with an
-/// address can be chosen, the rest are counted as unhealthy.
-fn candidates(state: &ApiState, selector: &Selector) -> Vec<Candidate> {
-    let snapshot = state.inventory.snapshot();
-    let health = state.health.read();
-    snapshot
-        .entries()
-        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
-        .map(|(id, p)| {
-            let h = health.get(id);
-            Candidate {
-                healthy: address(p).is_some() && h.and_then(|h| h.healthy) == Some(true),
-                latency: h.and_then(|h| h.latency),
-                max_leases: p.spec.max_leases(),
-                proxy: id.clone(),
-            }
-        })
-        .collect()
 }
 
 /// Leases the least-loaded healthy proxy matching the selector.
@@ -180,12 +193,16 @@ fn candidates(state: &ApiState, selector: &Selector) -> Vec<Candidate> {
     path = "/v1/leases",
     request_body = AcquireRequest,
     responses(
+        (status = 200, description = "Replay: an earlier acquire with the same `requestID` (and the same selector, target and `ttlSeconds`) was granted this lease; it is returned as it is now, even if released or expired", body = LeaseView),
         (status = 201, description = "Lease granted", body = LeaseView),
-        (status = 400, description = "Malformed body", body = ErrorBody),
+        (status = 400, description = "Malformed body (the message names the field)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 409, description = "No proxy can take a lease; `Retry-After` says when one frees up", body = NoMatchBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 422, description = "`request_id_reused`: the `requestID` was used for an acquire with a different selector, target or `ttlSeconds`", body = ErrorBody),
+        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
 )]
@@ -194,18 +211,37 @@ pub async fn acquire(
     body: ApiJson<AcquireRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let request = body.0;
+    let request_id = parse_request_id(request.request_id)?;
     let target = parse_target(request.target)?;
     let ttl = parse_ttl(&state, request.ttl_seconds)?;
-    let candidates = candidates(&state, &Selector::from(request.selector));
-    let outcome = ledger_call(&state, "acquiring a lease", move |l| {
-        l.acquire(&candidates, target.as_deref(), ttl)
-    })
-    .await?
-    .map_err(|e| ApiError::internal("acquiring a lease", e))?;
+    let key = request_id.map(|id| RequestKey {
+        fingerprint: fingerprint(&request.selector, target.as_deref(), request.ttl_seconds),
+        id,
+    });
+    let selector = Selector::from(request.selector);
+    let snapshot = state.inventory.snapshot();
+    let candidates = state
+        .candidates
+        .candidates(&snapshot, &state.health, &selector);
+    drop(snapshot);
+    let outcome = state
+        .ledger
+        .acquire(ledger::AcquireRequest {
+            candidates,
+            target,
+            ttl,
+            request: key,
+        })
+        .await
+        .map_err(|e| ledger_error(&state, "acquiring a lease", e))?;
     match outcome {
         AcquireOutcome::Granted(lease) => {
             state.metrics.lease_granted();
             Ok(HttpResponse::Created().json(lease_view(&state, &lease)))
+        }
+        AcquireOutcome::Replayed(lease) => {
+            state.metrics.lease_replayed();
+            Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
         }
         AcquireOutcome::NoMatch(no_match) => {
             state.metrics.lease_rejected(&no_match);
@@ -232,7 +268,7 @@ pub async fn get_lease(
 ) -> Result<HttpResponse, ApiError> {
     let id = id.into_inner();
     let lookup = id.clone();
-    let lease = ledger_call(&state, "reading a lease", move |l| l.get(&lookup))
+    let lease = ledger_read(&state, "reading a lease", move |l| l.get(&lookup))
         .await?
         .map_err(|e| ApiError::internal("reading a lease", e))?
         .ok_or_else(|| ApiError::unknown_lease(&id))?;
@@ -247,6 +283,8 @@ pub async fn get_lease(
     responses(
         (status = 204, description = "Released (or already gone)"),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
 )]
@@ -254,10 +292,11 @@ pub async fn release(
     state: web::Data<ApiState>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let id = id.into_inner();
-    ledger_call(&state, "releasing a lease", move |l| l.release(&id))
-        .await?
-        .map_err(|e| ApiError::internal("releasing a lease", e))?;
+    state
+        .ledger
+        .release(&id)
+        .await
+        .map_err(|e| ledger_error(&state, "releasing a lease", e))?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -273,6 +312,8 @@ pub async fn release(
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 404, description = "Unknown lease", body = ErrorBody),
         (status = 409, description = "The lease was released or has expired", body = ErrorBody),
+        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
 )]
@@ -281,19 +322,13 @@ pub async fn renew(
     id: web::Path<String>,
     body: ApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let id = id.into_inner();
     let ttl = parse_ttl(&state, body.0.ttl_seconds)?;
-    let lookup = id.clone();
-    match ledger_call(&state, "renewing a lease", move |l| l.renew(&lookup, ttl)).await? {
-        Ok(lease) => Ok(HttpResponse::Ok().json(lease_view(&state, &lease))),
-        Err(LedgerError::UnknownLease(_)) => Err(ApiError::unknown_lease(&id)),
-        Err(LedgerError::NotActive { state: s, .. }) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "lease_not_active",
-            format!("lease {id:?} is {s}; acquire a new one"),
-        )),
-        Err(e) => Err(ApiError::internal("renewing a lease", e)),
-    }
+    let lease = state
+        .ledger
+        .renew(&id, ttl)
+        .await
+        .map_err(|e| ledger_error(&state, "renewing a lease", e))?;
+    Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
 }
 
 /// Records what the crawler saw through the lease's proxy.
@@ -307,6 +342,8 @@ pub async fn renew(
         (status = 400, description = "Unknown result or malformed body", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 404, description = "Unknown lease", body = ErrorBody),
+        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
 )]
@@ -329,19 +366,13 @@ pub async fn report(
         )
     })?;
     let target = parse_target(request.target)?;
-    let lookup = id.clone();
-    match ledger_call(&state, "recording a report", move |l| {
-        l.report(&lookup, result, target.as_deref())
-    })
-    .await?
-    {
-        Ok(_) => {
-            state.metrics.report_received(result);
-            Ok(HttpResponse::NoContent().finish())
-        }
-        Err(LedgerError::UnknownLease(_)) => Err(ApiError::unknown_lease(&id)),
-        Err(e) => Err(ApiError::internal("recording a report", e)),
-    }
+    state
+        .ledger
+        .report(&id, result, target.as_deref())
+        .await
+        .map_err(|e| ledger_error(&state, "recording a report", e))?;
+    state.metrics.report_received(result);
+    Ok(HttpResponse::NoContent().finish())
 }
 
 /// Liveness: the process is serving.
@@ -356,7 +387,7 @@ pub async fn healthz() -> HttpResponse {
     })
 }
 
-/// Readiness: the inventory has synced and the ledger answers.
+/// Readiness: the inventory has synced, the ledger's writer runs and its file answers reads.
 #[utoipa::path(
     get,
     path = "/readyz",
@@ -371,7 +402,11 @@ pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError
     if !state.inventory.snapshot().is_synced() {
         return Err(not_ready("the proxy inventory has not synced yet".into()));
     }
-    ledger_call(&state, "checking the ledger", |l| l.active_total())
+    if !state.ledger.is_running() {
+        return Err(not_ready("the ledger's writer is not running".into()));
+    }
+    // A read through the pool: the file is open and readable.
+    ledger_read(&state, "checking the ledger", |l| l.get("readyz"))
         .await?
         .map_err(|e| not_ready(format!("the ledger does not answer: {e}")))?;
     Ok(HttpResponse::Ok().json(StatusBody {

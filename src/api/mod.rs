@@ -5,8 +5,10 @@
 
 mod auth;
 mod body;
+mod candidates;
 mod error;
 mod handlers;
+mod idempotency;
 mod list;
 mod observe;
 pub mod openapi;
@@ -22,7 +24,9 @@ use actix_web::{App, HttpResponse, HttpServer, web};
 
 pub use auth::ApiToken;
 pub use body::MAX_BODY_BYTES;
+pub use candidates::{CandidateIndex, MAX_CACHED_LISTS, MAX_CACHED_SELECTORS, PositionedHealth};
 pub use error::{ApiError, ErrorBody, NoMatchBody};
+pub use idempotency::{MAX_REQUEST_ID_LEN, REQUEST_ID_PATTERN, fingerprint, parse_request_id};
 pub use list::ProxyListCache;
 pub use observe::observe;
 pub use selector::{Selector, SelectorError};

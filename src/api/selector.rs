@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 /// A set of required `label = value` pairs; empty matches everything.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Selector(BTreeMap<String, String>);
 
 /// Why a selector string was refused.

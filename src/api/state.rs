@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::candidates::CandidateIndex;
 use super::list::ProxyListCache;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
@@ -29,4 +30,6 @@ pub struct ApiState {
     pub default_ttl: Duration,
     /// The serialised entries of the proxy list, kept per inventory snapshot.
     pub proxy_list: ProxyListCache,
+    /// Selector matches and health positions, kept per inventory snapshot.
+    pub candidates: CandidateIndex,
 }

@@ -62,7 +62,16 @@ pub struct AcquireRequest {
     /// The site the crawler will visit; proxies cooling down for it are skipped.
     pub target: Option<String>,
     /// Requested lifetime; capped by the server's maximum. Defaults to the server's default.
+    #[schema(minimum = 1)]
     pub ttl_seconds: Option<u64>,
+    /// Makes the acquire idempotent: a retry with the same `requestID` and the same
+    /// selector, target and `ttlSeconds` answers 200 with the lease of the first attempt (as
+    /// it is now, even if released) instead of granting another; the same `requestID` with a
+    /// different question answers 422 `request_id_reused`. 1 to 128 printable ASCII
+    /// characters; remembered until the lease it got expires.
+    #[serde(rename = "requestID")]
+    #[schema(pattern = "^[ -~]{1,128}$", min_length = 1, max_length = 128)]
+    pub request_id: Option<String>,
 }
 
 /// Body of `POST /v1/leases/{id}/renew`.
@@ -70,6 +79,7 @@ pub struct AcquireRequest {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RenewRequest {
     /// New lifetime from now; capped by the server's maximum. Defaults to the server's default.
+    #[schema(minimum = 1)]
     pub ttl_seconds: Option<u64>,
 }
 

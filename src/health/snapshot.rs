@@ -1,6 +1,14 @@
 //! The read-only view of proxy health that the health engine publishes and the API reads.
+//!
+//! Health changes on every probe, so an acquire reads it fresh; to do that for thousands of
+//! candidates without hashing each identity, entries live in a dense table whose positions
+//! ([`HealthTable::slot`]) stay put until a proxy is added or removed. [`HealthTable::layout`]
+//! changes exactly then, so a reader may cache the positions of the proxies it cares about
+//! for as long as the layout is unchanged; [`HealthTable::version`] also changes when a
+//! proxy's verdict or latency does, so a reader may cache what it derived from those.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
@@ -19,10 +27,111 @@ pub struct ProxyHealth {
     pub last_error: Option<String>,
 }
 
-/// Shared map of proxy identity to health. The engine is the only writer.
+/// Source of layout and version numbers unique across every table of the process, so a
+/// cache built against one table can never be mistaken as valid for another.
+static NEXT_LAYOUT: AtomicU64 = AtomicU64::new(1);
+
+fn next_layout() -> u64 {
+    NEXT_LAYOUT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Health of every tracked proxy, by identity or by position.
+#[derive(Debug)]
+pub struct HealthTable {
+    index: HashMap<ProxyId, usize>,
+    slots: Vec<ProxyHealth>,
+    layout: u64,
+    version: u64,
+}
+
+impl Default for HealthTable {
+    fn default() -> Self {
+        let layout = next_layout();
+        HealthTable {
+            index: HashMap::new(),
+            slots: Vec::new(),
+            layout,
+            version: layout,
+        }
+    }
+}
+
+impl HealthTable {
+    /// Health of one proxy.
+    pub fn get(&self, id: &ProxyId) -> Option<&ProxyHealth> {
+        self.slot(id).and_then(|slot| self.slots.get(slot))
+    }
+
+    /// Position of a proxy's entry; valid while [`layout`](Self::layout) is unchanged.
+    pub fn slot(&self, id: &ProxyId) -> Option<usize> {
+        self.index.get(id).copied()
+    }
+
+    /// The entry at a position from [`slot`](Self::slot) of the same layout.
+    pub fn at(&self, slot: usize) -> Option<&ProxyHealth> {
+        self.slots.get(slot)
+    }
+
+    /// Changes whenever proxies are added or removed (positions move); unique per process.
+    pub fn layout(&self) -> u64 {
+        self.layout
+    }
+
+    /// Changes whenever the layout does or a proxy's verdict or latency changes (not when
+    /// only the probe time or error text does); unique per process.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Number of tracked proxies.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether no proxy is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    fn set(&mut self, id: ProxyId, health: ProxyHealth) {
+        if let Some(slot) = self.slot(&id).and_then(|slot| self.slots.get_mut(slot)) {
+            if (slot.healthy, slot.latency) != (health.healthy, health.latency) {
+                self.version = next_layout();
+            }
+            *slot = health;
+            return;
+        }
+        self.index.insert(id, self.slots.len());
+        self.slots.push(health);
+        self.layout = next_layout();
+        self.version = self.layout;
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&ProxyId) -> bool) {
+        let before = self.slots.len();
+        let mut kept: Vec<(ProxyId, usize)> =
+            self.index.drain().filter(|(id, _)| keep(id)).collect();
+        if kept.len() == before {
+            self.index = kept.into_iter().collect();
+            return;
+        }
+        kept.sort_unstable_by_key(|&(_, slot)| slot);
+        let mut old = std::mem::take(&mut self.slots).into_iter().enumerate();
+        for (id, slot) in kept {
+            if let Some((_, health)) = old.find(|&(i, _)| i == slot) {
+                self.index.insert(id, self.slots.len());
+                self.slots.push(health);
+            }
+        }
+        self.layout = next_layout();
+        self.version = self.layout;
+    }
+}
+
+/// Shared table of proxy health. The engine is the only writer.
 #[derive(Debug, Clone, Default)]
 pub struct HealthSnapshot {
-    inner: Arc<RwLock<HashMap<ProxyId, ProxyHealth>>>,
+    inner: Arc<RwLock<HealthTable>>,
 }
 
 impl HealthSnapshot {
@@ -36,8 +145,8 @@ impl HealthSnapshot {
         self.read().get(id).cloned()
     }
 
-    /// A read guard over the whole map, for readers that look up many proxies at once.
-    pub fn read(&self) -> RwLockReadGuard<'_, HashMap<ProxyId, ProxyHealth>> {
+    /// A read guard over the whole table, for readers that look up many proxies at once.
+    pub fn read(&self) -> RwLockReadGuard<'_, HealthTable> {
         self.inner.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -46,15 +155,15 @@ impl HealthSnapshot {
         self.inner
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(id, health);
+            .set(id, health);
     }
 
     /// Drops every proxy for which `keep` is false.
-    pub fn retain(&self, mut keep: impl FnMut(&ProxyId) -> bool) {
+    pub fn retain(&self, keep: impl FnMut(&ProxyId) -> bool) {
         self.inner
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .retain(|id, _| keep(id));
+            .retain(keep);
     }
 }
 
@@ -70,19 +179,77 @@ mod tests {
         }
     }
 
+    fn latency(ms: u64) -> ProxyHealth {
+        ProxyHealth {
+            healthy: Some(true),
+            latency: Some(Duration::from_millis(ms)),
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn set_get_and_retain() {
         let snapshot = HealthSnapshot::new();
-        let healthy = ProxyHealth {
-            healthy: Some(true),
-            latency: Some(Duration::from_millis(12)),
-            ..Default::default()
-        };
-        snapshot.set(id("a"), healthy.clone());
+        snapshot.set(id("a"), latency(12));
         snapshot.set(id("b"), ProxyHealth::default());
-        assert_eq!(snapshot.get(&id("a")), Some(healthy));
+        assert_eq!(snapshot.get(&id("a")), Some(latency(12)));
         snapshot.retain(|i| i.name == "b");
         assert_eq!(snapshot.get(&id("a")), None);
+        assert_eq!(snapshot.get(&id("b")), Some(ProxyHealth::default()));
         assert_eq!(snapshot.read().len(), 1);
+    }
+
+    #[test]
+    fn positions_hold_until_the_layout_changes() {
+        let snapshot = HealthSnapshot::new();
+        for (name, ms) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+            snapshot.set(id(name), latency(ms));
+        }
+        let (layout, slot_c) = {
+            let table = snapshot.read();
+            (table.layout(), table.slot(&id("c")).unwrap())
+        };
+        // An update in place keeps the layout and the positions; the version follows the
+        // verdict and latency only.
+        let version = snapshot.read().version();
+        snapshot.set(id("c"), latency(30));
+        let version = {
+            let table = snapshot.read();
+            assert_eq!(table.layout(), layout);
+            assert_eq!(table.at(slot_c), Some(&latency(30)));
+            assert_ne!(table.version(), version);
+            table.version()
+        };
+        let c = ProxyHealth {
+            last_error: Some("same verdict, same latency".into()),
+            ..latency(30)
+        };
+        snapshot.set(id("c"), c.clone());
+        assert_eq!(snapshot.read().version(), version);
+        // Keeping everything changes nothing.
+        snapshot.retain(|_| true);
+        assert_eq!(snapshot.read().layout(), layout);
+        assert_eq!(snapshot.read().version(), version);
+        // Removing one moves the others: a new layout, and every entry is still found.
+        snapshot.retain(|i| i.name != "b");
+        let table = snapshot.read();
+        assert_ne!(table.layout(), layout);
+        for (name, expected) in [("a", Some(latency(1))), ("b", None), ("c", Some(c))] {
+            assert_eq!(table.get(&id(name)), expected.as_ref(), "{name}");
+            let by_slot = table.slot(&id(name)).and_then(|s| table.at(s));
+            assert_eq!(by_slot, expected.as_ref(), "{name}");
+        }
+        drop(table);
+        // Adding one changes the layout too; layouts are unique across tables.
+        let before = snapshot.read().layout();
+        snapshot.set(id("e"), latency(5));
+        assert_ne!(snapshot.read().layout(), before);
+        let table = snapshot.read();
+        assert_eq!(table.version(), table.layout());
+        drop(table);
+        assert_ne!(
+            HealthSnapshot::new().read().layout(),
+            snapshot.read().layout()
+        );
     }
 }

@@ -12,16 +12,40 @@ use tokio::sync::watch;
 
 use crate::proxy::{Proxy, ProxyId};
 
+/// What an acquire needs of one proxy besides its health, computed once per replacement so
+/// an acquire over thousands of proxies scans this table instead of the Proxy objects and
+/// shares the identities instead of copying their strings.
+#[derive(Debug, Clone)]
+pub struct Leasable {
+    /// Identity, shared with every acquire candidate built from this snapshot.
+    pub id: Arc<ProxyId>,
+    /// Lease capacity (`maxLeases` with the default applied; 0: never leased).
+    pub max_leases: u32,
+    /// Whether crawlers have an address to connect to (a Managed proxy has none until its
+    /// machine runs); a proxy without one is never leased.
+    pub has_address: bool,
+}
+
+impl Leasable {
+    fn of(proxy: &Proxy, id: ProxyId) -> Self {
+        Leasable {
+            id: Arc::new(id),
+            max_leases: proxy.spec.max_leases(),
+            has_address: proxy.spec.effective_host(proxy.status.as_ref()).is_some(),
+        }
+    }
+}
+
 /// One immutable view of the inventory.
 #[derive(Debug, Default)]
 pub struct InventorySnapshot {
     /// Proxies sorted by namespace/name.
     proxies: Vec<Arc<Proxy>>,
-    /// Identity of each proxy in `proxies`, computed once per replacement (the API and the
-    /// health engine look proxies up by identity on every request and tick).
-    ids: Vec<ProxyId>,
+    /// Identity, capacity and address presence of each proxy in `proxies`, computed once per
+    /// replacement (the API and the health engine look proxies up on every request and tick).
+    leasable: Vec<Leasable>,
     /// Position of each proxy in `proxies`, by identity.
-    by_id: HashMap<ProxyId, usize>,
+    by_id: HashMap<Arc<ProxyId>, usize>,
     /// Whether the feeder has delivered its first complete set (drives `/readyz`).
     synced: bool,
     /// How many replacements preceded this snapshot (0: the empty initial one).
@@ -36,12 +60,22 @@ impl InventorySnapshot {
 
     /// Every proxy with its identity, sorted by namespace/name.
     pub fn entries(&self) -> impl Iterator<Item = (&ProxyId, &Arc<Proxy>)> {
-        self.ids.iter().zip(&self.proxies)
+        self.leasable.iter().map(|l| &*l.id).zip(&self.proxies)
+    }
+
+    /// What an acquire needs of each proxy, in the order of [`proxies`](Self::proxies).
+    pub fn leasable(&self) -> &[Leasable] {
+        &self.leasable
     }
 
     /// The proxy with this identity, if present.
     pub fn get(&self, id: &ProxyId) -> Option<&Arc<Proxy>> {
-        self.by_id.get(id).map(|&i| &self.proxies[i])
+        self.position(id).and_then(|i| self.proxies.get(i))
+    }
+
+    /// Where the proxy with this identity is in [`proxies`](Self::proxies).
+    pub fn position(&self, id: &ProxyId) -> Option<usize> {
+        self.by_id.get(id).copied()
     }
 
     /// Whether a first complete set has been loaded.
@@ -97,16 +131,19 @@ impl Inventory {
         let mut entries: Vec<(ProxyId, Arc<Proxy>)> =
             proxies.into_iter().map(|p| (p.id(), p)).collect();
         entries.sort_unstable_by(|(a, _), (b, _)| key_order(a, b));
-        let (ids, proxies): (Vec<ProxyId>, Vec<Arc<Proxy>>) = entries.into_iter().unzip();
-        let by_id = ids
+        let (leasable, proxies): (Vec<Leasable>, Vec<Arc<Proxy>>) = entries
+            .into_iter()
+            .map(|(id, p)| (Leasable::of(&p, id), p))
+            .unzip();
+        let by_id = leasable
             .iter()
             .enumerate()
-            .map(|(i, id)| (id.clone(), i))
+            .map(|(i, l)| (l.id.clone(), i))
             .collect();
         let version = self.sender.borrow().version + 1;
         self.sender.send_replace(Arc::new(InventorySnapshot {
             proxies,
-            ids,
+            leasable,
             by_id,
             synced: true,
             version,
@@ -176,6 +213,42 @@ mod tests {
         assert_eq!(ids, keys);
         assert_eq!(snap.len(), 4);
         assert_eq!(snap.version(), 1);
+    }
+
+    #[test]
+    fn leasable_facts_follow_the_proxies() {
+        let managed: ProxySpec = serde_json::from_value(serde_json::json!({
+            "mode": "Managed", "provider": "local", "maxLeases": 3
+        }))
+        .unwrap();
+        let mut pending = Proxy::new("pending", managed);
+        pending.metadata.namespace = Some("a".into());
+        let mut zero = proxy("a", "zero");
+        zero.spec.max_leases = Some(0);
+        let inventory = Inventory::new();
+        inventory.replace([proxy("a", "plain"), pending, zero]);
+        let snap = inventory.snapshot();
+        let facts: Vec<(String, u32, bool)> = snap
+            .leasable()
+            .iter()
+            .map(|l| (l.id.name.clone(), l.max_leases, l.has_address))
+            .collect();
+        assert_eq!(
+            facts,
+            [
+                ("pending".to_owned(), 3, false),
+                (
+                    "plain".to_owned(),
+                    crate::proxy::DEFAULT_MAX_LEASES.unsigned_abs(),
+                    true
+                ),
+                ("zero".to_owned(), 0, true),
+            ]
+        );
+        for (i, l) in snap.leasable().iter().enumerate() {
+            assert_eq!(snap.position(&l.id), Some(i));
+            assert_eq!(snap.proxies()[i].id(), *l.id);
+        }
     }
 
     #[test]

@@ -1,14 +1,21 @@
 //! Where the ledger reads the time, so tests can move it by hand.
 
-use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 
 /// A source of the current time.
 pub trait Clock: Send + Sync + 'static {
-    /// The current time.
+    /// The current time (lease expiry and cooldowns are wall-clock times stored in the file).
     fn now(&self) -> Timestamp;
+
+    /// Time elapsed since a fixed origin, never stepping backwards. The ledger measures queue
+    /// deadlines on it, so a wall-clock step cannot expire or prolong every queued write.
+    fn monotonic(&self) -> Duration {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        ORIGIN.get_or_init(Instant::now).elapsed()
+    }
 }
 
 /// The system's real-time clock.
@@ -21,35 +28,60 @@ impl Clock for SystemClock {
     }
 }
 
-/// A clock that only moves when told to, for deterministic tests.
+/// A clock that only moves when told to, for deterministic tests. Its monotonic time moves
+/// with it (forwards only).
 #[derive(Debug)]
 pub struct ManualClock {
-    now: Mutex<Timestamp>,
+    state: Mutex<ManualTime>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ManualTime {
+    now: Timestamp,
+    monotonic: Duration,
 }
 
 impl ManualClock {
     /// A clock standing at `start`.
     pub fn new(start: Timestamp) -> Self {
         Self {
-            now: Mutex::new(start),
+            state: Mutex::new(ManualTime {
+                now: start,
+                monotonic: Duration::ZERO,
+            }),
         }
+    }
+
+    fn time(&self) -> std::sync::MutexGuard<'_, ManualTime> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Moves the clock forward by `by` (saturating at the largest representable time).
     pub fn advance(&self, by: Duration) {
-        let mut now = self.now.lock().unwrap_or_else(PoisonError::into_inner);
-        *now = now.saturating_add(by).unwrap_or(Timestamp::MAX);
+        let mut time = self.time();
+        time.now = time.now.saturating_add(by).unwrap_or(Timestamp::MAX);
+        time.monotonic = time.monotonic.saturating_add(by);
     }
 
-    /// Puts the clock at `to`.
+    /// Puts the clock at `to`. The monotonic time follows a step forward and stays put on a
+    /// step back, as a real monotonic clock would.
     pub fn set(&self, to: Timestamp) {
-        *self.now.lock().unwrap_or_else(PoisonError::into_inner) = to;
+        let mut time = self.time();
+        if to > time.now {
+            let step = Duration::try_from(to.duration_since(time.now)).unwrap_or(Duration::MAX);
+            time.monotonic = time.monotonic.saturating_add(step);
+        }
+        time.now = to;
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
-        *self.now.lock().unwrap_or_else(PoisonError::into_inner)
+        self.time().now
+    }
+
+    fn monotonic(&self) -> Duration {
+        self.time().monotonic
     }
 }
 
@@ -62,15 +94,25 @@ mod tests {
         let start = Timestamp::from_second(1_700_000_000).unwrap();
         let clock = ManualClock::new(start);
         assert_eq!(clock.now(), start);
+        assert_eq!(clock.monotonic(), Duration::ZERO);
         clock.advance(Duration::from_millis(1500));
         assert_eq!(
             clock.now(),
             Timestamp::from_millisecond(1_700_000_001_500).unwrap()
         );
+        assert_eq!(clock.monotonic(), Duration::from_millis(1500));
         clock.set(start);
         assert_eq!(clock.now(), start);
+        assert_eq!(
+            clock.monotonic(),
+            Duration::from_millis(1500),
+            "monotonic time never steps back"
+        );
+        clock.set(Timestamp::from_second(1_700_000_010).unwrap());
+        assert_eq!(clock.monotonic(), Duration::from_millis(11_500));
         clock.advance(Duration::MAX);
         assert_eq!(clock.now(), Timestamp::MAX);
+        assert_eq!(clock.monotonic(), Duration::MAX);
     }
 
     #[test]
@@ -78,5 +120,7 @@ mod tests {
         let before = Timestamp::now();
         let now = SystemClock.now();
         assert!(now >= before);
+        let first = SystemClock.monotonic();
+        assert!(SystemClock.monotonic() >= first);
     }
 }

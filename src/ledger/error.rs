@@ -1,6 +1,7 @@
 //! Errors of the lease ledger.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::lease::LeaseState;
@@ -19,6 +20,34 @@ pub enum LedgerError {
         /// Its state at the time of the call.
         state: LeaseState,
     },
+    /// The writer's queue is full, or the write waited longer than `queue_deadline` for its
+    /// turn; nothing was decided or recorded, so the call can simply be retried.
+    #[error("the lease ledger is overloaded; retry in {retry_after:?}")]
+    Overloaded {
+        /// How long the caller should wait before retrying.
+        retry_after: Duration,
+    },
+    /// The request ID names a lease still within its window that was acquired for a different
+    /// request (another selector, target or TTL).
+    #[error("request ID {request_id:?} was already used for a different acquire")]
+    RequestIdReused {
+        /// The request ID.
+        request_id: String,
+    },
+    /// The transaction of the batch this write was part of failed; nothing of the batch was
+    /// recorded and the writer's memory was rolled back to match the file. Shared by every
+    /// caller of the batch.
+    #[error("the ledger could not record this write's batch (nothing of it was recorded): {0}")]
+    BatchFailed(Arc<rusqlite::Error>),
+    /// The ledger was shut down (or its writer stopped); no write is accepted any more.
+    #[error("the lease ledger is shut down")]
+    Closed,
+    /// The writer thread could not be started.
+    #[error("cannot start the ledger writer thread: {0}")]
+    Writer(#[source] std::io::Error),
+    /// The writer's in-memory state differs from the file (found by a self-check).
+    #[error("ledger memory and file disagree: {0}")]
+    Inconsistent(String),
     /// The requested TTL rounds down to nothing.
     #[error("lease TTL {0:?} is too short: it must be at least 1 ms")]
     InvalidTtl(Duration),

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -156,8 +157,9 @@ pub struct Lease {
 /// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
-    /// The proxy; capacity is counted by its UID.
-    pub proxy: ProxyId,
+    /// The proxy; capacity is counted by its UID. Shared with the inventory, so building a
+    /// candidate list copies no string.
+    pub proxy: Arc<ProxyId>,
     /// How many leases it grants at once; 0 means never.
     pub max_leases: u32,
     /// Whether the health engine considers it healthy (unhealthy ones are only counted).
@@ -166,11 +168,42 @@ pub struct Candidate {
     pub latency: Option<Duration>,
 }
 
+/// One acquire, as the API hands it to the ledger.
+#[derive(Debug, Clone)]
+pub struct AcquireRequest {
+    /// Every proxy matching the selector, healthy or not. Shared: the ledger reads it in
+    /// place and never copies it.
+    pub candidates: Arc<[Candidate]>,
+    /// The target the crawler names (already normalised by the API); an empty one is none.
+    pub target: Option<String>,
+    /// The requested TTL; the ledger caps it at `max_ttl`.
+    pub ttl: Duration,
+    /// Makes a retried acquire return the lease the first attempt got.
+    pub request: Option<RequestKey>,
+}
+
+/// The idempotency key of an acquire: a client-chosen request ID and a fingerprint of what
+/// was asked for.
+///
+/// The caller computes the fingerprint as a canonical string of the selector, target and TTL;
+/// the ledger only compares it, so an ID reused for a different request is refused instead of
+/// silently answered with an unrelated lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKey {
+    /// The client's request ID (the API accepts 1–128 printable ASCII characters).
+    pub id: String,
+    /// Canonical form of the request the ID was first used for.
+    pub fingerprint: String,
+}
+
 /// The result of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AcquireOutcome {
     /// A lease was granted and recorded.
     Granted(Lease),
+    /// The request ID was already used for the same request within the lease's window (until
+    /// its `expires_at`): the lease it got, as it is now (possibly released).
+    Replayed(Lease),
     /// No candidate could take a lease; why not.
     NoMatch(NoMatch),
 }

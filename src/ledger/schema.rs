@@ -16,10 +16,16 @@ pub(crate) struct Migration {
 }
 
 /// Every migration, in order; migration `i` brings the schema to version `i + 1`.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    name: "0001_lease_ledger.sql",
-    sql: include_str!("../../migrations/0001_lease_ledger.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        name: "0001_lease_ledger.sql",
+        sql: include_str!("../../migrations/0001_lease_ledger.sql"),
+    },
+    Migration {
+        name: "0002_acquire_request_ids.sql",
+        sql: include_str!("../../migrations/0002_acquire_request_ids.sql"),
+    },
+];
 
 /// The schema version this binary reads and writes.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;

@@ -1,5 +1,5 @@
-//! Which candidate an acquire grants, decided without I/O: the ledger reads each proxy's load
-//! and the target's cooldowns inside its write transaction and asks this module.
+//! Which candidate an acquire grants, decided without I/O: the writer looks each proxy's load
+//! and the target's cooldowns up in its in-memory state and asks this module.
 
 use jiff::Timestamp;
 
@@ -34,6 +34,11 @@ pub(crate) enum Selection {
 /// leases (or the end of its cooldown if that is later), for one in cooldown the cooldown's end.
 /// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
 /// the hint is then early, and the next attempt gets a fresh one.
+///
+/// Once a candidate without any lease is the best so far, a later one that ranks after it even
+/// with no lease cannot win, so its load is never looked up: an acquire over a large fleet
+/// looks up only the few candidates that improve on the best (the stats are incomplete then,
+/// but they are only reported when nothing is chosen).
 pub(crate) fn select(
     candidates: &[Candidate],
     load: impl Fn(&str) -> ProxyLoad,
@@ -51,6 +56,11 @@ pub(crate) fn select(
         }
         if candidate.max_leases == 0 {
             stats.at_capacity += 1;
+            continue;
+        }
+        if let Some((best_index, 0)) = best
+            && !ranks_before(candidate, 0, &candidates[best_index], 0)
+        {
             continue;
         }
         let uid = candidate.proxy.uid.as_str();
@@ -111,6 +121,7 @@ fn earliest(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
+    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
@@ -127,11 +138,11 @@ mod tests {
 
     fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>) -> Candidate {
         Candidate {
-            proxy: ProxyId {
+            proxy: Arc::new(ProxyId {
                 namespace: "crawl".into(),
                 name: name.into(),
                 uid: format!("uid-{name}"),
-            },
+            }),
             max_leases,
             healthy,
             latency: latency_ms.map(Duration::from_millis),
@@ -311,6 +322,92 @@ mod tests {
                 run(&candidates, &loads, &cooldowns),
                 Err(expected),
                 "{name}"
+            );
+        }
+    }
+
+    /// The selection as the design states it, without shortcuts: every eligible candidate
+    /// sorted by (active, latency with unknown last, name, namespace, UID).
+    fn reference(
+        candidates: &[Candidate],
+        loads: &HashMap<String, ProxyLoad>,
+        cooldowns: &HashMap<String, Timestamp>,
+    ) -> Option<usize> {
+        let mut eligible: Vec<(usize, u32)> = candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(index, c)| {
+                let active = loads.get(&c.proxy.uid).map_or(0, |l| l.active);
+                let free = c.healthy && active < c.max_leases;
+                (free && !cooldowns.contains_key(&c.proxy.uid)).then_some((index, active))
+            })
+            .collect();
+        eligible.sort_by(|&(a, a_active), &(b, b_active)| {
+            let key = |c: &Candidate, active: u32| {
+                (
+                    active,
+                    c.latency.is_none(),
+                    c.latency,
+                    c.proxy.name.clone(),
+                    c.proxy.namespace.clone(),
+                    c.proxy.uid.clone(),
+                )
+            };
+            key(&candidates[a], a_active).cmp(&key(&candidates[b], b_active))
+        });
+        eligible.first().map(|&(index, _)| index)
+    }
+
+    #[test]
+    fn the_shortcut_chooses_what_a_full_sort_chooses() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for case in 0..2000 {
+            let n = rng.random_range(0..12);
+            let candidates: Vec<Candidate> = (0..n)
+                .map(|i| {
+                    let latency = rng.random_bool(0.8).then(|| rng.random_range(1..4));
+                    let mut c = candidate(
+                        &format!("p{}", rng.random_range(0..6)),
+                        rng.random_range(0..3),
+                        rng.random_bool(0.9),
+                        latency,
+                    );
+                    Arc::make_mut(&mut c.proxy).uid = format!("uid-{i}");
+                    c
+                })
+                .collect();
+            let loads: HashMap<String, ProxyLoad> = candidates
+                .iter()
+                .filter_map(|c| {
+                    let load = ProxyLoad {
+                        active: rng.random_range(0..3),
+                        earliest_expiry: Some(ts(60)),
+                    };
+                    rng.random_bool(0.5).then(|| (c.proxy.uid.clone(), load))
+                })
+                .collect();
+            let cooldowns: HashMap<String, Timestamp> = candidates
+                .iter()
+                .filter(|_| rng.random_bool(0.2))
+                .map(|c| (c.proxy.uid.clone(), ts(30)))
+                .collect();
+            let chosen = match select(
+                &candidates,
+                |uid| loads.get(uid).copied().unwrap_or_default(),
+                |uid| cooldowns.get(uid).copied(),
+            ) {
+                Selection::Chosen(index) => Some(index),
+                Selection::NoMatch(stats) => {
+                    let counted = stats.unhealthy + stats.at_capacity + stats.in_cooldown;
+                    assert_eq!(counted, stats.considered, "case {case}: {stats:?}");
+                    None
+                }
+            };
+            assert_eq!(
+                chosen,
+                reference(&candidates, &loads, &cooldowns),
+                "case {case}: {candidates:?} {loads:?} {cooldowns:?}"
             );
         }
     }

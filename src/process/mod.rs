@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ApiState, ApiToken, ProxyListCache};
+use crate::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache};
 use crate::cli::CommonArgs;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -76,6 +76,9 @@ impl Core {
             cooldown: common.lease_cooldown,
             history_retention: common.history_retention,
             durability: common.ledger_durability.into(),
+            queue_capacity: usize::try_from(common.ledger_queue_capacity).unwrap_or(usize::MAX),
+            queue_deadline: common.ledger_queue_deadline,
+            ..LedgerConfig::default()
         };
         let ledger = Ledger::open(&common.ledger, config, clock.clone())
             .map_err(|e| StartError::from_display("--ledger", e))?;
@@ -255,6 +258,7 @@ pub fn start_core(
         metrics: core.lease_metrics.clone(),
         default_ttl: common.default_lease_ttl,
         proxy_list: ProxyListCache::default(),
+        candidates: CandidateIndex::default(),
     };
     let api = api::serve(api_listener, state, token)
         .map_err(|e| StartError::from_display("--discovery-addr", e))?;
@@ -300,11 +304,9 @@ async fn sweep_ledger(ledger: Ledger, shutdown: CancellationToken) -> Result<(),
             () = shutdown.cancelled() => return Ok(()),
             _ = ticker.tick() => {}
         }
-        let ledger = ledger.clone();
-        match tokio::task::spawn_blocking(move || ledger.sweep()).await {
-            Ok(Ok(stats)) => log::debug!("ledger sweep: {stats:?}"),
-            Ok(Err(e)) => log::warn!("ledger sweep failed (will retry): {e}"),
-            Err(e) => return Err(format!("ledger sweep panicked: {e}")),
+        match ledger.sweep().await {
+            Ok(stats) => log::debug!("ledger sweep: {stats:?}"),
+            Err(e) => log::warn!("ledger sweep failed (will retry): {e}"),
         }
     }
 }

@@ -32,3 +32,19 @@ pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Runs `sql` against the ledger file `db` with the `sqlite3` command-line shell, as an
+/// engineer would, and returns its trimmed output.
+pub fn sqlite3(db: &std::path::Path, sql: &str) -> String {
+    let output = std::process::Command::new("sqlite3")
+        .arg(db)
+        .arg(sql)
+        .output()
+        .expect("the sqlite3 CLI is installed (apt-get install -y sqlite3)");
+    assert!(
+        output.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}

@@ -1,0 +1,392 @@
+//! The candidate set of an acquire — every proxy matching the selector, with its health as of
+//! the request — assembled without copying the inventory.
+//!
+//! Which proxies match a selector changes only when the inventory does, so the positions of
+//! the matches are cached per inventory snapshot and selector. Health and latency change on
+//! every probe, so they are read per request, through each proxy's position in the health
+//! table (cached per table layout) instead of hashing identities. A candidate shares its
+//! identity with the snapshot (`Arc<ProxyId>`), so a request copies no string. The assembled
+//! list is kept too, and handed out again for as long as no verdict or latency in the health
+//! table has changed (a fleet probed every 30 s changes a few times a second, acquires come
+//! far more often): it is then exactly the list a fresh assembly would produce.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError, RwLockReadGuard, Weak};
+
+use super::selector::Selector;
+use crate::health::{HealthSnapshot, HealthTable, ProxyHealth};
+use crate::inventory::InventorySnapshot;
+use crate::ledger::Candidate;
+
+/// Selectors whose matches are kept per inventory snapshot. Crawlers use a handful; the bound
+/// keeps a client sending endless distinct selectors from growing the cache without limit (a
+/// full cache is emptied and refilled by the selectors in use).
+pub const MAX_CACHED_SELECTORS: usize = 256;
+
+/// Selectors whose assembled candidate lists are kept per inventory snapshot; each list is
+/// as long as the selector's matches, so this bound is lower.
+pub const MAX_CACHED_LISTS: usize = 32;
+
+/// Marks an inventory position without a health entry.
+const NO_SLOT: u32 = u32::MAX;
+
+/// The cached match positions and health positions of the current inventory snapshot,
+/// shared by the API's workers. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct CandidateIndex {
+    current: Arc<Mutex<Option<Arc<SnapshotIndex>>>>,
+}
+
+/// What is cached for one inventory snapshot.
+#[derive(Debug)]
+struct SnapshotIndex {
+    snapshot: Weak<InventorySnapshot>,
+    /// Positions (in the snapshot) of the proxies each selector matches, ascending.
+    matches: Mutex<HashMap<Selector, Arc<[u32]>>>,
+    /// Health-table position of each inventory position, for one table layout.
+    health_slots: Mutex<Option<Arc<HealthSlots>>>,
+    /// The last candidate list assembled per selector.
+    lists: Mutex<HashMap<Selector, AssembledList>>,
+}
+
+/// A candidate list and the health-table version it reflects.
+#[derive(Debug)]
+struct AssembledList {
+    version: u64,
+    candidates: Arc<[Candidate]>,
+}
+
+#[derive(Debug)]
+struct HealthSlots {
+    layout: u64,
+    /// Indexed by inventory position; [`NO_SLOT`] when the proxy has no health entry.
+    slots: Box<[u32]>,
+}
+
+/// The health table read-locked, addressed by inventory position. Hold it only while
+/// reading: the health engine waits for it to be dropped.
+pub struct PositionedHealth<'a> {
+    table: RwLockReadGuard<'a, HealthTable>,
+    slots: Arc<HealthSlots>,
+}
+
+impl PositionedHealth<'_> {
+    /// The health table's version (see [`HealthTable::version`]).
+    pub fn version(&self) -> u64 {
+        self.table.version()
+    }
+
+    /// Health of the proxy at `position` of the inventory snapshot this view was built for.
+    pub fn at(&self, position: usize) -> Option<&ProxyHealth> {
+        match self.slots.slots.get(position) {
+            Some(&slot) if slot != NO_SLOT => usize::try_from(slot)
+                .ok()
+                .and_then(|slot| self.table.at(slot)),
+            _ => None,
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CandidateIndex {
+    fn index(&self, snapshot: &Arc<InventorySnapshot>) -> Arc<SnapshotIndex> {
+        let mut current = lock(&self.current);
+        match current.as_ref() {
+            Some(index) if std::ptr::eq(index.snapshot.as_ptr(), Arc::as_ptr(snapshot)) => {
+                index.clone()
+            }
+            _ => {
+                let index = Arc::new(SnapshotIndex {
+                    snapshot: Arc::downgrade(snapshot),
+                    matches: Mutex::new(HashMap::new()),
+                    health_slots: Mutex::new(None),
+                    lists: Mutex::new(HashMap::new()),
+                });
+                *current = Some(index.clone());
+                index
+            }
+        }
+    }
+
+    /// Positions in `snapshot` of the proxies `selector` matches, ascending.
+    pub fn matching(&self, snapshot: &Arc<InventorySnapshot>, selector: &Selector) -> Arc<[u32]> {
+        matching(&self.index(snapshot), snapshot, selector)
+    }
+
+    /// The health table read-locked and addressed by position in `snapshot`.
+    pub fn health<'a>(
+        &self,
+        snapshot: &Arc<InventorySnapshot>,
+        health: &'a HealthSnapshot,
+    ) -> PositionedHealth<'a> {
+        positioned(&self.index(snapshot), snapshot, health)
+    }
+
+    /// The acquire candidates: every proxy of `snapshot` matching `selector`, healthy or not.
+    /// Only a proxy that passes health checks and has an address counts as healthy.
+    pub fn candidates(
+        &self,
+        snapshot: &Arc<InventorySnapshot>,
+        health: &HealthSnapshot,
+        selector: &Selector,
+    ) -> Arc<[Candidate]> {
+        let index = self.index(snapshot);
+        let positions = matching(&index, snapshot, selector);
+        let health = positioned(&index, snapshot, health);
+        let version = health.version();
+        if let Some(list) = lock(&index.lists).get(selector)
+            && list.version == version
+        {
+            return list.candidates.clone();
+        }
+        let leasable = snapshot.leasable();
+        let mut candidates = Vec::with_capacity(positions.len());
+        for &position in positions.iter() {
+            let Ok(position) = usize::try_from(position) else {
+                continue;
+            };
+            let Some(proxy) = leasable.get(position) else {
+                continue;
+            };
+            let h = health.at(position);
+            candidates.push(Candidate {
+                proxy: proxy.id.clone(),
+                max_leases: proxy.max_leases,
+                healthy: proxy.has_address && h.and_then(|h| h.healthy) == Some(true),
+                latency: h.and_then(|h| h.latency),
+            });
+        }
+        drop(health);
+        let list: Arc<[Candidate]> = candidates.into();
+        let mut lists = lock(&index.lists);
+        if lists.len() >= MAX_CACHED_LISTS && !lists.contains_key(selector) {
+            lists.clear();
+        }
+        let replaced = lists.insert(
+            selector.clone(),
+            AssembledList {
+                version,
+                candidates: list.clone(),
+            },
+        );
+        drop(lists);
+        // Releasing the previous list's identities happens outside the lock.
+        drop(replaced);
+        list
+    }
+}
+
+fn matching(
+    index: &SnapshotIndex,
+    snapshot: &InventorySnapshot,
+    selector: &Selector,
+) -> Arc<[u32]> {
+    if let Some(found) = lock(&index.matches).get(selector) {
+        return found.clone();
+    }
+    // Scanned outside the lock: other selectors are served meanwhile.
+    let found: Arc<[u32]> = snapshot
+        .entries()
+        .enumerate()
+        .filter(|(_, (_, proxy))| selector.matches(proxy.metadata.labels.as_ref()))
+        .filter_map(|(position, _)| u32::try_from(position).ok())
+        .collect();
+    let mut matches = lock(&index.matches);
+    if matches.len() >= MAX_CACHED_SELECTORS {
+        matches.clear();
+    }
+    matches.insert(selector.clone(), found.clone());
+    found
+}
+
+fn positioned<'a>(
+    index: &SnapshotIndex,
+    snapshot: &InventorySnapshot,
+    health: &'a HealthSnapshot,
+) -> PositionedHealth<'a> {
+    let table = health.read();
+    let cached = lock(&index.health_slots)
+        .as_ref()
+        .filter(|s| s.layout == table.layout())
+        .cloned();
+    let slots = match cached {
+        Some(slots) => slots,
+        None => {
+            let slots = Arc::new(HealthSlots {
+                layout: table.layout(),
+                slots: snapshot
+                    .leasable()
+                    .iter()
+                    .map(|l| {
+                        table
+                            .slot(&l.id)
+                            .and_then(|s| u32::try_from(s).ok())
+                            .unwrap_or(NO_SLOT)
+                    })
+                    .collect(),
+            });
+            *lock(&index.health_slots) = Some(slots.clone());
+            slots
+        }
+    };
+    PositionedHealth { table, slots }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::health::ProxyHealth;
+    use crate::inventory::Inventory;
+    use crate::proxy::{Proxy, ProxySpec};
+
+    fn proxy(name: &str, geo: &str, max_leases: i32, external: bool) -> Proxy {
+        let spec: ProxySpec = if external {
+            serde_json::from_value(serde_json::json!({
+                "mode": "External",
+                "endpoint": {"host": "127.0.0.1", "port": 3128},
+                "maxLeases": max_leases,
+            }))
+        } else {
+            serde_json::from_value(serde_json::json!({
+                "mode": "Managed", "provider": "local", "maxLeases": max_leases,
+            }))
+        }
+        .unwrap();
+        let mut p = Proxy::new(name, spec);
+        p.metadata.namespace = Some("crawl".into());
+        p.metadata.labels = Some(BTreeMap::from([("geo".to_owned(), geo.to_owned())]));
+        p
+    }
+
+    fn healthy(ms: u64) -> ProxyHealth {
+        ProxyHealth {
+            healthy: Some(true),
+            latency: Some(Duration::from_millis(ms)),
+            ..Default::default()
+        }
+    }
+
+    fn selector(text: &str) -> Selector {
+        Selector::parse(text).unwrap()
+    }
+
+    /// (name, max leases, healthy, latency ms)
+    fn summary(candidates: &[Candidate]) -> Vec<(String, u32, bool, Option<u128>)> {
+        candidates
+            .iter()
+            .map(|c| {
+                (
+                    c.proxy.name.clone(),
+                    c.max_leases,
+                    c.healthy,
+                    c.latency.map(|l| l.as_millis()),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn candidates_carry_current_health_and_shared_identities() {
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let proxies = [
+            proxy("eu-fast", "eu", 2, true),
+            proxy("eu-sick", "eu", 2, true),
+            proxy("eu-managed", "eu", 2, false),
+            proxy("eu-unprobed", "eu", 2, true),
+            proxy("us", "us", 2, true),
+        ];
+        health.set(proxies[0].id(), healthy(5));
+        health.set(
+            proxies[1].id(),
+            ProxyHealth {
+                healthy: Some(false),
+                ..Default::default()
+            },
+        );
+        health.set(proxies[2].id(), healthy(1));
+        health.set(proxies[4].id(), healthy(9));
+        inventory.replace(proxies);
+        let snapshot = inventory.snapshot();
+        let index = CandidateIndex::default();
+        let eu = index.candidates(&snapshot, &health, &selector("geo=eu"));
+        assert_eq!(
+            summary(&eu),
+            [
+                ("eu-fast".to_owned(), 2, true, Some(5)),
+                // No address yet: never leasable, whatever its health says.
+                ("eu-managed".to_owned(), 2, false, Some(1)),
+                ("eu-sick".to_owned(), 2, false, None),
+                ("eu-unprobed".to_owned(), 2, false, None),
+            ]
+        );
+        let position = snapshot.position(&eu[0].proxy).unwrap();
+        assert!(Arc::ptr_eq(&eu[0].proxy, &snapshot.leasable()[position].id));
+        assert_eq!(index.candidates(&snapshot, &health, &selector("")).len(), 5);
+        assert!(
+            index
+                .candidates(&snapshot, &health, &selector("geo=mars"))
+                .is_empty()
+        );
+
+        // While no verdict or latency changes, the same list is handed out again.
+        let again = index.candidates(&snapshot, &health, &selector("geo=eu"));
+        assert!(Arc::ptr_eq(&eu, &again));
+
+        // Health changes in place are seen at once; so are proxies that appear in the table.
+        health.set(
+            snapshot.leasable()[position].id.as_ref().clone(),
+            healthy(50),
+        );
+        health.set(snapshot.proxies()[4].id(), healthy(3));
+        let unprobed = snapshot
+            .proxies()
+            .iter()
+            .position(|p| p.key() == "crawl/eu-unprobed");
+        health.set(snapshot.proxies()[unprobed.unwrap()].id(), healthy(7));
+        let eu = index.candidates(&snapshot, &health, &selector("geo=eu"));
+        assert_eq!(eu[0].latency, Some(Duration::from_millis(50)));
+        assert_eq!(
+            summary(&eu)[3],
+            ("eu-unprobed".to_owned(), 2, true, Some(7))
+        );
+        // ... and removals.
+        health.retain(|id| id.name != "eu-fast");
+        let eu = index.candidates(&snapshot, &health, &selector("geo=eu"));
+        assert_eq!(summary(&eu)[0], ("eu-fast".to_owned(), 2, false, None));
+        assert_eq!(
+            summary(&eu)[3],
+            ("eu-unprobed".to_owned(), 2, true, Some(7))
+        );
+    }
+
+    #[test]
+    fn matches_are_cached_per_snapshot_and_bounded() {
+        let inventory = Inventory::new();
+        inventory.replace([proxy("a", "eu", 1, true), proxy("b", "us", 1, true)]);
+        let index = CandidateIndex::default();
+        let first = inventory.snapshot();
+        let eu = index.matching(&first, &selector("geo=eu"));
+        assert_eq!(&*eu, &[0]);
+        assert!(Arc::ptr_eq(
+            &eu,
+            &index.matching(&first, &selector("geo = eu"))
+        ));
+        // A new snapshot is matched afresh.
+        inventory.replace([proxy("b", "us", 1, true), proxy("c", "eu", 1, true)]);
+        let second = inventory.snapshot();
+        assert_eq!(&*index.matching(&second, &selector("geo=eu")), &[1]);
+        // Distinct selectors never grow the cache past its bound.
+        for i in 0..MAX_CACHED_SELECTORS * 2 {
+            index.matching(&second, &selector(&format!("geo=x{i}")));
+            let cached = lock(&index.index(&second).matches).len();
+            assert!(cached <= MAX_CACHED_SELECTORS, "{cached}");
+        }
+    }
+}

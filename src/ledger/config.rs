@@ -1,0 +1,183 @@
+//! The ledger's tunables.
+
+use std::time::Duration;
+
+use super::error::LedgerError;
+
+/// Upper bound of every configured duration, so timestamps stay in range.
+const MAX_CONFIG_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// What a commit must survive.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// WAL with `synchronous = NORMAL`: a commit is in the WAL file (the OS page cache) before
+    /// the call returns, so an acknowledged lease survives the process being killed (`kill -9`,
+    /// OOM, crash). A power loss or kernel crash may lose the last commits; the file stays
+    /// consistent. No fsync per commit.
+    #[default]
+    Normal,
+    /// WAL with `synchronous = FULL`: the WAL is fsynced at every commit, so acknowledged
+    /// leases also survive a power loss, at the cost of one fsync per batch.
+    Full,
+}
+
+impl Durability {
+    pub(crate) fn synchronous(self) -> &'static str {
+        match self {
+            Durability::Normal => "NORMAL",
+            Durability::Full => "FULL",
+        }
+    }
+}
+
+/// Tunables of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerConfig {
+    /// Longest TTL granted; longer requests are cut to it (`--max-lease-ttl`).
+    pub max_ttl: Duration,
+    /// How long a `rate_limited`/`blocked` (proxy, target) pair is skipped, and how long
+    /// finished leases are retained so late reports land (`--lease-cooldown`).
+    pub cooldown: Duration,
+    /// How long lease history is kept.
+    pub history_retention: Duration,
+    /// What an acknowledged write survives.
+    pub durability: Durability,
+    /// Writes that may wait for the writer; one more is refused at once with
+    /// [`LedgerError::Overloaded`] instead of queueing behind work its client may abandon.
+    pub queue_capacity: usize,
+    /// Longest a write may wait for its turn; past it, it is refused with
+    /// [`LedgerError::Overloaded`] and not decided, so a client that gave up and retries does
+    /// not also get the first attempt's lease.
+    pub queue_deadline: Duration,
+    /// Most writes committed in one transaction (group commit), so one batch's commit never
+    /// keeps its first callers waiting for an unbounded tail.
+    pub max_batch: usize,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        Self {
+            max_ttl: Duration::from_secs(3600),
+            cooldown: Duration::from_secs(600),
+            history_retention: Duration::from_secs(7 * 24 * 3600),
+            durability: Durability::Normal,
+            queue_capacity: 4096,
+            queue_deadline: Duration::from_secs(2),
+            max_batch: 256,
+        }
+    }
+}
+
+impl LedgerConfig {
+    pub(crate) fn validate(&self) -> Result<(), LedgerError> {
+        let config_error = |message: String| Err(LedgerError::Config(message));
+        if self.max_ttl < Duration::from_millis(1) {
+            return config_error(format!("max_ttl {:?} must be at least 1 ms", self.max_ttl));
+        }
+        if self.queue_deadline < Duration::from_millis(1) {
+            return config_error(format!(
+                "queue_deadline {:?} must be at least 1 ms: every write would be refused",
+                self.queue_deadline
+            ));
+        }
+        if self.queue_capacity == 0 || self.max_batch == 0 {
+            return config_error(format!(
+                "queue_capacity ({}) and max_batch ({}) must be at least 1",
+                self.queue_capacity, self.max_batch
+            ));
+        }
+        for (name, value) in [
+            ("max_ttl", self.max_ttl),
+            ("cooldown", self.cooldown),
+            ("history_retention", self.history_retention),
+            ("queue_deadline", self.queue_deadline),
+        ] {
+            if value > MAX_CONFIG_DURATION {
+                return config_error(format!("{name} {value:?} is longer than 100 years"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The TTL actually granted for a requested one, in milliseconds.
+    pub(crate) fn capped_ttl_ms(&self, ttl: Duration) -> Result<i64, LedgerError> {
+        match millis(ttl.min(self.max_ttl)) {
+            0 => Err(LedgerError::InvalidTtl(ttl)),
+            ms => Ok(ms),
+        }
+    }
+}
+
+/// A duration in whole milliseconds (configured durations are bounded, so this never clips).
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_that_cannot_work_are_refused() {
+        let cases: [(&str, LedgerConfig, bool); 6] = [
+            ("defaults", LedgerConfig::default(), true),
+            (
+                "zero max TTL",
+                LedgerConfig {
+                    max_ttl: Duration::ZERO,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+            (
+                "zero queue deadline",
+                LedgerConfig {
+                    queue_deadline: Duration::ZERO,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+            (
+                "no queue",
+                LedgerConfig {
+                    queue_capacity: 0,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+            (
+                "empty batches",
+                LedgerConfig {
+                    max_batch: 0,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+            (
+                "endless cooldown",
+                LedgerConfig {
+                    cooldown: Duration::MAX,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+        ];
+        for (name, config, ok) in cases {
+            assert_eq!(config.validate().is_ok(), ok, "{name}");
+        }
+    }
+
+    #[test]
+    fn ttl_is_capped_and_must_round_to_a_millisecond() {
+        let config = LedgerConfig::default();
+        assert_eq!(
+            config.capped_ttl_ms(Duration::from_secs(5)).ok(),
+            Some(5000)
+        );
+        assert_eq!(config.capped_ttl_ms(Duration::MAX).ok(), Some(3_600_000));
+        assert!(matches!(
+            config.capped_ttl_ms(Duration::from_micros(999)),
+            Err(LedgerError::InvalidTtl(_))
+        ));
+    }
+}

@@ -1,0 +1,827 @@
+//! The lease state the writer decides on, in memory and without I/O: leases that may count
+//! towards capacity, cooldowns and the request-ID index. It is rebuilt from the file at open
+//! and changed only by the writer, which journals every change of a batch so that a batch
+//! whose transaction fails can be undone and memory matches the file again.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use jiff::Timestamp;
+
+use super::lease::{Candidate, NoMatch, RequestKey};
+use super::selection::{ProxyLoad, Selection, select};
+use crate::proxy::ProxyId;
+
+/// The maps of the state. An acquire looks every candidate's UID up, so the hasher matters:
+/// foldhash is several times faster than SipHash on UID-sized keys and still seeded per
+/// process (targets and request IDs come from clients).
+type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A lease whose row says `active`. It counts towards capacity while `expires_at > now`; one
+/// past its expiry stays here (not counting) until the sweep marks it expired in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ActiveLease {
+    pub proxy: Arc<ProxyId>,
+    pub target: Option<Arc<str>>,
+    pub acquired_at: i64,
+    pub expires_at: i64,
+    pub ttl_ms: i64,
+    pub request_id: Option<Arc<str>>,
+}
+
+/// Which lease a request ID got, while its window is open (until the lease's `expires_at`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RequestEntry {
+    pub lease_id: Arc<str>,
+    pub fingerprint: Arc<str>,
+    pub expires_at: i64,
+}
+
+/// What an acquire does, decided against the state in arrival order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AcquireDecision {
+    /// The request ID's window is open and the fingerprint matches: answer with that lease.
+    Replay(Arc<str>),
+    /// The request ID's window is open for a different request.
+    Reused,
+    /// Grant a lease on `candidates[index]`.
+    Grant(usize),
+    /// Grant nothing.
+    NoMatch(NoMatch),
+}
+
+/// What a renew found in memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RenewOutcome {
+    /// Extended; the lease as it is now.
+    Renewed(ActiveLease),
+    /// The lease is active in the file but past its expiry.
+    Expired,
+    /// Not an active lease: the file says whether it is released, expired or unknown.
+    NotHeld,
+}
+
+/// What a sweep removed from memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SweptMemory {
+    pub expired: u64,
+    pub cooldowns: u64,
+}
+
+/// Proxies and cooldown keys a batch changed, so the readers' view is refreshed for exactly
+/// those after the commit.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Touched {
+    pub proxies: HashSet<Arc<str>>,
+    /// `(proxy UID, target)`.
+    pub cooldowns: HashSet<(Arc<str>, Arc<str>)>,
+}
+
+/// How to undo one change.
+#[derive(Debug)]
+enum Undo {
+    Inserted(Arc<str>),
+    Removed(Arc<str>, ActiveLease),
+    Renewed {
+        id: Arc<str>,
+        expires_at: i64,
+        ttl_ms: i64,
+    },
+    Cooldown {
+        uid: Arc<str>,
+        target: Arc<str>,
+        previous: Option<i64>,
+    },
+    Request {
+        id: Arc<str>,
+        previous: Option<RequestEntry>,
+    },
+}
+
+/// The writer's lease state. Every change made since the last [`commit`](Self::commit) can be
+/// undone with [`rollback`](Self::rollback).
+#[derive(Debug, Default)]
+pub(crate) struct LedgerState {
+    /// Leases with state `active` in the file, by lease ID.
+    active: FastMap<Arc<str>, ActiveLease>,
+    /// `(expires_at, lease ID)` of those leases, by proxy UID: what capacity is counted on.
+    by_proxy: FastMap<Arc<str>, Vec<(i64, Arc<str>)>>,
+    /// Cooldown end by target, then proxy UID (an acquire looks its target up once).
+    cooldowns: FastMap<Arc<str>, FastMap<Arc<str>, i64>>,
+    /// Request IDs whose window may still be open.
+    requests: FastMap<Arc<str>, RequestEntry>,
+    undo: Vec<Undo>,
+    touched: Touched,
+}
+
+/// The comparable content of a state at one moment, for self-checks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Summary {
+    /// Active leases, sorted by ID.
+    pub active: Vec<SummaryLease>,
+    /// `(proxy UID, target, until)`, sorted.
+    pub cooldowns: Vec<(String, String, i64)>,
+    /// `(request ID, lease ID, fingerprint, expires_at)` of open windows, sorted.
+    pub requests: Vec<(String, String, String, i64)>,
+}
+
+/// One active lease in a [`Summary`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct SummaryLease {
+    pub id: String,
+    pub uid: String,
+    pub target: Option<String>,
+    pub acquired_at: i64,
+    pub expires_at: i64,
+    pub ttl_ms: i64,
+    pub request_id: Option<String>,
+}
+
+impl LedgerState {
+    /// Decides an acquire: a request ID with an open window replays (or is refused when the
+    /// fingerprint differs); otherwise the selection picks among the candidates.
+    pub fn decide_acquire(
+        &self,
+        candidates: &[Candidate],
+        target: Option<&str>,
+        request: Option<&RequestKey>,
+        now: i64,
+    ) -> AcquireDecision {
+        if let Some(entry) = request.and_then(|r| self.open_request(&r.id, now)) {
+            return match request {
+                Some(r) if *entry.fingerprint == *r.fingerprint => {
+                    AcquireDecision::Replay(entry.lease_id.clone())
+                }
+                _ => AcquireDecision::Reused,
+            };
+        }
+        let cooled = target.and_then(|t| self.cooldowns.get(t));
+        let selection = select(
+            candidates,
+            |uid| self.load(uid, now),
+            |uid| {
+                cooled
+                    .and_then(|by_uid| by_uid.get(uid))
+                    .filter(|&&until| until > now)
+                    .and_then(|&until| Timestamp::from_millisecond(until).ok())
+            },
+        );
+        match selection {
+            Selection::Chosen(index) => AcquireDecision::Grant(index),
+            Selection::NoMatch(stats) => AcquireDecision::NoMatch(stats),
+        }
+    }
+
+    /// The request ID's entry if its window is still open at `now`.
+    fn open_request(&self, id: &str, now: i64) -> Option<&RequestEntry> {
+        self.requests.get(id).filter(|e| e.expires_at > now)
+    }
+
+    /// Leases counting towards `uid`'s capacity at `now`, and the earliest of their expiries.
+    pub fn load(&self, uid: &str, now: i64) -> ProxyLoad {
+        if self.by_proxy.is_empty() {
+            return ProxyLoad::default();
+        }
+        let Some(leases) = self.by_proxy.get(uid) else {
+            return ProxyLoad::default();
+        };
+        let mut load = ProxyLoad::default();
+        let mut earliest: Option<i64> = None;
+        for &(expires_at, _) in leases.iter().filter(|(e, _)| *e > now) {
+            load.active += 1;
+            earliest = Some(earliest.map_or(expires_at, |e| e.min(expires_at)));
+        }
+        load.earliest_expiry = earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok());
+        load
+    }
+
+    /// The active lease with this ID, counting or not.
+    pub fn lease(&self, id: &str) -> Option<&ActiveLease> {
+        self.active.get(id)
+    }
+
+    /// Records a granted lease (and its request ID, whose window opens).
+    pub fn grant(&mut self, id: Arc<str>, lease: ActiveLease, fingerprint: Option<Arc<str>>) {
+        if let (Some(request_id), Some(fingerprint)) = (lease.request_id.clone(), fingerprint) {
+            let entry = RequestEntry {
+                lease_id: id.clone(),
+                fingerprint,
+                expires_at: lease.expires_at,
+            };
+            let previous = self.requests.insert(request_id.clone(), entry);
+            self.undo.push(Undo::Request {
+                id: request_id,
+                previous,
+            });
+        }
+        self.insert_lease(id.clone(), lease);
+        self.undo.push(Undo::Inserted(id));
+    }
+
+    /// Releases a lease that counts at `now` and returns it; anything else is left alone
+    /// (release is idempotent, and a lease past its expiry has already stopped counting). The
+    /// request ID keeps answering with the released lease until its window closes.
+    pub fn release(&mut self, id: &str, now: i64) -> Option<ActiveLease> {
+        let (id, lease) = self.active.get_key_value(id)?;
+        if lease.expires_at <= now {
+            return None;
+        }
+        let id = id.clone();
+        let lease = self.remove_lease(&id)?;
+        self.undo.push(Undo::Removed(id, lease.clone()));
+        Some(lease)
+    }
+
+    /// Extends a lease that counts at `now` to `expires_at`; its request ID's window moves
+    /// with it.
+    pub fn renew(&mut self, id: &str, now: i64, expires_at: i64, ttl_ms: i64) -> RenewOutcome {
+        let Some((id, lease)) = self.active.get_key_value(id) else {
+            return RenewOutcome::NotHeld;
+        };
+        if lease.expires_at <= now {
+            return RenewOutcome::Expired;
+        }
+        let id = id.clone();
+        let (old_expires, old_ttl) = (lease.expires_at, lease.ttl_ms);
+        let request_id = lease.request_id.clone();
+        self.set_expiry(&id, expires_at, ttl_ms);
+        self.undo.push(Undo::Renewed {
+            id: id.clone(),
+            expires_at: old_expires,
+            ttl_ms: old_ttl,
+        });
+        if let Some(request_id) = request_id
+            && let Some(entry) = self.requests.get(&*request_id)
+            && entry.lease_id == id
+        {
+            let previous = entry.clone();
+            let moved = RequestEntry {
+                expires_at,
+                ..previous.clone()
+            };
+            self.requests.insert(request_id.clone(), moved);
+            self.undo.push(Undo::Request {
+                id: request_id,
+                previous: Some(previous),
+            });
+        }
+        match self.active.get(&*id) {
+            Some(lease) => RenewOutcome::Renewed(lease.clone()),
+            None => RenewOutcome::NotHeld,
+        }
+    }
+
+    /// Puts `(uid, target)` into cooldown until `until`, or keeps a later end already set.
+    pub fn cool_down(&mut self, uid: &str, target: &str, until: i64) {
+        let previous = self.cooldown(uid, target);
+        let until = previous.map_or(until, |p| p.max(until));
+        let (uid, target): (Arc<str>, Arc<str>) = (uid.into(), target.into());
+        self.set_cooldown(&uid, &target, Some(until));
+        self.undo.push(Undo::Cooldown {
+            uid,
+            target,
+            previous,
+        });
+    }
+
+    /// The stored end of `(uid, target)`'s cooldown, in force or not.
+    pub fn cooldown(&self, uid: &str, target: &str) -> Option<i64> {
+        self.cooldowns.get(target)?.get(uid).copied()
+    }
+
+    /// What the sweep does to memory at `now`: leases past their expiry are no longer active,
+    /// ended cooldowns go, and request IDs whose window closed are forgotten.
+    pub fn sweep(&mut self, now: i64) -> SweptMemory {
+        let mut swept = SweptMemory::default();
+        let expired: Vec<Arc<str>> = self
+            .active
+            .iter()
+            .filter(|(_, lease)| lease.expires_at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            if let Some(lease) = self.remove_lease(&id) {
+                self.undo.push(Undo::Removed(id, lease));
+                swept.expired += 1;
+            }
+        }
+        let ended: Vec<(Arc<str>, Arc<str>, i64)> = self
+            .cooldowns
+            .iter()
+            .flat_map(|(target, by_uid)| {
+                by_uid
+                    .iter()
+                    .filter(|(_, until)| **until <= now)
+                    .map(|(uid, until)| (uid.clone(), target.clone(), *until))
+            })
+            .collect();
+        for (uid, target, until) in ended {
+            self.set_cooldown(&uid, &target, None);
+            self.undo.push(Undo::Cooldown {
+                uid,
+                target,
+                previous: Some(until),
+            });
+            swept.cooldowns += 1;
+        }
+        let closed: Vec<Arc<str>> = self
+            .requests
+            .iter()
+            .filter(|(_, entry)| entry.expires_at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in closed {
+            let previous = self.requests.remove(&id);
+            self.undo.push(Undo::Request { id, previous });
+        }
+        swept
+    }
+
+    /// Makes the batch's changes permanent; returns what the readers' view must refresh.
+    pub fn commit(&mut self) -> Touched {
+        self.undo.clear();
+        std::mem::take(&mut self.touched)
+    }
+
+    /// Undoes every change since the last commit.
+    pub fn rollback(&mut self) {
+        while let Some(undo) = self.undo.pop() {
+            match undo {
+                Undo::Inserted(id) => {
+                    self.remove_lease(&id);
+                }
+                Undo::Removed(id, lease) => self.insert_lease(id, lease),
+                Undo::Renewed {
+                    id,
+                    expires_at,
+                    ttl_ms,
+                } => self.set_expiry(&id, expires_at, ttl_ms),
+                Undo::Cooldown {
+                    uid,
+                    target,
+                    previous,
+                } => self.set_cooldown(&uid, &target, previous),
+                Undo::Request { id, previous } => match previous {
+                    Some(entry) => {
+                        self.requests.insert(id, entry);
+                    }
+                    None => {
+                        self.requests.remove(&id);
+                    }
+                },
+            }
+        }
+        self.touched = Touched::default();
+    }
+
+    /// Loads a lease read from the file (at open; not journaled).
+    pub fn restore_lease(&mut self, id: Arc<str>, lease: ActiveLease) {
+        self.insert_lease(id, lease);
+        self.touched = Touched::default();
+    }
+
+    /// Loads a cooldown read from the file (at open; not journaled).
+    pub fn restore_cooldown(&mut self, uid: &str, target: &str, until: i64) {
+        self.set_cooldown(&uid.into(), &target.into(), Some(until));
+        self.touched = Touched::default();
+    }
+
+    /// Loads a request ID read from the file (at open; not journaled).
+    pub fn restore_request(&mut self, id: Arc<str>, entry: RequestEntry) {
+        self.requests.insert(id, entry);
+    }
+
+    /// Expiries of `uid`'s active leases, counting or not.
+    pub fn expiries(&self, uid: &str) -> impl Iterator<Item = i64> + '_ {
+        self.by_proxy
+            .get(uid)
+            .into_iter()
+            .flatten()
+            .map(|(expires_at, _)| *expires_at)
+    }
+
+    /// Every proxy with an active lease and every cooldown, for building the readers' view.
+    pub fn everything(&self) -> Touched {
+        Touched {
+            proxies: self.by_proxy.keys().cloned().collect(),
+            cooldowns: self
+                .cooldowns
+                .iter()
+                .flat_map(|(target, by_uid)| by_uid.keys().map(|uid| (uid.clone(), target.clone())))
+                .collect(),
+        }
+    }
+
+    /// The state's content at `now` (request IDs only while their window is open).
+    pub fn summary(&self, now: i64) -> Summary {
+        let text = |s: &Option<Arc<str>>| s.as_deref().map(str::to_owned);
+        let mut summary = Summary {
+            active: self
+                .active
+                .iter()
+                .map(|(id, l)| SummaryLease {
+                    id: id.to_string(),
+                    uid: l.proxy.uid.clone(),
+                    target: text(&l.target),
+                    acquired_at: l.acquired_at,
+                    expires_at: l.expires_at,
+                    ttl_ms: l.ttl_ms,
+                    request_id: text(&l.request_id),
+                })
+                .collect(),
+            cooldowns: self
+                .cooldowns
+                .iter()
+                .flat_map(|(target, by_uid)| {
+                    by_uid
+                        .iter()
+                        .map(|(uid, until)| (uid.to_string(), target.to_string(), *until))
+                })
+                .collect(),
+            requests: self
+                .requests
+                .iter()
+                .filter(|(_, e)| e.expires_at > now)
+                .map(|(id, e)| {
+                    (
+                        id.to_string(),
+                        e.lease_id.to_string(),
+                        e.fingerprint.to_string(),
+                        e.expires_at,
+                    )
+                })
+                .collect(),
+        };
+        summary.active.sort();
+        summary.cooldowns.sort();
+        summary.requests.sort();
+        summary
+    }
+
+    /// The `by_proxy` key of the lease's proxy: the stored one when there is one, so a busy
+    /// proxy's UID is allocated once.
+    fn proxy_key(&self, lease: &ActiveLease) -> Arc<str> {
+        match self.by_proxy.get_key_value(lease.proxy.uid.as_str()) {
+            Some((uid, _)) => uid.clone(),
+            None => lease.proxy.uid.as_str().into(),
+        }
+    }
+
+    fn insert_lease(&mut self, id: Arc<str>, lease: ActiveLease) {
+        let uid = self.proxy_key(&lease);
+        self.by_proxy
+            .entry(uid.clone())
+            .or_default()
+            .push((lease.expires_at, id.clone()));
+        self.touched.proxies.insert(uid);
+        self.active.insert(id, lease);
+    }
+
+    fn remove_lease(&mut self, id: &str) -> Option<ActiveLease> {
+        let lease = self.active.remove(id)?;
+        let uid = self.proxy_key(&lease);
+        if let Some(leases) = self.by_proxy.get_mut(&uid) {
+            leases.retain(|(_, lease_id)| &**lease_id != id);
+            if leases.is_empty() {
+                self.by_proxy.remove(&uid);
+            }
+            self.touched.proxies.insert(uid);
+        }
+        Some(lease)
+    }
+
+    fn set_expiry(&mut self, id: &Arc<str>, expires_at: i64, ttl_ms: i64) {
+        let Some(uid) = self.active.get(&**id).map(|lease| self.proxy_key(lease)) else {
+            return;
+        };
+        if let Some(lease) = self.active.get_mut(&**id) {
+            lease.expires_at = expires_at;
+            lease.ttl_ms = ttl_ms;
+        }
+        if let Some(leases) = self.by_proxy.get_mut(&uid) {
+            for entry in leases.iter_mut().filter(|(_, lease_id)| lease_id == id) {
+                entry.0 = expires_at;
+            }
+        }
+        self.touched.proxies.insert(uid);
+    }
+
+    fn set_cooldown(&mut self, uid: &Arc<str>, target: &Arc<str>, until: Option<i64>) {
+        match until {
+            Some(until) => {
+                self.cooldowns
+                    .entry(target.clone())
+                    .or_default()
+                    .insert(uid.clone(), until);
+            }
+            None => {
+                if let Some(by_uid) = self.cooldowns.get_mut(&**target) {
+                    by_uid.remove(&**uid);
+                    if by_uid.is_empty() {
+                        self.cooldowns.remove(&**target);
+                    }
+                }
+            }
+        }
+        self.touched.cooldowns.insert((uid.clone(), target.clone()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: i64 = 60_000;
+
+    fn proxy(name: &str) -> Arc<ProxyId> {
+        Arc::new(ProxyId {
+            namespace: "crawl".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        })
+    }
+
+    fn candidates(names: &[(&str, u32)]) -> Vec<Candidate> {
+        names
+            .iter()
+            .map(|&(name, max_leases)| Candidate {
+                proxy: proxy(name),
+                max_leases,
+                healthy: true,
+                latency: None,
+            })
+            .collect()
+    }
+
+    fn lease(name: &str, expires_at: i64, request: Option<&str>) -> ActiveLease {
+        ActiveLease {
+            proxy: proxy(name),
+            target: None,
+            acquired_at: 0,
+            expires_at,
+            ttl_ms: expires_at,
+            request_id: request.map(Arc::from),
+        }
+    }
+
+    fn key(id: &str, fingerprint: &str) -> RequestKey {
+        RequestKey {
+            id: id.into(),
+            fingerprint: fingerprint.into(),
+        }
+    }
+
+    /// A state holding lease "l1" on proxy a (expiring at 1 min, request "r1" with fingerprint
+    /// "f"), "l2" on b (2 min), and a cooldown of (a, "t") until 5 min; committed.
+    fn state() -> LedgerState {
+        let mut s = LedgerState::default();
+        s.grant("l1".into(), lease("a", MIN, Some("r1")), Some("f".into()));
+        s.grant("l2".into(), lease("b", 2 * MIN, None), None);
+        s.cool_down("uid-a", "t", 5 * MIN);
+        s.commit();
+        s
+    }
+
+    /// `(case, target, request key, now, expected decision)`.
+    type AcquireCase = (
+        &'static str,
+        Option<&'static str>,
+        Option<RequestKey>,
+        i64,
+        AcquireDecision,
+    );
+
+    #[test]
+    fn acquire_decisions() {
+        let c = candidates(&[("a", 1), ("b", 2)]);
+        let cases: [AcquireCase; 7] = [
+            ("a is full: b", None, None, 0, AcquireDecision::Grant(1)),
+            (
+                "same request ID and fingerprint in the window: replay",
+                None,
+                Some(key("r1", "f")),
+                MIN - 1,
+                AcquireDecision::Replay("l1".into()),
+            ),
+            (
+                "same request ID, other fingerprint: refused",
+                None,
+                Some(key("r1", "g")),
+                0,
+                AcquireDecision::Reused,
+            ),
+            (
+                "the window closes at the lease's expiry: decided afresh, a is free again",
+                None,
+                Some(key("r1", "g")),
+                MIN,
+                AcquireDecision::Grant(0),
+            ),
+            (
+                "an unknown request ID is decided afresh",
+                None,
+                Some(key("r2", "f")),
+                0,
+                AcquireDecision::Grant(1),
+            ),
+            (
+                "a cools down for t after its lease expired",
+                Some("t"),
+                None,
+                MIN,
+                AcquireDecision::Grant(1),
+            ),
+            (
+                "the cooldown ends at 5 min",
+                Some("t"),
+                None,
+                5 * MIN,
+                AcquireDecision::Grant(0),
+            ),
+        ];
+        let s = state();
+        for (name, target, request, now, expected) in cases {
+            assert_eq!(
+                s.decide_acquire(&c, target, request.as_ref(), now),
+                expected,
+                "{name}"
+            );
+        }
+        let full = candidates(&[("a", 1), ("b", 1)]);
+        let AcquireDecision::NoMatch(stats) = s.decide_acquire(&full, None, None, 0) else {
+            panic!("both proxies are full");
+        };
+        assert_eq!((stats.considered, stats.at_capacity), (2, 2));
+        assert_eq!(stats.retry_after, Timestamp::from_millisecond(MIN).ok());
+    }
+
+    #[test]
+    fn load_counts_only_leases_before_their_expiry() {
+        let s = state();
+        let cases = [(0, 1, Some(MIN)), (MIN - 1, 1, Some(MIN)), (MIN, 0, None)];
+        for (now, active, earliest) in cases {
+            let load = s.load("uid-a", now);
+            assert_eq!(load.active, active, "at {now}");
+            assert_eq!(
+                load.earliest_expiry,
+                earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok())
+            );
+        }
+        assert_eq!(s.load("uid-nobody", 0), ProxyLoad::default());
+    }
+
+    #[test]
+    fn release_and_renew_only_touch_leases_that_count() {
+        let mut s = state();
+        assert_eq!(s.release("l1", MIN), None, "past its expiry");
+        assert_eq!(s.release("nope", 0), None);
+        assert_eq!(s.renew("l1", MIN, 3 * MIN, 2 * MIN), RenewOutcome::Expired);
+        assert_eq!(s.renew("nope", 0, MIN, MIN), RenewOutcome::NotHeld);
+
+        let RenewOutcome::Renewed(renewed) = s.renew("l1", 10, 3 * MIN, 3 * MIN - 10) else {
+            panic!("l1 counts at 10 ms");
+        };
+        assert_eq!(
+            (renewed.expires_at, renewed.ttl_ms),
+            (3 * MIN, 3 * MIN - 10)
+        );
+        assert_eq!(s.load("uid-a", 2 * MIN).active, 1);
+        assert_eq!(
+            s.decide_acquire(&[], None, Some(&key("r1", "f")), 2 * MIN),
+            AcquireDecision::Replay("l1".into()),
+            "renewing moves the request ID's window"
+        );
+
+        let released = s.release("l1", 20).map(|l| l.expires_at);
+        assert_eq!(released, Some(3 * MIN));
+        assert_eq!(s.load("uid-a", 20).active, 0);
+        assert_eq!(s.lease("l1"), None);
+        assert_eq!(
+            s.decide_acquire(&[], None, Some(&key("r1", "f")), 20),
+            AcquireDecision::Replay("l1".into()),
+            "a released lease is still the answer to its request ID"
+        );
+        assert_eq!(s.renew("l1", 20, MIN, MIN), RenewOutcome::NotHeld);
+    }
+
+    #[test]
+    fn cooldowns_keep_the_later_end() {
+        let mut s = state();
+        s.cool_down("uid-a", "t", 4 * MIN);
+        assert_eq!(s.cooldown("uid-a", "t"), Some(5 * MIN));
+        s.cool_down("uid-a", "t", 6 * MIN);
+        assert_eq!(s.cooldown("uid-a", "t"), Some(6 * MIN));
+        assert_eq!(s.cooldown("uid-a", "u"), None);
+    }
+
+    #[test]
+    fn sweep_drops_expired_leases_ended_cooldowns_and_closed_windows() {
+        let cases = [
+            (0, SweptMemory::default(), 2, 1, 1),
+            (
+                MIN,
+                SweptMemory {
+                    expired: 1,
+                    cooldowns: 0,
+                },
+                1,
+                1,
+                0,
+            ),
+            (
+                5 * MIN,
+                SweptMemory {
+                    expired: 2,
+                    cooldowns: 1,
+                },
+                0,
+                0,
+                0,
+            ),
+        ];
+        for (now, expected, leases, cooldowns, requests) in cases {
+            let mut s = state();
+            assert_eq!(s.sweep(now), expected, "at {now}");
+            let summary = s.summary(0);
+            assert_eq!(summary.active.len(), leases, "at {now}");
+            assert_eq!(summary.cooldowns.len(), cooldowns, "at {now}");
+            assert_eq!(summary.requests.len(), requests, "at {now}");
+        }
+    }
+
+    #[test]
+    fn rollback_restores_the_committed_state_exactly() {
+        type Step = fn(&mut LedgerState);
+        let steps: [(&str, Step); 7] = [
+            ("grant", |s| {
+                s.grant(
+                    "l3".into(),
+                    lease("a", 9 * MIN, Some("r3")),
+                    Some("f".into()),
+                );
+            }),
+            ("grant reusing a closed request ID", |s| {
+                s.grant(
+                    "l4".into(),
+                    lease("c", 9 * MIN, Some("r1")),
+                    Some("g".into()),
+                );
+            }),
+            ("release", |s| {
+                s.release("l2", 0);
+            }),
+            ("renew", |s| {
+                s.renew("l1", 0, 7 * MIN, 7 * MIN);
+            }),
+            ("cooldown", |s| {
+                s.cool_down("uid-b", "t", 7 * MIN);
+                s.cool_down("uid-a", "t", 8 * MIN);
+            }),
+            ("sweep", |s| {
+                s.sweep(6 * MIN);
+            }),
+            ("grant then release in one batch", |s| {
+                s.grant("l5".into(), lease("a", 9 * MIN, None), None);
+                s.release("l5", 0);
+            }),
+        ];
+        let before = state().summary(0);
+        let mut s = state();
+        for (name, step) in &steps {
+            step(&mut s);
+            assert_ne!(s.summary(0), before, "{name} changed nothing");
+        }
+        assert!(!s.touched.proxies.is_empty());
+        s.rollback();
+        assert_eq!(s.summary(0), before);
+        assert_eq!(s.load("uid-a", 0).active, 1);
+        assert_eq!(s.load("uid-b", 0).active, 1);
+        assert_eq!(s.load("uid-c", 0).active, 0);
+        assert_eq!(
+            s.commit(),
+            Touched::default(),
+            "a rollback publishes nothing"
+        );
+        for (name, step) in steps {
+            let mut one = state();
+            step(&mut one);
+            one.rollback();
+            assert_eq!(one.summary(0), before, "{name}");
+        }
+    }
+
+    #[test]
+    fn commit_reports_what_changed() {
+        let mut s = state();
+        s.release("l2", 0);
+        s.cool_down("uid-c", "u", MIN);
+        let touched = s.commit();
+        assert_eq!(touched.proxies, HashSet::from([Arc::from("uid-b")]));
+        assert_eq!(
+            touched.cooldowns,
+            HashSet::from([(Arc::from("uid-c"), Arc::from("u"))])
+        );
+        s.rollback();
+        assert_eq!(s.load("uid-b", 0).active, 0, "committed changes stay");
+    }
+}

@@ -1,0 +1,460 @@
+//! The ledger writer: one thread that owns the write connection and the lease state, takes
+//! writes from a bounded queue in arrival order, and commits everything queued at that moment
+//! in one transaction (group commit), answering each caller only after that COMMIT.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use rusqlite::Connection;
+use tokio::sync::oneshot;
+
+use super::clock::Clock;
+use super::config::{LedgerConfig, millis};
+use super::counts::Counts;
+use super::error::LedgerError;
+use super::lease::{
+    AcquireOutcome, AcquireRequest, Lease, LeaseState, ReportResult, SweepStats, new_lease_id,
+};
+use super::state::{AcquireDecision, ActiveLease, LedgerState, RenewOutcome};
+use super::store;
+
+/// Where a write's answer goes.
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, LedgerError>>;
+
+/// One write for the writer.
+pub(crate) enum Job {
+    Acquire {
+        request: AcquireRequest,
+        ttl_ms: i64,
+        reply: Reply<AcquireOutcome>,
+    },
+    Renew {
+        id: String,
+        ttl_ms: i64,
+        reply: Reply<Lease>,
+    },
+    Release {
+        id: String,
+        reply: Reply<()>,
+    },
+    Report {
+        id: String,
+        result: ReportResult,
+        target: Option<String>,
+        reply: Reply<Lease>,
+    },
+    Sweep {
+        reply: Reply<SweepStats>,
+    },
+    SelfCheck {
+        reply: Reply<()>,
+    },
+}
+
+/// What travels through the queue.
+pub(crate) enum Message {
+    /// A write and the moment (on the clock's monotonic time) past which it is refused
+    /// instead of decided; housekeeping has none.
+    Job {
+        job: Job,
+        deadline: Option<Duration>,
+    },
+    /// Finish what is queued before this, then stop.
+    Stop,
+}
+
+/// How the writer has been doing since open.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Transactions the writer ran (one per batch).
+    pub batches: u64,
+    /// Batches whose transaction failed; every write in them got the error.
+    pub failed_batches: u64,
+    /// `batch_sizes[n]` is the number of batches that held `n` writes.
+    pub batch_sizes: Vec<u64>,
+    /// Writes refused because the queue was full.
+    pub refused_full: u64,
+    /// Writes refused because their queue deadline passed before their turn.
+    pub refused_deadline: u64,
+    /// Acquires skipped because their caller had gone before their turn.
+    pub abandoned: u64,
+}
+
+impl WriterStats {
+    /// Writes per batch, on average (0 before the first batch).
+    pub fn mean_batch_size(&self) -> f64 {
+        let writes: u64 = (0u64..).zip(&self.batch_sizes).map(|(n, b)| n * b).sum();
+        match self.batches {
+            0 => 0.0,
+            batches => writes as f64 / batches as f64,
+        }
+    }
+}
+
+/// What the writer and the handles share besides the queue.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// Writes in the queue (not yet taken by the writer).
+    pub depth: AtomicUsize,
+    /// Writes refused because the queue was full (counted by the handles).
+    pub refused_full: AtomicU64,
+    /// Everything else, updated once per batch.
+    pub stats: Mutex<WriterStats>,
+}
+
+impl Shared {
+    pub fn stats(&self) -> WriterStats {
+        let mut stats = self
+            .stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        stats.refused_full = self.refused_full.load(Ordering::Relaxed);
+        stats
+    }
+}
+
+/// Answers one write once its batch's fate is known: with its own result after a COMMIT, with
+/// the batch's error otherwise.
+type Settle = Box<dyn FnOnce(Option<&Arc<rusqlite::Error>>) + Send>;
+
+fn settle<T: Send + 'static>(reply: Reply<T>, result: Result<T, LedgerError>) -> Settle {
+    Box::new(move |failed| {
+        let answer = match failed {
+            Some(error) => Err(LedgerError::BatchFailed(error.clone())),
+            None => result,
+        };
+        // The caller may have gone; then nobody needs the answer.
+        let _ = reply.send(answer);
+    })
+}
+
+/// A write's own answer, or the statement error that aborts its batch.
+type Decision<T> = Result<Result<T, LedgerError>, rusqlite::Error>;
+
+/// How to answer a decided write, and the error that aborts the batch if it has one (the write
+/// is then answered with the batch's error like the others).
+fn answer<T: Send + 'static>(
+    reply: Reply<T>,
+    decision: Decision<T>,
+) -> (Option<Settle>, Option<rusqlite::Error>) {
+    match decision {
+        Ok(result) => (Some(settle(reply, result)), None),
+        Err(error) => (Some(settle(reply, Err(LedgerError::Closed))), Some(error)),
+    }
+}
+
+impl Job {
+    /// Answers the write at once with `error` (it was not decided).
+    fn refuse(self, error: impl FnOnce() -> LedgerError) {
+        fn send<T>(reply: Reply<T>, error: LedgerError) {
+            let _ = reply.send(Err(error));
+        }
+        match self {
+            Job::Acquire { reply, .. } => send(reply, error()),
+            Job::Renew { reply, .. } | Job::Report { reply, .. } => send(reply, error()),
+            Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
+            Job::Sweep { reply } => send(reply, error()),
+        }
+    }
+}
+
+/// The writer thread's state.
+pub(crate) struct Writer {
+    pub conn: Connection,
+    pub state: LedgerState,
+    pub counts: Arc<RwLock<Counts>>,
+    pub clock: Arc<dyn Clock>,
+    pub config: LedgerConfig,
+    pub queue: Receiver<Message>,
+    pub shared: Arc<Shared>,
+}
+
+/// How long an overloaded caller is told to wait: the smallest `Retry-After` the API can say.
+/// A healthy writer drains a full queue well within it.
+pub(crate) const OVERLOADED_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+impl Writer {
+    /// Serves batches until told to stop or every handle is gone.
+    pub fn run(mut self) {
+        let mut stopping = false;
+        while !stopping {
+            let first = match self.queue.recv() {
+                Ok(Message::Job { job, deadline }) => (job, deadline),
+                Ok(Message::Stop) | Err(_) => break,
+            };
+            self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+            // Begin before collecting the batch: whatever queues while the transaction waits
+            // for the file's write lock joins this batch.
+            let begun = self.conn.execute_batch("BEGIN IMMEDIATE");
+            let mut batch = vec![first];
+            while batch.len() < self.config.max_batch {
+                match self.queue.try_recv() {
+                    Ok(Message::Job { job, deadline }) => {
+                        self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+                        batch.push((job, deadline));
+                    }
+                    Ok(Message::Stop) => {
+                        stopping = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.note_batch(batch.len());
+            match begun {
+                Ok(()) => self.run_batch(batch),
+                Err(error) => self.fail(Arc::new(error), Vec::new(), batch),
+            }
+        }
+        log::debug!("ledger writer stopped");
+    }
+
+    /// Decides the batch's writes in order inside the open transaction and commits them.
+    fn run_batch(&mut self, batch: Vec<(Job, Option<Duration>)>) {
+        let mut settled: Vec<Settle> = Vec::with_capacity(batch.len());
+        let mut jobs = batch.into_iter();
+        while let Some((job, deadline)) = jobs.next() {
+            if deadline.is_some_and(|d| self.clock.monotonic() >= d) {
+                self.count(|s| s.refused_deadline += 1);
+                job.refuse(|| LedgerError::Overloaded {
+                    retry_after: OVERLOADED_RETRY_AFTER,
+                });
+                continue;
+            }
+            let (answer, failed) = self.decide(job);
+            settled.extend(answer);
+            if let Some(error) = failed {
+                self.fail(Arc::new(error), settled, jobs.collect());
+                return;
+            }
+        }
+        if let Err(error) = self.conn.execute_batch("COMMIT") {
+            self.fail(Arc::new(error), settled, Vec::new());
+            return;
+        }
+        let touched = self.state.commit();
+        if !touched.proxies.is_empty() || !touched.cooldowns.is_empty() {
+            self.counts
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .refresh(&self.state, &touched);
+        }
+        for settle in settled {
+            settle(None);
+        }
+    }
+
+    /// Rolls the file and memory back and answers every write of the batch with `error`.
+    fn fail(
+        &mut self,
+        error: Arc<rusqlite::Error>,
+        settled: Vec<Settle>,
+        undecided: Vec<(Job, Option<Duration>)>,
+    ) {
+        log::error!("ledger batch failed, rolled back: {error}");
+        if !self.conn.is_autocommit()
+            && let Err(rollback) = self.conn.execute_batch("ROLLBACK")
+        {
+            log::error!("ledger rollback failed: {rollback}");
+        }
+        self.state.rollback();
+        self.count(|s| s.failed_batches += 1);
+        for settle in settled {
+            settle(Some(&error));
+        }
+        for (job, _) in undecided {
+            job.refuse(|| LedgerError::BatchFailed(error.clone()));
+        }
+    }
+
+    /// Decides one write against the state and runs its statements. Returns how to answer
+    /// it (none when nobody waits for the answer) and the error that aborts the batch, if a
+    /// statement failed.
+    fn decide(&mut self, job: Job) -> (Option<Settle>, Option<rusqlite::Error>) {
+        let now = self.clock.now().as_millisecond();
+        match job {
+            Job::Acquire {
+                request,
+                ttl_ms,
+                reply,
+            } => {
+                if reply.is_closed() {
+                    self.count(|s| s.abandoned += 1);
+                    return (None, None);
+                }
+                answer(reply, self.acquire(&request, ttl_ms, now))
+            }
+            Job::Renew { id, ttl_ms, reply } => answer(reply, self.renew(&id, ttl_ms, now)),
+            Job::Release { id, reply } => answer(reply, self.release(&id, now)),
+            Job::Report {
+                id,
+                result,
+                target,
+                reply,
+            } => answer(reply, self.report(&id, result, target.as_deref(), now)),
+            Job::Sweep { reply } => answer(reply, self.sweep(now)),
+            Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
+        }
+    }
+
+    fn release(&mut self, id: &str, now: i64) -> Decision<()> {
+        if let Some(lease) = self.state.release(id, now) {
+            store::release_lease(&self.conn, id, &lease, now)?;
+        }
+        Ok(Ok(()))
+    }
+
+    fn sweep(&mut self, now: i64) -> Decision<SweepStats> {
+        let stats = store::sweep(
+            &self.conn,
+            now,
+            millis(self.config.cooldown),
+            millis(self.config.history_retention),
+        )?;
+        let swept = self.state.sweep(now);
+        if swept.expired != stats.expired || swept.cooldowns != stats.cooldowns_pruned {
+            log::error!(
+                "ledger sweep: memory expired {} leases and {} cooldowns, the file {} and {}",
+                swept.expired,
+                swept.cooldowns,
+                stats.expired,
+                stats.cooldowns_pruned
+            );
+        }
+        Ok(Ok(stats))
+    }
+
+    fn self_check(&mut self, now: i64) -> Decision<()> {
+        let file = store::load_state(&self.conn, now)?.summary(now);
+        let memory = self.state.summary(now);
+        Ok(if file == memory {
+            Ok(())
+        } else {
+            Err(LedgerError::Inconsistent(format!(
+                "memory {memory:?}, file {file:?}"
+            )))
+        })
+    }
+
+    fn acquire(
+        &mut self,
+        request: &AcquireRequest,
+        ttl_ms: i64,
+        now: i64,
+    ) -> Decision<AcquireOutcome> {
+        let target = request.target.as_deref().filter(|t| !t.is_empty());
+        let key = request.request.as_ref();
+        match self
+            .state
+            .decide_acquire(&request.candidates, target, key, now)
+        {
+            AcquireDecision::NoMatch(stats) => Ok(Ok(AcquireOutcome::NoMatch(stats))),
+            AcquireDecision::Reused => Ok(Err(LedgerError::RequestIdReused {
+                request_id: key.map(|k| k.id.clone()).unwrap_or_default(),
+            })),
+            AcquireDecision::Replay(id) => Ok(match self.lease_now(&id, now)? {
+                Some(lease) => Ok(AcquireOutcome::Replayed(lease)),
+                None => Err(LedgerError::Inconsistent(format!(
+                    "request ID {:?} names lease {id} that the file no longer holds",
+                    key.map(|k| k.id.as_str()).unwrap_or_default()
+                ))),
+            }),
+            AcquireDecision::Grant(index) => {
+                let Some(candidate) = request.candidates.get(index) else {
+                    return Ok(Err(LedgerError::Inconsistent(format!(
+                        "selection chose candidate {index} of {}",
+                        request.candidates.len()
+                    ))));
+                };
+                let id = new_lease_id(now);
+                let lease = ActiveLease {
+                    proxy: candidate.proxy.clone(),
+                    target: target.map(Arc::from),
+                    acquired_at: now,
+                    expires_at: now.saturating_add(ttl_ms),
+                    ttl_ms,
+                    request_id: key.map(|k| Arc::from(k.id.as_str())),
+                };
+                let fingerprint = key.map(|k| k.fingerprint.as_str());
+                store::insert_lease(&self.conn, &id, &lease, fingerprint)?;
+                let granted = store::lease_of(&id, &lease, now)?;
+                self.state
+                    .grant(id.into(), lease, fingerprint.map(Arc::from));
+                Ok(Ok(AcquireOutcome::Granted(granted)))
+            }
+        }
+    }
+
+    fn renew(&mut self, id: &str, ttl_ms: i64, now: i64) -> Decision<Lease> {
+        let expires_at = now.saturating_add(ttl_ms);
+        Ok(match self.state.renew(id, now, expires_at, ttl_ms) {
+            RenewOutcome::Renewed(lease) => {
+                store::renew_lease(&self.conn, id, &lease, now)?;
+                Ok(store::lease_of(id, &lease, now)?)
+            }
+            RenewOutcome::Expired => Err(LedgerError::NotActive {
+                id: id.to_owned(),
+                state: LeaseState::Expired,
+            }),
+            RenewOutcome::NotHeld => match store::lease_by_id(&self.conn, id, now)? {
+                Some(lease) => Err(LedgerError::NotActive {
+                    id: id.to_owned(),
+                    state: lease.state,
+                }),
+                None => Err(LedgerError::UnknownLease(id.to_owned())),
+            },
+        })
+    }
+
+    fn report(
+        &mut self,
+        id: &str,
+        result: ReportResult,
+        target: Option<&str>,
+        now: i64,
+    ) -> Decision<Lease> {
+        let Some(lease) = self.lease_now(id, now)? else {
+            return Ok(Err(LedgerError::UnknownLease(id.to_owned())));
+        };
+        let target = target.filter(|t| !t.is_empty()).or(lease.target.as_deref());
+        let cooldown_until = (result.starts_cooldown() && target.is_some())
+            .then(|| now.saturating_add(millis(self.config.cooldown)));
+        store::report(&self.conn, &lease, target, result, now, cooldown_until)?;
+        if let (Some(until), Some(target)) = (cooldown_until, target) {
+            self.state.cool_down(&lease.proxy.uid, target, until);
+        }
+        Ok(Ok(lease))
+    }
+
+    /// The lease as it is now: from memory while active, else from the file (which this
+    /// connection reads including the batch's own uncommitted writes).
+    fn lease_now(&self, id: &str, now: i64) -> rusqlite::Result<Option<Lease>> {
+        match self.state.lease(id) {
+            Some(lease) => store::lease_of(id, lease, now).map(Some),
+            None => store::lease_by_id(&self.conn, id, now),
+        }
+    }
+
+    fn note_batch(&self, size: usize) {
+        self.count(|s| {
+            s.batches += 1;
+            if s.batch_sizes.len() <= size {
+                s.batch_sizes.resize(size + 1, 0);
+            }
+            s.batch_sizes[size] += 1;
+        });
+    }
+
+    fn count(&self, update: impl FnOnce(&mut WriterStats)) {
+        update(
+            &mut self
+                .shared
+                .stats
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+    }
+}

@@ -1,0 +1,404 @@
+//! The ledger writer's mechanics against real SQLite files: group commit, the bounded queue
+//! and queue deadlines, acquires whose caller left, batches whose statement or COMMIT fails,
+//! and shutdown.
+//!
+//! To hold the writer at a known point, a test takes the file's write lock with a plain
+//! SQLite connection (`BEGIN IMMEDIATE`), exactly as another process could: the writer takes
+//! the first queued write and waits in its own `BEGIN IMMEDIATE`, everything queued meanwhile
+//! joins that batch, and the batch runs when the test lets go of the lock. Writes are queued
+//! by polling their futures once, so what is queued, and in which order, is decided by the
+//! test, and time only moves through the ledger's `ManualClock`.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use proxy_operator::ledger::{
+    AcquireOutcome, AcquireRequest, Candidate, Lease, Ledger, LedgerConfig, LedgerError,
+    ManualClock, ReportResult, RequestKey,
+};
+use proxy_operator::proxy::ProxyId;
+use tempfile::TempDir;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+struct Fixture {
+    _dir: TempDir,
+    path: PathBuf,
+    clock: Arc<ManualClock>,
+    ledger: Ledger,
+    candidates: Arc<[Candidate]>,
+}
+
+impl Fixture {
+    fn new(config: LedgerConfig) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let clock = Arc::new(ManualClock::new(
+            "2026-01-01T00:00:00Z".parse::<Timestamp>().unwrap(),
+        ));
+        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
+        let candidates = (0..4)
+            .map(|i| Candidate {
+                proxy: Arc::new(ProxyId {
+                    namespace: "crawl".into(),
+                    name: format!("p{i}"),
+                    uid: format!("uid-{i}"),
+                }),
+                max_leases: 100,
+                healthy: true,
+                latency: None,
+            })
+            .collect();
+        Self {
+            _dir: dir,
+            path,
+            clock,
+            ledger,
+            candidates,
+        }
+    }
+
+    fn request(&self, target: &str, request_id: Option<&str>) -> AcquireRequest {
+        AcquireRequest {
+            candidates: self.candidates.clone(),
+            target: Some(target.into()),
+            ttl: MINUTE,
+            request: request_id.map(|id| RequestKey {
+                id: id.into(),
+                fingerprint: "fp".into(),
+            }),
+        }
+    }
+
+    fn acquire(
+        &self,
+        target: &str,
+    ) -> Pin<Box<impl Future<Output = Result<AcquireOutcome, LedgerError>> + '_>> {
+        Box::pin(self.ledger.acquire(self.request(target, None)))
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        rusqlite::Connection::open(&self.path)
+            .unwrap()
+            .query_row(sql, [], |r| r.get(0))
+            .unwrap()
+    }
+
+    /// Takes the file's write lock until the returned guard is released.
+    fn lock_file(&self) -> FileLock {
+        FileLock::take(&self.path)
+    }
+
+    /// Waits until the writer has taken every queued write (it then waits for the lock).
+    async fn writer_took_everything(&self) {
+        wait_until("the writer takes the queued write", || {
+            self.ledger.queue_depth() == 0
+        })
+        .await;
+    }
+}
+
+/// Another connection holding the file's write lock.
+struct FileLock(rusqlite::Connection);
+
+impl FileLock {
+    fn take(path: &Path) -> Self {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        FileLock(conn)
+    }
+
+    fn release(self) {
+        self.0.execute_batch("ROLLBACK").unwrap();
+    }
+}
+
+/// Polls `condition` until it holds, failing after 10 s.
+async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Polls a write once, which queues it; returns its answer if it already has one.
+async fn queue<F: Future + Unpin>(write: &mut F) -> Option<F::Output> {
+    match futures::poll!(write) {
+        Poll::Ready(answer) => Some(answer),
+        Poll::Pending => None,
+    }
+}
+
+fn granted(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
+    match outcome {
+        Ok(AcquireOutcome::Granted(lease)) => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+fn overloaded<T: std::fmt::Debug>(answer: Result<T, LedgerError>) {
+    match answer {
+        Err(LedgerError::Overloaded { retry_after }) => assert!(retry_after > Duration::ZERO),
+        other => panic!("expected Overloaded, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
+    let f = Fixture::new(LedgerConfig::default());
+    let lock = f.lock_file();
+    let mut writes: Vec<_> = (0..21).map(|_| f.acquire("t.example")).collect();
+    assert!(queue(&mut writes[0]).await.is_none());
+    f.writer_took_everything().await;
+    for write in &mut writes[1..] {
+        assert!(queue(write).await.is_none());
+    }
+    assert_eq!(f.ledger.queue_depth(), 20);
+    assert_eq!(
+        f.ledger.active_total(),
+        0,
+        "nothing is answered before the commit"
+    );
+    lock.release();
+    for write in writes {
+        granted(write.await);
+    }
+    let stats = f.ledger.writer_stats();
+    assert_eq!(stats.batches, 1, "{stats:?}");
+    assert_eq!(stats.batch_sizes.get(21), Some(&1), "{stats:?}");
+    assert_eq!(f.ledger.active_total(), 21);
+    assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 21);
+}
+
+#[tokio::test]
+async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted_past_its_deadline()
+{
+    const CAPACITY: usize = 8;
+    let f = Fixture::new(LedgerConfig {
+        queue_capacity: CAPACITY,
+        queue_deadline: Duration::from_secs(2),
+        ..LedgerConfig::default()
+    });
+    let lock = f.lock_file();
+    let mut first = f.acquire("t.example");
+    assert!(queue(&mut first).await.is_none());
+    f.writer_took_everything().await;
+    let mut queued: Vec<_> = (0..CAPACITY).map(|_| f.acquire("t.example")).collect();
+    for write in &mut queued {
+        assert!(queue(write).await.is_none(), "the queue has room");
+    }
+    // The excess is answered on its first poll, while the writer is still stuck.
+    for _ in 0..5 {
+        let mut excess = f.acquire("t.example");
+        overloaded(queue(&mut excess).await.expect("refused at once"));
+    }
+    let mut release = Box::pin(f.ledger.release("any"));
+    overloaded(queue(&mut release).await.expect("releases are bounded too"));
+
+    // Their deadline passes before the writer gets to them: none is decided.
+    f.clock.advance(Duration::from_secs(2));
+    lock.release();
+    overloaded(first.await);
+    for write in queued {
+        overloaded(write.await);
+    }
+    assert_eq!(f.ledger.active_total(), 0);
+    assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
+    assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
+    let stats = f.ledger.writer_stats();
+    assert_eq!(
+        (stats.refused_full, stats.refused_deadline),
+        (6, 1 + CAPACITY as u64),
+        "{stats:?}"
+    );
+
+    // A write just inside its deadline is decided.
+    let lock = f.lock_file();
+    let mut late = f.acquire("t.example");
+    assert!(queue(&mut late).await.is_none());
+    f.writer_took_everything().await;
+    f.clock.advance(Duration::from_millis(1999));
+    lock.release();
+    granted(late.await);
+    assert_eq!(f.ledger.active_total(), 1);
+}
+
+#[tokio::test]
+async fn an_acquire_whose_caller_left_before_its_turn_is_not_granted() {
+    let f = Fixture::new(LedgerConfig::default());
+    let lock = f.lock_file();
+    let mut kept = f.acquire("t.example");
+    assert!(queue(&mut kept).await.is_none());
+    f.writer_took_everything().await;
+    for _ in 0..3 {
+        let mut gone = Box::pin(f.ledger.acquire(f.request("t.example", Some("retried"))));
+        assert!(queue(&mut gone).await.is_none());
+        // The caller gives up: its future (and the answer's receiver) is dropped.
+    }
+    let mut retry = Box::pin(f.ledger.acquire(f.request("t.example", Some("retried"))));
+    assert!(queue(&mut retry).await.is_none());
+    assert_eq!(f.ledger.queue_depth(), 4);
+    lock.release();
+    granted(kept.await);
+    let retried = granted(retry.await);
+    assert_eq!(
+        f.ledger.active_total(),
+        2,
+        "the abandoned attempts hold nothing"
+    );
+    assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 2);
+    assert_eq!(
+        f.count("SELECT COUNT(*) FROM leases WHERE request_id = 'retried'"),
+        1
+    );
+    assert_eq!(f.ledger.writer_stats().abandoned, 3);
+    let again = f.ledger.acquire(f.request("t.example", Some("retried")));
+    assert_eq!(again.await.unwrap(), AcquireOutcome::Replayed(retried));
+}
+
+/// Ways to make a batch's transaction fail for real, each armed for acquires naming
+/// `poison.example`: `(name, SQL run on another connection, message expected in the error)`.
+const FAILURES: [(&str, &str, &str); 2] = [
+    (
+        "a statement fails",
+        "CREATE TRIGGER poison BEFORE INSERT ON leases WHEN NEW.target = 'poison.example' \
+         BEGIN SELECT RAISE(ABORT, 'poisoned lease'); END;",
+        "poisoned lease",
+    ),
+    (
+        "the COMMIT fails (deferred foreign key)",
+        "CREATE TABLE poison_parent (id INTEGER PRIMARY KEY); \
+         CREATE TABLE poison_child (parent INTEGER \
+             REFERENCES poison_parent (id) DEFERRABLE INITIALLY DEFERRED); \
+         CREATE TRIGGER poison AFTER INSERT ON leases WHEN NEW.target = 'poison.example' \
+         BEGIN INSERT INTO poison_child VALUES (42); END;",
+        "FOREIGN KEY constraint failed",
+    ),
+];
+
+fn batch_failed<T: std::fmt::Debug>(answer: Result<T, LedgerError>, message: &str) {
+    match answer {
+        Err(LedgerError::BatchFailed(error)) => {
+            assert!(error.to_string().contains(message), "{error}");
+        }
+        other => panic!("expected the batch to fail with {message:?}, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_the_file() {
+    for (name, poison, message) in FAILURES {
+        let mut f = Fixture::new(LedgerConfig::default());
+        let held = granted(f.ledger.acquire(f.request("t.example", Some("held"))).await);
+        f.ledger
+            .report(&held.id, ReportResult::RateLimited, Some("cool.example"))
+            .await
+            .unwrap();
+        let counts = f.ledger.active_counts();
+        assert_eq!(
+            (f.ledger.active_total(), f.ledger.cooldowns_active()),
+            (1, 1)
+        );
+        let rows =
+            f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
+        rusqlite::Connection::open(&f.path)
+            .unwrap()
+            .execute_batch(poison)
+            .unwrap();
+
+        let lock = f.lock_file();
+        let mut first = f.acquire("t.example");
+        assert!(queue(&mut first).await.is_none());
+        f.writer_took_everything().await;
+        let mut release = Box::pin(f.ledger.release(&held.id));
+        let mut renew = Box::pin(f.ledger.renew(&held.id, 5 * MINUTE));
+        let mut report = Box::pin(f.ledger.report(
+            &held.id,
+            ReportResult::Blocked,
+            Some("new.example"),
+        ));
+        let mut with_id = Box::pin(f.ledger.acquire(f.request("t.example", Some("fresh"))));
+        let mut poisoned = f.acquire("poison.example");
+        let mut after = Box::pin(f.ledger.acquire(f.request("t.example", Some("after"))));
+        assert!(queue(&mut release).await.is_none());
+        assert!(queue(&mut renew).await.is_none());
+        assert!(queue(&mut report).await.is_none());
+        assert!(queue(&mut with_id).await.is_none());
+        assert!(queue(&mut poisoned).await.is_none());
+        assert!(queue(&mut after).await.is_none());
+        lock.release();
+        batch_failed(first.await, message);
+        batch_failed(release.await, message);
+        batch_failed(renew.await, message);
+        batch_failed(report.await, message);
+        batch_failed(with_id.await, message);
+        batch_failed(poisoned.await, message);
+        batch_failed(after.await, message);
+        assert_eq!(f.ledger.writer_stats().failed_batches, 1, "{name}");
+
+        // Memory is what the file says: the held lease, its cooldown, nothing of the batch.
+        assert_eq!(f.ledger.active_counts(), counts, "{name}");
+        assert_eq!(f.ledger.cooldowns_active(), 1, "{name}");
+        let file_rows =
+            f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
+        assert_eq!(file_rows, rows, "{name}");
+        f.ledger.self_check().await.unwrap();
+        // The request IDs of the failed batch were never given out; the held one still is.
+        granted(
+            f.ledger
+                .acquire(f.request("t.example", Some("fresh")))
+                .await,
+        );
+        let replay = f
+            .ledger
+            .acquire(f.request("t.example", Some("held")))
+            .await
+            .unwrap();
+        assert_eq!(replay, AcquireOutcome::Replayed(held.clone()), "{name}");
+        // A later batch without the poison commits, and a reopened ledger agrees.
+        f.ledger.release(&held.id).await.unwrap();
+        assert_eq!(f.ledger.active_total(), 1, "{name}");
+        f.ledger.self_check().await.unwrap();
+        let before = (f.ledger.active_counts(), f.ledger.cooldowns_active());
+        f.ledger = Ledger::open(&f.path, LedgerConfig::default(), f.clock.clone()).unwrap();
+        assert_eq!(
+            (f.ledger.active_counts(), f.ledger.cooldowns_active()),
+            before,
+            "{name}"
+        );
+        f.ledger.self_check().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn shutdown_commits_what_was_queued_and_refuses_the_rest() {
+    let f = Fixture::new(LedgerConfig::default());
+    let lock = f.lock_file();
+    let mut first = f.acquire("t.example");
+    assert!(queue(&mut first).await.is_none());
+    f.writer_took_everything().await;
+    let mut second = f.acquire("t.example");
+    assert!(queue(&mut second).await.is_none());
+    let stopping = {
+        let ledger = f.ledger.clone();
+        std::thread::spawn(move || ledger.shutdown())
+    };
+    wait_until("shutdown refuses new writes", || !f.ledger.is_running()).await;
+    let refused = f.ledger.release("any").await;
+    assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");
+    lock.release();
+    granted(first.await);
+    granted(second.await);
+    stopping.join().unwrap();
+    assert!(!f.ledger.is_running());
+    assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 2);
+    let refused = f.ledger.acquire(f.request("t.example", None)).await;
+    assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");
+    assert_eq!(f.ledger.active_total(), 2, "reads still answer");
+}
