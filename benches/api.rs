@@ -36,7 +36,7 @@ const WRK_CONNECTIONS: u32 = 32;
 /// Leases a proxy grants at once: far above what 32 connections can hold, so no acquire is
 /// refused for capacity.
 const MAX_LEASES: u32 = 1_000;
-const TOKEN: &str = "bench";
+const TOKEN: &str = "bench-token-0123456789abcdef";
 const DEFAULT_SECONDS: u64 = 10;
 /// A short unmeasured run first, so page cache, allocator and connection set-up are warm.
 const WARM_UP: Duration = Duration::from_secs(2);

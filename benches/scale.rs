@@ -39,7 +39,7 @@ const ACQUIRES: usize = 200;
 const RSS_SAMPLE_EVERY: Duration = Duration::from_millis(200);
 const RSS_LIMIT_KIB: u64 = 256 * 1024;
 const LIST_P99_LIMIT: Duration = Duration::from_millis(50);
-const TOKEN: &str = "scale";
+const TOKEN: &str = "scale-token-0123456789abcdef";
 /// The filtered query: healthy proxies of one geo and one shard (1/30 of the fleet).
 const FILTERED: &str = "/v1/proxies?healthy=true&selector=geo=eu,shard=s3";
 const GEOS: [&str; 3] = ["eu", "us", "ap"];

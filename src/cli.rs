@@ -25,7 +25,8 @@ pub struct Cli {
 pub enum Command {
     /// Run without Kubernetes: External proxies from an inventory file, with the health
     /// engine, the lease ledger, the API and metrics. The bearer token comes from
-    /// `DISCOVERY_TOKEN` (empty: open API).
+    /// `DISCOVERY_TOKEN` and/or `--discovery-token-file`; without one it refuses to start
+    /// (unless `--insecure-no-auth`).
     Standalone(StandaloneArgs),
     /// Run the operator against a Kubernetes cluster (in-cluster config or kubeconfig).
     Run(RunArgs),
@@ -90,14 +91,33 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_MAX_LEASE_TTL", default_value = "1h", value_parser = humantime::parse_duration)]
     pub max_lease_ttl: Duration,
 
-    /// TTL of a lease whose request names none.
-    #[arg(long, env = "PROXY_OPERATOR_DEFAULT_LEASE_TTL", default_value = "5m", value_parser = humantime::parse_duration)]
+    /// TTL of a lease whose request names none (above zero).
+    #[arg(long, env = "PROXY_OPERATOR_DEFAULT_LEASE_TTL", default_value = "5m", value_parser = positive_duration)]
     pub default_lease_ttl: Duration,
 
     /// PEM file of extra CA certificates trusted for `https://` probe URLs (on top of the
     /// system roots), for probe targets behind a private CA.
     #[arg(long, env = "PROXY_OPERATOR_PROBE_CA_FILE")]
     pub probe_ca_file: Option<PathBuf>,
+
+    /// File of API bearer tokens, one a line (blank lines and surrounding whitespace
+    /// ignored; each at least 16 bytes of printable ASCII), e.g. a mounted Secret. Re-read
+    /// when its content changes, so tokens rotate without a restart: list the new token next
+    /// to the old one, move clients over, then remove the old one. A token in
+    /// `DISCOVERY_TOKEN` is valid as well when both are given. A change that leaves no valid
+    /// token keeps the previous tokens (and logs an error).
+    #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_TOKEN_FILE")]
+    pub discovery_token_file: Option<PathBuf>,
+
+    /// How often `--discovery-token-file` is checked for changes.
+    #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_TOKEN_POLL", default_value = "5s", value_parser = positive_duration)]
+    pub discovery_token_poll: Duration,
+
+    /// Serve the lease API without authentication, to anyone who can reach
+    /// `--discovery-addr`. Without this flag, start-up refuses a missing, empty, non-UTF-8 or
+    /// shorter-than-16-byte token; with it, giving a token as well is refused.
+    #[arg(long, env = "PROXY_OPERATOR_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
 
     /// How long lease history is kept in the ledger.
     #[arg(long, env = "PROXY_OPERATOR_HISTORY_RETENTION", default_value = "7days", value_parser = humantime::parse_duration)]
@@ -267,6 +287,10 @@ mod tests {
         assert_eq!(args.inventory_poll, Duration::from_secs(2));
         assert_eq!(args.common.ledger_queue_capacity, 4096);
         assert_eq!(args.common.ledger_queue_deadline, Duration::from_secs(2));
+        assert_eq!(args.common.default_lease_ttl, Duration::from_secs(300));
+        assert_eq!(args.common.discovery_token_file, None);
+        assert_eq!(args.common.discovery_token_poll, Duration::from_secs(5));
+        assert!(!args.common.insecure_no_auth);
     }
 
     #[test]
@@ -326,10 +350,44 @@ mod tests {
                 "--ledger-queue-deadline",
                 "0s",
             ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--default-lease-ttl",
+                "0s",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--discovery-token-poll",
+                "0s",
+            ],
         ] {
             let err = Cli::try_parse_from(&args).unwrap_err().to_string();
             assert!(err.contains("--"), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn a_zero_default_lease_ttl_is_refused_naming_the_flag() {
+        let err = Cli::try_parse_from([
+            "proxy-operator",
+            "standalone",
+            "--inventory",
+            "i",
+            "--default-lease-ttl",
+            "0s",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--default-lease-ttl") && err.contains("must be above zero"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -343,6 +401,8 @@ mod tests {
             "[default: 0.0.0.0:8090]",
             "PROXY_OPERATOR_LEDGER",
             "[default: 10m]",
+            "--insecure-no-auth",
+            "DISCOVERY_TOKEN",
         ] {
             assert!(help.contains(expected), "{expected} missing from\n{help}");
         }

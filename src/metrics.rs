@@ -173,6 +173,7 @@ pub struct FleetCollector {
     ledger: Ledger,
     proxies: IntGaugeVec,
     leases_active: IntGauge,
+    proxy_leases_active: IntGaugeVec,
     cooldowns_active: IntGauge,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
@@ -197,6 +198,13 @@ impl FleetCollector {
                 "proxy_operator_leases_active",
                 "Leases currently counting towards capacity.",
             )?,
+            proxy_leases_active: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_operator_proxy_leases_active",
+                    "Leases currently counting towards the proxy's capacity.",
+                ),
+                &["namespace", "name"],
+            )?,
             cooldowns_active: IntGauge::new(
                 "proxy_operator_cooldowns_active",
                 "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
@@ -210,6 +218,7 @@ impl Collector for FleetCollector {
     fn desc(&self) -> Vec<&Desc> {
         let mut descs = self.proxies.desc();
         descs.extend(self.leases_active.desc());
+        descs.extend(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
         descs
     }
@@ -217,7 +226,10 @@ impl Collector for FleetCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
         let mut counts = [0i64; Phase::ALL.len()];
+        // Rebuilt on every scrape from the inventory: a proxy's series goes with the proxy.
+        self.proxy_leases_active.reset();
         {
+            let leases = self.ledger.active_counts();
             let snapshot = self.inventory.snapshot();
             let health = self.health.read();
             for (id, proxy) in snapshot.entries() {
@@ -226,6 +238,11 @@ impl Collector for FleetCollector {
                 if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
                     counts[i] += 1;
                 }
+                // Two objects of one name (a re-created Proxy) share the name's series.
+                let active = leases.get(&id.uid).copied().unwrap_or(0);
+                self.proxy_leases_active
+                    .with_label_values(&[id.namespace.as_str(), id.name.as_str()])
+                    .add(i64::from(active));
             }
         }
         for (phase, count) in Phase::ALL.iter().zip(counts) {
@@ -238,6 +255,7 @@ impl Collector for FleetCollector {
         self.cooldowns_active
             .set(i64::try_from(self.ledger.cooldowns_active()).unwrap_or(i64::MAX));
         families.extend(self.leases_active.collect());
+        families.extend(self.proxy_leases_active.collect());
         families.extend(self.cooldowns_active.collect());
         families
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
-use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache};
+use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock};
@@ -16,7 +16,7 @@ use proxy_operator::proxy::{Proxy, ProxySpec};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-const TOKEN: &str = "t0ken";
+const TOKEN: &str = "api-test-token-0123456789";
 
 struct Harness {
     base: String,
@@ -27,6 +27,7 @@ struct Harness {
     ledger: Ledger,
     handle: ServerHandle,
     dir: tempfile::TempDir,
+    token: ApiToken,
 }
 
 fn proxy(name: &str, port: i32, labels: &[(&str, &str)], max_leases: i32) -> Proxy {
@@ -136,12 +137,13 @@ impl Harness {
         };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let token = ApiToken::new(TOKEN);
+        let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());
+        let served = token.clone();
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new()
                 .wrap(actix_web::middleware::from_fn(api::observe))
                 .configure(extra)
-                .configure(api::configure(state.clone(), token.clone()))
+                .configure(api::configure(state.clone(), served.clone()))
         })
         .workers(2)
         .listen(listener)
@@ -159,6 +161,7 @@ impl Harness {
             ledger,
             handle,
             dir,
+            token,
         }
     }
 
@@ -263,7 +266,13 @@ async fn every_v1_route_needs_the_token() {
         (reqwest::Method::GET, "/v1/nope"),
     ];
     for (method, path) in routes {
-        for auth in [None, Some("Bearer wrong"), Some("t0ken")] {
+        let short = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+        for auth in [
+            None,
+            Some("Bearer wrong"),
+            Some(TOKEN),
+            Some(short.as_str()),
+        ] {
             let mut request = h
                 .client
                 .request(method.clone(), h.url(path))
@@ -283,6 +292,103 @@ async fn every_v1_route_needs_the_token() {
     }
     let (status, _) = h.get("/v1/proxies").await;
     assert_eq!(status, StatusCode::OK);
+    h.stop().await;
+}
+
+/// The status of `GET /v1/proxies` with `Authorization: Bearer <token>`.
+async fn list_status(h: &Harness, token: &str) -> StatusCode {
+    h.client
+        .get(h.url("/v1/proxies"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test]
+async fn several_tokens_are_valid_and_a_new_set_applies_to_the_running_server() {
+    const NEXT: &str = "next-token-0123456789abcdef";
+    let h = Harness::start().await;
+    h.load(vec![]);
+    assert_eq!(list_status(&h, TOKEN).await, StatusCode::OK);
+    assert_eq!(list_status(&h, NEXT).await, StatusCode::UNAUTHORIZED);
+
+    // Rotation: both valid while clients move over...
+    let both = format!("{TOKEN}\n{NEXT}\n");
+    h.token.replace(
+        TokenSet::from_file_content(both.as_bytes(), std::path::Path::new("tokens")).unwrap(),
+    );
+    assert_eq!(list_status(&h, TOKEN).await, StatusCode::OK);
+    assert_eq!(list_status(&h, NEXT).await, StatusCode::OK);
+
+    // ...then the old one is gone.
+    h.token
+        .replace(TokenSet::single(NEXT.as_bytes(), "NEXT").unwrap());
+    assert_eq!(list_status(&h, TOKEN).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(list_status(&h, NEXT).await, StatusCode::OK);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn an_empty_body_on_acquire_and_renew_means_every_default() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
+    let post = |path: &str, content_type: Option<&str>| {
+        let mut request = h.client.post(h.url(path)).bearer_auth(TOKEN);
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        request.send()
+    };
+    let mut ids = Vec::new();
+    for content_type in [None, Some("application/json")] {
+        let response = post("/v1/leases", content_type).await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{content_type:?}");
+        let lease: Value = response.json().await.unwrap();
+        assert_eq!(lease["ttlSeconds"], 120, "{content_type:?}");
+        ids.push(lease["leaseID"].as_str().unwrap().to_owned());
+    }
+    for (id, content_type) in ids.iter().zip([None, Some("application/json")]) {
+        h.clock.advance(Duration::from_secs(30));
+        let response = post(&format!("/v1/leases/{id}/renew"), content_type)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{content_type:?}");
+        let lease: Value = response.json().await.unwrap();
+        assert_eq!(lease["ttlSeconds"], 120);
+        let (_, now) = h.get(&format!("/v1/leases/{id}")).await;
+        assert_eq!(now["expiresAt"], lease["expiresAt"]);
+    }
+    // The served document says so, so clients (and schemathesis) may send none.
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    for path in ["/v1/leases", "/v1/leases/{id}/renew"] {
+        let body = &doc["paths"][path]["post"]["requestBody"];
+        assert!(body.is_object(), "{path}: {body}");
+        assert_ne!(body["required"], true, "{path}: {body}");
+    }
+    assert_eq!(
+        doc["paths"]["/v1/leases/{id}/report"]["post"]["requestBody"]["required"],
+        true
+    );
+    // A report has a required field: an empty body is still a 400 naming it.
+    let response = post(&format!("/v1/leases/{}/report", ids[0]), None)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let body: Value = response.json().await.unwrap();
+    assert_error(&body, "invalid_body");
+    // A body that is there must still be JSON.
+    let response = h
+        .client
+        .post(h.url("/v1/leases"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body("nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     h.stop().await;
 }
 
@@ -568,7 +674,8 @@ async fn framework_errors_are_json_too() {
             "invalid_body",
         ),
         (
-            raw(reqwest::Method::POST, "/v1/leases")
+            // Acquire and renew read an empty body as `{}`; a report needs `result`.
+            raw(reqwest::Method::POST, "/v1/leases/nope/report")
                 .header("content-type", "application/json")
                 .body(""),
             StatusCode::BAD_REQUEST,

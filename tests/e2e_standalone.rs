@@ -12,7 +12,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{DEADLINE, Squid, SquidOptions, Target, free_port, sqlite3};
 
-const TOKEN: &str = "e2e-secret";
+const TOKEN: &str = "e2e-secret-0123456789abcdef";
 
 fn proxy_doc(name: &str, port: u16, max_leases: u32, probe_url: &str) -> String {
     format!(
@@ -436,5 +436,297 @@ async fn standalone_end_to_end() {
         exit.success(),
         "{exit:?}\n{}",
         std::fs::read_to_string(dir.path().join("operator.log")).unwrap_or_default()
+    );
+}
+
+/// A directory with a one-proxy inventory (nothing listens behind it: these tests are about
+/// start-up and the API's authentication, not health).
+fn auth_dir() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let inventory = dir.path().join("inventory.yaml");
+    std::fs::write(
+        &inventory,
+        proxy_doc("auth", free_port(), 1, "http://127.0.0.1:9/"),
+    )
+    .unwrap();
+    (dir, inventory)
+}
+
+/// The binary in standalone mode on free loopback ports, with `DISCOVERY_TOKEN` removed from
+/// its environment; `configure` adds flags and variables. Its log goes to `dir/operator.log`.
+fn standalone(
+    dir: &Path,
+    inventory: &Path,
+    configure: impl FnOnce(&mut Command),
+) -> (Child, String) {
+    let log = std::fs::File::create(dir.join("operator.log")).unwrap();
+    let api_port = free_port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_proxy-operator"));
+    command
+        .args(["standalone", "--inventory"])
+        .arg(inventory)
+        .arg("--ledger")
+        .arg(dir.join("ledger.db"))
+        .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
+        .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+        .env_remove("DISCOVERY_TOKEN")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log);
+    configure(&mut command);
+    let child = command.spawn().unwrap();
+    (child, format!("http://127.0.0.1:{api_port}"))
+}
+
+fn log_of(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default()
+}
+
+/// Waits (with a deadline) for the child to exit on its own.
+fn exit_of(child: &mut Child) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            panic!("the binary did not exit within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn start_up_refuses_to_serve_without_a_usable_token() {
+    use std::os::unix::ffi::OsStrExt;
+    let (dir, inventory) = auth_dir();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "0123456789abcdef0123\n\n  short \n").unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "\n \n").unwrap();
+    type Setup = Box<dyn FnOnce(&mut Command)>;
+    let cases: Vec<(&str, Setup, Vec<&str>)> = vec![
+        (
+            "missing",
+            Box::new(|_| {}),
+            vec![
+                "DISCOVERY_TOKEN",
+                "--discovery-token-file",
+                "--insecure-no-auth",
+            ],
+        ),
+        (
+            "empty",
+            Box::new(|c| {
+                c.env("DISCOVERY_TOKEN", "");
+            }),
+            vec!["DISCOVERY_TOKEN is empty"],
+        ),
+        (
+            "whitespace",
+            Box::new(|c| {
+                c.env("DISCOVERY_TOKEN", " \t ");
+            }),
+            vec!["DISCOVERY_TOKEN is empty"],
+        ),
+        (
+            "non-UTF-8",
+            Box::new(|c| {
+                c.env(
+                    "DISCOVERY_TOKEN",
+                    std::ffi::OsStr::from_bytes(b"0123456789abcdef\xff"),
+                );
+            }),
+            vec!["DISCOVERY_TOKEN is not UTF-8"],
+        ),
+        (
+            "short",
+            Box::new(|c| {
+                c.env("DISCOVERY_TOKEN", "change-me");
+            }),
+            vec!["DISCOVERY_TOKEN is 9 bytes long", "at least 16"],
+        ),
+        (
+            "bad line in the file",
+            Box::new({
+                let tokens = tokens.clone();
+                move |c| {
+                    c.arg("--discovery-token-file").arg(tokens);
+                }
+            }),
+            vec!["--discovery-token-file", "tokens: line 3:", "5 bytes long"],
+        ),
+        (
+            "file without tokens",
+            Box::new({
+                let empty = empty.clone();
+                move |c| {
+                    c.arg("--discovery-token-file").arg(empty);
+                }
+            }),
+            vec!["--discovery-token-file", "holds no token"],
+        ),
+        (
+            "missing file",
+            Box::new(|c| {
+                c.args(["--discovery-token-file", "/nonexistent/tokens"]);
+            }),
+            vec!["--discovery-token-file /nonexistent/tokens: cannot read"],
+        ),
+        (
+            "insecure with a token",
+            Box::new(|c| {
+                c.arg("--insecure-no-auth")
+                    .env("DISCOVERY_TOKEN", "0123456789abcdef0123");
+            }),
+            vec!["--insecure-no-auth cannot be combined with DISCOVERY_TOKEN"],
+        ),
+        (
+            "zero default TTL",
+            Box::new(|c| {
+                c.args(["--default-lease-ttl", "0s"])
+                    .env("DISCOVERY_TOKEN", "0123456789abcdef0123");
+            }),
+            vec!["--default-lease-ttl", "must be above zero"],
+        ),
+    ];
+    for (name, setup, expected) in cases {
+        let (mut child, _) = standalone(dir.path(), &inventory, setup);
+        let status = exit_of(&mut child);
+        let log = log_of(dir.path());
+        assert_eq!(status.code(), Some(2), "{name}: {status:?}\n{log}");
+        for text in expected {
+            assert!(log.contains(text), "{name}: {text:?} missing from\n{log}");
+        }
+    }
+    // Refused before anything was opened.
+    assert!(!dir.path().join("ledger.db").exists());
+}
+
+/// The status of `GET /v1/proxies` with the token (none: no `Authorization`).
+async fn proxies_status(http: &reqwest::Client, api: &str, token: Option<&str>) -> StatusCode {
+    let mut request = http.get(format!("{api}/v1/proxies"));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    match request.send().await {
+        Ok(response) => response.status(),
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_rotate_through_the_token_file_without_a_restart() {
+    const OLD: &str = "old-token-0123456789abcdef";
+    const NEW: &str = "new-token-0123456789abcdef";
+    const ENV: &str = "env-token-0123456789abcdef";
+    let (dir, inventory) = auth_dir();
+    let tokens = dir.path().join("tokens");
+    // Written next to the file and renamed over it, as a Secret volume swaps its content.
+    let swap = |content: &str| {
+        let next = dir.path().join("tokens.next");
+        std::fs::write(&next, content).unwrap();
+        std::fs::rename(&next, &tokens).unwrap();
+    };
+    swap(&format!("{OLD}\n"));
+    let (child, api) = standalone(dir.path(), &inventory, |c| {
+        c.arg("--discovery-token-file")
+            .arg(&tokens)
+            .args(["--discovery-token-poll", "50ms"])
+            .env("DISCOVERY_TOKEN", ENV);
+    });
+    let _operator = Operator {
+        child,
+        api: api.clone(),
+        metrics: String::new(),
+    };
+    let http = reqwest::Client::new();
+    eventually("the API to serve the file's token", || {
+        let (http, api) = (&http, &api);
+        async move { proxies_status(http, api, Some(OLD)).await == StatusCode::OK }
+    })
+    .await;
+    // Both sources' tokens are valid.
+    assert_eq!(proxies_status(&http, &api, Some(ENV)).await, StatusCode::OK);
+    for token in [None, Some(NEW)] {
+        assert_eq!(
+            proxies_status(&http, &api, token).await,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+
+    // Add the new token: both work.
+    swap(&format!("{OLD}\n\n  {NEW}  \n"));
+    eventually("the new token to be accepted", || {
+        let (http, api) = (&http, &api);
+        async move { proxies_status(http, api, Some(NEW)).await == StatusCode::OK }
+    })
+    .await;
+    assert_eq!(proxies_status(&http, &api, Some(OLD)).await, StatusCode::OK);
+
+    // Drop the old one.
+    swap(&format!("{NEW}\n"));
+    eventually("the old token to be refused", || {
+        let (http, api) = (&http, &api);
+        async move { proxies_status(http, api, Some(OLD)).await == StatusCode::UNAUTHORIZED }
+    })
+    .await;
+    assert_eq!(proxies_status(&http, &api, Some(NEW)).await, StatusCode::OK);
+    assert_eq!(proxies_status(&http, &api, Some(ENV)).await, StatusCode::OK);
+
+    // A broken file keeps the previous tokens (it never opens the API).
+    swap("short\n");
+    eventually("the broken file to be reported", || {
+        let dir = dir.path().to_owned();
+        async move { log_of(&dir).contains("keeping the previous API tokens") }
+    })
+    .await;
+    let log = log_of(dir.path());
+    assert!(log.contains("line 1:"), "{log}");
+    assert_eq!(proxies_status(&http, &api, Some(NEW)).await, StatusCode::OK);
+    for token in [None, Some("short"), Some(OLD)] {
+        assert_eq!(
+            proxies_status(&http, &api, token).await,
+            StatusCode::UNAUTHORIZED,
+            "{token:?}"
+        );
+    }
+    // So does a vanished one.
+    std::fs::remove_file(&tokens).unwrap();
+    eventually("the missing file to be reported", || {
+        let dir = dir.path().to_owned();
+        async move { log_of(&dir).contains("cannot read") }
+    })
+    .await;
+    assert_eq!(proxies_status(&http, &api, Some(NEW)).await, StatusCode::OK);
+    assert_eq!(
+        proxies_status(&http, &api, None).await,
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insecure_no_auth_serves_without_a_token_and_says_so() {
+    let (dir, inventory) = auth_dir();
+    let (child, api) = standalone(dir.path(), &inventory, |c| {
+        c.arg("--insecure-no-auth");
+    });
+    let _operator = Operator {
+        child,
+        api: api.clone(),
+        metrics: String::new(),
+    };
+    let http = reqwest::Client::new();
+    eventually("the open API to answer", || {
+        let (http, api) = (&http, &api);
+        async move { proxies_status(http, api, None).await == StatusCode::OK }
+    })
+    .await;
+    let log = log_of(dir.path());
+    assert!(
+        log.contains("--insecure-no-auth: the lease API on 127.0.0.1:")
+            && log.contains("accepts requests from anyone"),
+        "{log}"
     );
 }

@@ -247,25 +247,36 @@ impl Running {
             .expect("the engine keeps the channel open")
     }
 
-    /// `proxy_operator_probes_total{name, result}` (0 when the series does not exist).
-    fn probes(&self, name: &str, result: &str) -> u64 {
+    /// `proxy_operator_probes_total{result}`, fleet-level (each test runs its own engine).
+    fn probes(&self, result: &str) -> u64 {
         self.registry
             .gather()
             .iter()
             .filter(|family| family.name() == "proxy_operator_probes_total")
             .flat_map(|family| family.get_metric())
             .filter(|metric| {
-                let label = |key: &str| {
-                    metric
-                        .get_label()
-                        .iter()
-                        .find(|l| l.name() == key)
-                        .map(|l| l.value().to_owned())
-                };
-                label("name").as_deref() == Some(name) && label("result").as_deref() == Some(result)
+                metric
+                    .get_label()
+                    .iter()
+                    .any(|l| l.name() == "result" && l.value() == result)
             })
             .map(|metric| metric.get_counter().value() as u64)
             .sum()
+    }
+
+    /// Number of per-proxy series labelled `name`.
+    fn series(&self, name: &str) -> usize {
+        self.registry
+            .gather()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .filter(|metric| {
+                metric
+                    .get_label()
+                    .iter()
+                    .any(|l| l.name() == "name" && l.value() == name)
+            })
+            .count()
     }
 
     async fn stop(self) {
@@ -303,10 +314,7 @@ async fn a_healthy_proxy_turns_healthy_after_the_success_threshold() {
     assert_eq!(transition.id, id("a", "uid-a"));
     assert!(transition.healthy, "{transition:?}");
     assert!(transition.message.contains("204"), "{}", transition.message);
-    assert!(
-        engine.probes("a", "ok") >= 3,
-        "three successes before the flip"
-    );
+    assert!(engine.probes("ok") >= 3, "three successes before the flip");
     let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
     assert_eq!(health.healthy, Some(true));
     assert!(health.latency.is_some() && health.last_probe.is_some());
@@ -339,7 +347,7 @@ async fn a_killed_squid_turns_unhealthy_and_recovers_after_restart() {
         down.message
     );
     assert!(
-        engine.probes("a", "connect_refused") >= 2,
+        engine.probes("connect_refused") >= 2,
         "two failures before the flip"
     );
     let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
@@ -373,7 +381,7 @@ async fn a_proxy_denying_connect_is_unhealthy_with_the_connect_refused_kind() {
         "{}",
         transition.message
     );
-    assert!(engine.probes("a", "connect_tunnel_refused") >= 1);
+    assert!(engine.probes("connect_tunnel_refused") >= 1);
     engine.stop().await;
 }
 
@@ -470,9 +478,9 @@ async fn same_name_different_uid_keeps_separate_counters_and_vanished_state_is_p
         ("uid-old", false)
     );
     // Shared counters would flip both back and forth on every probe.
-    let probes_before = engine.probes("p", "ok") + engine.probes("p", "connect_refused");
+    let probes_before = engine.probes("ok") + engine.probes("connect_refused");
     wait_until("ten more probes", || {
-        engine.probes("p", "ok") + engine.probes("p", "connect_refused") >= probes_before + 10
+        engine.probes("ok") + engine.probes("connect_refused") >= probes_before + 10
     })
     .await;
     assert!(
@@ -498,12 +506,13 @@ async fn same_name_different_uid_keeps_separate_counters_and_vanished_state_is_p
         engine.snapshot.get(&id("p", "uid-new")).unwrap().healthy,
         Some(true)
     );
-    assert!(engine.probes("p", "ok") > 0);
+    assert!(engine.probes("ok") > 0);
+    assert_eq!(engine.series("p"), 2, "up and last latency");
 
     // The last one goes too: snapshot and metric series are gone.
     engine.inventory.replace(Vec::new());
     wait_until("the snapshot emptied", || engine.snapshot.read().is_empty()).await;
-    wait_until("the series removed", || engine.probes("p", "ok") == 0).await;
+    wait_until("the series removed", || engine.series("p") == 0).await;
     engine.stop().await;
 }
 
@@ -543,7 +552,7 @@ async fn an_existing_healthy_condition_seeds_the_state_with_zero_counters() {
     // A full run of failures is still needed to flip.
     let flip = engine.next_transition().await;
     assert!(!flip.healthy);
-    assert!(engine.probes("a", "connect_refused") >= 3);
+    assert!(engine.probes("connect_refused") >= 3);
     engine.stop().await;
 }
 
@@ -568,7 +577,7 @@ async fn a_full_transition_channel_never_stalls_probing_and_the_transition_stays
     };
     engine.sender.try_send(filler.clone()).unwrap();
     wait_until("five probes with the channel full", || {
-        engine.probes("a", "ok") >= 5
+        engine.probes("ok") >= 5
     })
     .await;
     assert_eq!(
@@ -634,5 +643,66 @@ async fn a_proxy_added_after_start_is_probed_at_once_not_jittered() {
     let transition = engine.next_transition().await;
     assert_eq!(transition.id, id("late", "uid-late"));
     assert!(transition.healthy, "{}", transition.message);
+    engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_endpoint_starts_unknown_and_the_old_address_probe_is_discarded() {
+    let old = Squid::start();
+    let mut new = Squid::start();
+    new.kill();
+    let target = Target::start();
+    let check = serde_json::json!({
+        "interval": "300ms", "successThreshold": 1, "failureThreshold": 3
+    });
+    let url = target.https_url();
+    let mut engine = Running::start(
+        &target,
+        vec![proxy("a", "uid-a", old.port(), &url, check.clone())],
+        16,
+    );
+    assert!(engine.next_transition().await.healthy);
+    let a = id("a", "uid-a");
+
+    // A probe through the old squid that would succeed, held in flight by a slow target.
+    let delay = Duration::from_secs(2);
+    target.set_delay(delay);
+    let before = target.connections();
+    wait_until("a probe of the old address in flight", || {
+        target.connections() > before
+    })
+    .await;
+    engine
+        .inventory
+        .replace([proxy("a", "uid-a", new.port(), &url, check)]);
+    let moved = Instant::now();
+    wait_until("the snapshot forgets the old address's health", || {
+        engine.snapshot.get(&a).is_some_and(|h| h.healthy.is_none())
+    })
+    .await;
+    // Whatever is known by now comes from the new address (a probe runs at once).
+    let health = engine.snapshot.get(&a).unwrap();
+    if let Some(failure) = health.last_failure {
+        assert_eq!(failure.kind, ProbeErrorKind::ConnectRefused, "{health:?}");
+    }
+
+    // Until well after the old probe has answered, the proxy is never healthy again: the
+    // new address is dead, and the old address's success is dropped.
+    let mut seen_unhealthy = false;
+    while moved.elapsed() < delay + Duration::from_secs(1) || !seen_unhealthy {
+        assert!(moved.elapsed() < DEADLINE, "never turned unhealthy");
+        let health = engine.snapshot.get(&a).unwrap();
+        assert_ne!(health.healthy, Some(true), "healthy at the dead address");
+        seen_unhealthy |= health.healthy == Some(false);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let health = engine.snapshot.get(&a).unwrap();
+    let failure = health.last_failure.unwrap();
+    assert_eq!(failure.kind, ProbeErrorKind::ConnectRefused);
+    // The first transition after the move is the flip to unhealthy at the new address.
+    let down = engine.next_transition().await;
+    assert!(!down.healthy, "{down:?}");
+    assert!(down.message.starts_with("connect_refused"), "{down:?}");
+    assert!(engine.transitions.try_recv().is_err());
     engine.stop().await;
 }

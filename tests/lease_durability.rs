@@ -18,7 +18,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{DEADLINE, Squid, Target, free_port, sqlite3};
 
-const TOKEN: &str = "durability";
+const TOKEN: &str = "durability-test-token-0123456789";
 const RUNS: usize = 5;
 const CRAWLERS: usize = 32;
 const PROXIES: usize = 8;

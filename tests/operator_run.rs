@@ -150,6 +150,9 @@ fn status_writes(requests: &Requests) -> Vec<Value> {
         .collect()
 }
 
+/// The API token, from a `--discovery-token-file`.
+const API_TOKEN: &str = "operator-run-token-0123456789";
+
 /// The operator running in-process against the mock API server.
 struct Running {
     requests: Requests,
@@ -177,9 +180,13 @@ async fn start(others: Vec<Value>) -> Running {
     let api_port = free_port();
     let metrics_port = free_port();
     let ledger = dir.path().join("ledger.db");
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, format!("{API_TOKEN}\n")).unwrap();
     let cli = Cli::try_parse_from([
         "proxy-operator",
         "run",
+        "--discovery-token-file",
+        tokens.to_str().unwrap(),
         "--providers-config",
         providers.to_str().unwrap(),
         "--ledger",
@@ -261,6 +268,7 @@ impl Running {
     async fn get_json(&self, path: &str) -> Value {
         self.http
             .get(format!("{}{path}", self.api))
+            .bearer_auth(API_TOKEN)
             .send()
             .await
             .unwrap()

@@ -77,6 +77,17 @@ fn install() {
         context.starts_with("kind-") || std::env::var_os("QUICKSTART_ANY_CONTEXT").is_some(),
         "refusing to run against context {context}: not a kind cluster (QUICKSTART_ANY_CONTEXT=1 overrides)"
     );
+    // The README's step 2: the kustomization generates the token Secret from this file.
+    let tokens =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/discovery-tokens");
+    if !tokens.exists() {
+        let token = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        std::fs::write(&tokens, format!("{token}\n")).unwrap();
+    }
     must(&["apply", "-k", "manifests/"]);
     must(&[
         "-n",
@@ -96,8 +107,13 @@ fn token() -> String {
         "secret",
         "proxy-operator-api",
         "-o",
-        "go-template={{.data.DISCOVERY_TOKEN | base64decode}}",
+        "go-template={{.data.tokens | base64decode}}",
     ])
+    .lines()
+    .map(str::trim)
+    .find(|l| !l.is_empty())
+    .unwrap_or_default()
+    .to_owned()
 }
 
 /// Applies the sample and waits until it is Ready with an IP; returns its UID and IP.

@@ -19,6 +19,11 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
+/// Like [`ApiJson`], for bodies whose every field is optional: an empty body (no bytes or
+/// only whitespace, with or without a content type) is read as `{}`.
+#[derive(Debug)]
+pub struct OptionalApiJson<T>(pub T);
+
 fn too_large() -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -84,30 +89,61 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// Reads the body (content type and size checked), up to [`MAX_BODY_BYTES`].
+fn read_body(
+    req: &HttpRequest,
+    payload: &mut Payload,
+) -> LocalBoxFuture<'static, Result<BytesMut, ApiError>> {
+    let checked = check_content_type(req).and_then(|()| match declared_length(req) {
+        Some(n) if n > MAX_BODY_BYTES => Err(too_large()),
+        _ => Ok(()),
+    });
+    let mut payload = payload.take();
+    Box::pin(async move {
+        checked?;
+        let mut body = BytesMut::new();
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_request("invalid_body", format!("cannot read the body: {e}"))
+            })?;
+            if body.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body)
+    })
+}
+
 impl<T: DeserializeOwned + 'static> FromRequest for ApiJson<T> {
     type Error = ApiError;
     type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
 
     fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
-        let checked = check_content_type(req).and_then(|()| match declared_length(req) {
-            Some(n) if n > MAX_BODY_BYTES => Err(too_large()),
-            _ => Ok(()),
-        });
-        let mut payload = payload.take();
+        let body = read_body(req, payload);
+        Box::pin(async move { parse_json(&body.await?).map(ApiJson) })
+    }
+}
+
+impl<T: DeserializeOwned + 'static> FromRequest for OptionalApiJson<T> {
+    type Error = ApiError;
+    type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let body = read_body(req, payload);
         Box::pin(async move {
-            checked?;
-            let mut body = BytesMut::new();
-            while let Some(chunk) = payload.next().await {
-                let chunk = chunk.map_err(|e| {
-                    ApiError::bad_request("invalid_body", format!("cannot read the body: {e}"))
-                })?;
-                if body.len() + chunk.len() > MAX_BODY_BYTES {
-                    return Err(too_large());
-                }
-                body.extend_from_slice(&chunk);
-            }
-            parse_json(&body).map(ApiJson)
+            let body = body.await?;
+            parse_optional_json(&body).map(OptionalApiJson)
         })
+    }
+}
+
+/// Parses `bytes` as `T`, an empty body as `{}`.
+pub fn parse_optional_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        parse_json(b"{}")
+    } else {
+        parse_json(bytes)
     }
 }
 
@@ -148,5 +184,30 @@ mod tests {
             assert!(m.contains(expected), "{body}: {m}");
             assert!(m.starts_with("invalid_body"), "{m}");
         }
+    }
+
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct AllOptional {
+        n: Option<u32>,
+    }
+
+    #[test]
+    fn an_empty_optional_body_is_an_empty_object() {
+        for body in ["", " \r\n", "{}"] {
+            assert_eq!(
+                parse_optional_json::<AllOptional>(body.as_bytes()).unwrap(),
+                AllOptional { n: None },
+                "{body:?}"
+            );
+        }
+        assert_eq!(
+            parse_optional_json::<AllOptional>(br#"{"n":1}"#).unwrap(),
+            AllOptional { n: Some(1) }
+        );
+        let m = parse_optional_json::<AllOptional>(b"x")
+            .unwrap_err()
+            .to_string();
+        assert!(m.starts_with("invalid_body"), "{m}");
     }
 }

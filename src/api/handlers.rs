@@ -8,7 +8,7 @@ use actix_web::http::StatusCode;
 use actix_web::http::header::ContentType;
 use actix_web::{HttpResponse, web};
 
-use super::body::ApiJson;
+use super::body::{ApiJson, OptionalApiJson};
 use super::error::{ApiError, ErrorBody, NoMatchBody};
 use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address, proxy_url};
@@ -167,18 +167,11 @@ pub async fn list_proxies(
         let Some(proxy) = leasable.get(position) else {
             continue;
         };
-        let h = health.at(position);
-        let healthy = h.and_then(|h| h.healthy) == Some(true);
-        if healthy_filter.is_some_and(|want| want != healthy) {
+        let active_leases = counts.get(&proxy.id.uid).copied().unwrap_or(0);
+        let dynamic = Dynamic::new(health.at(position), active_leases);
+        if healthy_filter.is_some_and(|want| want != dynamic.healthy) {
             continue;
         }
-        let dynamic = Dynamic {
-            healthy,
-            latency_ms: h
-                .and_then(|h| h.latency)
-                .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
-            active_leases: counts.get(&proxy.id.uid).copied().unwrap_or(0),
-        };
         body.push(&fragments, position, dynamic);
     }
     drop(health);
@@ -191,7 +184,7 @@ pub async fn list_proxies(
 #[utoipa::path(
     post,
     path = "/v1/leases",
-    request_body = AcquireRequest,
+    request_body(content = Option<AcquireRequest>, description = "Every field is optional; an empty body is read as `{}`"),
     responses(
         (status = 200, description = "Replay: an earlier acquire with the same `requestID` (and the same selector, target and `ttlSeconds`) was granted this lease; it is returned as it is now, even if released or expired", body = LeaseView),
         (status = 201, description = "Lease granted", body = LeaseView),
@@ -208,7 +201,7 @@ pub async fn list_proxies(
 )]
 pub async fn acquire(
     state: web::Data<ApiState>,
-    body: ApiJson<AcquireRequest>,
+    body: OptionalApiJson<AcquireRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let request = body.0;
     let request_id = parse_request_id(request.request_id)?;
@@ -305,7 +298,7 @@ pub async fn release(
     post,
     path = "/v1/leases/{id}/renew",
     params(("id" = String, Path, description = "Lease ID")),
-    request_body = RenewRequest,
+    request_body(content = Option<RenewRequest>, description = "Every field is optional; an empty body is read as `{}`"),
     responses(
         (status = 200, description = "Renewed", body = LeaseView),
         (status = 400, description = "Malformed body", body = ErrorBody),
@@ -320,7 +313,7 @@ pub async fn release(
 pub async fn renew(
     state: web::Data<ApiState>,
     id: web::Path<String>,
-    body: ApiJson<RenewRequest>,
+    body: OptionalApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let ttl = parse_ttl(&state, body.0.ttl_seconds)?;
     let lease = state

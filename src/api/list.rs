@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::types::ProxyView;
+use crate::health::{LastFailure, ProxyHealth};
 use crate::inventory::InventorySnapshot;
 use crate::proxy::{Proxy, ProxyId};
 
@@ -38,8 +39,28 @@ pub struct Dynamic {
     pub healthy: bool,
     /// Latency of the last probe, in milliseconds.
     pub latency_ms: Option<u64>,
+    /// The most recent probe failure; listed only for an unhealthy proxy.
+    pub last_failure: Option<LastFailure>,
     /// Leases currently held on it.
     pub active_leases: u32,
+}
+
+impl Dynamic {
+    /// The changing fields of a proxy with `health` (none yet: unknown) and `active_leases`.
+    /// The last failure is kept only when the proxy is unhealthy (not when healthy or unknown).
+    pub fn new(health: Option<&ProxyHealth>, active_leases: u32) -> Dynamic {
+        let verdict = health.and_then(|h| h.healthy);
+        Dynamic {
+            healthy: verdict == Some(true),
+            latency_ms: health
+                .and_then(|h| h.latency)
+                .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
+            last_failure: health
+                .and_then(|h| h.last_failure)
+                .filter(|_| verdict == Some(false)),
+            active_leases,
+        }
+    }
 }
 
 /// One proxy's entry as serialised JSON, cut around its changing fields.
@@ -63,6 +84,7 @@ impl Fragment {
             url: proxy_url(host, port),
             healthy: false,
             latency_ms: None,
+            last_failure: None,
             active_leases: 0,
             max_leases: proxy.spec.max_leases(),
             labels: proxy.labels(),
@@ -151,6 +173,15 @@ impl ListBody {
         if let Some(latency) = dynamic.latency_ms {
             let _ = write!(self.json, r#","latencyMs":{latency}"#);
         }
+        if let Some(failure) = dynamic.last_failure {
+            // Neither the kind nor an RFC 3339 time needs escaping.
+            let _ = write!(
+                self.json,
+                r#","lastFailure":{{"kind":"{}","at":"{}"}}"#,
+                failure.kind.as_str(),
+                failure.at
+            );
+        }
         let _ = write!(self.json, r#","activeLeases":{},"#, dynamic.active_leases);
         self.json.push_str(&fragment.tail);
         self.count += 1;
@@ -168,8 +199,11 @@ impl ListBody {
 mod tests {
     use std::collections::BTreeMap;
 
+    use std::time::Duration;
+
     use super::*;
-    use crate::api::types::ProxyList;
+    use crate::api::types::{LastFailureView, ProxyList};
+    use crate::health::ProbeErrorKind;
     use crate::inventory::Inventory;
     use crate::proxy::ProxySpec;
 
@@ -212,25 +246,36 @@ mod tests {
         let inventory = Inventory::new();
         inventory.replace(proxies);
         let snapshot = inventory.snapshot();
+        let failure = LastFailure {
+            kind: ProbeErrorKind::ConnectTunnelRefused,
+            at: "2026-11-30T22:01:02.345678901Z".parse().unwrap(),
+        };
         let dynamics = [
             Dynamic {
                 healthy: true,
                 latency_ms: Some(12),
+                last_failure: None,
                 active_leases: 3,
             },
             Dynamic {
                 healthy: false,
                 latency_ms: None,
+                last_failure: Some(failure),
                 active_leases: 0,
             },
             Dynamic {
                 healthy: true,
                 latency_ms: Some(1),
+                last_failure: None,
                 active_leases: 1,
             },
             Dynamic {
                 healthy: false,
                 latency_ms: Some(u64::MAX),
+                last_failure: Some(LastFailure {
+                    kind: ProbeErrorKind::Timeout,
+                    ..failure
+                }),
                 active_leases: u32::MAX,
             },
         ];
@@ -250,6 +295,10 @@ mod tests {
                     url: proxy_url(host, port),
                     healthy: dynamic.healthy,
                     latency_ms: dynamic.latency_ms,
+                    last_failure: dynamic.last_failure.map(|f| LastFailureView {
+                        kind: f.kind.into(),
+                        at: f.at.to_string(),
+                    }),
                     active_leases: dynamic.active_leases,
                     max_leases: p.spec.max_leases(),
                     labels: p.labels(),
@@ -262,6 +311,51 @@ mod tests {
         })
         .unwrap();
         assert_eq!(body.finish(), expected);
+    }
+
+    #[test]
+    fn the_last_failure_is_listed_only_while_unhealthy() {
+        let failure = LastFailure {
+            kind: ProbeErrorKind::ConnectRefused,
+            at: jiff::Timestamp::UNIX_EPOCH,
+        };
+        let health = |healthy: Option<bool>, last_failure: Option<LastFailure>| ProxyHealth {
+            healthy,
+            latency: Some(Duration::from_millis(7)),
+            last_failure,
+            ..ProxyHealth::default()
+        };
+        // (name, health, expected healthy, expected last failure)
+        let cases = [
+            ("not tracked", None, false, None),
+            ("unknown", Some(health(None, Some(failure))), false, None),
+            (
+                "healthy",
+                Some(health(Some(true), Some(failure))),
+                true,
+                None,
+            ),
+            (
+                "unhealthy",
+                Some(health(Some(false), Some(failure))),
+                false,
+                Some(failure),
+            ),
+            (
+                "unhealthy, seeded",
+                Some(health(Some(false), None)),
+                false,
+                None,
+            ),
+        ];
+        for (name, health, healthy, last_failure) in cases {
+            let dynamic = Dynamic::new(health.as_ref(), 2);
+            assert_eq!(dynamic.healthy, healthy, "{name}");
+            assert_eq!(dynamic.last_failure, last_failure, "{name}");
+            assert_eq!(dynamic.active_leases, 2, "{name}");
+            let latency = health.map(|_| 7);
+            assert_eq!(dynamic.latency_ms, latency, "{name}");
+        }
     }
 
     #[test]
@@ -280,11 +374,7 @@ mod tests {
         let second = cache.fragments(&inventory.snapshot());
         assert!(!Arc::ptr_eq(&first, &second));
         let mut body = ListBody::default();
-        let dynamic = Dynamic {
-            healthy: true,
-            latency_ms: None,
-            active_leases: 0,
-        };
+        let dynamic = Dynamic::new(None, 0);
         assert!(body.push(&second, 0, dynamic));
         assert!(body.finish().contains(r#""host":"h2""#));
     }

@@ -1,6 +1,7 @@
 //! The discovery and lease API crawlers call (actix-web on `--discovery-addr`).
 //!
-//! `/v1/*` needs the bearer token (when one is configured); `/healthz` and `/readyz` do not.
+//! `/v1/*` needs a bearer token (unless started with `--insecure-no-auth`); `/healthz` and
+//! `/readyz` do not.
 //! Every error answer is `{"error":"<code>","message":"<text>"}`.
 
 mod auth;
@@ -14,6 +15,7 @@ mod observe;
 pub mod openapi;
 mod selector;
 mod state;
+mod token;
 pub mod types;
 
 use std::net::TcpListener;
@@ -31,6 +33,10 @@ pub use list::ProxyListCache;
 pub use observe::observe;
 pub use selector::{Selector, SelectorError};
 pub use state::{ApiState, DEFAULT_LEASE_TTL};
+pub use token::{
+    LoadedTokens, MIN_TOKEN_BYTES, TOKEN_ENV, TokenError, TokenSet, TokenSources,
+    load as load_tokens, watch_file as watch_token_file,
+};
 
 /// How long a stopping server lets in-flight requests finish.
 pub const SHUTDOWN_GRACE_SECS: u64 = 10;
@@ -96,7 +102,7 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
 pub fn serve(listener: TcpListener, state: ApiState, token: ApiToken) -> std::io::Result<Server> {
     if !token.is_required() {
         log::warn!(
-            "DISCOVERY_TOKEN is empty: the lease API on {} accepts requests from anyone who can reach it",
+            "--insecure-no-auth: the lease API on {} accepts requests from anyone who can reach it",
             listener
                 .local_addr()
                 .map(|a| a.to_string())

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
+use crate::health::ProbeErrorKind;
+
 /// Query of `GET /v1/proxies`.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -35,12 +37,60 @@ pub struct ProxyView {
     /// Latency of the last probe, in milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<u64>,
+    /// Why and when its most recent probe failure happened; present only while it is
+    /// unhealthy (absent when healthy or not checked yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailureView>,
     /// Leases currently held on it.
     pub active_leases: u32,
     /// How many leases it grants at once (0: never).
     pub max_leases: u32,
     /// Its selection labels.
     pub labels: BTreeMap<String, String>,
+}
+
+/// Why a health probe failed.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeFailureKind {
+    /// The proxy refused the TCP connection (it is down or not listening).
+    ConnectRefused,
+    /// The proxy refused the CONNECT tunnel (ACL denial) or could not reach the probe target.
+    ConnectTunnelRefused,
+    /// Connecting, the TLS handshake or the response took longer than the probe timeout.
+    Timeout,
+    /// The TLS handshake with the probe target failed (certificate, protocol).
+    Tls,
+    /// A response arrived, but its status is not one of the expected status codes.
+    UnexpectedStatus,
+    /// The probe settings are unusable (bad address or probe URL, TLS setup failure).
+    InvalidConfig,
+    /// Any other transport failure (connection reset, protocol error, ...).
+    Other,
+}
+
+impl From<ProbeErrorKind> for ProbeFailureKind {
+    fn from(kind: ProbeErrorKind) -> Self {
+        match kind {
+            ProbeErrorKind::ConnectRefused => ProbeFailureKind::ConnectRefused,
+            ProbeErrorKind::ConnectTunnelRefused => ProbeFailureKind::ConnectTunnelRefused,
+            ProbeErrorKind::Timeout => ProbeFailureKind::Timeout,
+            ProbeErrorKind::Tls => ProbeFailureKind::Tls,
+            ProbeErrorKind::UnexpectedStatus => ProbeFailureKind::UnexpectedStatus,
+            ProbeErrorKind::InvalidConfig => ProbeFailureKind::InvalidConfig,
+            ProbeErrorKind::Other => ProbeFailureKind::Other,
+        }
+    }
+}
+
+/// The most recent failed health probe of an unhealthy proxy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct LastFailureView {
+    /// Why the probe failed.
+    pub kind: ProbeFailureKind,
+    /// When that probe finished (RFC 3339).
+    #[schema(example = "2026-11-30T22:00:00.123Z")]
+    pub at: String,
 }
 
 /// Answer of `GET /v1/proxies`.

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::metrics::ProbeMetrics;
 use super::probe::{ProbeClient, ProbeResult, ProbeSettings, ProbeTls};
-use super::snapshot::{HealthSnapshot, ProxyHealth};
+use super::snapshot::{HealthSnapshot, LastFailure, ProxyHealth};
 use super::thresholds::{HealthState, Thresholds};
 use crate::inventory::{Inventory, InventorySnapshot};
 use crate::proxy::{Proxy, ProxyId};
@@ -157,17 +157,64 @@ struct Tracked {
     next_due: Instant,
     queued: bool,
     in_flight: Option<AbortHandle>,
+    /// The most recent failure at the current address.
+    last_failure: Option<LastFailure>,
+}
+
+/// What a spec change means for a tracked proxy's probe client and health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refresh {
+    /// Same probe settings: keep the client.
+    Keep,
+    /// Same address, other probe settings (URL, timeout, statuses): rebuild the client, keep
+    /// the health.
+    Rebuild,
+    /// The probe address changed (endpoint host or port, a Managed proxy's IP): rebuild the
+    /// client, forget the health of the old address and probe the new one at once.
+    Readdress,
+}
+
+impl Refresh {
+    fn plan(old: &ProbeSettings, new: &ProbeSettings) -> Refresh {
+        if old.proxy_url != new.proxy_url {
+            Refresh::Readdress
+        } else if old != new {
+            Refresh::Rebuild
+        } else {
+            Refresh::Keep
+        }
+    }
 }
 
 impl Tracked {
-    /// Picks up spec changes; the client is rebuilt only when its settings changed.
-    fn refresh(&mut self, proxy: &Proxy, settings: ProbeSettings, tls: &ProbeTls) {
+    /// Picks up spec changes; the client is rebuilt only when its settings changed. Returns
+    /// whether the probe address changed, in which case the state is reset to unknown, the
+    /// probe in flight (of the old address) is abandoned and the proxy is due at `now`.
+    fn refresh(
+        &mut self,
+        proxy: &Proxy,
+        settings: ProbeSettings,
+        tls: &ProbeTls,
+        now: Instant,
+    ) -> bool {
         let check = proxy.spec.health_check();
         self.thresholds = Thresholds::of(check);
         self.interval = check.interval();
-        if self.client.settings() != &settings {
+        let plan = Refresh::plan(self.client.settings(), &settings);
+        if plan != Refresh::Keep {
             self.client = ProbeClient::new(settings, tls);
         }
+        if plan != Refresh::Readdress {
+            return false;
+        }
+        self.state = HealthState::seeded(None);
+        self.last_failure = None;
+        // Its result is dropped by `record`, which only accepts the task in `in_flight`.
+        if let Some(probe) = self.in_flight.take() {
+            probe.abort();
+        }
+        self.next_due = now;
+        true
     }
 }
 
@@ -196,7 +243,13 @@ impl Scheduler {
             let id = proxy.id();
             live.insert(id.clone());
             match self.tracked.get_mut(&id) {
-                Some(tracked) => tracked.refresh(proxy, settings, &self.tls),
+                Some(tracked) => {
+                    if tracked.refresh(proxy, settings, &self.tls, now) {
+                        log::info!("{id} has a new address; its health starts as unknown");
+                        self.metrics.remove(&id.namespace, &id.name);
+                        self.snapshot.set(id, ProxyHealth::default());
+                    }
+                }
                 None => self.track(id, proxy, settings, now),
             }
         }
@@ -230,6 +283,7 @@ impl Scheduler {
                 next_due: now + jitter,
                 queued: false,
                 in_flight: None,
+                last_failure: None,
             },
         );
     }
@@ -313,11 +367,14 @@ impl Scheduler {
         }
         tracked.in_flight = None;
         let at = jiff::Timestamp::now();
-        self.metrics.observe(id, result);
         let report =
             tracked
                 .state
                 .observe(result.is_success(), result.latency, now, tracked.thresholds);
+        self.metrics.observe(id, result, tracked.state.healthy());
+        if let Err(e) = &result.outcome {
+            tracked.last_failure = Some(LastFailure { kind: e.kind, at });
+        }
         self.snapshot.set(
             id.clone(),
             ProxyHealth {
@@ -325,6 +382,7 @@ impl Scheduler {
                 latency: Some(result.latency),
                 last_probe: Some(at),
                 last_error: result.outcome.as_ref().err().map(ToString::to_string),
+                last_failure: tracked.last_failure,
             },
         );
         let Some(report) = report else {
@@ -352,6 +410,207 @@ impl Scheduler {
             Err(TrySendError::Closed(t)) => {
                 log::debug!("no transition receiver, {} stays pending", t.id);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::Registry;
+
+    use super::*;
+    use crate::health::probe::{ProbeError, ProbeErrorKind};
+
+    fn settings(proxy_url: &str, probe_url: &str, timeout_ms: u64) -> ProbeSettings {
+        ProbeSettings {
+            proxy_url: proxy_url.into(),
+            probe_url: probe_url.into(),
+            timeout: Duration::from_millis(timeout_ms),
+            expected_status_codes: vec![204],
+        }
+    }
+
+    #[test]
+    fn only_an_address_change_resets_the_health() {
+        let base = settings("http://10.0.0.1:3128", "https://t/", 5000);
+        let cases = [
+            ("same settings", base.clone(), Refresh::Keep),
+            (
+                "other port",
+                settings("http://10.0.0.1:3129", "https://t/", 5000),
+                Refresh::Readdress,
+            ),
+            (
+                "other host",
+                settings("http://10.0.0.2:3128", "https://t/", 5000),
+                Refresh::Readdress,
+            ),
+            (
+                "other host and probe URL",
+                settings("http://10.0.0.2:3128", "https://u/", 5000),
+                Refresh::Readdress,
+            ),
+            (
+                "other probe URL",
+                settings("http://10.0.0.1:3128", "https://u/", 5000),
+                Refresh::Rebuild,
+            ),
+            (
+                "other timeout",
+                settings("http://10.0.0.1:3128", "https://t/", 100),
+                Refresh::Rebuild,
+            ),
+            (
+                "other statuses",
+                ProbeSettings {
+                    expected_status_codes: vec![200],
+                    ..base.clone()
+                },
+                Refresh::Rebuild,
+            ),
+        ];
+        for (name, new, want) in cases {
+            assert_eq!(Refresh::plan(&base, &new), want, "{name}");
+        }
+    }
+
+    /// An External proxy at `host:port`, or a Managed one whose status has `ip`.
+    fn proxy(endpoint: Option<(&str, u16)>, managed_ip: Option<&str>, timeout: &str) -> Proxy {
+        let check =
+            serde_json::json!({"probeURL": "https://t/", "interval": "1h", "timeout": timeout});
+        let mut value = match endpoint {
+            Some((host, port)) => serde_json::json!({
+                "spec": {"mode": "External", "endpoint": {"host": host, "port": port}, "healthCheck": check},
+            }),
+            None => serde_json::json!({
+                "spec": {"mode": "Managed", "provider": "local", "healthCheck": check},
+                "status": {"ip": managed_ip},
+            }),
+        };
+        if let Some(object) = value.as_object_mut() {
+            object.insert("apiVersion".into(), "crawl.example.com/v1alpha1".into());
+            object.insert("kind".into(), "Proxy".into());
+            object.insert(
+                "metadata".into(),
+                serde_json::json!({"name": "p", "namespace": "crawl", "uid": "uid-p"}),
+            );
+        }
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn scheduler() -> Scheduler {
+        let (transitions, _) = mpsc::channel(8);
+        Scheduler {
+            tls: ProbeTls::new(&[]),
+            tracked: HashMap::new(),
+            started: true,
+            ready: VecDeque::new(),
+            snapshot: HealthSnapshot::new(),
+            metrics: ProbeMetrics::register(&Registry::new()).unwrap(),
+            transitions,
+        }
+    }
+
+    fn failure(kind: ProbeErrorKind) -> ProbeResult {
+        ProbeResult {
+            outcome: Err(ProbeError {
+                kind,
+                status: None,
+                message: "down".into(),
+            }),
+            latency: Duration::from_millis(3),
+        }
+    }
+
+    /// (name, proxy before, proxy after, whether the health starts over).
+    #[tokio::test]
+    async fn a_changed_address_starts_unknown_and_drops_the_old_probe() {
+        let cases = [
+            (
+                "external port",
+                proxy(Some(("127.0.0.1", 3128)), None, "5s"),
+                proxy(Some(("127.0.0.1", 3129)), None, "5s"),
+                true,
+            ),
+            (
+                "external host",
+                proxy(Some(("127.0.0.1", 3128)), None, "5s"),
+                proxy(Some(("127.0.0.2", 3128)), None, "5s"),
+                true,
+            ),
+            (
+                "managed IP",
+                proxy(None, Some("10.0.0.1"), "5s"),
+                proxy(None, Some("10.0.0.2"), "5s"),
+                true,
+            ),
+            (
+                "timeout only",
+                proxy(Some(("127.0.0.1", 3128)), None, "5s"),
+                proxy(Some(("127.0.0.1", 3128)), None, "2s"),
+                false,
+            ),
+        ];
+        for (name, before, after, reset) in cases {
+            let mut scheduler = scheduler();
+            let id = before.id();
+            let t0 = Instant::now();
+            let inventory = Inventory::new();
+            inventory.replace([before]);
+            scheduler.sync(&inventory.snapshot(), t0);
+            // Healthy after two successes, then a probe of the old address in flight.
+            let mut probes: JoinSet<(ProxyId, ProbeResult)> = JoinSet::new();
+            let pending = id.clone();
+            let handle = probes.spawn(async move {
+                std::future::pending::<()>().await;
+                (pending, failure(ProbeErrorKind::Other))
+            });
+            let old_task = handle.id();
+            let tracked = scheduler.tracked.get_mut(&id).unwrap();
+            tracked.state = HealthState::seeded(Some(true));
+            tracked.next_due = t0 + Duration::from_secs(3600);
+            tracked.in_flight = Some(handle);
+            tracked.last_failure = Some(LastFailure {
+                kind: ProbeErrorKind::Timeout,
+                at: jiff::Timestamp::now(),
+            });
+            let healthy = ProxyHealth {
+                healthy: Some(true),
+                latency: Some(Duration::from_millis(12)),
+                ..ProxyHealth::default()
+            };
+            scheduler.snapshot.set(id.clone(), healthy.clone());
+
+            let t1 = t0 + Duration::from_secs(1);
+            inventory.replace([after]);
+            scheduler.sync(&inventory.snapshot(), t1);
+            let tracked = &scheduler.tracked[&id];
+            if !reset {
+                assert_eq!(tracked.state.healthy(), Some(true), "{name}");
+                assert!(tracked.in_flight.is_some(), "{name}");
+                assert_eq!(scheduler.snapshot.get(&id), Some(healthy), "{name}");
+                continue;
+            }
+            assert_eq!(tracked.state, HealthState::seeded(None), "{name}");
+            assert_eq!(tracked.last_failure, None, "{name}");
+            assert!(tracked.in_flight.is_none(), "{name}");
+            assert_eq!(tracked.next_due, t1, "{name}: probed at once");
+            assert_eq!(
+                scheduler.snapshot.get(&id),
+                Some(ProxyHealth::default()),
+                "{name}"
+            );
+            // The old probe was aborted, and a result of it is ignored anyway.
+            let joined = probes.join_next().await.unwrap();
+            assert!(joined.is_err_and(|e| e.is_cancelled()), "{name}");
+            scheduler.record(old_task, &id, &failure(ProbeErrorKind::ConnectRefused), t1);
+            assert_eq!(
+                scheduler.snapshot.get(&id),
+                Some(ProxyHealth::default()),
+                "{name}"
+            );
+            scheduler.queue_due(t1);
+            assert_eq!(scheduler.ready, VecDeque::from([id.clone()]), "{name}");
         }
     }
 }

@@ -9,4 +9,4 @@ pub mod thresholds;
 pub use engine::{EngineConfig, HealthEngine, HealthTransition};
 pub use metrics::ProbeMetrics;
 pub use probe::{ProbeClient, ProbeError, ProbeErrorKind, ProbeResult, ProbeSettings, ProbeTls};
-pub use snapshot::{HealthSnapshot, HealthTable, ProxyHealth};
+pub use snapshot::{HealthSnapshot, HealthTable, LastFailure, ProxyHealth};

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
+use super::probe::ProbeErrorKind;
 use crate::proxy::ProxyId;
 
 /// What is known about one proxy's health.
@@ -25,6 +26,18 @@ pub struct ProxyHealth {
     pub last_probe: Option<jiff::Timestamp>,
     /// Why the last probe failed, if it did.
     pub last_error: Option<String>,
+    /// The most recent failed probe of the current address (kept across later successes, so
+    /// an unhealthy proxy that is recovering still says why it turned unhealthy).
+    pub last_failure: Option<LastFailure>,
+}
+
+/// Kind and time of a failed probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LastFailure {
+    /// Why it failed.
+    pub kind: ProbeErrorKind,
+    /// When the probe finished.
+    pub at: jiff::Timestamp,
 }
 
 /// Source of layout and version numbers unique across every table of the process, so a

@@ -17,7 +17,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache};
+use crate::api::{
+    self, ApiState, ApiToken, CandidateIndex, LoadedTokens, ProxyListCache, TokenSources,
+};
 use crate::cli::CommonArgs;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -220,12 +222,14 @@ impl Supervisor {
 }
 
 /// Starts the parts both modes share: the health engine, the ledger sweep, the API and the
-/// metrics server. Health transitions go to `transitions`.
+/// metrics server (with `tokens`, from [`load_tokens`]). Health transitions go to
+/// `transitions`.
 pub fn start_core(
     supervisor: &mut Supervisor,
     core: &Core,
     common: &CommonArgs,
     transitions: mpsc::Sender<HealthTransition>,
+    tokens: LoadedTokens,
 ) -> Result<(), StartError> {
     let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
     let metrics_listener = bind(common.metrics_addr, "--metrics-addr")?;
@@ -249,7 +253,7 @@ pub fn start_core(
         "ledger sweep",
         sweep_ledger(core.ledger.clone(), supervisor.shutdown_token()),
     );
-    let token = ApiToken::new(&std::env::var("DISCOVERY_TOKEN").unwrap_or_default());
+    let token = watch_tokens(supervisor, tokens, common);
     let state = ApiState {
         inventory: core.inventory.clone(),
         health: core.health.clone(),
@@ -273,6 +277,37 @@ pub fn start_core(
         common.ledger.display()
     );
     Ok(())
+}
+
+/// The API's tokens from `DISCOVERY_TOKEN` and `--discovery-token-file`, failing closed (open
+/// only with `--insecure-no-auth`). Called first, before anything is opened or bound.
+pub fn load_tokens(common: &CommonArgs) -> Result<LoadedTokens, StartError> {
+    let env = std::env::var_os(api::TOKEN_ENV);
+    api::load_tokens(&TokenSources {
+        env: env.as_deref(),
+        file: common.discovery_token_file.as_deref(),
+        insecure_no_auth: common.insecure_no_auth,
+    })
+    .map_err(|e| StartError(e.0))
+}
+
+/// The token the API checks; a token file is watched for changes by a task.
+fn watch_tokens(
+    supervisor: &mut Supervisor,
+    tokens: LoadedTokens,
+    common: &CommonArgs,
+) -> ApiToken {
+    if let Some((path, content)) = tokens.file {
+        let shutdown = supervisor.shutdown_token();
+        let token = tokens.token.clone();
+        let env_tokens = tokens.env_tokens;
+        let poll = common.discovery_token_poll;
+        supervisor.spawn("token file watcher", async move {
+            api::watch_token_file(path, content, env_tokens, token, poll, shutdown).await;
+            Ok(())
+        });
+    }
+    tokens.token
 }
 
 /// The certificates of `--probe-ca-file`, as DER.

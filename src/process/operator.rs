@@ -10,7 +10,8 @@ use kube::runtime::events::Recorder;
 use kube::{Api, Client};
 use tokio::sync::mpsc;
 
-use super::{Core, Exit, StartError, Supervisor, start_core};
+use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
+use crate::api::LoadedTokens;
 use crate::cli::RunArgs;
 use crate::gc::{self, GcConfig};
 use crate::health::HealthTransition;
@@ -24,13 +25,14 @@ use crate::reconcile::{self, Context, HealthSignal, HealthStates};
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
+    let tokens = load_tokens(&args.common)?;
     let providers_config = load_config(&args)?;
     let client = Client::try_default().await.map_err(|e| {
         StartError(format!(
             "cannot build a Kubernetes client (in-cluster config or kubeconfig): {e}"
         ))
     })?;
-    let supervisor = start(args, providers_config, client).await?;
+    let supervisor = start(args, providers_config, client, tokens).await?;
     supervisor.run().await
 }
 
@@ -41,8 +43,9 @@ pub async fn run_with_client(
     client: Client,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<Exit, StartError> {
+    let tokens = load_tokens(&args.common)?;
     let providers_config = load_config(&args)?;
-    let supervisor = start(args, providers_config, client).await?;
+    let supervisor = start(args, providers_config, client, tokens).await?;
     supervisor.run_until(stop).await
 }
 
@@ -71,6 +74,7 @@ async fn start(
     args: RunArgs,
     providers_config: ProvidersConfig,
     client: Client,
+    tokens: LoadedTokens,
 ) -> Result<Supervisor, StartError> {
     let gc_config = gc_config(&args);
     let inventory = Inventory::new();
@@ -91,7 +95,7 @@ async fn start(
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
-    start_core(&mut supervisor, &core, &args.common, transitions_tx)?;
+    start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
 
     // One watch of raw Proxies, decoded one by one (an undecodable one is skipped and
     // reported), feeding the inventory and the reconciler from one store.

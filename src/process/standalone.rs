@@ -3,14 +3,15 @@
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use super::{Core, Exit, StartError, Supervisor, log_transitions, start_core};
+use super::{Core, Exit, StartError, Supervisor, load_tokens, log_transitions, start_core};
 use crate::cli::StandaloneArgs;
 use crate::inventory::Inventory;
 use crate::inventory::file::{self, InventoryFile};
 
 /// Runs standalone mode until a signal or a task failure. Start-up errors (a broken inventory
-/// file, an unusable ledger, a busy port) are returned before anything is served.
+/// file, no usable API token, an unusable ledger, a busy port) are returned before anything is served.
 pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
+    let tokens = load_tokens(&args.common)?;
     let inventory_file = InventoryFile::new(&args.inventory)
         .map_err(|e| StartError::from_display("inventory schema", e))?;
     let proxies = inventory_file
@@ -27,7 +28,7 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
-    start_core(&mut supervisor, &core, &args.common, transitions_tx)?;
+    start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
     supervisor.spawn("health transition log", log_transitions(transitions_rx));
 
     let (reload_tx, reload_rx) = mpsc::channel(1);
