@@ -296,7 +296,7 @@ mod tests {
                     healthy: dynamic.healthy,
                     latency_ms: dynamic.latency_ms,
                     last_failure: dynamic.last_failure.map(|f| LastFailureView {
-                        kind: f.kind.into(),
+                        kind: f.kind,
                         at: f.at.to_string(),
                     }),
                     active_leases: dynamic.active_leases,

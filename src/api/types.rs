@@ -49,45 +49,11 @@ pub struct ProxyView {
     pub labels: BTreeMap<String, String>,
 }
 
-/// Why a health probe failed.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ProbeFailureKind {
-    /// The proxy refused the TCP connection (it is down or not listening).
-    ConnectRefused,
-    /// The proxy refused the CONNECT tunnel (ACL denial) or could not reach the probe target.
-    ConnectTunnelRefused,
-    /// Connecting, the TLS handshake or the response took longer than the probe timeout.
-    Timeout,
-    /// The TLS handshake with the probe target failed (certificate, protocol).
-    Tls,
-    /// A response arrived, but its status is not one of the expected status codes.
-    UnexpectedStatus,
-    /// The probe settings are unusable (bad address or probe URL, TLS setup failure).
-    InvalidConfig,
-    /// Any other transport failure (connection reset, protocol error, ...).
-    Other,
-}
-
-impl From<ProbeErrorKind> for ProbeFailureKind {
-    fn from(kind: ProbeErrorKind) -> Self {
-        match kind {
-            ProbeErrorKind::ConnectRefused => ProbeFailureKind::ConnectRefused,
-            ProbeErrorKind::ConnectTunnelRefused => ProbeFailureKind::ConnectTunnelRefused,
-            ProbeErrorKind::Timeout => ProbeFailureKind::Timeout,
-            ProbeErrorKind::Tls => ProbeFailureKind::Tls,
-            ProbeErrorKind::UnexpectedStatus => ProbeFailureKind::UnexpectedStatus,
-            ProbeErrorKind::InvalidConfig => ProbeFailureKind::InvalidConfig,
-            ProbeErrorKind::Other => ProbeFailureKind::Other,
-        }
-    }
-}
-
 /// The most recent failed health probe of an unhealthy proxy.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct LastFailureView {
     /// Why the probe failed.
-    pub kind: ProbeFailureKind,
+    pub kind: ProbeErrorKind,
     /// When that probe finished (RFC 3339).
     #[schema(example = "2026-11-30T22:00:00.123Z")]
     pub at: String,

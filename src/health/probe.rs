@@ -15,8 +15,13 @@ use rustls::pki_types::CertificateDer;
 
 use crate::proxy::Proxy;
 
-/// Why a probe failed. The names are the `result` label of the probe counter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Why a probe failed. The names are the `result` label of the probe counter and the
+/// `lastFailure.kind` of the proxy list (schema `ProbeFailureKind` in the OpenAPI document).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+#[schema(as = ProbeFailureKind)]
 pub enum ProbeErrorKind {
     /// The proxy itself refused the TCP connection (it is down or not listening).
     ConnectRefused,
