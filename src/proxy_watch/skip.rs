@@ -234,11 +234,12 @@ fn report(raw: &DynamicObject, error: DecodeError) -> Undecodable {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use serde_json::{Value, json};
 
-    fn raw(name: &str, version: &str, interval: Value) -> DynamicObject {
+    /// A raw Proxy object as the watch delivers it, with `interval` as stored (any JSON).
+    pub(in crate::proxy_watch) fn raw(name: &str, version: &str, interval: Value) -> DynamicObject {
         serde_json::from_value(json!({
             "apiVersion": "crawl.example.com/v1alpha1",
             "kind": "Proxy",
@@ -253,11 +254,13 @@ mod tests {
         .unwrap()
     }
 
-    fn good(name: &str, version: &str) -> DynamicObject {
+    /// A Proxy that decodes.
+    pub(in crate::proxy_watch) fn good(name: &str, version: &str) -> DynamicObject {
         raw(name, version, json!("30s"))
     }
 
-    fn bad(name: &str, version: &str) -> DynamicObject {
+    /// A Proxy stored before the CRD checked durations: `interval: "30"` does not decode.
+    pub(in crate::proxy_watch) fn bad(name: &str, version: &str) -> DynamicObject {
         raw(name, version, json!("30"))
     }
 

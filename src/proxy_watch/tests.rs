@@ -3,32 +3,8 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
-
+use super::skip::tests::{bad, good};
 use super::*;
-
-fn raw(name: &str, version: &str, interval: &str) -> DynamicObject {
-    let object: Value = json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "namespace": "crawl", "uid": format!("uid-{name}"),
-                     "resourceVersion": version},
-        "spec": {
-            "mode": "External",
-            "endpoint": {"host": "10.0.0.1", "port": 3128},
-            "healthCheck": {"interval": interval},
-        },
-    });
-    serde_json::from_value(object).unwrap()
-}
-
-fn good(name: &str, version: &str) -> DynamicObject {
-    raw(name, version, "30s")
-}
-
-fn bad(name: &str, version: &str) -> DynamicObject {
-    raw(name, version, "30")
-}
 
 /// The watch running on a scripted stream, with everything a test looks at.
 struct Harness {
