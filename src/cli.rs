@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::ledger::Durability;
+use crate::ledger::{Durability, MIN_MAX_SIZE};
 use crate::reconcile::ReconcilerConfig;
 
 /// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
@@ -122,6 +122,28 @@ pub struct CommonArgs {
     /// How long lease history is kept in the ledger.
     #[arg(long, env = "PROXY_OPERATOR_HISTORY_RETENTION", default_value = "7days", value_parser = humantime::parse_duration)]
     pub history_retention: Duration,
+
+    /// Most bytes the ledger's file and write-ahead log take together (`512MiB`, `2GiB`,
+    /// `1.5GB`; `Mi`/`MiB` are powers of 1024, `M`/`MB` of 1000; at least 1MiB). The oldest
+    /// history is pruned to stay within it, before `--history-retention` would; a write that
+    /// still finds no room is answered 503 `ledger_full`. Keep it well below the volume's
+    /// size (the manifests ship half of the 1Gi volume).
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_MAX_SIZE", value_name = "SIZE", default_value = DEFAULT_LEDGER_MAX_SIZE, value_parser = ledger_size)]
+    pub ledger_max_size: u64,
+}
+
+/// Default of `--ledger-max-size`, as `--help` shows it.
+const DEFAULT_LEDGER_MAX_SIZE: &str = "512MiB";
+
+/// A size with a unit (`bytesize` syntax), large enough to hold a ledger.
+fn ledger_size(text: &str) -> Result<u64, String> {
+    let bytes = text.trim().parse::<bytesize::ByteSize>()?.as_u64();
+    if bytes < MIN_MAX_SIZE {
+        return Err(format!(
+            "{bytes} bytes cannot hold a ledger: it must be at least 1MiB"
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Default of `--ledger-queue-capacity`: a few seconds of writes at the rate one writer
@@ -291,6 +313,44 @@ mod tests {
         assert_eq!(args.common.discovery_token_file, None);
         assert_eq!(args.common.discovery_token_poll, Duration::from_secs(5));
         assert!(!args.common.insecure_no_auth);
+        assert_eq!(args.common.ledger_max_size, 512 * 1024 * 1024);
+        assert_eq!(
+            ledger_size(DEFAULT_LEDGER_MAX_SIZE),
+            Ok(crate::ledger::DEFAULT_MAX_SIZE)
+        );
+    }
+
+    #[test]
+    fn ledger_sizes_take_units_and_refuse_what_holds_nothing() {
+        let cases: [(&str, Option<u64>); 10] = [
+            ("512MiB", Some(512 << 20)),
+            ("512Mi", Some(512 << 20)),
+            ("1.5GiB", Some(3 << 29)),
+            ("2GB", Some(2_000_000_000)),
+            ("16 MiB", Some(16 << 20)),
+            ("1048576", Some(1 << 20)),
+            ("1MiB", Some(1 << 20)),
+            ("1000KiB", None),
+            ("0", None),
+            ("lots", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(ledger_size(text).ok(), want, "{text}");
+        }
+        let err = Cli::try_parse_from([
+            "proxy-operator",
+            "standalone",
+            "--inventory",
+            "i",
+            "--ledger-max-size",
+            "64KiB",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--ledger-max-size") && err.contains("at least 1MiB"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -401,6 +461,8 @@ mod tests {
             "[default: 0.0.0.0:8090]",
             "PROXY_OPERATOR_LEDGER",
             "[default: 10m]",
+            "[default: 512MiB]",
+            "PROXY_OPERATOR_LEDGER_MAX_SIZE",
             "--insecure-no-auth",
             "DISCOVERY_TOKEN",
         ] {

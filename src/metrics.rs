@@ -26,6 +26,7 @@ pub struct LeaseMetrics {
     granted: IntCounter,
     replayed: IntCounter,
     overloaded: IntCounter,
+    full: IntCounter,
     rejections: IntCounterVec,
     reports: IntCounterVec,
 }
@@ -46,6 +47,11 @@ impl LeaseMetrics {
             "Lease API writes answered 503 because the ledger's queue was full or the write \
              waited past its deadline.",
         )?;
+        let full = IntCounter::new(
+            "proxy_operator_ledger_full_total",
+            "Lease API writes answered 503 ledger_full because the ledger's disk or size bound \
+             was full.",
+        )?;
         let rejections = IntCounterVec::new(
             Opts::new(
                 "proxy_operator_lease_rejections_total",
@@ -63,6 +69,7 @@ impl LeaseMetrics {
         registry.register(Box::new(granted.clone()))?;
         registry.register(Box::new(replayed.clone()))?;
         registry.register(Box::new(overloaded.clone()))?;
+        registry.register(Box::new(full.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
         registry.register(Box::new(reports.clone()))?;
         for result in ReportResult::ALL {
@@ -75,6 +82,7 @@ impl LeaseMetrics {
             granted,
             replayed,
             overloaded,
+            full,
             rejections,
             reports,
         })
@@ -93,6 +101,11 @@ impl LeaseMetrics {
     /// Counts a write refused because the ledger was overloaded.
     pub fn write_overloaded(&self) {
         self.overloaded.inc();
+    }
+
+    /// Counts a write refused because the ledger was full.
+    pub fn write_refused_full(&self) {
+        self.full.inc();
     }
 
     /// Counts a refused acquire.
@@ -175,6 +188,7 @@ pub struct FleetCollector {
     leases_active: IntGauge,
     proxy_leases_active: IntGaugeVec,
     cooldowns_active: IntGauge,
+    ledger_bytes: IntGauge,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
 }
@@ -209,6 +223,10 @@ impl FleetCollector {
                 "proxy_operator_cooldowns_active",
                 "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
             )?,
+            ledger_bytes: IntGauge::new(
+                "proxy_operator_ledger_bytes",
+                "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
+            )?,
             scrape: Mutex::new(()),
         })
     }
@@ -220,6 +238,7 @@ impl Collector for FleetCollector {
         descs.extend(self.leases_active.desc());
         descs.extend(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
+        descs.extend(self.ledger_bytes.desc());
         descs
     }
 
@@ -257,6 +276,10 @@ impl Collector for FleetCollector {
         families.extend(self.leases_active.collect());
         families.extend(self.proxy_leases_active.collect());
         families.extend(self.cooldowns_active.collect());
+        // Two stat calls, no query.
+        self.ledger_bytes
+            .set(i64::try_from(self.ledger.disk_bytes()).unwrap_or(i64::MAX));
+        families.extend(self.ledger_bytes.collect());
         families
     }
 }

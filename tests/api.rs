@@ -378,6 +378,30 @@ async fn an_empty_body_on_acquire_and_renew_means_every_default() {
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     let body: Value = response.json().await.unwrap();
     assert_error(&body, "invalid_body");
+    // The document gives these bodies the schema "null or the object": `null` is `{}` too.
+    let post_null = |path: String| {
+        h.client
+            .post(h.url(&path))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body("null")
+            .send()
+    };
+    let response = post_null("/v1/leases".into()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let lease: Value = response.json().await.unwrap();
+    assert_eq!(lease["ttlSeconds"], 120);
+    let renew = format!("/v1/leases/{}/renew", lease["leaseID"].as_str().unwrap());
+    let response = post_null(renew).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    for path in ["/v1/leases", "/v1/leases/{id}/renew"] {
+        let schema =
+            &doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"];
+        assert!(
+            schema.to_string().contains(r#"{"type":"null"}"#),
+            "{path}: {schema}"
+        );
+    }
     // A body that is there must still be JSON.
     let response = h
         .client
@@ -440,6 +464,14 @@ async fn list_filters_by_health_and_selector() {
             vec!["eu-a"],
         ),
         ("/v1/proxies?selector=geo=mars", vec![]),
+        // Every pair must match: a key named twice with one value is that pair, with two
+        // values nothing matches.
+        ("/v1/proxies?selector=geo=eu,geo=eu", vec!["eu-a", "eu-b"]),
+        ("/v1/proxies?selector=geo=eu,geo=us", vec![]),
+        (
+            "/v1/proxies?healthy=&selector=",
+            vec!["eu-a", "eu-b", "us-a"],
+        ),
     ];
     for (path, expected) in cases {
         let (s, v) = h.get(path).await;
@@ -447,7 +479,11 @@ async fn list_filters_by_health_and_selector() {
         assert_eq!(names(&v), expected, "{path}");
         assert_eq!(v["count"], expected.len(), "{path}");
     }
-    for path in ["/v1/proxies?healthy=yes", "/v1/proxies?selector=geo"] {
+    for path in [
+        "/v1/proxies?healthy=yes",
+        "/v1/proxies?selector=geo",
+        "/v1/proxies?selector=geo=eu,%20=x",
+    ] {
         let (s, v) = h.get(path).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{path}");
         assert_error(&v, "invalid_query");
@@ -638,6 +674,31 @@ async fn lease_errors() {
         (
             "/v1/leases".to_owned(),
             json!({"target": " "}),
+            StatusCode::BAD_REQUEST,
+            "invalid_target",
+        ),
+        (
+            format!("/v1/leases/{id}/report"),
+            json!({"result": "ok", "target": "x".repeat(254)}),
+            StatusCode::BAD_REQUEST,
+            "invalid_target",
+        ),
+        // serde would read a struct from an array of its fields; the API takes objects only.
+        (
+            "/v1/leases".to_owned(),
+            json!([{}, null, 300]),
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            format!("/v1/leases/{id}/renew"),
+            json!([]),
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            format!("/v1/leases/{id}/report"),
+            json!(["ok"]),
             StatusCode::BAD_REQUEST,
             "invalid_body",
         ),
@@ -1163,4 +1224,338 @@ async fn a_burst_over_the_queue_gets_fast_503s_and_none_of_them_is_granted() {
             .await;
         assert_eq!(s, StatusCode::CREATED, "{request_id}: {v}");
     }
+}
+
+/// The methods the document gives `path`, upper-cased and sorted.
+fn documented_methods(doc: &Value, path: &str) -> Vec<String> {
+    let mut methods: Vec<String> = doc["paths"][path]
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| {
+            [
+                "get", "head", "post", "put", "patch", "delete", "options", "trace",
+            ]
+            .contains(&k.as_str())
+        })
+        .map(|k| k.to_uppercase())
+        .collect();
+    methods.sort();
+    methods
+}
+
+#[tokio::test]
+async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_documented_methods() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    let paths: Vec<String> = doc["paths"].as_object().unwrap().keys().cloned().collect();
+    assert_eq!(paths.len(), 8, "{paths:?}");
+    let methods = [
+        "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY",
+    ];
+    for path in &paths {
+        let documented = documented_methods(&doc, path);
+        let url = h.url(&path.replace("{id}", "x"));
+        for method in methods {
+            let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let response = h
+                .client
+                .request(method.clone(), &url)
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap();
+            if documented.contains(&method.to_string()) {
+                assert_ne!(
+                    response.status(),
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "{method} {path}"
+                );
+                continue;
+            }
+            assert_eq!(
+                response.status(),
+                StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {path}"
+            );
+            let allow = response.headers()["allow"].to_str().unwrap().to_owned();
+            let mut allowed: Vec<String> = allow.split(", ").map(str::to_owned).collect();
+            allowed.sort();
+            assert_eq!(allowed, documented, "{method} {path}: Allow: {allow}");
+            assert_error(&response.json().await.unwrap(), "method_not_allowed");
+        }
+    }
+    // Authentication comes first: without the token a /v1 route answers 401 to any method.
+    let response = h
+        .client
+        .request(reqwest::Method::PUT, h.url("/v1/proxies"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    h.stop().await;
+}
+
+/// A validator for one schema of the served document (schemathesis judges with the same
+/// engine, jsonschema-rs).
+fn validator(schema: &Value) -> jsonschema::Validator {
+    jsonschema::validator_for(schema).unwrap_or_else(|e| panic!("{schema}: {e}"))
+}
+
+/// The schema of a query parameter of `GET /v1/proxies`.
+fn list_parameter(doc: &Value, name: &str) -> Value {
+    doc["paths"]["/v1/proxies"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .unwrap_or_else(|| panic!("parameter {name}"))["schema"]
+        .clone()
+}
+
+#[tokio::test]
+async fn the_list_query_schema_accepts_exactly_what_the_server_accepts() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[("geo", "eu")], 5), Some(5))]);
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    let cases = [
+        (
+            "selector",
+            vec![
+                "",
+                "geo=eu",
+                " geo = eu ,",
+                ",,",
+                "\t",
+                "a=b=c",
+                "geo=eu,geo=us",
+                "k=",
+                "\u{a0}=x",
+                "é=ü",
+                "k\n=v",
+                "geo",
+                "=eu",
+                " \t=eu",
+                "geo=eu,tier",
+                "geo=eu,,=x",
+            ],
+        ),
+        (
+            "healthy",
+            vec!["true", "false", "", "yes", "TRUE", "1", " true", "true\n"],
+        ),
+    ];
+    for (name, values) in cases {
+        let schema = validator(&list_parameter(&doc, name));
+        for value in values {
+            let query = url::form_urlencoded::Serializer::new(String::new())
+                .append_pair(name, value)
+                .finish();
+            let response = h
+                .client
+                .get(h.url(&format!("/v1/proxies?{query}")))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap();
+            let status = response.status();
+            assert_eq!(
+                schema.is_valid(&json!(value)),
+                status == StatusCode::OK,
+                "{name}={value:?}: {status}"
+            );
+            if status != StatusCode::OK {
+                assert_eq!(status, StatusCode::BAD_REQUEST, "{name}={value:?}");
+                assert_error(&response.json().await.unwrap(), "invalid_query");
+            }
+        }
+    }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn the_body_schemas_accept_exactly_what_the_server_accepts() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[], 100_000), Some(5))]);
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    let schemas = &doc["components"]["schemas"];
+    let (_, lease) = h.acquire(json!({"ttlSeconds": 60})).await;
+    let id = lease["leaseID"].as_str().unwrap().to_owned();
+    let renew = format!("/v1/leases/{id}/renew");
+    let report = format!("/v1/leases/{id}/report");
+
+    // `target`: 1 to 253 printable ASCII characters, not only spaces.
+    let targets = [
+        json!("example.com"),
+        json!(" Example.COM "),
+        json!("a".repeat(253)),
+        json!(format!("{}a", " ".repeat(252))),
+        json!(null),
+        json!("a".repeat(254)),
+        json!(""),
+        json!("   "),
+        json!("bücher.de"),
+        json!("tab\there"),
+        json!("x\u{7f}"),
+    ];
+    for (path, schema, base) in [
+        ("/v1/leases", &schemas["AcquireRequest"], json!({})),
+        (
+            report.as_str(),
+            &schemas["ReportRequest"],
+            json!({"result": "ok"}),
+        ),
+    ] {
+        let target_schema = &schema["properties"]["target"];
+        assert_eq!(target_schema["maxLength"], 253, "{path}: {target_schema}");
+        assert_eq!(target_schema["minLength"], 1, "{path}: {target_schema}");
+        let target_schema = validator(target_schema);
+        for target in &targets {
+            let mut body = base.clone();
+            body["target"] = target.clone();
+            let (s, v) = h.post(path, body).await;
+            if target_schema.is_valid(target) {
+                assert!(s.is_success(), "{path} {target}: {s} {v}");
+            } else {
+                assert_eq!(s, StatusCode::BAD_REQUEST, "{path} {target}: {v}");
+                assert_error(&v, "invalid_target");
+            }
+        }
+    }
+
+    // `ttlSeconds`: a whole number from 1 to 2^53 - 1; JSON Schema counts 4897.0 as an
+    // integer, and so does the server.
+    let ttls = [
+        (json!(1), Some(1)),
+        (json!(60), Some(60)),
+        (json!(4897), Some(600)),
+        (json!(4897.0), Some(600)),
+        (json!(4.8e2), Some(480)),
+        (json!(9_007_199_254_740_991_u64), Some(600)),
+        (json!(null), Some(120)),
+        (json!(0), None),
+        (json!(-1), None),
+        (json!(4897.5), None),
+        (json!(0.5), None),
+        (json!(9_007_199_254_740_992_u64), None),
+        (json!(1e300), None),
+        (json!("60"), None),
+        (json!(true), None),
+    ];
+    for (path, schema) in [
+        ("/v1/leases", &schemas["AcquireRequest"]),
+        (renew.as_str(), &schemas["RenewRequest"]),
+    ] {
+        let ttl_schema = validator(&schema["properties"]["ttlSeconds"]);
+        for (ttl, granted) in &ttls {
+            let (s, v) = h.post(path, json!({"ttlSeconds": ttl})).await;
+            assert_eq!(ttl_schema.is_valid(ttl), granted.is_some(), "{path} {ttl}");
+            match granted {
+                Some(granted) => {
+                    assert!(s.is_success(), "{path} {ttl}: {s} {v}");
+                    assert_eq!(v["ttlSeconds"], *granted, "{path} {ttl}: {v}");
+                }
+                None => {
+                    assert_eq!(s, StatusCode::BAD_REQUEST, "{path} {ttl}: {v}");
+                    assert_error(&v, "invalid_body");
+                    assert!(v["message"].as_str().unwrap().contains("ttlSeconds"), "{v}");
+                }
+            }
+        }
+    }
+
+    // `result`: the enumeration the ledger knows, nothing else.
+    let result_schema = &schemas["ReportRequest"]["properties"]["result"];
+    assert_eq!(
+        result_schema["enum"],
+        json!(["ok", "rate_limited", "blocked", "error"])
+    );
+    let result_schema = validator(result_schema);
+    for result in ["ok", "rate_limited", "blocked", "error", "meh", "", "OK"] {
+        let (s, v) = h.post(&report, json!({"result": result})).await;
+        if result_schema.is_valid(&json!(result)) {
+            assert_eq!(s, StatusCode::NO_CONTENT, "{result}: {v}");
+        } else {
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{result}: {v}");
+            assert_error(&v, "unknown_result");
+        }
+    }
+    h.stop().await;
+}
+
+/// Resolves a `$response.body#/pointer` runtime expression against a JSON body.
+fn runtime_expression<'a>(expression: &str, body: &'a Value) -> &'a Value {
+    let pointer = expression
+        .strip_prefix("$response.body#")
+        .unwrap_or_else(|| panic!("unsupported expression {expression}"));
+    body.pointer(pointer)
+        .unwrap_or_else(|| panic!("{expression} not in {body}"))
+}
+
+/// The (method, path) of the operation with `operation_id`.
+fn operation(doc: &Value, operation_id: &str) -> (reqwest::Method, String) {
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if op["operationId"] == operation_id {
+                return (method.to_uppercase().parse().unwrap(), path.clone());
+            }
+        }
+    }
+    panic!("no operation {operation_id}");
+}
+
+#[tokio::test]
+async fn lease_answers_link_to_the_operations_on_that_lease_and_the_links_work() {
+    let h = Harness::start().await;
+    h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    for (path, method, status) in [
+        ("/v1/leases", "post", "201"),
+        ("/v1/leases", "post", "200"),
+        ("/v1/leases/{id}", "get", "200"),
+        ("/v1/leases/{id}/renew", "post", "200"),
+    ] {
+        let links = &doc["paths"][path][method]["responses"][status]["links"];
+        let mut targets: Vec<&str> = links
+            .as_object()
+            .unwrap_or_else(|| panic!("{method} {path} {status}: no links"))
+            .values()
+            .map(|l| l["operationId"].as_str().unwrap())
+            .collect();
+        targets.sort_unstable();
+        assert_eq!(
+            targets,
+            ["get_lease", "release", "renew", "report"],
+            "{path}"
+        );
+    }
+
+    // Follow every link of a granted lease, as a client (or schemathesis) would.
+    let (s, lease) = h.acquire(json!({"ttlSeconds": 60})).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let links = doc["paths"]["/v1/leases"]["post"]["responses"]["201"]["links"]
+        .as_object()
+        .unwrap();
+    let order = ["GetLease", "RenewLease", "ReportResult", "ReleaseLease"];
+    assert_eq!(links.len(), order.len());
+    for name in order {
+        let link = &links[name];
+        let (method, path) = operation(&doc, link["operationId"].as_str().unwrap());
+        let parameters = link["parameters"].as_object().unwrap();
+        assert_eq!(parameters.len(), 1, "{name}: {link}");
+        let id = runtime_expression(parameters["id"].as_str().unwrap(), &lease);
+        let path = path.replace("{id}", id.as_str().unwrap());
+        let body = (name == "ReportResult").then(|| json!({"result": "ok"}));
+        let (s, _, v) = h.send(method.clone(), &path, body).await;
+        assert!(s.is_success(), "{name}: {method} {path}: {s} {v}");
+    }
+    let (_, now) = h
+        .get(&format!(
+            "/v1/leases/{}",
+            lease["leaseID"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(now["state"], "released");
+    h.stop().await;
 }

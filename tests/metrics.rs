@@ -205,6 +205,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         ("proxy_operator_leases_active", Some(1.0)),
         (r#"proxy_operator_proxies{phase="Ready"}"#, Some(1.0)),
         (r#"proxy_operator_proxies{phase="Unhealthy"}"#, Some(1.0)),
+        ("proxy_operator_ledger_full_total", Some(0.0)),
     ] {
         assert_eq!(line_value(&text, series), want, "{series} in {text}");
     }
@@ -213,6 +214,8 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         r#"proxy_operator_probes_total{result="connect_refused"}"#,
         "proxy_operator_probe_duration_seconds_count",
         r#"proxy_operator_proxy_probe_latency_seconds{name="up",namespace="crawl"}"#,
+        // The ledger's file plus WAL, read at scrape time.
+        "proxy_operator_ledger_bytes",
     ] {
         assert!(
             line_value(&text, series).is_some_and(|v| v > 0.0),

@@ -20,7 +20,7 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 pub struct ApiJson<T>(pub T);
 
 /// Like [`ApiJson`], for bodies whose every field is optional: an empty body (no bytes or
-/// only whitespace, with or without a content type) is read as `{}`.
+/// only whitespace, with or without a content type) or a JSON `null` is read as `{}`.
 #[derive(Debug)]
 pub struct OptionalApiJson<T>(pub T);
 
@@ -69,13 +69,24 @@ fn declared_length(req: &HttpRequest) -> Option<usize> {
         .ok()
 }
 
-/// Parses `bytes` as `T`, naming the field on failure.
+/// Parses `bytes` as `T`, a JSON object, naming the field on failure. Anything but an object
+/// is refused first: serde would also read a struct from an array of its fields in order
+/// (`[300]`), a form the API does not offer.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::bad_request(
-            "invalid_body",
-            "the request body is empty; send a JSON object",
-        ));
+    match bytes.trim_ascii().first() {
+        None => {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                "the request body is empty; send a JSON object",
+            ));
+        }
+        Some(b'{') => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                "the request body must be a JSON object",
+            ));
+        }
     }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
@@ -138,12 +149,12 @@ impl<T: DeserializeOwned + 'static> FromRequest for OptionalApiJson<T> {
     }
 }
 
-/// Parses `bytes` as `T`, an empty body as `{}`.
+/// Parses `bytes` as `T`, an empty body or `null` as `{}` (the document gives such a body
+/// the schema "null or the object").
 pub fn parse_optional_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        parse_json(b"{}")
-    } else {
-        parse_json(bytes)
+    match bytes.trim_ascii() {
+        b"" | b"null" => parse_json(b"{}"),
+        body => parse_json(body),
     }
 }
 
@@ -178,6 +189,9 @@ mod tests {
             (r#"{}"#, "missing field `ttlSeconds`"),
             (r#"{"ttlSeconds":"#, "invalid JSON body"),
             ("", "the request body is empty"),
+            ("[1]", "must be a JSON object"),
+            (" null", "must be a JSON object"),
+            ("1", "must be a JSON object"),
         ];
         for (body, expected) in cases {
             let m = message(body);
@@ -194,7 +208,7 @@ mod tests {
 
     #[test]
     fn an_empty_optional_body_is_an_empty_object() {
-        for body in ["", " \r\n", "{}"] {
+        for body in ["", " \r\n", "{}", "null", " null\n"] {
             assert_eq!(
                 parse_optional_json::<AllOptional>(body.as_bytes()).unwrap(),
                 AllOptional { n: None },
@@ -205,9 +219,11 @@ mod tests {
             parse_optional_json::<AllOptional>(br#"{"n":1}"#).unwrap(),
             AllOptional { n: Some(1) }
         );
-        let m = parse_optional_json::<AllOptional>(b"x")
-            .unwrap_err()
-            .to_string();
-        assert!(m.starts_with("invalid_body"), "{m}");
+        for body in ["x", "[]", "[1]", "nul", "null null", "\"\"", "0"] {
+            let m = parse_optional_json::<AllOptional>(body.as_bytes())
+                .unwrap_err()
+                .to_string();
+            assert!(m.starts_with("invalid_body"), "{body}: {m}");
+        }
     }
 }

@@ -52,14 +52,24 @@ pub enum ApiError {
     },
     /// An acquire that found nothing (409).
     NoMatch(NoMatchBody),
-    /// The ledger's write queue is full or the write waited past its deadline (503 with
-    /// `Retry-After`).
-    Overloaded {
+    /// The ledger cannot take the write now and nothing was recorded (503 with
+    /// `Retry-After`): its write queue is full or the write waited past its deadline
+    /// (`overloaded`), or the ledger is full (`ledger_full`).
+    Unavailable {
+        /// Machine-readable code.
+        code: &'static str,
         /// Whole seconds to wait before retrying, at least 1.
         retry_after_seconds: u64,
         /// Human-readable message.
         message: String,
     },
+}
+
+/// `retry_after` rounded up to whole seconds, at least 1 (a `Retry-After` of 0 would invite an
+/// immediate retry storm).
+fn retry_after_seconds(retry_after: std::time::Duration) -> u64 {
+    let whole = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+    whole.max(1)
 }
 
 impl ApiError {
@@ -86,15 +96,29 @@ impl ApiError {
         )
     }
 
-    /// 503 for a write the ledger could not take in time; `retry_after` is rounded up to
-    /// whole seconds, at least 1 (a `Retry-After` of 0 would invite an immediate retry storm).
+    /// 503 `overloaded` for a write the ledger could not take in time; `retry_after` is
+    /// rounded up to whole seconds, at least 1.
     pub fn overloaded(retry_after: std::time::Duration) -> Self {
-        let whole = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-        let retry_after_seconds = whole.max(1);
-        ApiError::Overloaded {
+        let retry_after_seconds = retry_after_seconds(retry_after);
+        ApiError::Unavailable {
+            code: "overloaded",
             retry_after_seconds,
             message: format!(
                 "the lease ledger is busy; retry in {retry_after_seconds} s (nothing was granted)"
+            ),
+        }
+    }
+
+    /// 503 `ledger_full` for a write the ledger could not record because its disk or its size
+    /// bound is full; `retry_after` is rounded up to whole seconds, at least 1.
+    pub fn ledger_full(retry_after: std::time::Duration) -> Self {
+        let retry_after_seconds = retry_after_seconds(retry_after);
+        ApiError::Unavailable {
+            code: "ledger_full",
+            retry_after_seconds,
+            message: format!(
+                "the lease ledger is full (its disk, or --ledger-max-size); nothing was \
+                 recorded; retry in {retry_after_seconds} s"
             ),
         }
     }
@@ -115,7 +139,7 @@ impl std::fmt::Display for ApiError {
         match self {
             ApiError::Plain { code, message, .. } => write!(f, "{code}: {message}"),
             ApiError::NoMatch(body) => write!(f, "{}: {}", body.error, body.message),
-            ApiError::Overloaded { message, .. } => write!(f, "overloaded: {message}"),
+            ApiError::Unavailable { code, message, .. } => write!(f, "{code}: {message}"),
         }
     }
 }
@@ -125,7 +149,7 @@ impl ResponseError for ApiError {
         match self {
             ApiError::Plain { status, .. } => *status,
             ApiError::NoMatch(_) => StatusCode::CONFLICT,
-            ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -146,13 +170,14 @@ impl ResponseError for ApiError {
                 }
                 response.json(body)
             }
-            ApiError::Overloaded {
+            ApiError::Unavailable {
+                code,
                 retry_after_seconds,
                 message,
             } => HttpResponse::ServiceUnavailable()
                 .insert_header((header::RETRY_AFTER, HeaderValue::from(*retry_after_seconds)))
                 .json(ErrorBody {
-                    error: "overloaded".to_owned(),
+                    error: (*code).to_owned(),
                     message: message.clone(),
                 }),
         }
@@ -166,7 +191,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn overloaded_rounds_retry_after_up_to_whole_seconds() {
+    fn unavailable_rounds_retry_after_up_to_whole_seconds() {
         let cases = [
             (Duration::ZERO, 1),
             (Duration::from_millis(1), 1),
@@ -175,14 +200,19 @@ mod tests {
             (Duration::from_secs(7), 7),
         ];
         for (retry_after, seconds) in cases {
-            let error = ApiError::overloaded(retry_after);
-            assert_eq!(error.status_code(), StatusCode::SERVICE_UNAVAILABLE);
-            let response = error.error_response();
-            assert_eq!(
-                response.headers().get(header::RETRY_AFTER),
-                Some(&HeaderValue::from(seconds)),
-                "{retry_after:?}"
-            );
+            for (error, code) in [
+                (ApiError::overloaded(retry_after), "overloaded"),
+                (ApiError::ledger_full(retry_after), "ledger_full"),
+            ] {
+                assert_eq!(error.status_code(), StatusCode::SERVICE_UNAVAILABLE);
+                assert!(error.to_string().starts_with(code), "{error}");
+                let response = error.error_response();
+                assert_eq!(
+                    response.headers().get(header::RETRY_AFTER),
+                    Some(&HeaderValue::from(seconds)),
+                    "{code} {retry_after:?}"
+                );
+            }
         }
     }
 }

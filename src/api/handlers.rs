@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use actix_web::http::header::ContentType;
-use actix_web::{HttpResponse, web};
+use actix_web::http::header::{self, ContentType, HeaderValue};
+use actix_web::{HttpResponse, ResponseError, web};
 
 use super::body::{ApiJson, OptionalApiJson};
 use super::error::{ApiError, ErrorBody, NoMatchBody};
@@ -16,7 +16,7 @@ use super::selector::Selector;
 use super::state::ApiState;
 use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
-    StatusBody,
+    StatusBody, parse_target,
 };
 use crate::ledger::{self, AcquireOutcome, Lease, LedgerError, NoMatch, ReportResult, RequestKey};
 
@@ -35,12 +35,17 @@ async fn ledger_read<T: Send + 'static>(
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
 /// the write's deadline passed before its turn), so a lease it committed always reaches the
-/// client that asked for it.
+/// client that asked for it. A full ledger recorded nothing of the write: 503 like an
+/// overload, so clients back off and retry instead of giving up.
 fn ledger_error(state: &ApiState, context: &'static str, error: LedgerError) -> ApiError {
     match error {
         LedgerError::Overloaded { retry_after } => {
             state.metrics.write_overloaded();
             ApiError::overloaded(retry_after)
+        }
+        LedgerError::Full { retry_after } => {
+            state.metrics.write_refused_full();
+            ApiError::ledger_full(retry_after)
         }
         LedgerError::RequestIdReused { request_id } => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -60,25 +65,9 @@ fn ledger_error(state: &ApiState, context: &'static str, error: LedgerError) -> 
     }
 }
 
-fn parse_target(target: Option<String>) -> Result<Option<String>, ApiError> {
-    match target.map(|t| t.trim().to_ascii_lowercase()) {
-        Some(t) if t.is_empty() => Err(ApiError::bad_request(
-            "invalid_body",
-            "`target` must not be empty (omit it to acquire for any target)",
-        )),
-        other => Ok(other),
-    }
-}
-
-fn parse_ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Result<Duration, ApiError> {
-    match ttl_seconds {
-        None => Ok(state.default_ttl),
-        Some(0) => Err(ApiError::bad_request(
-            "invalid_body",
-            "`ttlSeconds` must be at least 1",
-        )),
-        Some(seconds) => Ok(Duration::from_secs(seconds)),
-    }
+/// The requested TTL (the body's reader has checked its range), or the server's default.
+fn ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Duration {
+    ttl_seconds.map_or(state.default_ttl, Duration::from_secs)
 }
 
 fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
@@ -124,6 +113,11 @@ fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     }
 }
 
+/// The 503 of a ledger write other than acquire.
+const WRITE_UNAVAILABLE: &str = "`overloaded` (the ledger could not take the write in time) or \
+     `ledger_full` (the ledger's disk or file is full): nothing was written. Retry after \
+     `Retry-After` seconds";
+
 /// Lists proxies, optionally only healthy (or unhealthy) ones matching a selector.
 #[utoipa::path(
     get,
@@ -131,7 +125,7 @@ fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     params(ListQuery),
     responses(
         (status = 200, description = "Matching proxies (possibly none)", body = ProxyList),
-        (status = 400, description = "Bad `healthy` or `selector`", body = ErrorBody),
+        (status = 400, description = "`invalid_query`: bad `healthy` or `selector`", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -188,13 +182,14 @@ pub async fn list_proxies(
     responses(
         (status = 200, description = "Replay: an earlier acquire with the same `requestID` (and the same selector, target and `ttlSeconds`) was granted this lease; it is returned as it is now, even if released or expired", body = LeaseView),
         (status = 201, description = "Lease granted", body = LeaseView),
-        (status = 400, description = "Malformed body (the message names the field)", body = ErrorBody),
+        (status = 400, description = "`invalid_body` (the message names the field) or `invalid_target`", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 409, description = "No proxy can take a lease; `Retry-After` says when one frees up", body = NoMatchBody),
+        (status = 409, description = "`no_match`: no proxy can take a lease", body = NoMatchBody,
+            headers(("Retry-After" = u64, description = "Seconds until a lease expiry or a cooldown end frees a proxy by itself; absent when nothing will"))),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 422, description = "`request_id_reused`: the `requestID` was used for an acquire with a different selector, target or `ttlSeconds`", body = ErrorBody),
-        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
+        (status = 503, description = "`overloaded` (the ledger could not take the write in time) or `ledger_full` (the ledger's disk or file is full): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -206,7 +201,7 @@ pub async fn acquire(
     let request = body.0;
     let request_id = parse_request_id(request.request_id)?;
     let target = parse_target(request.target)?;
-    let ttl = parse_ttl(&state, request.ttl_seconds)?;
+    let ttl = ttl(&state, request.ttl_seconds);
     let key = request_id.map(|id| RequestKey {
         fingerprint: fingerprint(&request.selector, target.as_deref(), request.ttl_seconds),
         id,
@@ -251,7 +246,7 @@ pub async fn acquire(
     responses(
         (status = 200, description = "The lease", body = LeaseView),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 404, description = "Unknown lease", body = ErrorBody),
+        (status = 404, description = "`unknown_lease`", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -276,7 +271,7 @@ pub async fn get_lease(
     responses(
         (status = 204, description = "Released (or already gone)"),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+        (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -301,11 +296,13 @@ pub async fn release(
     request_body(content = Option<RenewRequest>, description = "Every field is optional; an empty body is read as `{}`"),
     responses(
         (status = 200, description = "Renewed", body = LeaseView),
-        (status = 400, description = "Malformed body", body = ErrorBody),
+        (status = 400, description = "`invalid_body`: malformed body (the message names the field)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 404, description = "Unknown lease", body = ErrorBody),
-        (status = 409, description = "The lease was released or has expired", body = ErrorBody),
-        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+        (status = 404, description = "`unknown_lease`", body = ErrorBody),
+        (status = 409, description = "`lease_not_active`: the lease was released or has expired", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -315,7 +312,7 @@ pub async fn renew(
     id: web::Path<String>,
     body: OptionalApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let ttl = parse_ttl(&state, body.0.ttl_seconds)?;
+    let ttl = ttl(&state, body.0.ttl_seconds);
     let lease = state
         .ledger
         .renew(&id, ttl)
@@ -332,10 +329,12 @@ pub async fn renew(
     request_body = ReportRequest,
     responses(
         (status = 204, description = "Recorded"),
-        (status = 400, description = "Unknown result or malformed body", body = ErrorBody),
+        (status = 400, description = "`unknown_result`, `invalid_target` or `invalid_body` (malformed body; the message names the field)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 404, description = "Unknown lease", body = ErrorBody),
-        (status = 503, description = "`overloaded`: the ledger could not take the write in time; nothing was written. Retry after `Retry-After` seconds", body = ErrorBody,
+        (status = 404, description = "`unknown_lease`", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -416,11 +415,31 @@ pub async fn not_found() -> Result<HttpResponse, ApiError> {
     ))
 }
 
-/// A known route called with the wrong method.
-pub async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
-    Err(ApiError::new(
+/// A known route called with a method it does not have: 405 with the `Allow` header RFC 9110
+/// requires, naming the methods the route does have (`allow`, e.g. `GET, DELETE`).
+pub async fn method_not_allowed(allow: &'static str) -> HttpResponse {
+    let mut response = ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "method_not_allowed",
-        "this route does not accept that method",
-    ))
+        format!("this route accepts {allow} only"),
+    )
+    .error_response();
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    response
+}
+
+/// The OpenAPI document of this API: the contract the server is checked against.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    responses(
+        (status = 200, description = "The OpenAPI 3 document", content_type = "application/json"),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn openapi_document() -> HttpResponse {
+    HttpResponse::Ok().json(super::openapi::document())
 }

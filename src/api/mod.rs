@@ -22,7 +22,7 @@ use std::net::TcpListener;
 
 use actix_web::dev::Server;
 use actix_web::middleware::from_fn;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{App, HttpServer, Resource, web};
 
 pub use auth::ApiToken;
 pub use body::MAX_BODY_BYTES;
@@ -54,46 +54,33 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
             .app_data(web::Data::new(token))
             .app_data(query_config)
             .app_data(path_config)
-            .route("/healthz", web::get().to(handlers::healthz))
-            .route("/readyz", web::get().to(handlers::readyz))
+            .service(resource("", "/healthz").get(handlers::healthz))
+            .service(resource("", "/readyz").get(handlers::readyz))
             .service(
                 web::scope("/v1")
                     .wrap(from_fn(auth::require_token))
+                    .service(resource("/v1", "/proxies").get(handlers::list_proxies))
+                    .service(resource("/v1", "/leases").post(handlers::acquire))
                     .service(
-                        web::resource("/proxies")
-                            .get(handlers::list_proxies)
-                            .default_service(web::to(handlers::method_not_allowed)),
-                    )
-                    .service(
-                        web::resource("/leases")
-                            .post(handlers::acquire)
-                            .default_service(web::to(handlers::method_not_allowed)),
-                    )
-                    .service(
-                        web::resource("/leases/{id}")
+                        resource("/v1", "/leases/{id}")
                             .get(handlers::get_lease)
-                            .delete(handlers::release)
-                            .default_service(web::to(handlers::method_not_allowed)),
+                            .delete(handlers::release),
                     )
-                    .service(
-                        web::resource("/leases/{id}/renew")
-                            .post(handlers::renew)
-                            .default_service(web::to(handlers::method_not_allowed)),
-                    )
-                    .service(
-                        web::resource("/leases/{id}/report")
-                            .post(handlers::report)
-                            .default_service(web::to(handlers::method_not_allowed)),
-                    )
-                    .service(
-                        web::resource("/openapi.json")
-                            .get(|| async { HttpResponse::Ok().json(openapi::document()) })
-                            .default_service(web::to(handlers::method_not_allowed)),
-                    )
+                    .service(resource("/v1", "/leases/{id}/renew").post(handlers::renew))
+                    .service(resource("/v1", "/leases/{id}/report").post(handlers::report))
+                    .service(resource("/v1", "/openapi.json").get(handlers::openapi_document))
                     .default_service(web::to(handlers::not_found)),
             )
             .default_service(web::to(handlers::not_found));
     }
+}
+
+/// The route `path` inside the scope `scope`: any method the OpenAPI document does not give
+/// it answers 405 with an `Allow` header naming those it does (RFC 9110), so the header and
+/// the document cannot disagree.
+fn resource(scope: &str, path: &str) -> Resource {
+    let allow = openapi::allowed_methods(&format!("{scope}{path}")).unwrap_or_default();
+    web::resource(path).default_service(web::to(move || handlers::method_not_allowed(allow)))
 }
 
 /// Starts the API on an already bound listener. The returned server runs until its handle is

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::bound::{DEFAULT_MAX_SIZE, check_max_size};
 use super::error::LedgerError;
 
 /// Upper bound of every configured duration, so timestamps stay in range.
@@ -40,6 +41,9 @@ pub struct LedgerConfig {
     pub cooldown: Duration,
     /// How long lease history is kept.
     pub history_retention: Duration,
+    /// Bytes the database file and its WAL may take together (`--ledger-max-size`); the
+    /// oldest history is pruned to stay within it (see the `bound` module).
+    pub max_size: u64,
     /// What an acknowledged write survives.
     pub durability: Durability,
     /// Writes that may wait for the writer; one more is refused at once with
@@ -60,6 +64,7 @@ impl Default for LedgerConfig {
             max_ttl: Duration::from_secs(3600),
             cooldown: Duration::from_secs(600),
             history_retention: Duration::from_secs(7 * 24 * 3600),
+            max_size: DEFAULT_MAX_SIZE,
             durability: Durability::Normal,
             queue_capacity: 4096,
             queue_deadline: Duration::from_secs(2),
@@ -86,6 +91,7 @@ impl LedgerConfig {
                 self.queue_capacity, self.max_batch
             ));
         }
+        check_max_size(self.max_size).map_err(LedgerError::Config)?;
         for (name, value) in [
             ("max_ttl", self.max_ttl),
             ("cooldown", self.cooldown),
@@ -119,7 +125,7 @@ mod tests {
 
     #[test]
     fn configs_that_cannot_work_are_refused() {
-        let cases: [(&str, LedgerConfig, bool); 6] = [
+        let cases: [(&str, LedgerConfig, bool); 7] = [
             ("defaults", LedgerConfig::default(), true),
             (
                 "zero max TTL",
@@ -149,6 +155,14 @@ mod tests {
                 "empty batches",
                 LedgerConfig {
                     max_batch: 0,
+                    ..LedgerConfig::default()
+                },
+                false,
+            ),
+            (
+                "a size bound that holds nothing",
+                LedgerConfig {
+                    max_size: 64 * 1024,
                     ..LedgerConfig::default()
                 },
                 false,

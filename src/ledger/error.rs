@@ -39,6 +39,15 @@ pub enum LedgerError {
     /// caller of the batch.
     #[error("the ledger could not record this write's batch (nothing of it was recorded): {0}")]
     BatchFailed(Arc<rusqlite::Error>),
+    /// The batch this write was part of found the ledger full: SQLite answered SQLITE_FULL
+    /// because the disk is full or the file reached its size bound (`max_size`). Nothing of
+    /// the batch was recorded and memory was rolled back, as for [`LedgerError::BatchFailed`];
+    /// the writer prunes the oldest history at once, so a retry may well succeed.
+    #[error("the lease ledger is full (disk full or at its size bound); retry in {retry_after:?}")]
+    Full {
+        /// How long the caller should wait before retrying.
+        retry_after: Duration,
+    },
     /// The ledger was shut down (or its writer stopped); no write is accepted any more.
     #[error("the lease ledger is shut down")]
     Closed,

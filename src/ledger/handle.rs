@@ -16,6 +16,7 @@ use super::config::LedgerConfig;
 use super::counts::Counts;
 use super::error::LedgerError;
 use super::lease::{AcquireOutcome, AcquireRequest, Lease, ReportResult, SweepStats};
+use super::space::Space;
 use super::store::{self, ReaderPool};
 use super::writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Shared, Writer, WriterStats};
 
@@ -59,7 +60,7 @@ impl Ledger {
         clock: Arc<dyn Clock>,
     ) -> Result<Ledger, LedgerError> {
         config.validate()?;
-        let conn = store::open_writer(path, config.durability)?;
+        let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
         let state = store::load_state(&conn, clock.now().as_millisecond()).map_err(|source| {
             LedgerError::Open {
                 path: path.to_owned(),
@@ -78,6 +79,8 @@ impl Ledger {
             config: config.clone(),
             queue: receiver,
             shared: shared.clone(),
+            bound,
+            space: Space::default(),
         };
         let thread = std::thread::Builder::new()
             .name("ledger-writer".into())
@@ -101,6 +104,18 @@ impl Ledger {
     /// The ledger file.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// Bytes the ledger takes on disk now: the database file plus its write-ahead log (what
+    /// the size bound covers). A file that cannot be read counts as empty.
+    pub fn disk_bytes(&self) -> u64 {
+        let mut wal = self.inner.path.clone().into_os_string();
+        wal.push("-wal");
+        [self.inner.path.as_os_str(), wal.as_os_str()]
+            .into_iter()
+            .filter_map(|file| std::fs::metadata(file).ok())
+            .map(|metadata| metadata.len())
+            .sum()
     }
 
     /// Grants a lease on the best candidate (see the selection order) or says why none could

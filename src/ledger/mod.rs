@@ -28,10 +28,19 @@
 //! The state journals every change of the batch. If a statement or the COMMIT fails, the
 //! transaction is rolled back, the journal undoes the batch in memory, and every caller of the
 //! batch gets [`LedgerError::BatchFailed`] — memory matches the file again, and nothing of the
-//! batch was acknowledged. Readers never see a batch before its commit: the counts they read
-//! ([`Ledger::active_counts`], [`Ledger::active_total`], [`Ledger::cooldowns_active`]) are a
-//! view the writer refreshes after each COMMIT (only for what the batch touched) and before
-//! answering; a lease is read through a pool of WAL readers. No read waits for a write.
+//! batch was acknowledged; when the failure is SQLITE_FULL (the disk, or the file's page
+//! limit) they get [`LedgerError::Full`] instead, which says when to retry. Readers never see
+//! a batch before its commit: the counts they read ([`Ledger::active_counts`],
+//! [`Ledger::active_total`], [`Ledger::cooldowns_active`]) are a view the writer refreshes
+//! after each COMMIT (only for what the batch touched) and before answering; a lease is read
+//! through a pool of WAL readers. No read waits for a write.
+//!
+//! # Size bound
+//!
+//! The file and its WAL stay within `max_size` (`bound.rs` has the arithmetic): SQLite caps
+//! the file's pages (`max_page_count`), the writer prunes the oldest history between batches
+//! once the file nears the cap (`space.rs`), and housekeeping may use pages kept back from
+//! client writes, so the sweep can free space when writes no longer fit.
 //!
 //! # Bounded waiting
 //!
@@ -54,6 +63,7 @@
 //! fingerprint are columns of the lease row (kept as long as the row is retained), so replays
 //! work after a restart.
 
+mod bound;
 mod clock;
 mod config;
 mod counts;
@@ -62,10 +72,12 @@ mod handle;
 mod lease;
 mod schema;
 mod selection;
+mod space;
 mod state;
 mod store;
 mod writer;
 
+pub use bound::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Durability, LedgerConfig};
 pub use error::LedgerError;

@@ -12,6 +12,7 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::types::Type;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
+use super::bound::{SizeBound, Usage};
 use super::config::Durability;
 use super::error::LedgerError;
 use super::lease::{Lease, LeaseState, ReportResult, SweepStats};
@@ -31,9 +32,14 @@ const WRITER_CACHE_KIB: i64 = 32 * 1024;
 /// The readers' connection pool.
 pub(crate) type ReaderPool = Pool<SqliteConnectionManager>;
 
-/// Opens (creating if needed) the file, switches it to WAL and applies pending migrations;
-/// returns the connection the writer will own. Refuses a file written by a newer binary.
-pub(crate) fn open_writer(path: &Path, durability: Durability) -> Result<Connection, LedgerError> {
+/// Opens (creating if needed) the file, switches it to WAL, applies pending migrations and
+/// the size bound of `max_size` bytes; returns the connection the writer will own and the
+/// bound's limits. Refuses a file written by a newer binary.
+pub(crate) fn open_writer(
+    path: &Path,
+    durability: Durability,
+    max_size: u64,
+) -> Result<(Connection, SizeBound), LedgerError> {
     let open_error = |source| LedgerError::Open {
         path: path.to_owned(),
         source,
@@ -64,7 +70,107 @@ pub(crate) fn open_writer(path: &Path, durability: Durability) -> Result<Connect
     );
     conn.pragma_update(None, "cache_size", -WRITER_CACHE_KIB)
         .map_err(open_error)?;
-    Ok(conn)
+    let page_size: i64 = conn
+        .pragma_query_value(None, "page_size", |row| row.get(0))
+        .map_err(open_error)?;
+    let page_size = from_sql_int(page_size);
+    let bound = SizeBound::new(max_size, page_size).map_err(LedgerError::Config)?;
+    apply_bound(&conn, &bound).map_err(open_error)?;
+    let usage = usage(&conn).map_err(open_error)?;
+    if usage.pages > bound.housekeeping_pages {
+        log::warn!(
+            "ledger {} is {} bytes, more than its size bound leaves the file ({} bytes): the \
+             oldest history is pruned to make room, but the file only shrinks with an offline \
+             VACUUM",
+            path.display(),
+            usage.pages * page_size,
+            bound.housekeeping_pages * page_size
+        );
+    }
+    Ok((conn, bound))
+}
+
+/// Keeps the WAL within its allowance (checkpoint at half of it, truncate back to it after a
+/// reset) and caps the file at the client writes' page limit.
+fn apply_bound(conn: &Connection, bound: &SizeBound) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_size_limit", to_sql_int(bound.wal_limit))?;
+    conn.pragma_update(
+        None,
+        "wal_autocheckpoint",
+        to_sql_int(bound.checkpoint_frames),
+    )?;
+    set_page_limit(conn, bound.client_pages)
+}
+
+/// Caps the database at `pages` (`max_page_count`): a write needing a page past it fails
+/// with SQLITE_FULL. SQLite never sets it below the current page count.
+pub(crate) fn set_page_limit(conn: &Connection, pages: u64) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "max_page_count", to_sql_int(pages))
+}
+
+/// Pages of the database and how many are free, as this connection sees them.
+pub(crate) fn usage(conn: &Connection) -> rusqlite::Result<Usage> {
+    conn.prepare_cached(
+        "SELECT (SELECT page_count FROM pragma_page_count()), \
+         (SELECT freelist_count FROM pragma_freelist_count())",
+    )?
+    .query_row([], |row| {
+        Ok(Usage {
+            pages: from_sql_int(row.get(0)?),
+            free: from_sql_int(row.get(1)?),
+        })
+    })
+}
+
+/// Rows of lease history. History is deleted only from its start, so the span of `seq` is
+/// its size, read from the two ends of the table instead of a scan.
+pub(crate) fn history_rows(conn: &Connection) -> rusqlite::Result<u64> {
+    conn.prepare_cached("SELECT coalesce(max(seq) - min(seq) + 1, 0) FROM lease_events")?
+        .query_row([], |row| row.get(0).map(from_sql_int))
+}
+
+/// What one prune step deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Pruned {
+    pub events: u64,
+    pub leases: u64,
+}
+
+/// Deletes up to `rows` of the oldest history. Only when the history runs out does it go on
+/// to finished leases, oldest expiry first, which late reports could still have named: never
+/// an active lease, and never a released lease whose request ID may still be replayed (its
+/// window, up to `expires_at`, is open at `now`).
+pub(crate) fn prune_oldest(conn: &Connection, rows: u64, now: i64) -> rusqlite::Result<Pruned> {
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    let events = count(
+        conn.prepare_cached(
+            "DELETE FROM lease_events WHERE seq < \
+             (SELECT min(seq) FROM lease_events) + ?1",
+        )?
+        .execute([to_sql_int(rows)])?,
+    );
+    let leases = match rows.saturating_sub(events) {
+        0 => 0,
+        rest => count(
+            conn.prepare_cached(
+                "DELETE FROM leases WHERE id IN (SELECT id FROM leases \
+                 WHERE state <> 'active' AND (request_id IS NULL OR expires_at <= ?1) \
+                 ORDER BY expires_at LIMIT ?2)",
+            )?
+            .execute(rusqlite::params![now, to_sql_int(rest)])?,
+        ),
+    };
+    Ok(Pruned { events, leases })
+}
+
+/// A count or size as an SQL integer (saturating; the sizes here are far below the limit).
+fn to_sql_int(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// An SQL count or size (never negative) as a count.
+fn from_sql_int(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
 }
 
 /// The pool `get` reads through: WAL readers never wait for the writer.
@@ -233,24 +339,28 @@ pub(crate) fn report(
     Ok(())
 }
 
-/// Marks leases past their expiry as expired (one `expired` event each, timed at the expiry),
-/// deletes finished leases whose expiry is older than `retained_ms`, ended cooldowns, and
-/// history older than `retention_ms`. History is deleted from its start up to the first row
-/// inside the retention period, so the scan touches only what it deletes.
+/// Marks leases past their expiry as expired (with one `expired` event each, timed at the
+/// expiry, when `expiry_events`), deletes finished leases whose expiry is older than
+/// `retained_ms`, ended cooldowns, and history older than `retention_ms`. History is deleted
+/// from its start up to the first row inside the retention period, so the scan touches only
+/// what it deletes.
 pub(crate) fn sweep(
     conn: &Connection,
     now: i64,
     retained_ms: i64,
     retention_ms: i64,
+    expiry_events: bool,
 ) -> rusqlite::Result<SweepStats> {
-    conn.prepare_cached(
-        "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
+    if expiry_events {
+        conn.prepare_cached(
+            "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
          proxy_uid, target, expires_at) \
          SELECT expires_at, id, 'expired', proxy_namespace, proxy_name, proxy_uid, \
          target, expires_at FROM leases \
          WHERE state = 'active' AND expires_at <= ?1 ORDER BY expires_at",
-    )?
-    .execute([now])?;
+        )?
+        .execute([now])?;
+    }
     let expired = conn
         .prepare_cached(
             "UPDATE leases SET state = 'expired' WHERE state = 'active' AND expires_at <= ?1",
@@ -406,4 +516,119 @@ pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Res
 fn timestamp(ms: i64) -> rusqlite::Result<Timestamp> {
     Timestamp::from_millisecond(ms)
         .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, Type::Integer, Box::new(e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(uid: &str, expires_at: i64, request_id: Option<&str>) -> ActiveLease {
+        ActiveLease {
+            proxy: Arc::new(ProxyId {
+                namespace: "crawl".into(),
+                name: uid.into(),
+                uid: uid.into(),
+            }),
+            target: Some("t.example".into()),
+            acquired_at: 10,
+            expires_at,
+            ttl_ms: expires_at - 10,
+            request_id: request_id.map(Arc::from),
+        }
+    }
+
+    fn ids(conn: &Connection) -> Vec<String> {
+        let mut statement = conn.prepare("SELECT id FROM leases ORDER BY id").unwrap();
+        statement
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    #[test]
+    fn pruning_takes_history_first_then_finished_leases_no_replay_can_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (conn, _) = open_writer(
+            &dir.path().join("ledger.db"),
+            Durability::Normal,
+            crate::ledger::DEFAULT_MAX_SIZE,
+        )
+        .unwrap();
+        let now = 1_000;
+        // (id, expiry, request ID, released at `now - 1`)
+        let leases = [
+            ("active", 5_000, None, false),
+            ("released-open-window", 4_000, Some("r1"), true),
+            ("released-closed-window", 300, Some("r2"), true),
+            ("released-no-request", 200, None, true),
+            ("expired", 400, None, false),
+        ];
+        for (id, expires_at, request_id, released) in leases {
+            let lease = lease(id, expires_at, request_id);
+            insert_lease(&conn, id, &lease, request_id.map(|_| "fp")).unwrap();
+            if released {
+                release_lease(&conn, id, &lease, now - 1).unwrap();
+            }
+        }
+        sweep(&conn, now, 1_000_000, 1_000_000, true).unwrap();
+        assert_eq!(history_rows(&conn).unwrap(), 9);
+
+        // History goes first, oldest first.
+        let pruned = prune_oldest(&conn, 4, now).unwrap();
+        assert_eq!(
+            pruned,
+            Pruned {
+                events: 4,
+                leases: 0
+            }
+        );
+        let first: i64 = conn
+            .query_row("SELECT min(seq) FROM lease_events", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(first, 5);
+        // Then finished leases, oldest expiry first, once the history has run out.
+        let pruned = prune_oldest(&conn, 7, now).unwrap();
+        assert_eq!(
+            pruned,
+            Pruned {
+                events: 5,
+                leases: 2
+            }
+        );
+        assert_eq!(
+            ids(&conn),
+            ["active", "expired", "released-open-window"],
+            "the two oldest finished leases went"
+        );
+        // Never an active lease, nor one whose request ID may still be replayed.
+        let pruned = prune_oldest(&conn, 100, now).unwrap();
+        assert_eq!(
+            pruned,
+            Pruned {
+                events: 0,
+                leases: 1
+            }
+        );
+        assert_eq!(ids(&conn), ["active", "released-open-window"]);
+        assert_eq!(prune_oldest(&conn, 100, now).unwrap(), Pruned::default());
+        assert_eq!(history_rows(&conn).unwrap(), 0);
+    }
+
+    #[test]
+    fn the_writer_connection_carries_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let (conn, bound) =
+            open_writer(&dir.path().join("ledger.db"), Durability::Normal, 16 << 20).unwrap();
+        let pragma =
+            |name: &str| -> i64 { conn.pragma_query_value(None, name, |r| r.get(0)).unwrap() };
+        assert_eq!(pragma("journal_size_limit"), 2 << 20);
+        assert_eq!(
+            pragma("wal_autocheckpoint"),
+            to_sql_int(bound.checkpoint_frames)
+        );
+        assert_eq!(pragma("max_page_count"), to_sql_int(bound.client_pages));
+        let usage = usage(&conn).unwrap();
+        assert!(usage.pages > 0 && usage.used() <= usage.pages, "{usage:?}");
+    }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use super::bound::{Check, SizeBound};
 use super::clock::Clock;
 use super::config::{LedgerConfig, millis};
 use super::counts::Counts;
@@ -17,6 +18,7 @@ use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseState, ReportResult, SweepStats, new_lease_id,
 };
+use super::space::{Space, is_full};
 use super::state::{AcquireDecision, ActiveLease, LedgerState, RenewOutcome};
 use super::store;
 
@@ -53,6 +55,9 @@ pub(crate) enum Job {
     },
 }
 
+/// A write taken from the queue, with its deadline.
+pub(super) type Queued = (Job, Option<Duration>);
+
 /// What travels through the queue.
 pub(crate) enum Message {
     /// A write and the moment (on the clock's monotonic time) past which it is refused
@@ -80,6 +85,14 @@ pub struct WriterStats {
     pub refused_deadline: u64,
     /// Acquires skipped because their caller had gone before their turn.
     pub abandoned: u64,
+    /// Failed batches that found the ledger full (SQLITE_FULL); also in `failed_batches`.
+    pub full_batches: u64,
+    /// Transactions that pruned the oldest rows to keep the file within its size bound.
+    pub prune_steps: u64,
+    /// History rows those deleted.
+    pub pruned_events: u64,
+    /// Finished leases those deleted once the history had run out.
+    pub pruned_leases: u64,
 }
 
 impl WriterStats {
@@ -116,14 +129,34 @@ impl Shared {
     }
 }
 
+/// Why a batch's transaction failed; every write of the batch is answered with it.
+#[derive(Debug, Clone)]
+pub(super) enum BatchError {
+    /// SQLITE_FULL: the disk is full or the file reached its page limit.
+    Full { retry_after: Duration },
+    /// Anything else.
+    Failed(Arc<rusqlite::Error>),
+}
+
+impl BatchError {
+    fn to_ledger_error(&self) -> LedgerError {
+        match self {
+            BatchError::Full { retry_after } => LedgerError::Full {
+                retry_after: *retry_after,
+            },
+            BatchError::Failed(error) => LedgerError::BatchFailed(error.clone()),
+        }
+    }
+}
+
 /// Answers one write once its batch's fate is known: with its own result after a COMMIT, with
 /// the batch's error otherwise.
-type Settle = Box<dyn FnOnce(Option<&Arc<rusqlite::Error>>) + Send>;
+type Settle = Box<dyn FnOnce(Option<&BatchError>) + Send>;
 
 fn settle<T: Send + 'static>(reply: Reply<T>, result: Result<T, LedgerError>) -> Settle {
     Box::new(move |failed| {
         let answer = match failed {
-            Some(error) => Err(LedgerError::BatchFailed(error.clone())),
+            Some(error) => Err(error.to_ledger_error()),
             None => result,
         };
         // The caller may have gone; then nobody needs the answer.
@@ -159,6 +192,12 @@ impl Job {
             Job::Sweep { reply } => send(reply, error()),
         }
     }
+
+    /// Housekeeping frees space, so it runs alone in its own transaction, where it may use
+    /// the pages kept back from client writes.
+    fn is_housekeeping(&self) -> bool {
+        matches!(self, Job::Sweep { .. })
+    }
 }
 
 /// The writer thread's state.
@@ -170,6 +209,10 @@ pub(crate) struct Writer {
     pub config: LedgerConfig,
     pub queue: Receiver<Message>,
     pub shared: Arc<Shared>,
+    /// The page limits and marks of the size bound.
+    pub bound: SizeBound,
+    /// Where the writer stands with the size bound.
+    pub space: Space,
 }
 
 /// How long an overloaded caller is told to wait: the smallest `Retry-After` the API can say.
@@ -179,13 +222,32 @@ pub(crate) const OVERLOADED_RETRY_AFTER: Duration = Duration::from_secs(1);
 impl Writer {
     /// Serves batches until told to stop or every handle is gone.
     pub fn run(mut self) {
+        // A file over a lowered bound is pruned while no write waits.
+        self.keep_in_bound(Check::AfterBatch { pruning: false });
+        self.prune_while_idle();
         let mut stopping = false;
-        while !stopping {
-            let first = match self.queue.recv() {
-                Ok(Message::Job { job, deadline }) => (job, deadline),
-                Ok(Message::Stop) | Err(_) => break,
+        // A housekeeping job met while collecting a batch; it runs next, on its own.
+        let mut next: Option<Queued> = None;
+        loop {
+            let first = match next.take() {
+                Some(queued) => queued,
+                None if stopping => break,
+                None => match self.queue.recv() {
+                    Ok(Message::Job { job, deadline }) => {
+                        self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+                        (job, deadline)
+                    }
+                    Ok(Message::Stop) | Err(_) => break,
+                },
             };
-            self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+            if first.0.is_housekeeping() {
+                self.housekeeping(first);
+                self.keep_in_bound(Check::AfterBatch {
+                    pruning: self.space.pruning,
+                });
+                self.prune_while_idle();
+                continue;
+            }
             // Begin before collecting the batch: whatever queues while the transaction waits
             // for the file's write lock joins this batch.
             let begun = self.conn.execute_batch("BEGIN IMMEDIATE");
@@ -194,6 +256,10 @@ impl Writer {
                 match self.queue.try_recv() {
                     Ok(Message::Job { job, deadline }) => {
                         self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+                        if job.is_housekeeping() {
+                            next = Some((job, deadline));
+                            break;
+                        }
                         batch.push((job, deadline));
                     }
                     Ok(Message::Stop) => {
@@ -206,14 +272,18 @@ impl Writer {
             self.note_batch(batch.len());
             match begun {
                 Ok(()) => self.run_batch(batch),
-                Err(error) => self.fail(Arc::new(error), Vec::new(), batch),
+                Err(error) => self.fail(error, Vec::new(), batch),
             }
+            self.keep_in_bound(Check::AfterBatch {
+                pruning: self.space.pruning,
+            });
+            self.prune_while_idle();
         }
         log::debug!("ledger writer stopped");
     }
 
     /// Decides the batch's writes in order inside the open transaction and commits them.
-    fn run_batch(&mut self, batch: Vec<(Job, Option<Duration>)>) {
+    pub(super) fn run_batch(&mut self, batch: Vec<Queued>) {
         let mut settled: Vec<Settle> = Vec::with_capacity(batch.len());
         let mut jobs = batch.into_iter();
         while let Some((job, deadline)) = jobs.next() {
@@ -227,14 +297,15 @@ impl Writer {
             let (answer, failed) = self.decide(job);
             settled.extend(answer);
             if let Some(error) = failed {
-                self.fail(Arc::new(error), settled, jobs.collect());
+                self.fail(error, settled, jobs.collect());
                 return;
             }
         }
         if let Err(error) = self.conn.execute_batch("COMMIT") {
-            self.fail(Arc::new(error), settled, Vec::new());
+            self.fail(error, settled, Vec::new());
             return;
         }
+        self.writable_again();
         let touched = self.state.commit();
         if !touched.proxies.is_empty() || !touched.cooldowns.is_empty() {
             self.counts
@@ -247,26 +318,33 @@ impl Writer {
         }
     }
 
-    /// Rolls the file and memory back and answers every write of the batch with `error`.
-    fn fail(
+    /// Rolls the file and memory back and answers every write of the batch with `error` (a
+    /// full ledger as such, see [`Writer::full`]).
+    pub(super) fn fail(
         &mut self,
-        error: Arc<rusqlite::Error>,
+        error: rusqlite::Error,
         settled: Vec<Settle>,
-        undecided: Vec<(Job, Option<Duration>)>,
+        undecided: Vec<Queued>,
     ) {
-        log::error!("ledger batch failed, rolled back: {error}");
+        // SQLite may have rolled the transaction back itself (it does on a full disk).
         if !self.conn.is_autocommit()
             && let Err(rollback) = self.conn.execute_batch("ROLLBACK")
         {
             log::error!("ledger rollback failed: {rollback}");
         }
         self.state.rollback();
-        self.count(|s| s.failed_batches += 1);
+        let error = if is_full(&error) {
+            self.full(&error)
+        } else {
+            log::error!("ledger batch failed, rolled back: {error}");
+            self.count(|s| s.failed_batches += 1);
+            BatchError::Failed(Arc::new(error))
+        };
         for settle in settled {
             settle(Some(&error));
         }
         for (job, _) in undecided {
-            job.refuse(|| LedgerError::BatchFailed(error.clone()));
+            job.refuse(|| error.to_ledger_error());
         }
     }
 
@@ -307,13 +385,40 @@ impl Writer {
         Ok(Ok(()))
     }
 
+    /// Marks expired leases and prunes what is past its time. When even the housekeeping page
+    /// limit is too small for the `expired` history rows, the expiries are marked without them
+    /// (history is what pruning would delete first anyway), so leases that ended always stop
+    /// taking room.
     fn sweep(&mut self, now: i64) -> Decision<SweepStats> {
-        let stats = store::sweep(
-            &self.conn,
-            now,
-            millis(self.config.cooldown),
-            millis(self.config.history_retention),
-        )?;
+        let sweep = |expiry_events| {
+            store::sweep(
+                &self.conn,
+                now,
+                millis(self.config.cooldown),
+                millis(self.config.history_retention),
+                expiry_events,
+            )
+        };
+        self.conn.execute_batch("SAVEPOINT sweep")?;
+        let stats = match sweep(true) {
+            Err(error) if is_full(&error) && !self.conn.is_autocommit() => {
+                self.conn
+                    .execute_batch("ROLLBACK TO sweep; RELEASE sweep")?;
+                let stats = sweep(false)?;
+                if stats.expired > 0 {
+                    log::warn!(
+                        "ledger full: marked {} leases expired without their history rows",
+                        stats.expired
+                    );
+                }
+                stats
+            }
+            result => {
+                let stats = result?;
+                self.conn.execute_batch("RELEASE sweep")?;
+                stats
+            }
+        };
         let swept = self.state.sweep(now);
         if swept.expired != stats.expired || swept.cooldowns != stats.cooldowns_pruned {
             log::error!(
@@ -438,7 +543,7 @@ impl Writer {
         }
     }
 
-    fn note_batch(&self, size: usize) {
+    pub(super) fn note_batch(&self, size: usize) {
         self.count(|s| {
             s.batches += 1;
             if s.batch_sizes.len() <= size {
@@ -448,7 +553,7 @@ impl Writer {
         });
     }
 
-    fn count(&self, update: impl FnOnce(&mut WriterStats)) {
+    pub(super) fn count(&self, update: impl FnOnce(&mut WriterStats)) {
         update(
             &mut self
                 .shared

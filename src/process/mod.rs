@@ -77,6 +77,7 @@ impl Core {
             max_ttl: common.max_lease_ttl,
             cooldown: common.lease_cooldown,
             history_retention: common.history_retention,
+            max_size: common.ledger_max_size,
             durability: common.ledger_durability.into(),
             queue_capacity: usize::try_from(common.ledger_queue_capacity).unwrap_or(usize::MAX),
             queue_deadline: common.ledger_queue_deadline,

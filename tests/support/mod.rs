@@ -9,6 +9,7 @@ pub mod envtest;
 pub mod kubelet;
 pub mod operator;
 pub mod squid;
+pub mod standalone;
 pub mod target;
 
 pub use envtest::ControlPlane;

@@ -1,0 +1,278 @@
+//! The ledger's size bound (`max_size`, `--ledger-max-size`): how its bytes are split between
+//! the database file and the write-ahead log, and when and how much of the oldest history is
+//! pruned. Pure arithmetic over page counts, so every decision is tested without a file.
+//!
+//! The bound covers the database file and its WAL together. The WAL gets an allowance (an
+//! eighth of the bound, at most 8 MiB): a commit checkpoints once half of it is written
+//! (`wal_autocheckpoint`) and a reset WAL is truncated back to it (`journal_size_limit`). The
+//! rest is the database's page budget, enforced by SQLite with `max_page_count`: a write that
+//! would need a page past it fails with SQLITE_FULL, so the file never outgrows the bound.
+//! Within the page budget:
+//!
+//! - below the high-water mark (7/8 of the pages) the ledger just grows;
+//! - above it the writer prunes the oldest history, one bounded transaction after each batch,
+//!   until the used pages are down to the low-water mark (3/4); freed pages are reused by
+//!   later writes, so the file stays at its size instead of shrinking (no VACUUM);
+//! - client writes may fill pages up to 15/16 (their `max_page_count`); the last sixteenth is
+//!   kept for housekeeping (the sweep and pruning), which frees space and so must still run
+//!   when client writes no longer can.
+
+/// Smallest bound accepted: room for the schema, the WAL allowance and a few thousand leases.
+pub const MIN_MAX_SIZE: u64 = 1 << 20;
+/// Default bound: half of the 1 GiB volume the manifests ship, leaving the other half for
+/// the `-shm` file, a temporary copy by an offline `VACUUM`, and slack.
+pub const DEFAULT_MAX_SIZE: u64 = 512 << 20;
+/// Largest WAL allowance: enough for SQLite's usual checkpoint interval (about 1000 pages)
+/// twice over; a longer WAL only slows readers down.
+const MAX_WAL_ALLOWANCE: u64 = 8 << 20;
+/// Bytes of a WAL frame besides its page.
+const WAL_FRAME_HEADER: u64 = 24;
+/// Fewest rows one prune step deletes, so a step always outpaces what a batch adds.
+const MIN_PRUNE_ROWS: u64 = 256;
+
+/// Pages of the database file as SQLite counts them (`page_count`, `freelist_count`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Usage {
+    /// Pages of the database, free or used.
+    pub pages: u64,
+    /// Pages on the free list, reused before the file grows.
+    pub free: u64,
+}
+
+impl Usage {
+    /// Pages holding data.
+    pub fn used(self) -> u64 {
+        self.pages.saturating_sub(self.free)
+    }
+}
+
+/// Why the writer looks at its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// After a batch; `pruning` says whether the last check started or continued pruning.
+    AfterBatch {
+        /// A pruning episode is under way (hysteresis between the two marks).
+        pruning: bool,
+    },
+    /// A batch just failed with SQLITE_FULL: prune even below the marks, since the disk
+    /// itself may be what is full, and reused pages need no new disk space.
+    AfterFull,
+}
+
+/// The page limits and marks of one ledger file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SizeBound {
+    /// The file's page size in bytes.
+    pub page_size: u64,
+    /// WAL bytes kept after a reset (`journal_size_limit`).
+    pub wal_limit: u64,
+    /// WAL frames after which a commit checkpoints (`wal_autocheckpoint`).
+    pub checkpoint_frames: u64,
+    /// `max_page_count` while housekeeping runs: the whole page budget.
+    pub housekeeping_pages: u64,
+    /// `max_page_count` of client batches.
+    pub client_pages: u64,
+    /// Used pages above which pruning starts.
+    pub high_water: u64,
+    /// Used pages pruning brings the file back to.
+    pub low_water: u64,
+}
+
+impl SizeBound {
+    /// The limits for a bound of `max_size` bytes (file and WAL) on a file of `page_size`
+    /// bytes per page; refuses a bound too small to hold anything.
+    pub fn new(max_size: u64, page_size: u64) -> Result<SizeBound, String> {
+        check_max_size(max_size)?;
+        if !(512..=65536).contains(&page_size) || !page_size.is_power_of_two() {
+            return Err(format!("page size {page_size} is not an SQLite page size"));
+        }
+        let wal_limit = wal_allowance(max_size);
+        let housekeeping_pages = (max_size - wal_limit) / page_size;
+        Ok(SizeBound {
+            page_size,
+            wal_limit,
+            checkpoint_frames: (wal_limit / 2 / (page_size + WAL_FRAME_HEADER)).max(1),
+            housekeeping_pages,
+            client_pages: housekeeping_pages - housekeeping_pages / 16,
+            high_water: housekeeping_pages - housekeeping_pages / 8,
+            low_water: housekeeping_pages - housekeeping_pages / 4,
+        })
+    }
+
+    /// Bytes of the oldest history to prune now, or `None` when the file is within its marks.
+    /// Pruning starts above the high-water mark and goes on down to the low-water mark; after
+    /// SQLITE_FULL it frees at least one step's worth.
+    pub fn bytes_to_free(&self, usage: Usage, check: Check) -> Option<u64> {
+        let used = usage.used();
+        let above_low = used.saturating_sub(self.low_water) * self.page_size;
+        match check {
+            Check::AfterBatch { pruning: false } if used < self.high_water => None,
+            Check::AfterBatch { .. } if above_low == 0 => None,
+            Check::AfterBatch { .. } => Some(above_low),
+            Check::AfterFull => Some(above_low.max(self.step_bytes())),
+        }
+    }
+
+    /// Rows to delete in one prune step to free `bytes`, given the used pages and the rows of
+    /// history: the average row's share of the used bytes overestimates a history row (leases
+    /// and indexes share the pages), so a step frees at most what it is asked to and the next
+    /// check measures again. One step stays within a quarter of the WAL allowance, so pruning
+    /// never floods the WAL, and deletes at least [`MIN_PRUNE_ROWS`].
+    pub fn rows_to_prune(&self, bytes: u64, usage: Usage, history_rows: u64) -> u64 {
+        let used_bytes = usage.used().max(1) * self.page_size;
+        let row_bytes = (used_bytes / history_rows.max(1)).max(1);
+        let most = (self.step_bytes() / row_bytes).max(MIN_PRUNE_ROWS);
+        bytes.div_ceil(row_bytes).clamp(MIN_PRUNE_ROWS, most)
+    }
+
+    /// What one prune step may write to the WAL.
+    fn step_bytes(&self) -> u64 {
+        self.wal_limit / 4
+    }
+}
+
+/// Refuses a bound too small to hold anything.
+pub(crate) fn check_max_size(max_size: u64) -> Result<(), String> {
+    if max_size < MIN_MAX_SIZE {
+        return Err(format!(
+            "max_size {max_size} bytes is too small for the ledger: at least {MIN_MAX_SIZE} \
+             bytes (1 MiB) hold the schema, the WAL and a few thousand leases"
+        ));
+    }
+    Ok(())
+}
+
+/// The WAL's share of a bound of `max_size` bytes.
+pub(crate) fn wal_allowance(max_size: u64) -> u64 {
+    (max_size / 8).min(MAX_WAL_ALLOWANCE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_bound_is_split_between_the_wal_and_the_pages() {
+        // (max_size, page size, wal_limit, checkpoint frames, housekeeping, client, high, low)
+        let cases = [
+            (MIN_MAX_SIZE, 4096, MIB / 8, 15, 224, 210, 196, 168),
+            (16 * MIB, 4096, 2 * MIB, 254, 3584, 3360, 3136, 2688),
+            (
+                DEFAULT_MAX_SIZE,
+                4096,
+                8 * MIB,
+                1018,
+                129_024,
+                120_960,
+                112_896,
+                96_768,
+            ),
+            (16 * MIB, 65536, 2 * MIB, 15, 224, 210, 196, 168),
+        ];
+        for (max, page, wal, frames, housekeeping, client, high, low) in cases {
+            let bound = SizeBound::new(max, page).unwrap();
+            assert_eq!(
+                (
+                    bound.wal_limit,
+                    bound.checkpoint_frames,
+                    bound.housekeeping_pages,
+                    bound.client_pages,
+                    bound.high_water,
+                    bound.low_water
+                ),
+                (wal, frames, housekeeping, client, high, low),
+                "{max} bytes, {page}-byte pages"
+            );
+            // The file at its page limit plus a full WAL allowance fit in the bound.
+            assert!(bound.housekeeping_pages * page + bound.wal_limit <= max);
+            assert!(bound.low_water < bound.high_water && bound.high_water < bound.client_pages);
+            assert!(bound.client_pages < bound.housekeeping_pages);
+        }
+    }
+
+    #[test]
+    fn bounds_that_cannot_hold_a_ledger_are_refused() {
+        for (max, page) in [
+            (0, 4096),
+            (MIN_MAX_SIZE - 1, 4096),
+            (64 * 1024, 4096),
+            (MIB, 1000),
+            (MIB, 256),
+            (MIB, 131_072),
+        ] {
+            assert!(
+                SizeBound::new(max, page).is_err(),
+                "{max} bytes, {page}-byte pages"
+            );
+        }
+        let error = SizeBound::new(512 * 1024, 4096).unwrap_err();
+        assert!(error.contains("at least 1048576 bytes"), "{error}");
+    }
+
+    #[test]
+    fn pruning_starts_at_the_high_water_mark_and_stops_at_the_low_one() {
+        let bound = SizeBound::new(16 * MIB, 4096).unwrap();
+        let usage = |used: u64, free: u64| Usage {
+            pages: used + free,
+            free,
+        };
+        let idle = Check::AfterBatch { pruning: false };
+        let pruning = Check::AfterBatch { pruning: true };
+        let page = 4096;
+        let step = 2 * MIB / 4;
+        let cases = [
+            ("small file", usage(100, 0), idle, None),
+            ("just below high water", usage(3135, 0), idle, None),
+            ("at high water", usage(3136, 0), idle, Some(448 * page)),
+            ("free pages do not count", usage(3000, 500), idle, None),
+            ("over high water", usage(3400, 10), idle, Some(712 * page)),
+            (
+                "pruning goes on",
+                usage(3000, 600),
+                pruning,
+                Some(312 * page),
+            ),
+            ("pruning reached low water", usage(2688, 900), pruning, None),
+            ("below low water", usage(2000, 0), pruning, None),
+            (
+                "full below the marks",
+                usage(2000, 0),
+                Check::AfterFull,
+                Some(step),
+            ),
+            (
+                "full above low water",
+                usage(3584, 0),
+                Check::AfterFull,
+                Some(896 * page),
+            ),
+        ];
+        for (name, usage, check, want) in cases {
+            assert_eq!(bound.bytes_to_free(usage, check), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_prune_step_is_sized_by_the_average_row_and_capped_by_the_wal() {
+        let bound = SizeBound::new(16 * MIB, 4096).unwrap();
+        let usage = Usage {
+            pages: 3200,
+            free: 0,
+        };
+        // 3200 pages over 40,000 rows: 327 bytes a row.
+        let cases = [
+            ("a little", 4096, 40_000, MIN_PRUNE_ROWS),
+            ("some", 200_000, 40_000, 612),
+            ("more than a step may write", 4 * MIB, 40_000, 1603),
+            ("no history yet", 4 * MIB, 0, MIN_PRUNE_ROWS),
+            ("huge rows", 4 * MIB, 10, MIN_PRUNE_ROWS),
+        ];
+        for (name, bytes, rows, want) in cases {
+            assert_eq!(bound.rows_to_prune(bytes, usage, rows), want, "{name}");
+        }
+        let empty = Usage { pages: 0, free: 0 };
+        assert_eq!(bound.rows_to_prune(MIB, empty, 0), MIN_PRUNE_ROWS);
+    }
+}

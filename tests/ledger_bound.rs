@@ -1,0 +1,788 @@
+//! The ledger's size bound against real SQLite files: a long run of lease cycles stays within
+//! `max_size` (the database file plus its WAL) by pruning the oldest history, and a full
+//! ledger — at its page limit, or on a full file system (a small tmpfs) — refuses the writes
+//! of the batch with `LedgerError::Full` (the API's 503 `ledger_full`), keeps its memory equal
+//! to the file, loses nothing acknowledged, and takes writes again by itself once there is
+//! room. The API side runs a real actix server on loopback.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::ServerHandle;
+use jiff::Timestamp;
+use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
+use proxy_operator::health::{HealthSnapshot, ProxyHealth};
+use proxy_operator::inventory::Inventory;
+use proxy_operator::ledger::{
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
+    ManualClock, ReportResult, RequestKey,
+};
+use proxy_operator::metrics::LeaseMetrics;
+use proxy_operator::proxy::{Proxy, ProxyId, ProxySpec};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use support::sqlite3;
+use tempfile::TempDir;
+
+const MIB: u64 = 1 << 20;
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn start() -> Timestamp {
+    "2026-01-01T00:00:00Z".parse().unwrap()
+}
+
+fn candidates(count: usize, max_leases: u32) -> Arc<[Candidate]> {
+    (0..count)
+        .map(|i| Candidate {
+            proxy: Arc::new(ProxyId {
+                namespace: "crawl".into(),
+                name: format!("p{i}"),
+                uid: format!("uid-p{i}"),
+            }),
+            max_leases,
+            healthy: true,
+            latency: None,
+        })
+        .collect()
+}
+
+fn request(candidates: &Arc<[Candidate]>, target: &str, ttl: Duration) -> AcquireRequest {
+    AcquireRequest {
+        candidates: candidates.clone(),
+        target: Some(target.to_owned()),
+        ttl,
+        request: None,
+    }
+}
+
+fn granted(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
+    match outcome {
+        Ok(AcquireOutcome::Granted(lease)) => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+fn full<T: std::fmt::Debug>(answer: Result<T, LedgerError>) -> Duration {
+    match answer {
+        Err(LedgerError::Full { retry_after }) => retry_after,
+        other => panic!("expected the ledger to be full, got {other:?}"),
+    }
+}
+
+fn count(path: &Path, sql: &str) -> i64 {
+    rusqlite::Connection::open(path)
+        .unwrap()
+        .query_row(sql, [], |r| r.get(0))
+        .unwrap()
+}
+
+/// 200,000 acquire+release cycles (two history rows each, and a retained lease row for the
+/// cooldown window) through the ledger handle, 64 callers at once so group commit batches,
+/// against a 16 MiB bound: the file plus its WAL, sampled after every write, never exceed the
+/// bound; the oldest history is pruned and the recent history kept; nothing is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
+    const CYCLES: u64 = 200_000;
+    const CALLERS: usize = 64;
+    const BOUND: u64 = 16 * MIB;
+    /// Ledger time per cycle: 200,000 cycles span about 17 minutes.
+    const TICK: Duration = Duration::from_millis(5);
+    /// Cycles between sweeps: 10 s of ledger time, the production interval.
+    const SWEEP_EVERY: u64 = 2_000;
+    let began = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let clock = Arc::new(ManualClock::new(start()));
+    let config = LedgerConfig {
+        max_size: BOUND,
+        cooldown: MINUTE,
+        ..LedgerConfig::default()
+    };
+    let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
+    let pool = candidates(8, 1_000);
+    let next = Arc::new(AtomicU64::new(0));
+    let largest = Arc::new(AtomicU64::new(0));
+    let mut callers = tokio::task::JoinSet::new();
+    for _ in 0..CALLERS {
+        let (ledger, pool, next, largest, clock) = (
+            ledger.clone(),
+            pool.clone(),
+            next.clone(),
+            largest.clone(),
+            clock.clone(),
+        );
+        callers.spawn(async move {
+            loop {
+                let cycle = next.fetch_add(1, Ordering::Relaxed);
+                if cycle >= CYCLES {
+                    return;
+                }
+                let target = format!("site-{}.example", cycle % 50);
+                let lease = granted(ledger.acquire(request(&pool, &target, MINUTE)).await);
+                largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
+                ledger.release(&lease.id).await.unwrap();
+                largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
+                clock.advance(TICK);
+                if cycle % SWEEP_EVERY == 0 {
+                    ledger.sweep().await.unwrap();
+                }
+            }
+        });
+    }
+    while let Some(done) = callers.join_next().await {
+        done.unwrap();
+    }
+    let elapsed = began.elapsed();
+    let largest = largest.load(Ordering::Relaxed);
+    let stats = ledger.writer_stats();
+    eprintln!(
+        "{CYCLES} cycles in {elapsed:.1?}: largest file + WAL {largest} bytes ({:.2} MiB) of a \
+         {} MiB bound; {stats:?}, mean batch {:.1}",
+        largest as f64 / MIB as f64,
+        BOUND / MIB,
+        stats.mean_batch_size()
+    );
+    assert!(largest > 0);
+    assert!(
+        largest <= BOUND,
+        "file + WAL reached {largest} bytes, over the {BOUND}-byte bound"
+    );
+    assert_eq!(stats.full_batches, 0, "pruning kept up: {stats:?}");
+    assert!(
+        stats.prune_steps > 0 && stats.pruned_events > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.pruned_leases, 0, "history sufficed: {stats:?}");
+    assert_eq!(ledger.active_total(), 0);
+    ledger.self_check().await.unwrap();
+    tokio::task::spawn_blocking(move || ledger.shutdown())
+        .await
+        .unwrap();
+
+    // The oldest history is gone, the newest is all there: the last leases' rows, and a long
+    // unbroken run of recent history (pruning stops at the low-water mark).
+    let first_kept = count(&path, "SELECT min(at) FROM lease_events");
+    let last = count(&path, "SELECT max(at) FROM lease_events");
+    assert!(
+        first_kept > start().as_millisecond(),
+        "the first cycles' history is pruned"
+    );
+    let events = count(&path, "SELECT COUNT(*) FROM lease_events");
+    let span = count(&path, "SELECT max(seq) - min(seq) + 1 FROM lease_events");
+    assert_eq!(events, span, "history is pruned from its start only");
+    assert_eq!(
+        count(&path, "SELECT max(seq) FROM lease_events"),
+        2 * CYCLES as i64,
+        "the newest row is kept"
+    );
+    assert!(
+        events >= 20_000 && events < 2 * CYCLES as i64,
+        "{events} history rows kept"
+    );
+    assert_eq!(
+        count(&path, "SELECT COUNT(*) FROM leases WHERE state = 'active'"),
+        0
+    );
+    eprintln!(
+        "kept {events} history rows ({:.1} s of ledger time) in {:.2} MiB",
+        (last - first_kept) as f64 / 1000.0,
+        std::fs::metadata(&path).unwrap().len() as f64 / MIB as f64
+    );
+}
+
+/// A tmpfs on a fresh directory, unmounted when dropped: a file system that really fills up.
+struct Tmpfs {
+    dir: TempDir,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (mount(8) syntax). Mounting needs root; without it the test
+    /// is skipped, unless `CI` is set (CI runs as root).
+    fn mount(size: &str) -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output();
+        match mounted {
+            Ok(output) if output.status.success() => Some(Tmpfs { dir }),
+            other => {
+                assert!(
+                    std::env::var_os("CI").is_none(),
+                    "cannot mount a tmpfs (the full-disk tests need root): {other:?}"
+                );
+                eprintln!("cannot mount a tmpfs ({other:?}): skipping");
+                None
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Fills the file system with a filler file, then gives `leave` bytes back.
+    fn fill(&self, leave: u64) -> PathBuf {
+        use std::io::Write as _;
+        let filler = self.path().join("filler");
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![0u8; 4096];
+        loop {
+            match file.write_all(&chunk) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                Err(e) => panic!("filling {}: {e}", filler.display()),
+            }
+        }
+        let written = file.metadata().unwrap().len();
+        file.set_len(written.saturating_sub(leave)).unwrap();
+        filler
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        // Lazy: whatever still has a file open there lets go when it closes it.
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// Another connection holding the file's write lock, so the writer waits in its `BEGIN
+/// IMMEDIATE` while the test queues a batch behind it.
+struct FileLock(rusqlite::Connection);
+
+impl FileLock {
+    fn take(path: &Path) -> Self {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        FileLock(conn)
+    }
+
+    fn release(self) {
+        self.0.execute_batch("ROLLBACK").unwrap();
+    }
+}
+
+/// Polls a write once, which queues it; returns its answer if it already has one.
+async fn queue<F: Future + Unpin>(write: &mut F) -> Option<F::Output> {
+    match futures::poll!(write) {
+        Poll::Ready(answer) => Some(answer),
+        Poll::Pending => None,
+    }
+}
+
+/// Polls `condition` until it holds, failing after the shared deadline.
+async fn wait_until(what: &str, condition: impl FnMut() -> bool) {
+    support::wait_until(what, condition).await;
+}
+
+/// What the file holds of leases and cooldowns, row by row.
+fn file_leases(path: &Path) -> Vec<(String, String, i64)> {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let mut statement = conn
+        .prepare("SELECT id, state, expires_at FROM leases ORDER BY id")
+        .unwrap();
+    statement
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// A ledger that is full (at its page limit, or on a full disk), with `held`, a lease with a
+/// request ID and a cooldown, granted before it filled.
+struct Full {
+    path: PathBuf,
+    clock: Arc<ManualClock>,
+    ledger: Ledger,
+    pool: Arc<[Candidate]>,
+    held: Lease,
+    granted: Vec<Lease>,
+}
+
+impl Full {
+    /// Opens the ledger at `path`, takes `held`, runs `fill`, then acquires until the ledger
+    /// answers `Full` with the `Retry-After` of nothing freed: from then on no write fits.
+    async fn open(path: PathBuf, config: LedgerConfig, fill: impl FnOnce()) -> Full {
+        let clock = Arc::new(ManualClock::new(start()));
+        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
+        let pool = candidates(4, 100_000);
+        let held = granted(ledger.acquire(keyed(&pool, "held")).await);
+        ledger
+            .report(&held.id, ReportResult::RateLimited, Some("cool.example"))
+            .await
+            .unwrap();
+        fill();
+        let mut granted_leases = Vec::new();
+        loop {
+            match ledger
+                .acquire(request(&pool, "t.example", 10 * MINUTE))
+                .await
+            {
+                Ok(AcquireOutcome::Granted(lease)) => granted_leases.push(lease),
+                Err(LedgerError::Full { retry_after }) if retry_after > Duration::from_secs(1) => {
+                    break;
+                }
+                Err(LedgerError::Full { .. }) => {}
+                other => panic!("acquire while filling: {other:?}"),
+            }
+            assert!(granted_leases.len() < 100_000, "the ledger never filled");
+        }
+        Full {
+            path,
+            clock,
+            ledger,
+            pool,
+            held,
+            granted: granted_leases,
+        }
+    }
+
+    /// Queues, behind another connection's write lock, one batch that releases, renews and
+    /// reports on `held` (which fit) and then grants 64 leases (which do not), and checks that
+    /// every write of the batch is refused as full and that neither memory nor the file kept
+    /// anything of it: no phantom lease counted, no lease lost.
+    async fn refuses_a_mixed_batch_whole(&self) {
+        let ledger = &self.ledger;
+        let counts = ledger.active_counts();
+        let total = ledger.active_total();
+        assert_eq!(total, 1 + self.granted.len() as u64);
+        assert_eq!(ledger.cooldowns_active(), 1);
+        let rows = file_leases(&self.path);
+        assert_eq!(
+            rows.len() as u64,
+            total,
+            "every granted lease is in the file"
+        );
+
+        let lock = FileLock::take(&self.path);
+        let mut first = Box::pin(ledger.release(&self.held.id));
+        assert!(queue(&mut first).await.is_none());
+        wait_until("the writer takes the first write", || {
+            ledger.queue_depth() == 0
+        })
+        .await;
+        let mut renew = Box::pin(ledger.renew(&self.held.id, 20 * MINUTE));
+        let mut report =
+            Box::pin(ledger.report(&self.held.id, ReportResult::Blocked, Some("new.example")));
+        let mut fresh = Box::pin(ledger.acquire(keyed(&self.pool, "fresh")));
+        assert!(queue(&mut renew).await.is_none());
+        assert!(queue(&mut report).await.is_none());
+        assert!(queue(&mut fresh).await.is_none());
+        let mut acquires: Vec<_> = (0..64)
+            .map(|_| Box::pin(ledger.acquire(request(&self.pool, "t.example", MINUTE))))
+            .collect();
+        for acquire in &mut acquires {
+            assert!(queue(acquire).await.is_none());
+        }
+        lock.release();
+        full(first.await);
+        full(renew.await);
+        full(report.await);
+        full(fresh.await);
+        for acquire in acquires {
+            full(acquire.await);
+        }
+
+        assert_eq!(
+            ledger.active_counts(),
+            counts,
+            "no phantom lease is counted"
+        );
+        assert_eq!(ledger.active_total(), total);
+        assert_eq!(ledger.cooldowns_active(), 1, "the batch's cooldown is gone");
+        assert_eq!(file_leases(&self.path), rows, "the file kept nothing of it");
+        let held = ledger.get(&self.held.id).unwrap().unwrap();
+        assert_eq!(held, self.held, "released and renewed in neither");
+        ledger.self_check().await.unwrap();
+    }
+
+    /// After the ledger has room again: the request ID of the refused batch was never given
+    /// out, the held lease replays, and memory matches the file.
+    async fn writes_again(&self) {
+        let fresh = self.ledger.acquire(keyed(&self.pool, "fresh")).await;
+        assert!(matches!(fresh, Ok(AcquireOutcome::Granted(_))), "{fresh:?}");
+        self.ledger.self_check().await.unwrap();
+        let stats = self.ledger.writer_stats();
+        assert!(stats.full_batches >= 2, "{stats:?}");
+    }
+}
+
+fn keyed(pool: &Arc<[Candidate]>, request_id: &str) -> AcquireRequest {
+    AcquireRequest {
+        request: Some(RequestKey {
+            id: request_id.into(),
+            fingerprint: "fp".into(),
+        }),
+        ..request(pool, "t.example", 10 * MINUTE)
+    }
+}
+
+/// At its page limit (`max_page_count`): a batch that does not fit is refused whole with
+/// memory rolled back, and once the leases filling the ledger have expired, the sweep (which
+/// may use the pages kept back from clients) and pruning make room without a restart.
+#[tokio::test]
+async fn a_full_batch_at_the_page_limit_is_refused_whole_and_the_sweep_makes_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = LedgerConfig {
+        max_size: proxy_operator::ledger::MIN_MAX_SIZE,
+        cooldown: MINUTE,
+        ..LedgerConfig::default()
+    };
+    let f = Full::open(dir.path().join("ledger.db"), config, || {}).await;
+    assert!(f.granted.len() > 1_000, "{} leases fit", f.granted.len());
+    f.refuses_a_mixed_batch_whole().await;
+    assert!(f.ledger.disk_bytes() <= proxy_operator::ledger::MIN_MAX_SIZE + MIB);
+
+    // Releasing needs room too; the leases' end does not.
+    f.clock.advance(11 * MINUTE);
+    let swept = f.ledger.sweep().await.unwrap();
+    assert_eq!(swept.expired, 1 + f.granted.len() as u64);
+    assert_eq!(f.ledger.active_total(), 0);
+    f.writes_again().await;
+}
+
+/// On a full file system the COMMIT fails (SQLite cannot grow the WAL): the batch is refused
+/// whole with memory rolled back, reads go on, and once space is back the next write
+/// succeeds without a restart.
+#[tokio::test]
+async fn a_full_disk_fails_the_commit_and_writes_resume_when_space_is_back() {
+    let Some(tmpfs) = Tmpfs::mount("2m") else {
+        return;
+    };
+    let mut filler = None;
+    let f = Full::open(
+        tmpfs.path().join("ledger.db"),
+        LedgerConfig::default(),
+        || {
+            filler = Some(tmpfs.fill(0));
+        },
+    )
+    .await;
+    f.refuses_a_mixed_batch_whole().await;
+    for lease in &f.granted {
+        assert_eq!(f.ledger.get(&lease.id).unwrap().as_ref(), Some(lease));
+    }
+    std::fs::remove_file(filler.unwrap()).unwrap();
+    f.writes_again().await;
+    let replay = f.ledger.acquire(keyed(&f.pool, "held")).await.unwrap();
+    assert_eq!(replay, AcquireOutcome::Replayed(f.held.clone()));
+    let ledger = f.ledger.clone();
+    drop(f);
+    tokio::task::spawn_blocking(move || ledger.shutdown())
+        .await
+        .unwrap();
+}
+
+const TOKEN: &str = "ledger-bound-test-token-0123456789";
+
+/// The lease API over a real actix server on loopback, on a ledger file at `path`, with four
+/// healthy External proxies of 100,000 lease slots each.
+struct Api {
+    base: String,
+    http: reqwest::Client,
+    clock: Arc<ManualClock>,
+    ledger: Ledger,
+    server: ServerHandle,
+}
+
+impl Api {
+    fn start(path: &Path, config: LedgerConfig) -> Api {
+        let clock = Arc::new(ManualClock::new(start()));
+        let dyn_clock: Arc<dyn Clock> = clock.clone();
+        let ledger = Ledger::open(path, config, dyn_clock.clone()).unwrap();
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let proxies: Vec<Proxy> = (0..4)
+            .map(|i| {
+                let spec: ProxySpec = serde_json::from_value(json!({
+                    "mode": "External",
+                    "endpoint": {"host": "127.0.0.1", "port": 3128 + i},
+                    "maxLeases": 100_000,
+                }))
+                .unwrap();
+                let mut proxy = Proxy::new(&format!("p{i}"), spec);
+                proxy.metadata.namespace = Some("crawl".into());
+                proxy.metadata.uid = Some(format!("uid-p{i}"));
+                proxy.metadata.labels = Some(BTreeMap::from([("pool".into(), "a".into())]));
+                proxy
+            })
+            .collect();
+        for proxy in &proxies {
+            health.set(
+                proxy.id(),
+                ProxyHealth {
+                    healthy: Some(true),
+                    latency: Some(Duration::from_millis(5)),
+                    ..ProxyHealth::default()
+                },
+            );
+        }
+        inventory.replace(proxies);
+        let state = ApiState {
+            inventory,
+            health,
+            ledger: ledger.clone(),
+            clock: dyn_clock,
+            metrics: LeaseMetrics::register(&prometheus::Registry::new()).unwrap(),
+            default_ttl: Duration::from_secs(300),
+            proxy_list: ProxyListCache::default(),
+            candidates: CandidateIndex::default(),
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());
+        let server = api::serve(listener, state, token).unwrap();
+        let handle = server.handle();
+        tokio::spawn(server);
+        Api {
+            base,
+            http: reqwest::Client::new(),
+            clock,
+            ledger,
+            server: handle,
+        }
+    }
+
+    async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Answer {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+        let text = response.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Answer {
+            status,
+            retry_after,
+            body,
+        }
+    }
+
+    async fn acquire(&self) -> Answer {
+        let body = json!({"selector": {"pool": "a"}, "target": "shop.example", "ttlSeconds": 600});
+        self.send(reqwest::Method::POST, "/v1/leases", Some(body))
+            .await
+    }
+
+    /// Acquires, `parallel` at a time, until the API answers 503 `ledger_full`; returns the
+    /// leases answered 201 and the first `ledger_full` answer.
+    async fn acquire_until_full(&self, parallel: usize) -> (Vec<String>, Answer) {
+        let mut granted = Vec::new();
+        loop {
+            let answers = futures::future::join_all((0..parallel).map(|_| self.acquire())).await;
+            let mut full = None;
+            for answer in answers {
+                match answer.status {
+                    StatusCode::CREATED => {
+                        granted.push(answer.body["leaseID"].as_str().unwrap().to_owned())
+                    }
+                    StatusCode::SERVICE_UNAVAILABLE if answer.body["error"] == "ledger_full" => {
+                        full.get_or_insert(answer);
+                    }
+                    _ => panic!("unexpected answer while filling: {answer:?}"),
+                }
+            }
+            if let Some(full) = full {
+                return (granted, full);
+            }
+            assert!(granted.len() < 100_000, "the ledger never filled");
+        }
+    }
+
+    /// Reads still answer while the ledger is full, and every lease answered 201 is there: by
+    /// the API, and in the file as the `sqlite3` shell reads it.
+    async fn every_granted_lease_is_there(&self, granted: &[String]) {
+        for id in granted {
+            let answer = self
+                .send(reqwest::Method::GET, &format!("/v1/leases/{id}"), None)
+                .await;
+            assert_eq!(answer.status, StatusCode::OK, "{id}: {answer:?}");
+            assert_eq!(answer.body["state"], "active", "{id}: {answer:?}");
+        }
+        let list = self
+            .send(reqwest::Method::GET, "/v1/proxies?healthy=true", None)
+            .await;
+        assert_eq!(list.status, StatusCode::OK, "{list:?}");
+        assert_eq!(list.body["count"], 4);
+        let in_file = sqlite3(
+            self.ledger.path(),
+            "SELECT id FROM leases WHERE state = 'active' ORDER BY id",
+        );
+        let mut expected = granted.to_vec();
+        expected.sort();
+        assert_eq!(in_file.lines().collect::<Vec<_>>(), expected);
+        assert_eq!(self.ledger.active_total(), granted.len() as u64);
+        self.ledger.self_check().await.unwrap();
+    }
+
+    async fn stop(self) {
+        self.server.stop(true).await;
+        tokio::task::spawn_blocking(move || self.ledger.shutdown())
+            .await
+            .unwrap();
+    }
+}
+
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    retry_after: Option<u64>,
+    body: Value,
+}
+
+fn is_ledger_full(answer: &Answer) {
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(answer.body["error"], "ledger_full", "{answer:?}");
+    assert!(
+        answer.retry_after.is_some_and(|s| s >= 1),
+        "Retry-After: {answer:?}"
+    );
+}
+
+/// The reported failure, reproduced on a small file system: acquires answer 201 until the
+/// disk is full, then 503 `ledger_full` with `Retry-After` (not 500); reads go on, nothing
+/// answered 201 is lost, and the first acquire after space comes back is granted, without a
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_answers_503_ledger_full_on_a_full_disk_and_recovers_when_space_is_back() {
+    let Some(tmpfs) = Tmpfs::mount("1m") else {
+        return;
+    };
+    let api = Api::start(&tmpfs.path().join("ledger.db"), LedgerConfig::default());
+    let filler = tmpfs.fill(64 * 1024);
+    let (granted, full) = api.acquire_until_full(1).await;
+    assert!(!granted.is_empty(), "some acquires fit in the space left");
+    is_ledger_full(&full);
+    is_ledger_full(&api.acquire().await);
+    api.every_granted_lease_is_there(&granted).await;
+
+    std::fs::remove_file(filler).unwrap();
+    let answer = api.acquire().await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    api.ledger.self_check().await.unwrap();
+    assert_eq!(api.ledger.active_total(), granted.len() as u64 + 1);
+    api.stop().await;
+}
+
+/// At the size bound (`max_page_count`) with nothing left to prune, because active leases
+/// fill it: 503 `ledger_full` with `Retry-After`, reads go on, nothing answered 201 is lost;
+/// once the leases have expired, the sweep makes room and acquires are granted again
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_answers_503_ledger_full_at_the_size_bound_and_recovers_when_leases_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let config = LedgerConfig {
+        max_size: proxy_operator::ledger::MIN_MAX_SIZE,
+        ..LedgerConfig::default()
+    };
+    let api = Api::start(&path, config);
+    let (granted, full) = api.acquire_until_full(8).await;
+    assert!(granted.len() > 1_000, "{} leases fit", granted.len());
+    is_ledger_full(&full);
+    api.every_granted_lease_is_there(&granted).await;
+    assert!(std::fs::metadata(&path).unwrap().len() <= proxy_operator::ledger::MIN_MAX_SIZE);
+
+    api.clock.advance(11 * MINUTE);
+    let swept = api.ledger.sweep().await.unwrap();
+    assert_eq!(swept.expired, granted.len() as u64);
+    let answer = api.acquire().await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    api.ledger.self_check().await.unwrap();
+    api.stop().await;
+}
+
+/// Used pages of the database file, as a fresh connection sees them.
+fn used_pages(path: &Path) -> i64 {
+    count(
+        path,
+        "SELECT (SELECT page_count FROM pragma_page_count()) \
+         - (SELECT freelist_count FROM pragma_freelist_count())",
+    )
+}
+
+/// A ledger reopened with a bound lower than its file: the writer prunes it down while idle —
+/// all the history, then the oldest finished leases, as the history is not enough — without
+/// shrinking the file (no VACUUM), and writes go on in the freed pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
+    const CYCLES: usize = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let clock = Arc::new(ManualClock::new(start()));
+    let config = |max_size| LedgerConfig {
+        max_size,
+        cooldown: MINUTE,
+        ..LedgerConfig::default()
+    };
+    let ledger = Ledger::open(&path, config(16 * MIB), clock.clone()).unwrap();
+    let pool = candidates(8, 1_000);
+    let mut cycles = tokio::task::JoinSet::new();
+    for caller in 0..64 {
+        let (ledger, pool) = (ledger.clone(), pool.clone());
+        cycles.spawn(async move {
+            for _ in (caller..CYCLES).step_by(64) {
+                let lease = granted(ledger.acquire(request(&pool, "t.example", MINUTE)).await);
+                ledger.release(&lease.id).await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = cycles.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(ledger.writer_stats().prune_steps, 0, "within 16 MiB");
+    tokio::task::spawn_blocking(move || ledger.shutdown())
+        .await
+        .unwrap();
+    let file = std::fs::metadata(&path).unwrap().len();
+    assert!(file > 4 * MIB, "{file} bytes");
+
+    // 4 MiB: 512 KiB of WAL, 896 pages for the file, pruned down to 672.
+    let reopened = Instant::now();
+    let ledger = Ledger::open(&path, config(4 * MIB), clock.clone()).unwrap();
+    wait_until("the writer prunes the file down to the new bound", || {
+        used_pages(&path) <= 672
+    })
+    .await;
+    eprintln!(
+        "pruned {file} bytes of ledger down to the 4 MiB bound in {:.1?}",
+        reopened.elapsed()
+    );
+    let stats = ledger.writer_stats();
+    assert_eq!(stats.batches, 0, "pruned while idle: {stats:?}");
+    assert_eq!(stats.pruned_events, 2 * CYCLES as u64, "{stats:?}");
+    assert!(stats.pruned_leases > 0, "{stats:?}");
+    assert_eq!(
+        count(&path, "SELECT COUNT(*) FROM leases") as u64,
+        CYCLES as u64 - stats.pruned_leases,
+        "the newest finished leases are kept"
+    );
+    assert!(std::fs::metadata(&path).unwrap().len() >= file, "no VACUUM");
+    let lease = granted(ledger.acquire(request(&pool, "t.example", MINUTE)).await);
+    assert_eq!(ledger.get(&lease.id).unwrap().as_ref(), Some(&lease));
+    ledger.self_check().await.unwrap();
+    tokio::task::spawn_blocking(move || ledger.shutdown())
+        .await
+        .unwrap();
+}

@@ -1,0 +1,160 @@
+//! The real `proxy-operator standalone` binary as a child process on free loopback ports, with
+//! an inventory of External proxies in a temp dir. Killed on drop; its log is printed when the
+//! test is failing, so a failure explains itself.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::free_port;
+
+/// One External `Proxy` document of an inventory file.
+#[derive(Debug, Clone)]
+pub struct ExternalProxy {
+    /// `metadata.name`.
+    pub name: String,
+    /// `metadata.labels`.
+    pub labels: Vec<(String, String)>,
+    /// The proxy's port on 127.0.0.1.
+    pub port: u16,
+    /// `spec.maxLeases`.
+    pub max_leases: i32,
+    /// `spec.healthCheck.probeURL`.
+    pub probe_url: String,
+    /// `spec.healthCheck.interval` and `timeout` (e.g. `1s`).
+    pub interval: &'static str,
+}
+
+impl ExternalProxy {
+    /// The proxy as one YAML document (with its `---` separator).
+    pub fn to_yaml(&self) -> String {
+        let labels: Vec<String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
+        format!(
+            "apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata:
+  name: {name}
+  labels: {{{labels}}}
+spec:
+  mode: External
+  endpoint: {{host: 127.0.0.1, port: {port}}}
+  maxLeases: {max_leases}
+  healthCheck:
+    probeURL: {probe_url}
+    interval: {interval}
+    timeout: {interval}
+---
+",
+            name = self.name,
+            labels = labels.join(", "),
+            port = self.port,
+            max_leases = self.max_leases,
+            probe_url = self.probe_url,
+            interval = self.interval,
+        )
+    }
+}
+
+/// A running `proxy-operator standalone`.
+pub struct Standalone {
+    child: Child,
+    api: String,
+    log: PathBuf,
+}
+
+impl Standalone {
+    /// Writes `proxies` as the inventory in `dir` and starts the binary on it with the ledger
+    /// in `dir`, `token` as `DISCOVERY_TOKEN`, probes trusting the PEM bundle `probe_ca`, and
+    /// `extra_args` last. Not ready yet: poll [`Standalone::api`].
+    pub fn start(
+        dir: &Path,
+        proxies: &[ExternalProxy],
+        probe_ca: &Path,
+        token: &str,
+        extra_args: &[&str],
+    ) -> Standalone {
+        let inventory = dir.join("inventory.yaml");
+        let yaml: String = proxies.iter().map(ExternalProxy::to_yaml).collect();
+        std::fs::write(&inventory, yaml).expect("write the inventory");
+        let log = dir.join("operator.log");
+        let log_file = std::fs::File::create(&log).expect("create the operator log");
+        let api_port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+            .args(["standalone", "--inventory"])
+            .arg(&inventory)
+            .arg("--ledger")
+            .arg(dir.join("ledger.db"))
+            .arg("--probe-ca-file")
+            .arg(probe_ca)
+            .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(extra_args)
+            .env("DISCOVERY_TOKEN", token)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("start proxy-operator standalone");
+        Standalone {
+            child,
+            api: format!("http://127.0.0.1:{api_port}"),
+            log,
+        }
+    }
+
+    /// `http://127.0.0.1:<port>`, the API's base URL.
+    pub fn api(&self) -> &str {
+        &self.api
+    }
+
+    /// Polls `GET /v1/proxies?healthy=true` until at least `count` proxies are healthy,
+    /// panicking after `deadline` (or when the process has exited) with the log.
+    pub async fn wait_healthy(&mut self, token: &str, count: usize, deadline: Duration) {
+        let client = reqwest::Client::new();
+        let url = format!("{}/v1/proxies?healthy=true", self.api);
+        let start = Instant::now();
+        let mut last: String;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("proxy-operator exited ({status}):\n{}", self.log());
+            }
+            match client.get(&url).bearer_auth(token).send().await {
+                Ok(response) => {
+                    let body: serde_json::Value = response.json().await.unwrap_or_default();
+                    let healthy = body["count"].as_u64().unwrap_or(0);
+                    if usize::try_from(healthy).is_ok_and(|n| n >= count) {
+                        return;
+                    }
+                    last = format!("{healthy} healthy");
+                }
+                Err(e) => last = e.to_string(),
+            }
+            assert!(
+                start.elapsed() < deadline,
+                "fewer than {count} proxies healthy after {deadline:?} ({last}); log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The process's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Standalone {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- proxy-operator log ---\n{}", self.log());
+        }
+    }
+}
