@@ -15,7 +15,8 @@ use prometheus::{
     Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::health::HealthSnapshot;
+use crate::api::CandidateIndex;
+use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
 use crate::ledger::{Ledger, NoMatch, ReportResult};
 use crate::proxy::{Phase, Proxy};
@@ -183,10 +184,12 @@ pub fn reported_phase(proxy: &Proxy, healthy: Option<bool>) -> Phase {
 pub struct FleetCollector {
     inventory: Inventory,
     health: HealthSnapshot,
+    /// Health-table positions of the inventory's proxies, kept until either changes.
+    positions: CandidateIndex,
     ledger: Ledger,
     proxies: IntGaugeVec,
     leases_active: IntGauge,
-    proxy_leases_active: IntGaugeVec,
+    proxy_leases_active: PerProxyGauge,
     cooldowns_active: IntGauge,
     ledger_bytes: IntGauge,
     /// Serializes scrapes, which reset and refill the gauges.
@@ -203,6 +206,7 @@ impl FleetCollector {
         Ok(FleetCollector {
             inventory,
             health,
+            positions: CandidateIndex::default(),
             ledger,
             proxies: IntGaugeVec::new(
                 Opts::new("proxy_operator_proxies", "Proxies by phase."),
@@ -212,12 +216,9 @@ impl FleetCollector {
                 "proxy_operator_leases_active",
                 "Leases currently counting towards capacity.",
             )?,
-            proxy_leases_active: IntGaugeVec::new(
-                Opts::new(
-                    "proxy_operator_proxy_leases_active",
-                    "Leases currently counting towards the proxy's capacity.",
-                ),
-                &["namespace", "name"],
+            proxy_leases_active: PerProxyGauge::new(
+                "proxy_operator_proxy_leases_active",
+                "Leases currently counting towards the proxy's capacity.",
             )?,
             cooldowns_active: IntGauge::new(
                 "proxy_operator_cooldowns_active",
@@ -236,7 +237,7 @@ impl Collector for FleetCollector {
     fn desc(&self) -> Vec<&Desc> {
         let mut descs = self.proxies.desc();
         descs.extend(self.leases_active.desc());
-        descs.extend(self.proxy_leases_active.desc());
+        descs.push(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
         descs.extend(self.ledger_bytes.desc());
         descs
@@ -245,25 +246,32 @@ impl Collector for FleetCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
         let mut counts = [0i64; Phase::ALL.len()];
-        // Rebuilt on every scrape from the inventory: a proxy's series goes with the proxy.
-        self.proxy_leases_active.reset();
-        {
+        // Made on every scrape from the inventory: a proxy's series goes with the proxy.
+        let proxy_leases = {
             let leases = self.ledger.active_counts();
             let snapshot = self.inventory.snapshot();
-            let health = self.health.read();
-            for (id, proxy) in snapshot.entries() {
-                let healthy = health.get(id).and_then(|h| h.healthy);
+            let health = self.positions.health(&snapshot, &self.health);
+            let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
+            for (position, (id, proxy)) in snapshot.entries().enumerate() {
+                let healthy = health.at(position).and_then(|h| h.healthy);
                 let phase = reported_phase(proxy, healthy);
                 if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
                     counts[i] += 1;
                 }
-                // Two objects of one name (a re-created Proxy) share the name's series.
-                let active = leases.get(&id.uid).copied().unwrap_or(0);
-                self.proxy_leases_active
-                    .with_label_values(&[id.namespace.as_str(), id.name.as_str()])
-                    .add(i64::from(active));
+                // Two objects of one name (a re-created Proxy) share the name's series; the
+                // snapshot is sorted by namespace/name, so they are neighbours.
+                let active = f64::from(leases.get(&id.uid).copied().unwrap_or(0));
+                match per_proxy.last_mut() {
+                    Some((namespace, name, sum))
+                        if *namespace == id.namespace && *name == id.name =>
+                    {
+                        *sum += active;
+                    }
+                    _ => per_proxy.push((&id.namespace, &id.name, active)),
+                }
             }
-        }
+            self.proxy_leases_active.family(per_proxy)
+        };
         for (phase, count) in Phase::ALL.iter().zip(counts) {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
         }
@@ -274,7 +282,7 @@ impl Collector for FleetCollector {
         self.cooldowns_active
             .set(i64::try_from(self.ledger.cooldowns_active()).unwrap_or(i64::MAX));
         families.extend(self.leases_active.collect());
-        families.extend(self.proxy_leases_active.collect());
+        families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
         // Two stat calls, no query.
         self.ledger_bytes

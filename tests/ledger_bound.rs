@@ -8,13 +8,11 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
@@ -30,7 +28,7 @@ use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::{Proxy, ProxyId, ProxySpec};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use support::sqlite3;
+use support::{FileLock, queue, sqlite3, wait_until};
 use tempfile::TempDir;
 
 const MIB: u64 = 1 << 20;
@@ -257,35 +255,6 @@ impl Drop for Tmpfs {
             .arg(self.dir.path())
             .status();
     }
-}
-
-/// Another connection holding the file's write lock, so the writer waits in its `BEGIN
-/// IMMEDIATE` while the test queues a batch behind it.
-struct FileLock(rusqlite::Connection);
-
-impl FileLock {
-    fn take(path: &Path) -> Self {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        FileLock(conn)
-    }
-
-    fn release(self) {
-        self.0.execute_batch("ROLLBACK").unwrap();
-    }
-}
-
-/// Polls a write once, which queues it; returns its answer if it already has one.
-async fn queue<F: Future + Unpin>(write: &mut F) -> Option<F::Output> {
-    match futures::poll!(write) {
-        Poll::Ready(answer) => Some(answer),
-        Poll::Pending => None,
-    }
-}
-
-/// Polls `condition` until it holds, failing after the shared deadline.
-async fn wait_until(what: &str, condition: impl FnMut() -> bool) {
-    support::wait_until(what, condition).await;
 }
 
 /// What the file holds of leases and cooldowns, row by row.

@@ -9,12 +9,12 @@
 //! by polling their futures once, so what is queued, and in which order, is decided by the
 //! test, and time only moves through the ledger's `ManualClock`.
 
-use std::future::Future;
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use jiff::Timestamp;
 use proxy_operator::ledger::{
@@ -22,6 +22,7 @@ use proxy_operator::ledger::{
     ManualClock, ReportResult, RequestKey,
 };
 use proxy_operator::proxy::ProxyId;
+use support::{FileLock, queue, wait_until};
 use tempfile::TempDir;
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -100,38 +101,6 @@ impl Fixture {
             self.ledger.queue_depth() == 0
         })
         .await;
-    }
-}
-
-/// Another connection holding the file's write lock.
-struct FileLock(rusqlite::Connection);
-
-impl FileLock {
-    fn take(path: &Path) -> Self {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        FileLock(conn)
-    }
-
-    fn release(self) {
-        self.0.execute_batch("ROLLBACK").unwrap();
-    }
-}
-
-/// Polls `condition` until it holds, failing after 10 s.
-async fn wait_until(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// Polls a write once, which queues it; returns its answer if it already has one.
-async fn queue<F: Future + Unpin>(write: &mut F) -> Option<F::Output> {
-    match futures::poll!(write) {
-        Poll::Ready(answer) => Some(answer),
-        Poll::Pending => None,
     }
 }
 

@@ -49,3 +49,30 @@ pub fn sqlite3(db: &std::path::Path, sql: &str) -> String {
     );
     String::from_utf8_lossy(&output.stdout).trim().to_owned()
 }
+
+/// Another connection holding a ledger file's write lock, so the ledger's writer waits in its
+/// `BEGIN IMMEDIATE` while a test queues writes behind it.
+pub struct FileLock(rusqlite::Connection);
+
+impl FileLock {
+    pub fn take(path: &std::path::Path) -> Self {
+        let conn = rusqlite::Connection::open(path).expect("open the ledger file");
+        conn.execute_batch("BEGIN IMMEDIATE")
+            .expect("take the ledger's write lock");
+        FileLock(conn)
+    }
+
+    pub fn release(self) {
+        self.0
+            .execute_batch("ROLLBACK")
+            .expect("release the ledger's write lock");
+    }
+}
+
+/// Polls a future once, which queues a ledger write; returns its answer if it already has one.
+pub async fn queue<F: std::future::Future + Unpin>(write: &mut F) -> Option<F::Output> {
+    match futures::poll!(write) {
+        std::task::Poll::Ready(answer) => Some(answer),
+        std::task::Poll::Pending => None,
+    }
+}
