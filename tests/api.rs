@@ -360,19 +360,6 @@ async fn an_empty_body_on_acquire_and_renew_means_every_default() {
         let (_, now) = h.get(&format!("/v1/leases/{id}")).await;
         assert_eq!(now["expiresAt"], lease["expiresAt"]);
     }
-    // Whitespace alone is a body that is not JSON: refused, not read as "no body".
-    let response = h
-        .client
-        .post(h.url("/v1/leases"))
-        .bearer_auth(TOKEN)
-        .header("content-type", "application/json")
-        .body(" ")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
-    let error: Value = response.json().await.unwrap();
-    assert_eq!(error["error"], "invalid_body");
     // The served document says so, so clients (and schemathesis) may send none.
     let (_, doc) = h.get("/v1/openapi.json").await;
     for path in ["/v1/leases", "/v1/leases/{id}/renew"] {
@@ -415,17 +402,21 @@ async fn an_empty_body_on_acquire_and_renew_means_every_default() {
             "{path}: {schema}"
         );
     }
-    // A body that is there must still be JSON.
-    let response = h
-        .client
-        .post(h.url("/v1/leases"))
-        .bearer_auth(TOKEN)
-        .header("content-type", "application/json")
-        .body("nope")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    // A body that is there must still be JSON; whitespace alone is not "no body".
+    for body in ["nope", " "] {
+        let response = h
+            .client
+            .post(h.url("/v1/leases"))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body:?}");
+        let error: Value = response.json().await.unwrap();
+        assert_eq!(error["error"], "invalid_body", "{body:?}");
+    }
     h.stop().await;
 }
 
