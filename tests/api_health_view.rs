@@ -3,11 +3,10 @@
 
 mod support;
 
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
+use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
@@ -121,19 +120,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
         proxy_list: ProxyListCache::default(),
         candidates: CandidateIndex::default(),
     };
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());
-    let server = actix_web::HttpServer::new(move || {
-        actix_web::App::new().configure(api::configure(state.clone(), token.clone()))
-    })
-    .workers(1)
-    .listen(listener)
-    .unwrap()
-    .disable_signals()
-    .run();
-    let handle = server.handle();
-    tokio::spawn(server);
+    let (base, handle) = support::serve_api(state, TOKEN);
     let client = reqwest::Client::new();
 
     // Poll until every proxy has its verdict (and the undecided one has failed a few times).

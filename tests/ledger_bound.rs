@@ -8,7 +8,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -17,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
 use jiff::Timestamp;
-use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
+use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
@@ -510,12 +509,7 @@ impl Api {
             proxy_list: ProxyListCache::default(),
             candidates: CandidateIndex::default(),
         };
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());
-        let server = api::serve(listener, state, token).unwrap();
-        let handle = server.handle();
-        tokio::spawn(server);
+        let (base, handle) = support::serve_api(state, TOKEN);
         Api {
             base,
             http: reqwest::Client::new(),

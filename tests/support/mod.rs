@@ -76,3 +76,19 @@ pub async fn queue<F: std::future::Future + Unpin>(write: &mut F) -> Option<F::O
         std::task::Poll::Pending => None,
     }
 }
+
+/// Serves the lease API over `state` the way the binary does (`api::serve`), on a free
+/// loopback port, accepting `token`; returns the base URL and the server's handle.
+pub fn serve_api(
+    state: proxy_operator::api::ApiState,
+    token: &str,
+) -> (String, actix_web::dev::ServerHandle) {
+    use proxy_operator::api::{self, ApiToken, TokenSet};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("its address"));
+    let tokens = TokenSet::single(token.as_bytes(), "TOKEN").expect("a valid test token");
+    let server = api::serve(listener, state, ApiToken::new(tokens)).expect("the API serves");
+    let handle = server.handle();
+    tokio::spawn(server);
+    (base, handle)
+}
