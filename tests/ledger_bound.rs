@@ -463,6 +463,8 @@ struct Api {
     http: reqwest::Client,
     clock: Arc<ManualClock>,
     ledger: Ledger,
+    /// The registry the API's lease metrics are registered in.
+    registry: prometheus::Registry,
     server: ServerHandle,
 }
 
@@ -499,12 +501,13 @@ impl Api {
             );
         }
         inventory.replace(proxies);
+        let registry = prometheus::Registry::new();
         let state = ApiState {
             inventory,
             health,
             ledger: ledger.clone(),
             clock: dyn_clock,
-            metrics: LeaseMetrics::register(&prometheus::Registry::new()).unwrap(),
+            metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(300),
             proxy_list: ProxyListCache::default(),
             candidates: CandidateIndex::default(),
@@ -515,8 +518,19 @@ impl Api {
             http: reqwest::Client::new(),
             clock,
             ledger,
+            registry,
             server: handle,
         }
+    }
+
+    /// Writes the API answered 503 `ledger_full`, as counted in its metrics.
+    fn refused_full(&self) -> f64 {
+        self.registry
+            .gather()
+            .iter()
+            .find(|family| family.name() == "proxy_operator_ledger_full_total")
+            .map(|family| family.get_metric()[0].get_counter().value())
+            .expect("proxy_operator_ledger_full_total is registered")
     }
 
     async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Answer {
@@ -664,6 +678,7 @@ async fn the_api_answers_503_ledger_full_at_the_size_bound_and_recovers_when_lea
     let (granted, full) = api.acquire_until_full(8).await;
     assert!(granted.len() > 1_000, "{} leases fit", granted.len());
     is_ledger_full(&full);
+    assert!(api.refused_full() >= 1.0, "ledger_full answers are counted");
     api.every_granted_lease_is_there(&granted).await;
     assert!(std::fs::metadata(&path).unwrap().len() <= proxy_operator::ledger::MIN_MAX_SIZE);
 
