@@ -214,6 +214,8 @@ mod tests {
             ip: None,
             uid: uid.map(str::to_owned),
             created_at: created.map(ts),
+            waiting: None,
+            deletion_deadline: None,
         }
     }
 

@@ -64,6 +64,8 @@ fn machine(id: &str, uid: &str) -> Instance {
         ip: None,
         uid: Some(uid.into()),
         created_at: Some(jiff::Timestamp::UNIX_EPOCH),
+        waiting: None,
+        deletion_deadline: None,
     }
 }
 

@@ -57,6 +57,8 @@ fn instance(state: InstanceState, ip: Option<&str>) -> Instance {
         ip: ip.map(str::to_owned),
         uid: Some(UID.into()),
         created_at: None,
+        waiting: None,
+        deletion_deadline: None,
     }
 }
 

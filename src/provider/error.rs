@@ -11,7 +11,11 @@ pub enum ErrorClass {
     Transient,
     /// The cloud refused for quota or rate reasons; retry in minutes, not seconds.
     QuotaExceeded,
-    /// Retrying will not help (bad request, no permission); needs a human.
+    /// Refused by the platform's policy (admission, authorization): someone must change that
+    /// policy or the namespace, which may happen any time, so retry with backoff and say why.
+    Refused,
+    /// The request can never be accepted as it stands (an invalid spec); needs a human.
+    /// Still retried on a slow timer, since the provider's rules may change.
     Permanent,
     /// The machine does not exist. An input to the reconciler, never a failure.
     NotFound,
@@ -23,6 +27,7 @@ impl ErrorClass {
         match self {
             ErrorClass::Transient => "transient",
             ErrorClass::QuotaExceeded => "quota_exceeded",
+            ErrorClass::Refused => "refused",
             ErrorClass::Permanent => "permanent",
             ErrorClass::NotFound => "not_found",
         }

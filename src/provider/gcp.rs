@@ -339,6 +339,8 @@ pub fn instance_from_vm(vm: &model::Instance) -> Instance {
             .as_deref()
             .and_then(|t| t.parse::<jiff::Timestamp>().ok()),
         name,
+        waiting: None,
+        deletion_deadline: None,
     }
 }
 
@@ -456,6 +458,8 @@ impl Provider for GcpProvider {
             ip: None,
             uid: Some(request.proxy_uid.clone()),
             created_at: None,
+            waiting: None,
+            deletion_deadline: None,
         };
         match self.client.insert().with_request(insert).send().await {
             Ok(operation) => match operation_failure(&operation) {
@@ -938,6 +942,8 @@ mod tests {
                 ip: Some("34.77.1.2".to_owned()),
                 uid: Some(UID.to_owned()),
                 created_at: Some("2026-03-04T13:06:07.123Z".parse().unwrap()),
+                waiting: None,
+                deletion_deadline: None,
             }
         );
         let no_nat =

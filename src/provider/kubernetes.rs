@@ -15,12 +15,13 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use super::config::KubernetesConfig;
+use super::kube_refusal::classify;
+use super::pod_status::instance_from_pod;
 use super::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config};
 use super::{
-    CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
-    machine_labels, op,
+    CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
-use crate::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
+use crate::proxy::MANAGED_LABEL;
 
 /// Name of the squid container (and of its port).
 const CONTAINER_NAME: &str = "squid";
@@ -141,60 +142,6 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
     }
 }
 
-/// The machine state a Pod's phase means: Pending, or Running without an IP, is still
-/// provisioning (an empty IP is never published); a Pod being deleted is terminated.
-pub fn pod_state(phase: Option<&str>, pod_ip: Option<&str>, deleting: bool) -> InstanceState {
-    if deleting {
-        return InstanceState::Terminated;
-    }
-    match (phase, pod_ip) {
-        (Some("Running"), Some(ip)) if !ip.is_empty() => InstanceState::Running,
-        (Some("Succeeded" | "Failed" | "Unknown"), _) => InstanceState::Terminated,
-        _ => InstanceState::Provisioning,
-    }
-}
-
-/// The [`Instance`] a Pod describes.
-pub fn instance_from_pod(pod: &Pod) -> Instance {
-    let meta = &pod.metadata;
-    let name = meta.name.clone().unwrap_or_default();
-    let namespace = meta.namespace.clone().unwrap_or_default();
-    let status = pod.status.as_ref();
-    let phase = status.and_then(|s| s.phase.as_deref());
-    let pod_ip = status.and_then(|s| s.pod_ip.as_deref());
-    let state = pod_state(phase, pod_ip, meta.deletion_timestamp.is_some());
-    Instance {
-        provider_id: format!("{namespace}/{name}"),
-        name,
-        state,
-        ip: (state == InstanceState::Running)
-            .then(|| pod_ip.map(str::to_owned))
-            .flatten(),
-        uid: meta
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(PROXY_UID_LABEL))
-            .cloned(),
-        created_at: meta.creation_timestamp.as_ref().map(|t| t.0),
-    }
-}
-
-/// The class of a Kubernetes API failure. A ResourceQuota refusal is a quota problem; other
-/// refusals of the request itself are permanent; everything else (server errors, throttling,
-/// conflicts, transport) is worth retrying.
-pub fn classify(err: &kube::Error) -> ErrorClass {
-    let kube::Error::Api(status) = err else {
-        return ErrorClass::Transient;
-    };
-    match status.code {
-        404 => ErrorClass::NotFound,
-        403 if status.message.contains("exceeded quota") => ErrorClass::QuotaExceeded,
-        408 | 409 | 410 | 429 => ErrorClass::Transient,
-        400..=499 => ErrorClass::Permanent,
-        _ => ErrorClass::Transient,
-    }
-}
-
 /// Splits `<namespace>/<pod>`.
 fn parse_provider_id<'a>(
     provider: &str,
@@ -267,6 +214,19 @@ impl Provider for KubernetesProvider {
         }
     }
 
+    async fn force_delete(&self, provider_id: &str) -> Result<(), ProviderError> {
+        let (namespace, name) = parse_provider_id(&self.name, op::FORCE_DELETE, provider_id)?;
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        };
+        match self.pods(namespace).delete(name, &params).await {
+            Ok(_) => Ok(()),
+            Err(e) if classify(&e) == ErrorClass::NotFound => Ok(()),
+            Err(e) => Err(self.error(op::FORCE_DELETE, provider_id, e)),
+        }
+    }
+
     async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
         let pods: Api<Pod> = Api::all(self.client.clone());
         let selector = self.managed_selector();
@@ -295,7 +255,7 @@ impl Provider for KubernetesProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::Placement;
+    use crate::proxy::{PROXY_UID_LABEL, Placement};
 
     const UID: &str = "0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234";
 
@@ -413,74 +373,5 @@ mod tests {
             container(&pod).image.as_deref(),
             Some("registry.example.com/squid:6")
         );
-    }
-
-    #[test]
-    fn pod_state_table() {
-        use InstanceState::*;
-        let cases = [
-            (None, None, false, Provisioning),
-            (Some("Pending"), None, false, Provisioning),
-            (Some("Pending"), Some("10.0.0.5"), false, Provisioning),
-            (Some("Running"), None, false, Provisioning),
-            (Some("Running"), Some(""), false, Provisioning),
-            (Some("Running"), Some("10.0.0.5"), false, Running),
-            (Some("Running"), Some("10.0.0.5"), true, Terminated),
-            (Some("Succeeded"), None, false, Terminated),
-            (Some("Failed"), Some("10.0.0.5"), false, Terminated),
-            (Some("Unknown"), None, false, Terminated),
-        ];
-        for (phase, ip, deleting, want) in cases {
-            assert_eq!(
-                pod_state(phase, ip, deleting),
-                want,
-                "phase {phase:?} ip {ip:?} deleting {deleting}"
-            );
-        }
-    }
-
-    fn api_error(code: u16, reason: &str, message: &str) -> kube::Error {
-        kube::Error::Api(
-            kube::core::Status::failure(message, reason)
-                .with_code(code)
-                .boxed(),
-        )
-    }
-
-    #[test]
-    fn classification_table() {
-        use ErrorClass::*;
-        let cases = [
-            (404, "NotFound", "pods \"x\" not found", NotFound),
-            (
-                403,
-                "Forbidden",
-                "pods \"x\" is forbidden: exceeded quota: compute, requested: pods=1",
-                QuotaExceeded,
-            ),
-            (
-                403,
-                "Forbidden",
-                "pods is forbidden: User cannot create",
-                Permanent,
-            ),
-            (400, "BadRequest", "bad", Permanent),
-            (401, "Unauthorized", "no", Permanent),
-            (422, "Invalid", "spec.containers: Required value", Permanent),
-            (409, "Conflict", "retry", Transient),
-            (410, "Expired", "continue token expired", Transient),
-            (429, "TooManyRequests", "slow down", Transient),
-            (500, "InternalError", "etcd", Transient),
-            (503, "ServiceUnavailable", "down", Transient),
-        ];
-        for (code, reason, message, want) in cases {
-            assert_eq!(
-                classify(&api_error(code, reason, message)),
-                want,
-                "{code} {reason}"
-            );
-        }
-        let io = kube::Error::ReadEvents(std::io::Error::other("reset"));
-        assert_eq!(classify(&io), Transient);
     }
 }

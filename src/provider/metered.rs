@@ -82,6 +82,12 @@ impl Provider for MeteredProvider {
         result
     }
 
+    async fn force_delete(&self, provider_id: &str) -> Result<(), ProviderError> {
+        let result = self.inner.force_delete(provider_id).await;
+        self.metrics.observe(self.name(), op::FORCE_DELETE, &result);
+        result
+    }
+
     async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
         let result = self.inner.list_managed().await;
         self.metrics.observe(self.name(), op::LIST, &result);

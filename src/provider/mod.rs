@@ -8,8 +8,10 @@ pub mod config;
 pub mod error;
 #[cfg(feature = "gcp")]
 pub mod gcp;
+pub mod kube_refusal;
 pub mod kubernetes;
 pub mod metered;
+pub mod pod_status;
 pub mod registry;
 pub mod squid_conf;
 
@@ -63,6 +65,21 @@ pub struct Instance {
     pub uid: Option<String>,
     /// When the machine was created.
     pub created_at: Option<jiff::Timestamp>,
+    /// Why the machine is not running yet, when the provider says (an image that cannot be
+    /// pulled, a Pod that cannot be scheduled, a crash-looping squid).
+    pub waiting: Option<Waiting>,
+    /// When a deletion already asked for should have completed (a Pod's deletionTimestamp,
+    /// which includes its grace period). Past it, only a lost node can be holding it.
+    pub deletion_deadline: Option<jiff::Timestamp>,
+}
+
+/// The provider's own reason why a machine is not running, e.g. `ErrImagePull`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    /// A short CamelCase reason, as Kubernetes spells it (`CrashLoopBackOff`, `Unschedulable`).
+    pub reason: String,
+    /// The provider's explanation.
+    pub message: String,
 }
 
 /// Everything a provider needs to create the machine of one Proxy.
@@ -94,6 +111,8 @@ pub mod op {
     pub const GET: &str = "get";
     /// [`super::Provider::delete`].
     pub const DELETE: &str = "delete";
+    /// [`super::Provider::force_delete`].
+    pub const FORCE_DELETE: &str = "force_delete";
     /// [`super::Provider::list_managed`].
     pub const LIST: &str = "list";
 }
@@ -113,6 +132,13 @@ pub trait Provider: Send + Sync {
 
     /// Deletes a machine; deleting a missing machine succeeds.
     async fn delete(&self, provider_id: &str) -> Result<(), ProviderError>;
+
+    /// Deletes a machine whose deletion is stuck (its node is gone and will never confirm it),
+    /// without waiting for a grace period. Providers whose deletes cannot get stuck delete as
+    /// usual.
+    async fn force_delete(&self, provider_id: &str) -> Result<(), ProviderError> {
+        self.delete(provider_id).await
+    }
 
     /// Every machine carrying this install's managed labels.
     async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError>;

@@ -157,7 +157,9 @@ pub fn on_provider_error(class: ErrorClass, message: String) -> Action {
         ErrorClass::Permanent => Action::Fail { message },
         // NotFound only means something for `get`, which `decide` handles as an input; from any
         // other call it is unexpected, and retrying is the safe answer.
-        ErrorClass::Transient | ErrorClass::NotFound => Action::Backoff { message },
+        ErrorClass::Transient | ErrorClass::NotFound | ErrorClass::Refused => {
+            Action::Backoff { message }
+        }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod operator;
 pub mod squid;
 pub mod standalone;
 pub mod target;
+pub mod world;
 
 pub use envtest::ControlPlane;
 pub use kubelet::{Behaviour, Kubelet};

@@ -1,0 +1,216 @@
+//! One envtest test's world: its own namespace on a shared control plane, a test kubelet, a
+//! probe target and helpers to create Proxies and wait on what the operator does with them.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::Client;
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
+use proxy_operator::naming::machine_name;
+use proxy_operator::proxy::Proxy;
+use serde_json::{Value, json};
+
+use super::envtest::ControlPlane;
+use super::kubelet::Kubelet;
+use super::operator::OperatorProcess;
+use super::{Squid, Target};
+
+/// Deadline for anything that waits on the operator, the API server and real squids.
+pub const SLOW: Duration = Duration::from_secs(90);
+
+/// One test's world: its own namespace, kubelet, probe target and operator identity.
+pub struct World {
+    pub cp: &'static ControlPlane,
+    pub ns: String,
+    pub client: Client,
+    pub dir: tempfile::TempDir,
+    pub target: Target,
+    pub kubelet: Kubelet,
+}
+
+impl World {
+    /// A fresh namespace on the shared control plane, or `None` when there is none (skipped).
+    pub async fn new(prefix: &str) -> Option<World> {
+        Some(World::on(ControlPlane::shared()?, prefix).await)
+    }
+
+    /// A fresh namespace on `cp` (a control plane started with its own flags).
+    pub async fn on(cp: &'static ControlPlane, prefix: &str) -> World {
+        cp.apply_crd().await;
+        let ns = cp.new_namespace(prefix).await;
+        let client = cp.admin_client();
+        let kubelet = Kubelet::start(cp.admin_client(), Some(&ns));
+        World {
+            cp,
+            ns,
+            client,
+            dir: tempfile::tempdir().expect("temp dir"),
+            target: Target::start(),
+            kubelet,
+        }
+    }
+
+    /// Starts `proxy-operator run` for this namespace (its own install ID and Lease) and waits
+    /// until it is ready.
+    pub async fn operator(&self, extra_args: &[&str]) -> OperatorProcess {
+        OperatorProcess::start_ready(
+            self.cp,
+            self.dir.path(),
+            &self.target,
+            &self.ns,
+            Some(&self.ns),
+            extra_args,
+        )
+        .await
+    }
+
+    pub fn proxies(&self) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    pub fn raw_proxies(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.client.clone(),
+            &self.ns,
+            &ApiResource::erase::<Proxy>(&()),
+        )
+    }
+
+    pub fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Creates a Proxy from its JSON `spec` (plus labels), as `kubectl apply` would.
+    pub async fn create(&self, name: &str, spec: Value) -> Result<DynamicObject, kube::Error> {
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name, "labels": {"pool": "envtest"}},
+            "spec": spec,
+        }))
+        .expect("a Proxy object");
+        self.raw_proxies()
+            .create(&PostParams::default(), &object)
+            .await
+    }
+
+    /// A health check that probes this world's HTTPS target every `interval` (also its
+    /// timeout: a loopback probe takes milliseconds).
+    pub fn health_check(&self, interval: &str) -> Value {
+        json!({
+            "probeURL": self.target.https_url(),
+            "interval": interval,
+            "timeout": interval,
+            "failureThreshold": 2,
+        })
+    }
+
+    pub fn external_spec(&self, squid: &Squid, interval: &str) -> Value {
+        json!({
+            "mode": "External",
+            "endpoint": {"host": "127.0.0.1", "port": squid.port()},
+            "healthCheck": self.health_check(interval),
+        })
+    }
+
+    pub fn managed_spec(&self, port: u16) -> Value {
+        json!({
+            "mode": "Managed",
+            "provider": "local",
+            "port": port,
+            "healthCheck": self.health_check("500ms"),
+        })
+    }
+
+    /// Waits until the Proxy's status satisfies `check`, returning the object.
+    pub async fn wait_proxy(
+        &self,
+        name: &str,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let api = self.raw_proxies();
+        eventually(what, || async {
+            let object = api.get_opt(name).await.ok()??;
+            let value = serde_json::to_value(&object).ok()?;
+            check(&value["status"]).then_some(value)
+        })
+        .await
+    }
+
+    pub async fn wait_ready(&self, name: &str) -> Value {
+        self.wait_proxy(name, &format!("Proxy {name} Ready with an IP"), |s| {
+            s["phase"] == "Ready" && s["ip"].as_str().is_some_and(|ip| !ip.is_empty())
+        })
+        .await
+    }
+
+    /// The machine Pod of a Proxy, if it exists.
+    pub async fn pod_of(&self, proxy: &Value) -> Option<Pod> {
+        let uid = proxy["metadata"]["uid"].as_str()?;
+        self.pods().get_opt(&machine_name(uid)).await.ok()?
+    }
+
+    /// Events about the object `name` (events.k8s.io/v1), as `reason` values.
+    pub async fn event_reasons(&self, name: &str) -> Vec<String> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .expect("list events");
+        list.items
+            .iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .filter_map(|e| e.reason.clone())
+            .collect()
+    }
+}
+
+/// Polls `probe` until it yields a value, panicking with `what` after [`SLOW`].
+pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        assert!(
+            start.elapsed() < SLOW,
+            "timed out after {SLOW:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the object `name` no longer exists.
+pub async fn wait_gone<K>(api: &Api<K>, name: &str)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    let what = format!("{} {name} to be gone", K::kind(&Default::default()));
+    eventually(&what, || async {
+        api.get_opt(name)
+            .await
+            .ok()
+            .and_then(|o| o.is_none().then_some(()))
+    })
+    .await;
+}
+
+/// The `reason` of a failed API call (the server's verdict), or a panic if it succeeded.
+pub fn refusal(result: Result<DynamicObject, kube::Error>) -> String {
+    match result {
+        Err(kube::Error::Api(status)) => status.message,
+        Err(e) => panic!("not an API refusal: {e}"),
+        Ok(o) => panic!(
+            "accepted: {}",
+            serde_json::to_string(&o).unwrap_or_default()
+        ),
+    }
+}
