@@ -57,6 +57,12 @@ pub enum LedgerError {
     /// The writer's in-memory state differs from the file (found by a self-check).
     #[error("ledger memory and file disagree: {0}")]
     Inconsistent(String),
+    /// A release reason must be a short machine code (1-64 of `a-z`, `0-9`, `_`, `-`, `.`) so
+    /// the history can be grouped by it; nothing was recorded.
+    #[error(
+        "release reason {0:?} is not a machine code (1 to 64 characters of a-z, 0-9, _, - and .)"
+    )]
+    InvalidReason(String),
     /// The requested TTL rounds down to nothing.
     #[error("lease TTL {0:?} is too short: it must be at least 1 ms")]
     InvalidTtl(Duration),

@@ -15,7 +15,9 @@ use super::clock::Clock;
 use super::config::LedgerConfig;
 use super::counts::Counts;
 use super::error::LedgerError;
-use super::lease::{AcquireOutcome, AcquireRequest, Lease, ReportResult, SweepStats};
+use super::lease::{
+    AcquireOutcome, AcquireRequest, Lease, ReportResult, SweepStats, is_release_reason,
+};
 use super::space::Space;
 use super::store::{self, ReaderPool};
 use super::writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Shared, Writer, WriterStats};
@@ -150,6 +152,39 @@ impl Ledger {
     pub async fn release(&self, id: &str) -> Result<(), LedgerError> {
         let id = id.to_owned();
         self.call(|reply| Job::Release { id, reply }).await
+    }
+
+    /// Ends at once every lease of the proxy with UID `proxy_uid` that counts towards its
+    /// capacity, because the operator lost, stopped or deleted its machine: each becomes
+    /// `released` now with `release_reason = reason` and one `released` history event carrying
+    /// `reason`, so the replacement starts with the proxy's full capacity and the file says why
+    /// the leases ended. Returns how many were ended; idempotent (again, 0).
+    ///
+    /// An active lease already past its expiry is not counted: it stopped counting when it
+    /// expired, and the sweep marks it `expired` as usual. For its crawler an ended lease is
+    /// like any released one: renew answers [`LedgerError::NotActive`], release succeeds,
+    /// reports still land, and its request ID replays it until the window closes.
+    ///
+    /// `reason` is a machine code (`machine_lost`, `machine_stopped`, `machine_gone`; 1-64 of
+    /// `a-z 0-9 _ - .`), else [`LedgerError::InvalidReason`]. Decided by the writer in a batch
+    /// like a release, with the same errors (`BatchFailed`, `Full`: nothing recorded, retry);
+    /// it has no queue deadline because deciding it late is harmless, but is refused with
+    /// [`LedgerError::Overloaded`] when the queue is full.
+    pub async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError> {
+        if !is_release_reason(reason) {
+            return Err(LedgerError::InvalidReason(reason.to_owned()));
+        }
+        let proxy_uid = proxy_uid.to_owned();
+        let reason = reason.to_owned();
+        self.submit_and_wait(
+            |reply| Job::EndLeases {
+                proxy_uid,
+                reason,
+                reply,
+            },
+            false,
+        )
+        .await
     }
 
     /// Records what a crawler observed on a lease, in any state as long as it is retained.

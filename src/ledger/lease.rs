@@ -123,6 +123,19 @@ impl UnknownValue {
     }
 }
 
+/// Longest release reason the ledger records, in bytes.
+pub(crate) const MAX_RELEASE_REASON: usize = 64;
+
+/// Whether `reason` can be recorded as a release reason: a machine code of 1 to
+/// [`MAX_RELEASE_REASON`] lowercase ASCII letters, digits, `_`, `-` or `.`. Codes rather than
+/// free text, so the history can be grouped and filtered by reason.
+pub(crate) fn is_release_reason(reason: &str) -> bool {
+    (1..=MAX_RELEASE_REASON).contains(&reason.len())
+        && reason
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-.".contains(&b))
+}
+
 /// A new lease ID: 12 hex digits of the acquisition time in milliseconds followed by 32 hex
 /// digits of a 128-bit random number from a cryptographically secure generator seeded by the
 /// OS. The random part makes it unguessable (it is a capability); the time prefix makes IDs
@@ -152,6 +165,9 @@ pub struct Lease {
     pub ttl: Duration,
     /// When the lease was released, if it was.
     pub released_at: Option<Timestamp>,
+    /// Why the operator ended the lease (e.g. `machine_lost`), if it did; `None` for leases
+    /// a crawler released and for every other state.
+    pub release_reason: Option<String>,
 }
 
 /// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
@@ -273,6 +289,31 @@ mod tests {
         }
         assert!(new_lease_id(1) < new_lease_id(2));
         assert!(new_lease_id(-5).starts_with("000000000000"));
+    }
+
+    #[test]
+    fn release_reasons_are_short_machine_codes() {
+        for ok in [
+            "machine_lost",
+            "machine_stopped",
+            "machine_gone",
+            "a",
+            "v1.node-gone",
+        ] {
+            assert!(is_release_reason(ok), "{ok}");
+        }
+        let long = "x".repeat(MAX_RELEASE_REASON + 1);
+        for bad in [
+            "",
+            "Machine_Lost",
+            "machine lost",
+            "lost\n",
+            "é",
+            long.as_str(),
+        ] {
+            assert!(!is_release_reason(bad), "{bad:?}");
+        }
+        assert!(is_release_reason(&long[1..]));
     }
 
     #[test]

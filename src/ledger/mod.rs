@@ -4,16 +4,16 @@
 //!
 //! # One writer
 //!
-//! Every write (acquire, renew, release, report, sweep) is decided by one writer thread that
-//! owns the write connection and the lease state in memory (`state.rs`): the leases whose row
-//! says active with their expiry times (a lease counts while `expires_at > now`, so capacity is
-//! counted by time, not by a counter), the cooldowns per (proxy UID, target), and the
-//! request-ID index. The state is rebuilt from the file at open. Writes are decided one after
-//! the other in arrival order against that state, so concurrent acquires can never exceed a
-//! proxy's `maxLeases`, and no acquire scans the leases table or copies the candidates. A
-//! dedicated thread rather than a tokio task: SQLite calls block, the connection stays on
-//! one thread, the ledger works without (and never starves) an async runtime, and callers
-//! only enqueue and await a oneshot answer.
+//! Every write (acquire, renew, release, the end of a proxy's leases, report, sweep) is
+//! decided by one writer thread that owns the write connection and the lease state in memory
+//! (`state.rs`): the leases whose row says active with their expiry times (a lease counts
+//! while `expires_at > now`, so capacity is counted by time, not by a counter), the cooldowns
+//! per (proxy UID, target), and the request-ID index. The state is rebuilt from the file at
+//! open. Writes are decided one after the other in arrival order against that state, so
+//! concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans the leases
+//! table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
+//! block, the connection stays on one thread, the ledger works without (and never starves) an
+//! async runtime, and callers only enqueue and await a oneshot answer.
 //!
 //! # Group commit
 //!

@@ -25,6 +25,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0002_acquire_request_ids.sql",
         sql: include_str!("../../migrations/0002_acquire_request_ids.sql"),
     },
+    Migration {
+        name: "0003_release_reasons.sql",
+        sql: include_str!("../../migrations/0003_release_reasons.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

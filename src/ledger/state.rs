@@ -232,6 +232,30 @@ impl LedgerState {
         Some(lease)
     }
 
+    /// Ends every lease of proxy `uid` that counts at `now`, exactly as
+    /// [`release`](Self::release) would one by one (journaled, request IDs kept), and returns
+    /// them in lease-ID order (acquisition order, to the millisecond), so the history is
+    /// deterministic. Leases past their expiry are left alone: they already stopped counting,
+    /// and the sweep marks them expired as it would have anyway.
+    pub fn end_leases(&mut self, uid: &str, now: i64) -> Vec<(Arc<str>, ActiveLease)> {
+        let mut ids: Vec<Arc<str>> = self
+            .by_proxy
+            .get(uid)
+            .into_iter()
+            .flatten()
+            .filter(|(expires_at, _)| *expires_at > now)
+            .map(|(_, id)| id.clone())
+            .collect();
+        ids.sort_unstable();
+        ids.into_iter()
+            .filter_map(|id| {
+                let lease = self.remove_lease(&id)?;
+                self.undo.push(Undo::Removed(id.clone(), lease.clone()));
+                Some((id, lease))
+            })
+            .collect()
+    }
+
     /// Extends a lease that counts at `now` to `expires_at`; its request ID's window moves
     /// with it.
     pub fn renew(&mut self, id: &str, now: i64, expires_at: i64, ttl_ms: i64) -> RenewOutcome {
@@ -705,6 +729,47 @@ mod tests {
     }
 
     #[test]
+    fn ending_a_proxys_leases_releases_those_that_count_and_nothing_else() {
+        let mut s = state();
+        s.grant(
+            "l3".into(),
+            lease("a", 3 * MIN, Some("r3")),
+            Some("f".into()),
+        );
+        s.grant("l0".into(), lease("a", 2 * MIN, None), None);
+        s.commit();
+        // At 1 min, l1 is past its expiry (left for the sweep); l0 and l3 count.
+        let ended: Vec<(String, i64)> = s
+            .end_leases("uid-a", MIN)
+            .into_iter()
+            .map(|(id, lease)| (id.to_string(), lease.expires_at))
+            .collect();
+        assert_eq!(
+            ended,
+            [("l0".to_owned(), 2 * MIN), ("l3".to_owned(), 3 * MIN)]
+        );
+        assert_eq!(s.load("uid-a", MIN).active, 0);
+        assert_eq!(s.load("uid-b", MIN).active, 1, "other proxies keep theirs");
+        assert!(
+            s.lease("l1").is_some(),
+            "the expired lease waits for the sweep"
+        );
+        assert_eq!(
+            s.decide_acquire(&[], None, Some(&key("r3", "f")), MIN),
+            AcquireDecision::Replay("l3".into()),
+            "an ended lease still answers its request ID"
+        );
+        assert_eq!(
+            s.commit().proxies,
+            HashSet::from([Arc::from("uid-a")]),
+            "the readers' view of the proxy is refreshed"
+        );
+        assert!(s.end_leases("uid-a", MIN).is_empty(), "idempotent");
+        assert!(s.end_leases("uid-nobody", 0).is_empty());
+        assert_eq!(s.sweep(MIN).expired, 1, "the sweep still expires l1");
+    }
+
+    #[test]
     fn cooldowns_keep_the_later_end() {
         let mut s = state();
         s.cool_down("uid-a", "t", 4 * MIN);
@@ -752,7 +817,7 @@ mod tests {
     #[test]
     fn rollback_restores_the_committed_state_exactly() {
         type Step = fn(&mut LedgerState);
-        let steps: [(&str, Step); 7] = [
+        let steps: [(&str, Step); 8] = [
             ("grant", |s| {
                 s.grant(
                     "l3".into(),
@@ -779,6 +844,10 @@ mod tests {
             }),
             ("sweep", |s| {
                 s.sweep(6 * MIN);
+            }),
+            ("end a proxy's leases", |s| {
+                s.grant("l6".into(), lease("b", 9 * MIN, None), None);
+                s.end_leases("uid-b", 0);
             }),
             ("grant then release in one batch", |s| {
                 s.grant("l5".into(), lease("a", 9 * MIN, None), None);

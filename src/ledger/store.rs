@@ -271,16 +271,41 @@ pub(crate) fn insert_lease(
     )
 }
 
-/// Marks a lease released at `now`, with its `released` event.
+/// Marks a lease released at `now`, with its `released` event; both carry `reason` when the
+/// operator ended the lease (a crawler's release has none).
 pub(crate) fn release_lease(
     conn: &Connection,
     id: &str,
     lease: &ActiveLease,
     now: i64,
+    reason: Option<&str>,
 ) -> rusqlite::Result<()> {
-    conn.prepare_cached("UPDATE leases SET state = 'released', released_at = ?2 WHERE id = ?1")?
-        .execute(rusqlite::params![id, now])?;
-    record(conn, &Event::of(EventKind::Released, now, id, lease))
+    conn.prepare_cached(
+        "UPDATE leases SET state = 'released', released_at = ?2, release_reason = ?3 \
+         WHERE id = ?1",
+    )?
+    .execute(rusqlite::params![id, now, reason])?;
+    record(
+        conn,
+        &Event {
+            reason,
+            ..Event::of(EventKind::Released, now, id, lease)
+        },
+    )
+}
+
+/// Marks the leases the operator ended (see `LedgerState::end_leases`) released at `now`
+/// with `reason`, one `released` event each carrying it.
+pub(crate) fn end_leases(
+    conn: &Connection,
+    ended: &[(Arc<str>, ActiveLease)],
+    reason: &str,
+    now: i64,
+) -> rusqlite::Result<()> {
+    for (id, lease) in ended {
+        release_lease(conn, id, lease, now, Some(reason))?;
+    }
+    Ok(())
 }
 
 /// Moves a lease's expiry (renew), with its `renewed` event.
@@ -315,6 +340,7 @@ pub(crate) fn report(
             target,
             result: Some(result),
             expires_at: lease.expires_at.as_millisecond(),
+            reason: None,
         },
     )?;
     if let (Some(until), Some(target)) = (cooldown_until, target) {
@@ -417,6 +443,8 @@ struct Event<'a> {
     target: Option<&'a str>,
     result: Option<ReportResult>,
     expires_at: i64,
+    /// Why the operator released the lease (`released` events only).
+    reason: Option<&'a str>,
 }
 
 impl<'a> Event<'a> {
@@ -429,6 +457,7 @@ impl<'a> Event<'a> {
             target: lease.target.as_deref(),
             result: None,
             expires_at: lease.expires_at,
+            reason: None,
         }
     }
 }
@@ -437,7 +466,7 @@ impl<'a> Event<'a> {
 fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, result, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+         target, result, expires_at, reason) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
     )?
     .execute(rusqlite::params![
         event.at,
@@ -448,7 +477,8 @@ fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
         event.proxy.uid,
         event.target,
         event.result.map(ReportResult::as_str),
-        event.expires_at
+        event.expires_at,
+        event.reason
     ])?;
     Ok(())
 }
@@ -462,7 +492,7 @@ pub(crate) fn lease_by_id(
 ) -> rusqlite::Result<Option<Lease>> {
     conn.prepare_cached(
         "SELECT id, proxy_namespace, proxy_name, proxy_uid, target, state, acquired_at, \
-         expires_at, ttl_ms, released_at FROM leases WHERE id = ?1",
+         expires_at, ttl_ms, released_at, release_reason FROM leases WHERE id = ?1",
     )?
     .query_row([id], |row| lease_from_row(row, now))
     .optional()
@@ -491,6 +521,7 @@ fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
         expires_at: timestamp(expires_at)?,
         ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
         released_at: row.get::<_, Option<i64>>(9)?.map(timestamp).transpose()?,
+        release_reason: row.get(10)?,
     })
 }
 
@@ -509,6 +540,7 @@ pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Res
         expires_at: timestamp(lease.expires_at)?,
         ttl: Duration::from_millis(lease.ttl_ms.unsigned_abs()),
         released_at: None,
+        release_reason: None,
     })
 }
 
@@ -568,7 +600,7 @@ mod tests {
             let lease = lease(id, expires_at, request_id);
             insert_lease(&conn, id, &lease, request_id.map(|_| "fp")).unwrap();
             if released {
-                release_lease(&conn, id, &lease, now - 1).unwrap();
+                release_lease(&conn, id, &lease, now - 1, None).unwrap();
             }
         }
         sweep(&conn, now, 1_000_000, 1_000_000, true).unwrap();

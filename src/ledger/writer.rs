@@ -41,6 +41,12 @@ pub(crate) enum Job {
         id: String,
         reply: Reply<()>,
     },
+    /// The operator ends every counting lease of one proxy (its machine is lost or gone).
+    EndLeases {
+        proxy_uid: String,
+        reason: String,
+        reply: Reply<u64>,
+    },
     Report {
         id: String,
         result: ReportResult,
@@ -190,6 +196,7 @@ impl Job {
             Job::Renew { reply, .. } | Job::Report { reply, .. } => send(reply, error()),
             Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
             Job::Sweep { reply } => send(reply, error()),
+            Job::EndLeases { reply, .. } => send(reply, error()),
         }
     }
 
@@ -367,6 +374,11 @@ impl Writer {
             }
             Job::Renew { id, ttl_ms, reply } => answer(reply, self.renew(&id, ttl_ms, now)),
             Job::Release { id, reply } => answer(reply, self.release(&id, now)),
+            Job::EndLeases {
+                proxy_uid,
+                reason,
+                reply,
+            } => answer(reply, self.end_leases(&proxy_uid, &reason, now)),
             Job::Report {
                 id,
                 result,
@@ -380,9 +392,17 @@ impl Writer {
 
     fn release(&mut self, id: &str, now: i64) -> Decision<()> {
         if let Some(lease) = self.state.release(id, now) {
-            store::release_lease(&self.conn, id, &lease, now)?;
+            store::release_lease(&self.conn, id, &lease, now, None)?;
         }
         Ok(Ok(()))
+    }
+
+    /// Releases every counting lease of the proxy with `reason`, like as many releases in
+    /// this batch: memory changes through the journal, so a failed batch undoes it.
+    fn end_leases(&mut self, uid: &str, reason: &str, now: i64) -> Decision<u64> {
+        let ended = self.state.end_leases(uid, now);
+        store::end_leases(&self.conn, &ended, reason, now)?;
+        Ok(Ok(u64::try_from(ended.len()).unwrap_or(u64::MAX)))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page
