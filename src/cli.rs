@@ -256,9 +256,30 @@ pub struct RunArgs {
     #[arg(long, env = "PROXY_OPERATOR_QUOTA_REQUEUE", default_value = "5m", value_parser = humantime::parse_duration)]
     pub quota_requeue: Duration,
 
-    /// Wait after a transient failure of a reconcile.
-    #[arg(long, env = "PROXY_OPERATOR_ERROR_REQUEUE", default_value = "15s", value_parser = humantime::parse_duration)]
+    /// First wait after a failed reconcile (or a refused create); it doubles with each failure
+    /// in a row, up to --error-requeue-max, and starts over after a success.
+    #[arg(long, env = "PROXY_OPERATOR_ERROR_REQUEUE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub error_requeue: Duration,
+
+    /// Longest wait between retries after failures in a row.
+    #[arg(long, env = "PROXY_OPERATOR_ERROR_REQUEUE_MAX", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub error_requeue_max: Duration,
+
+    /// How long a machine may take to run after it was created (or after it stopped running)
+    /// before it is replaced.
+    #[arg(long, env = "PROXY_OPERATOR_STARTUP_TIMEOUT", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub startup_timeout: Duration,
+
+    /// How long past its deletion deadline (a Pod's deletionTimestamp, grace period included)
+    /// a machine may stay undeleted before it is force-deleted: only a lost node keeps a Pod
+    /// Terminating that long.
+    #[arg(long, env = "PROXY_OPERATOR_FORCE_DELETE_MARGIN", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub force_delete_margin: Duration,
+
+    /// How often a provider's permanent refusal (a spec it cannot accept) is tried again;
+    /// a restart or a spec change tries again at once.
+    #[arg(long, env = "PROXY_OPERATOR_PERMANENT_FAILURE_RETRY", default_value = "30m", value_parser = humantime::parse_duration)]
+    pub permanent_failure_retry: Duration,
 
     /// The flags shared with `standalone`.
     #[command(flatten)]
@@ -274,6 +295,10 @@ impl RunArgs {
             deletion_poll: self.deletion_poll,
             quota_requeue: self.quota_requeue,
             error_requeue: self.error_requeue,
+            error_requeue_max: self.error_requeue_max,
+            startup_timeout: self.startup_timeout,
+            force_delete_margin: self.force_delete_margin,
+            permanent_failure_retry: self.permanent_failure_retry,
             concurrency: self.max_concurrent_reconciles,
         }
     }

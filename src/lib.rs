@@ -5,6 +5,7 @@ pub mod api;
 pub mod cli;
 pub mod crd;
 pub mod duration;
+pub mod events;
 pub mod gc;
 pub mod health;
 pub mod inventory;

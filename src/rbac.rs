@@ -68,13 +68,14 @@ pub const API_CALLS: &[ApiCall] = &[
         made_by: "reconcile::apply, proxy_watch",
     },
     // The kubernetes provider: one squid Pod per Proxy in the Proxy's namespace, listed by label
-    // across namespaces.
+    // across namespaces; the reconciler watches them by label so a dead or evicted Pod is seen
+    // at once.
     ApiCall {
         group: "",
         resource: "pods",
-        verbs: &["create", "delete", "get", "list"],
+        verbs: &["create", "delete", "get", "list", "watch"],
         scope: Scope::Cluster,
-        made_by: "provider::kubernetes",
+        made_by: "provider::kubernetes, reconcile",
     },
     // Leader election for orphan GC (kube-lease-manager): read, create when missing, and
     // acquire/renew/release by patch.

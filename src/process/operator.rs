@@ -21,7 +21,7 @@ use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::proxy::{Proxy, ProxyId};
 use crate::proxy_watch::{self, WatchMetrics};
-use crate::reconcile::{self, Context, HealthSignal, HealthStates};
+use crate::reconcile::{self, Context, HealthSignal};
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -122,15 +122,16 @@ async fn start(
 
     let ctx = Arc::new(Context {
         recorder,
-        client: client.clone(),
-        providers: providers
-            .iter()
-            .map(|(name, p)| (name.clone(), p.clone()))
-            .collect::<HashMap<_, _>>(),
-        install: args.install_id.clone(),
-        config: args.reconciler_config(),
-        health: HealthStates::default(),
-        clock: jiff::Timestamp::now,
+        ..Context::new(
+            client.clone(),
+            providers
+                .iter()
+                .map(|(name, p)| (name.clone(), p.clone()))
+                .collect::<HashMap<_, _>>(),
+            args.install_id.clone(),
+            args.reconciler_config(),
+            core.ledger.clone(),
+        )
     });
     let (signals_tx, signals_rx) = mpsc::channel(1024);
     supervisor.spawn(

@@ -52,9 +52,6 @@ pub const ACTION_DECODE: &str = "Decode";
 /// Gauge of the Proxies skipped because they do not decode.
 pub const UNDECODABLE_METRIC: &str = "proxy_operator_proxies_undecodable";
 
-/// The most bytes the Events API takes in a `note`.
-const NOTE_LIMIT: usize = 1024;
-
 /// The Proxy resource, for the raw (untyped) list and watch: same URL, same RBAC as a typed one.
 pub fn api_resource() -> ApiResource {
     ApiResource::erase::<Proxy>(&())
@@ -270,25 +267,7 @@ pub fn warning_event(report: &Undecodable) -> Event {
          first: other edits to the object are refused while it is invalid.",
         report.error
     );
-    Event {
-        type_: EventType::Warning,
-        reason: REASON_INVALID_SPEC.to_owned(),
-        note: Some(truncate(note, NOTE_LIMIT)),
-        action: ACTION_DECODE.to_owned(),
-        secondary: None,
-    }
-}
-
-fn truncate(mut text: String, limit: usize) -> String {
-    if text.len() > limit {
-        let mut cut = limit.saturating_sub(3);
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        text.truncate(cut);
-        text.push_str("...");
-    }
-    text
+    crate::events::event(EventType::Warning, REASON_INVALID_SPEC, ACTION_DECODE, note)
 }
 
 /// Publishes a Warning Event for each report until the watch stops sending them or

@@ -1,11 +1,13 @@
 //! Executing a decision: the thin I/O layer between [`decide`] and the provider and Kubernetes
 //! APIs. Order of writes per reconcile: metadata needed *before* a provider call (finalizer,
-//! create-pending marker), the provider call, one status write if anything changed, metadata
-//! recorded *after* (spec hash), then an Event.
+//! create-pending marker), the provider call, one status write if anything changed (guarded by
+//! the newest resourceVersion known), metadata recorded *after* (spec hash), then an Event.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
+use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller;
@@ -13,23 +15,44 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 
-use super::decide::{Action, Inputs, Observation, decide, on_provider_error};
+use super::decide::{Action, Inputs, Limits, Loss, Observation, after, decide, on_provider_error};
+use super::pacing::{Hold, hold_for};
 use super::phase::Provisioning;
 use super::status::{
-    FieldChange, REASON_CLOUD_INIT, REASON_DELETING, REASON_EXTERNAL, REASON_MACHINE_GONE,
-    REASON_MACHINE_STOPPED, REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA,
-    REASON_REPLACING, REASON_RUNNING, REASON_UNKNOWN_PROVIDER, StatusChange, annotations_patch,
-    desired_status, status_patch,
+    FieldChange, REASON_CLOUD_INIT, REASON_CREATE_FAILED, REASON_DELETING, REASON_EXTERNAL,
+    REASON_FORCE_DELETED, REASON_MACHINE_GONE, REASON_MACHINE_LOST, REASON_MACHINE_STOPPED,
+    REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA, REASON_REFUSED, REASON_REPLACING,
+    REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
+    annotations_patch, desired_status, status_patch,
 };
 use super::{CREATE_PENDING_ANNOTATION, Context, Error};
+use crate::events::event;
 use crate::naming::machine_name;
-use crate::provider::{CreateRequest, INSTALL_LABEL, Provider, ProviderError};
+use crate::provider::{CreateRequest, INSTALL_LABEL, Provider, ProviderError, Waiting};
 use crate::proxy::{
     CONDITION_PROVISIONED, ConditionStatus, FINALIZER, MANAGED_LABEL, PROXY_UID_LABEL, Phase,
     Proxy, ProxySpec, ProxyStatus, SPEC_HASH_ANNOTATION, SPEC_HASH_VERSION_ANNOTATION,
     SecretKeyRef,
 };
 use crate::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
+
+/// Ledger reason of leases ended because their machine was force-deleted.
+pub const LEASES_MACHINE_LOST: &str = "machine_lost";
+/// Ledger reason of leases ended because their machine vanished under them.
+pub const LEASES_MACHINE_GONE: &str = "machine_gone";
+/// Ledger reason of leases ended because their machine was replaced.
+pub const LEASES_MACHINE_REPLACED: &str = "machine_replaced";
+
+/// What a reconcile's outcome means for the retry memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// It did what it set out to: failures in a row start over.
+    Progress,
+    /// The machine runs: machines that never ran are forgiven too.
+    Running,
+    /// It waited, or already counted its own failure.
+    Neutral,
+}
 
 /// What executing an action leaves to write.
 struct Step {
@@ -41,16 +64,41 @@ struct Step {
     event: Option<Event>,
     /// When to look again.
     requeue: controller::Action,
+    /// What it means for the retry memory.
+    outcome: Outcome,
+    /// The resourceVersion returned by a metadata patch made before the status write.
+    resource_version: Option<String>,
 }
 
 impl Step {
-    fn requeue(requeue: controller::Action) -> Self {
+    fn new(status: Option<StatusChange>, requeue: controller::Action) -> Self {
         Step {
-            status: None,
+            status,
             annotations: None,
             event: None,
             requeue,
+            outcome: Outcome::Progress,
+            resource_version: None,
         }
+    }
+
+    fn requeue(requeue: controller::Action) -> Self {
+        Step::new(None, requeue)
+    }
+
+    fn with_event(mut self, event: Option<Event>) -> Self {
+        self.event = event;
+        self
+    }
+
+    fn with_annotations(mut self, annotations: Option<Value>) -> Self {
+        self.annotations = annotations;
+        self
+    }
+
+    fn with_outcome(mut self, outcome: Outcome) -> Self {
+        self.outcome = outcome;
+        self
     }
 }
 
@@ -62,7 +110,14 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
     let api: Api<Proxy> = Api::namespaced(ctx.client.clone(), &namespace);
     let current = proxy.status.clone().unwrap_or_default();
     let step = step(&proxy, &current, &api, &ctx).await?;
+    let uid = proxy.uid().unwrap_or_default();
+    match step.outcome {
+        Outcome::Progress => ctx.pacing.succeeded(&uid, false),
+        Outcome::Running => ctx.pacing.succeeded(&uid, true),
+        Outcome::Neutral => {}
+    }
 
+    let mut conflict = false;
     if let Some(change) = &step.status {
         let health = ctx.health.get(&proxy.id());
         let now = (ctx.clock)();
@@ -74,15 +129,32 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
             now,
         );
         if desired != current {
-            api.patch_status(
-                &proxy.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(status_patch(&desired)),
-            )
-            .await?;
+            let known = step
+                .resource_version
+                .clone()
+                .or_else(|| proxy.resource_version());
+            let patch = status_patch(&desired, known.as_deref());
+            match api
+                .patch_status(
+                    &proxy.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(patch),
+                )
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    log::debug!(
+                        "Proxy {}: changed since this reconcile read it; reconciling again",
+                        proxy.key()
+                    );
+                    conflict = true;
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
     }
-    if let Some(annotations) = &step.annotations {
+    if !conflict && let Some(annotations) = &step.annotations {
         api.patch(
             &proxy.name_any(),
             &PatchParams::default(),
@@ -90,6 +162,8 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
         )
         .await?;
     }
+    // The Event tells of something already done (a provider call), so it goes out even when the
+    // status write lost a race.
     if let Some(event) = &step.event {
         let reference = proxy.object_ref(&());
         if let Err(e) = ctx.recorder.publish(event, &reference).await {
@@ -99,6 +173,9 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
                 proxy.key()
             );
         }
+    }
+    if conflict {
+        return Ok(controller::Action::requeue(Duration::ZERO));
     }
     Ok(step.requeue)
 }
@@ -116,6 +193,7 @@ async fn step(
     let provider_id = current.provider_id.as_deref().filter(|id| !id.is_empty());
     let annotations = proxy.annotations();
     let generation = proxy.metadata.generation;
+    let now = (ctx.clock)();
 
     let provider = spec
         .provider
@@ -123,7 +201,7 @@ async fn step(
         .and_then(|name| ctx.providers.get(name));
     let needs_provider = spec.mode == crate::proxy::Mode::Managed
         && if deleting {
-            provider_id.is_some()
+            provider_id.is_some() || annotations.contains_key(CREATE_PENDING_ANNOTATION)
         } else {
             finalizer_present
         };
@@ -144,12 +222,18 @@ async fn step(
         .ok()
         .map(|content| SpecHashInput::new(spec, content.as_deref()).hash());
 
-    let failed_this_generation = current
-        .condition(CONDITION_PROVISIONED)
+    let provisioned = current.condition(CONDITION_PROVISIONED);
+    let failed_this_generation = provisioned
         .is_some_and(|c| c.reason == REASON_PROVIDER_FAILED && c.observed_generation == generation);
+    let hold_until = ctx
+        .pacing
+        .get(&proxy.uid().unwrap_or_default())
+        .hold
+        .map(|h| h.until);
+    let retry_due = !hold_until.is_some_and(|until| until > now);
     let observation = match (provider, provider_id) {
         (Some(provider), Some(id))
-            if deleting || (finalizer_present && !failed_this_generation) =>
+            if deleting || (finalizer_present && (!failed_this_generation || retry_due)) =>
         {
             observe(provider, id).await
         }
@@ -171,6 +255,17 @@ async fn step(
         desired_hash: desired_hash.as_deref(),
         cloud_init_problem: cloud_init.as_ref().err().map(String::as_str),
         failed_this_generation,
+        phase: current.phase,
+        had_ip: current.ip.is_some(),
+        not_provisioned_since: provisioned
+            .filter(|c| c.status == ConditionStatus::False)
+            .map(|c| c.last_transition_time),
+        hold_until,
+        now,
+        limits: Limits {
+            startup_timeout: ctx.config.startup_timeout,
+            force_delete_margin: ctx.config.force_delete_margin,
+        },
         observation: &observation,
     };
     let action = decide(&inputs);
@@ -181,6 +276,7 @@ async fn step(
         provider_id,
         cloud_init: cloud_init.ok().flatten(),
         ctx,
+        now,
     };
     execute(action, &machine, current, api, desired_hash.as_deref()).await
 }
@@ -192,6 +288,7 @@ struct Machine<'a> {
     provider_id: Option<&'a str>,
     cloud_init: Option<String>,
     ctx: &'a Context,
+    now: Timestamp,
 }
 
 impl Machine<'_> {
@@ -203,6 +300,10 @@ impl Machine<'_> {
     fn provider_id(&self) -> Result<&str, Error> {
         self.provider_id
             .ok_or(Error::MissingField("status.providerID"))
+    }
+
+    fn uid(&self) -> String {
+        self.proxy.uid().unwrap_or_default()
     }
 
     fn create_request(&self) -> CreateRequest {
@@ -223,20 +324,79 @@ impl Machine<'_> {
             labels,
         }
     }
+
+    /// The base and cap of the failure backoff.
+    fn backoff(&self) -> (Duration, Duration) {
+        let config = &self.ctx.config;
+        (config.error_requeue, config.error_requeue_max)
+    }
+
+    /// Ends the proxy's active leases (its machine is gone); a ledger failure is logged and
+    /// leaves them to expire, never blocking the repair.
+    async fn end_leases(&self, reason: &str) -> u64 {
+        let uid = self.uid();
+        match self.ctx.ledger.end_leases(&uid, reason).await {
+            Ok(ended) => {
+                if ended > 0 {
+                    log::info!(
+                        "Proxy {}: ended {ended} active leases ({reason})",
+                        self.proxy.key()
+                    );
+                }
+                ended
+            }
+            Err(e) => {
+                log::warn!(
+                    "Proxy {}: cannot end the leases of its gone machine ({reason}); they \
+                     run until they expire: {e}",
+                    self.proxy.key()
+                );
+                0
+            }
+        }
+    }
 }
 
 async fn observe(provider: &dyn Provider, id: &str) -> Observation {
     match provider.get(id).await {
-        Ok(instance) => Observation::Found {
-            state: instance.state,
-            ip: instance.ip,
-        },
+        Ok(instance) => Observation::Found(instance),
         Err(e) if e.is_not_found() => Observation::NotFound,
         Err(e) => Observation::Error {
             class: e.class,
             message: e.to_string(),
         },
     }
+}
+
+/// A requeue after `until`, from `now`.
+fn requeue_at(until: Timestamp, now: Timestamp) -> controller::Action {
+    let wait = until
+        .duration_since(now)
+        .try_into()
+        .unwrap_or(Duration::ZERO);
+    controller::Action::requeue(wait)
+}
+
+/// The condition message of a hold: what happened and when the next try is.
+fn hold_message(hold: &Hold) -> String {
+    let next = hold.until.round(jiff::Unit::Second).unwrap_or(hold.until);
+    format!("{}; next attempt at {next}", hold.message)
+}
+
+/// `reason: message` of a provider's waiting reason.
+fn waiting_text(waiting: &Waiting) -> String {
+    if waiting.message.is_empty() {
+        waiting.reason.clone()
+    } else {
+        format!("{}: {}", waiting.reason, waiting.message)
+    }
+}
+
+/// Whether the `Provisioned` condition already has `reason` (so its Event went out).
+fn condition_reason_is(current: &ProxyStatus, reason: &str) -> bool {
+    current
+        .condition(CONDITION_PROVISIONED)
+        .is_some_and(|c| c.reason == reason)
 }
 
 /// Carries out one action.
@@ -256,79 +416,111 @@ async fn execute(
             patch_finalizers(api, proxy, finalizers).await?;
             Step::requeue(controller::Action::await_change())
         }
-        Action::RemoveFinalizer => {
-            let finalizers = proxy
-                .finalizers()
-                .iter()
-                .filter(|f| *f != FINALIZER)
-                .cloned()
-                .collect();
-            patch_finalizers(api, proxy, finalizers).await?;
-            machine.ctx.health.forget(&proxy.id());
-            Step::requeue(controller::Action::await_change())
-        }
+        Action::RemoveFinalizer => remove_finalizer(machine, api).await?,
         Action::Create { hash } => create(machine, current, api, &hash).await?,
         Action::Recover { hash } => {
             let provider = machine.provider()?;
-            let name = machine_name(&proxy.id().uid);
-            match provider.list_managed().await {
-                Ok(instances) => match instances.into_iter().find(|i| i.name == name) {
-                    Some(instance) => {
-                        log::info!(
-                            "Proxy {}: recovered machine {} from an interrupted create",
-                            proxy.key(),
-                            instance.provider_id
-                        );
-                        Step {
-                            status: Some(provisioning(FieldChange::Set(instance.provider_id))),
-                            annotations: Some(record_hash(&hash)),
-                            event: None,
-                            requeue: controller::Action::requeue(config.provisioning_poll),
-                        }
-                    }
-                    None => match desired_hash {
-                        Some(hash) => create(machine, current, api, hash).await?,
-                        None => cloud_init_missing("cloud-init cannot be resolved", config),
-                    },
+            match find_by_name(machine, provider).await {
+                Ok(Some(instance)) => {
+                    log::info!(
+                        "Proxy {}: recovered machine {} from an interrupted create",
+                        proxy.key(),
+                        instance.provider_id
+                    );
+                    Step::new(
+                        Some(provisioning(FieldChange::Set(instance.provider_id))),
+                        controller::Action::requeue(config.provisioning_poll),
+                    )
+                    .with_annotations(Some(record_hash(&hash)))
+                }
+                Ok(None) => match desired_hash {
+                    Some(hash) => create(machine, current, api, hash).await?,
+                    None => cloud_init_missing("cloud-init cannot be resolved", config),
                 },
-                Err(e) => failure(proxy, current, e, machine.ctx)?,
+                Err(e) => failure(machine, current, e)?,
             }
         }
-        Action::AwaitProvisioning => Step {
-            status: Some(provisioning(FieldChange::Keep)),
-            annotations: None,
-            event: None,
-            requeue: controller::Action::requeue(config.provisioning_poll),
-        },
-        Action::Running { ip } => Step {
-            status: Some(StatusChange {
+        Action::HoldCreate { until } => {
+            let hold = machine.ctx.pacing.get(&machine.uid()).hold;
+            let status = hold.map(|hold| StatusChange {
+                provisioning: Provisioning::Waiting,
+                provider_id: FieldChange::Keep,
+                ip: FieldChange::Keep,
+                provisioned: ConditionStatus::False,
+                reason: hold.reason.clone(),
+                message: hold_message(&hold),
+            });
+            Step::new(status, requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
+        }
+        Action::AwaitProvisioning { waiting, deadline } => {
+            let poll = controller::Action::requeue(config.provisioning_poll);
+            let requeue = match deadline {
+                Some(deadline) if after(machine.now, config.provisioning_poll) > deadline => {
+                    requeue_at(deadline, machine.now)
+                }
+                _ => poll,
+            };
+            await_provisioning(machine, current, waiting, requeue)
+        }
+        Action::ReplaceStuck { waiting } => {
+            let id = machine.provider_id()?;
+            let timeout = humantime::format_duration(config.startup_timeout);
+            let why = waiting
+                .as_ref()
+                .map(|w| format!(" ({})", waiting_text(w)))
+                .unwrap_or_default();
+            let message = format!("machine {id} did not run within {timeout}{why}; replacing it");
+            log::warn!("Proxy {}: {message}", proxy.key());
+            machine.ctx.pacing.machine_failed(
+                &machine.uid(),
+                machine.backoff(),
+                machine.now,
+                REASON_STARTUP_TIMEOUT,
+                message.clone(),
+            );
+            delete(
+                machine,
+                current,
+                Provisioning::Replacing,
+                (EventType::Warning, REASON_STARTUP_TIMEOUT),
+                &message,
+            )
+            .await?
+        }
+        Action::Running { ip } => Step::new(
+            Some(StatusChange {
                 provisioning: Provisioning::Done,
                 provider_id: FieldChange::Keep,
                 ip: ip.map_or(FieldChange::Clear, FieldChange::Set),
                 provisioned: ConditionStatus::True,
-                reason: REASON_RUNNING,
+                reason: REASON_RUNNING.to_owned(),
                 message: "machine is running".to_owned(),
             }),
-            annotations: None,
-            event: None,
-            requeue: controller::Action::requeue(config.drift_poll),
-        },
+            controller::Action::requeue(config.drift_poll),
+        )
+        .with_outcome(Outcome::Running),
+        Action::DeleteDead if current.phase == Some(Phase::Replacing) => {
+            // Already being replaced (its deletion shows as Terminated): keep the reason given
+            // when the replacement started, ask again, wait.
+            delete_again(machine, current).await?
+        }
         Action::DeleteDead => {
             delete(
                 machine,
                 current,
                 Provisioning::Replacing,
-                REASON_MACHINE_STOPPED,
+                (EventType::Normal, REASON_MACHINE_STOPPED),
                 "machine stopped or terminated; deleting it to create a new one",
             )
             .await?
         }
+        Action::ForceDelete { deadline } => force_delete(machine, current, deadline).await?,
         Action::Replace => {
             delete(
                 machine,
                 current,
                 Provisioning::Replacing,
-                REASON_REPLACING,
+                (EventType::Normal, REASON_REPLACING),
                 "spec changed; deleting the machine to create a new one",
             )
             .await?
@@ -338,32 +530,38 @@ async fn execute(
                 machine,
                 current,
                 Provisioning::Deleting,
-                REASON_DELETING,
+                (EventType::Normal, REASON_DELETING),
                 "Proxy is being deleted; deleting its machine",
             )
             .await?
         }
-        Action::Forget { record_hash: hash } => Step {
-            status: Some(StatusChange {
-                provisioning: Provisioning::InProgress,
-                provider_id: FieldChange::Clear,
-                ip: FieldChange::Clear,
-                provisioned: ConditionStatus::False,
-                reason: REASON_MACHINE_GONE,
-                message: "machine is gone; creating a new one".to_owned(),
-            }),
-            annotations: hash.as_deref().map(record_hash),
-            event: None,
-            requeue: controller::Action::requeue(std::time::Duration::ZERO),
-        },
-        Action::Adopt { hash } => Step {
-            status: None,
-            annotations: Some(record_hash(&hash)),
-            event: None,
-            requeue: controller::Action::requeue(std::time::Duration::ZERO),
-        },
-        Action::External => Step {
-            status: Some(StatusChange {
+        Action::CleanupPending => {
+            let provider = machine.provider()?;
+            match find_by_name(machine, provider).await {
+                Ok(Some(instance)) => {
+                    let id = instance.provider_id;
+                    log::info!(
+                        "Proxy {}: deleting machine {id} of an interrupted create before the \
+                         Proxy goes",
+                        proxy.key()
+                    );
+                    match provider.delete(&id).await {
+                        Ok(()) => deleting(machine, FieldChange::Set(id)),
+                        Err(e) => failure(machine, current, e)?,
+                    }
+                }
+                Ok(None) => remove_finalizer(machine, api).await?,
+                Err(e) => failure(machine, current, e)?,
+            }
+        }
+        Action::Forget {
+            record_hash: hash,
+            loss,
+        } => forget(machine, current, hash, loss).await,
+        Action::Adopt { hash } => Step::new(None, controller::Action::requeue(Duration::ZERO))
+            .with_annotations(Some(record_hash(&hash))),
+        Action::External => Step::new(
+            Some(StatusChange {
                 provisioning: Provisioning::Done,
                 provider_id: FieldChange::Clear,
                 ip: proxy
@@ -372,20 +570,78 @@ async fn execute(
                     .as_ref()
                     .map_or(FieldChange::Clear, |e| FieldChange::Set(e.host.clone())),
                 provisioned: ConditionStatus::True,
-                reason: REASON_EXTERNAL,
+                reason: REASON_EXTERNAL.to_owned(),
                 message: "external endpoint".to_owned(),
             }),
-            annotations: None,
-            event: None,
-            requeue: controller::Action::await_change(),
-        },
-        Action::StayFailed => Step::requeue(controller::Action::await_change()),
-        Action::AwaitCloudInit { message } => cloud_init_missing(&message, config),
-        failed @ (Action::Backoff { .. } | Action::QuotaWait { .. } | Action::Fail { .. }) => {
-            failure_step(failed, proxy, current, machine.ctx)?
+            controller::Action::await_change(),
+        ),
+        Action::StayFailed { until } => {
+            Step::requeue(requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
         }
+        Action::AwaitCloudInit { message } => cloud_init_missing(&message, config),
+        failed @ (Action::Backoff { .. }
+        | Action::Refused { .. }
+        | Action::QuotaWait { .. }
+        | Action::Fail { .. }) => failure_step(failed, machine, current)?,
     };
     Ok(step)
+}
+
+/// The machine of this Proxy found by its deterministic name.
+async fn find_by_name(
+    machine: &Machine<'_>,
+    provider: &dyn Provider,
+) -> Result<Option<crate::provider::Instance>, ProviderError> {
+    let name = machine_name(&machine.uid());
+    let instances = provider.list_managed().await?;
+    Ok(instances.into_iter().find(|i| i.name == name))
+}
+
+async fn remove_finalizer(machine: &Machine<'_>, api: &Api<Proxy>) -> Result<Step, Error> {
+    let proxy = machine.proxy;
+    let finalizers = proxy
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    patch_finalizers(api, proxy, finalizers).await?;
+    machine.ctx.health.forget(&proxy.id());
+    Ok(Step::requeue(controller::Action::await_change()))
+}
+
+/// The machine is not running yet: say why, with an Event when the provider's reason is new.
+fn await_provisioning(
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    waiting: Option<Waiting>,
+    requeue: controller::Action,
+) -> Step {
+    let Some(waiting) = waiting else {
+        return Step::new(Some(provisioning(FieldChange::Keep)), requeue);
+    };
+    let id = machine.provider_id.unwrap_or_default();
+    let message = format!("machine {id} is not running: {}", waiting_text(&waiting));
+    let event = (!condition_reason_is(current, &waiting.reason)).then(|| {
+        event(
+            EventType::Warning,
+            &waiting.reason,
+            "Provision",
+            message.clone(),
+        )
+    });
+    Step::new(
+        Some(StatusChange {
+            provisioning: Provisioning::InProgress,
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: waiting.reason,
+            message,
+        }),
+        requeue,
+    )
+    .with_event(event)
 }
 
 /// Marks the create pending, creates the machine, and records its ID and the hash.
@@ -397,15 +653,16 @@ async fn create(
 ) -> Result<Step, Error> {
     let provider = machine.provider()?;
     let proxy = machine.proxy;
-    api.patch(
-        &proxy.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(annotations_patch(&[(
-            CREATE_PENDING_ANNOTATION,
-            Some(hash),
-        )])),
-    )
-    .await?;
+    let marked = api
+        .patch(
+            &proxy.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(annotations_patch(&[(
+                CREATE_PENDING_ANNOTATION,
+                Some(hash),
+            )])),
+        )
+        .await?;
     let request = machine.create_request();
     match provider.create(&request).await {
         Ok(instance) => {
@@ -414,41 +671,43 @@ async fn create(
                 proxy.key(),
                 instance.provider_id
             );
-            Ok(Step {
-                status: Some(provisioning(FieldChange::Set(instance.provider_id.clone()))),
-                annotations: Some(record_hash(hash)),
-                event: Some(event(
-                    EventType::Normal,
-                    "Created",
-                    "Create",
-                    format!(
-                        "created machine {} with {}",
-                        instance.provider_id,
-                        provider.name()
-                    ),
-                )),
-                requeue: controller::Action::requeue(machine.ctx.config.provisioning_poll),
-            })
+            let note = format!(
+                "created machine {} with {}",
+                instance.provider_id,
+                provider.name()
+            );
+            let mut step = Step::new(
+                Some(provisioning(FieldChange::Set(instance.provider_id))),
+                controller::Action::requeue(machine.ctx.config.provisioning_poll),
+            )
+            .with_annotations(Some(record_hash(hash)))
+            .with_event(Some(event(EventType::Normal, "Created", "Create", note)));
+            step.resource_version = marked.resource_version();
+            Ok(step)
         }
-        Err(e) => failure(proxy, current, e, machine.ctx),
+        Err(e) => {
+            let mut step = failure(machine, current, e)?;
+            step.resource_version = marked.resource_version();
+            Ok(step)
+        }
     }
 }
 
-/// Deletes the machine and reports the given provisioning state.
+/// Deletes the machine and reports the given provisioning state; the Event (`event`) goes out
+/// when the phase first changes.
 async fn delete(
     machine: &Machine<'_>,
     current: &ProxyStatus,
     state: Provisioning,
-    reason: &'static str,
+    (event_type, reason): (EventType, &'static str),
     message: &str,
 ) -> Result<Step, Error> {
     let provider = machine.provider()?;
     let id = machine.provider_id()?;
-    let proxy = machine.proxy;
     if let Err(e) = provider.delete(id).await
         && !e.is_not_found()
     {
-        return failure(proxy, current, e, machine.ctx);
+        return failure(machine, current, e);
     }
     let phase = if state == Provisioning::Deleting {
         Phase::Deleting
@@ -456,116 +715,248 @@ async fn delete(
         Phase::Replacing
     };
     let first = current.phase != Some(phase);
-    Ok(Step {
-        status: Some(StatusChange {
+    Ok(Step::new(
+        Some(StatusChange {
             provisioning: state,
             provider_id: FieldChange::Keep,
             ip: FieldChange::Clear,
             provisioned: ConditionStatus::False,
-            reason,
+            reason: reason.to_owned(),
             message: message.to_owned(),
         }),
-        annotations: None,
-        event: first.then(|| {
-            event(
-                EventType::Normal,
-                reason,
-                "Delete",
-                format!("deleting machine {id}: {message}"),
-            )
+        controller::Action::requeue(machine.ctx.config.deletion_poll),
+    )
+    .with_event(first.then(|| {
+        event(
+            event_type,
+            reason,
+            "Delete",
+            format!("deleting machine {id}: {message}"),
+        )
+    })))
+}
+
+/// Asks again for the deletion of a machine already being replaced; status stays as it is.
+async fn delete_again(machine: &Machine<'_>, current: &ProxyStatus) -> Result<Step, Error> {
+    let provider = machine.provider()?;
+    let id = machine.provider_id()?;
+    if let Err(e) = provider.delete(id).await
+        && !e.is_not_found()
+    {
+        return failure(machine, current, e);
+    }
+    Ok(Step::requeue(controller::Action::requeue(
+        machine.ctx.config.deletion_poll,
+    )))
+}
+
+/// The Proxy is being deleted and its machine `provider_id` is going: record the ID so later
+/// passes follow the machine until it is gone.
+fn deleting(machine: &Machine<'_>, provider_id: FieldChange) -> Step {
+    Step::new(
+        Some(StatusChange {
+            provisioning: Provisioning::Deleting,
+            provider_id,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_DELETING.to_owned(),
+            message: "Proxy is being deleted; deleting its machine".to_owned(),
         }),
-        requeue: controller::Action::requeue(machine.ctx.config.deletion_poll),
-    })
+        controller::Action::requeue(machine.ctx.config.deletion_poll),
+    )
+}
+
+/// Force-deletes a machine whose deletion is stuck past `deadline` (its node is gone and will
+/// never confirm it) and ends its leases, so the new machine starts with full capacity.
+async fn force_delete(
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    deadline: Timestamp,
+) -> Result<Step, Error> {
+    let provider = machine.provider()?;
+    let id = machine.provider_id()?;
+    let proxy = machine.proxy;
+    if let Err(e) = provider.force_delete(id).await
+        && !e.is_not_found()
+    {
+        return failure(machine, current, e);
+    }
+    let ended = machine.end_leases(LEASES_MACHINE_LOST).await;
+    let margin = humantime::format_duration(machine.ctx.config.force_delete_margin);
+    let message = format!(
+        "machine {id} was still terminating {margin} after its deletion deadline {deadline} \
+         (a lost node?); force-deleted it and ended {ended} active leases on it"
+    );
+    log::warn!("Proxy {}: {message}", proxy.key());
+    let deleting_proxy = proxy.metadata.deletion_timestamp.is_some();
+    Ok(Step::new(
+        Some(StatusChange {
+            provisioning: if deleting_proxy {
+                Provisioning::Deleting
+            } else {
+                Provisioning::Replacing
+            },
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_MACHINE_LOST.to_owned(),
+            message: message.clone(),
+        }),
+        controller::Action::requeue(machine.ctx.config.deletion_poll),
+    )
+    .with_event(Some(event(
+        EventType::Warning,
+        REASON_FORCE_DELETED,
+        "Delete",
+        message,
+    ))))
+}
+
+/// The machine is gone: end its leases, forget its ID and IP. One that vanished before it ever
+/// ran (a create the provider accepted and then failed) holds the next create for a backoff.
+async fn forget(
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    hash: Option<String>,
+    loss: Loss,
+) -> Step {
+    let id = machine.provider_id.unwrap_or_default();
+    let reason = match loss {
+        Loss::Expected => LEASES_MACHINE_REPLACED,
+        Loss::WhileServing | Loss::BeforeRunning => LEASES_MACHINE_GONE,
+    };
+    machine.end_leases(reason).await;
+    let annotations = hash.as_deref().map(record_hash);
+    if loss != Loss::BeforeRunning {
+        return Step::new(
+            Some(StatusChange {
+                provisioning: Provisioning::InProgress,
+                provider_id: FieldChange::Clear,
+                ip: FieldChange::Clear,
+                provisioned: ConditionStatus::False,
+                reason: REASON_MACHINE_GONE.to_owned(),
+                message: "machine is gone; creating a new one".to_owned(),
+            }),
+            controller::Action::requeue(Duration::ZERO),
+        )
+        .with_annotations(annotations);
+    }
+    let message = format!(
+        "machine {id} vanished before it ran (the provider accepted the create, then failed it)"
+    );
+    log::warn!("Proxy {}: {message}", machine.proxy.key());
+    let hold = machine.ctx.pacing.machine_failed(
+        &machine.uid(),
+        machine.backoff(),
+        machine.now,
+        REASON_CREATE_FAILED,
+        message,
+    );
+    let event = (!condition_reason_is(current, REASON_CREATE_FAILED)).then(|| {
+        event(
+            EventType::Warning,
+            REASON_CREATE_FAILED,
+            "Provision",
+            hold_message(&hold),
+        )
+    });
+    Step::new(
+        Some(StatusChange {
+            provisioning: Provisioning::Waiting,
+            provider_id: FieldChange::Clear,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_CREATE_FAILED.to_owned(),
+            message: hold_message(&hold),
+        }),
+        requeue_at(hold.until, machine.now),
+    )
+    .with_annotations(annotations)
+    .with_event(event)
 }
 
 /// The step for a failed provider call.
 fn failure(
-    proxy: &Proxy,
+    machine: &Machine<'_>,
     current: &ProxyStatus,
     error: ProviderError,
-    ctx: &Context,
 ) -> Result<Step, Error> {
     failure_step(
         on_provider_error(error.class, error.to_string()),
-        proxy,
+        machine,
         current,
-        ctx,
     )
 }
 
-/// Executes a failure action: transient → error (backoff), quota → condition and a long
-/// requeue, permanent → Failed until the spec changes.
+/// Executes a failure action: transient → error (the controller backs off); refused → the
+/// condition and a backoff hold; quota → the condition and a long hold; permanent → Failed
+/// and a slow retry. A hold keeps the status write's own re-trigger from trying again at once.
 fn failure_step(
     action: Action,
-    proxy: &Proxy,
+    machine: &Machine<'_>,
     current: &ProxyStatus,
-    ctx: &Context,
 ) -> Result<Step, Error> {
-    let already = |reason: &str| {
-        current
-            .condition(CONDITION_PROVISIONED)
-            .is_some_and(|c| c.reason == reason)
-    };
+    let proxy = machine.proxy;
+    let config = &machine.ctx.config;
+    let uid = machine.uid();
     let keep_state = if current.provider_id.is_some() {
         Provisioning::InProgress
     } else {
         Provisioning::Waiting
     };
-    match action {
+    let (provisioning, reason, message, delay) = match action {
+        Action::Backoff { message } => return Err(Error::Provider(message)),
         Action::QuotaWait { message } => {
             log::warn!("Proxy {}: quota exceeded: {message}", proxy.key());
-            Ok(Step {
-                event: (!already(REASON_QUOTA)).then(|| {
-                    event(
-                        EventType::Warning,
-                        REASON_QUOTA,
-                        "Provision",
-                        message.clone(),
-                    )
-                }),
-                status: Some(StatusChange {
-                    provisioning: keep_state,
-                    provider_id: FieldChange::Keep,
-                    ip: FieldChange::Keep,
-                    provisioned: ConditionStatus::False,
-                    reason: REASON_QUOTA,
-                    message,
-                }),
-                annotations: None,
-                requeue: controller::Action::requeue(ctx.config.quota_requeue),
-            })
+            (keep_state, REASON_QUOTA, message, config.quota_requeue)
+        }
+        Action::Refused { message } => {
+            let (base, cap) = machine.backoff();
+            let delay = machine.ctx.pacing.failed(&uid, base, cap);
+            log::warn!("Proxy {}: refused: {message}", proxy.key());
+            (keep_state, REASON_REFUSED, message, delay)
         }
         Action::Fail { message } => {
             log::error!(
                 "Proxy {}: provider failed permanently: {message}",
                 proxy.key()
             );
-            Ok(Step {
-                event: (!already(REASON_PROVIDER_FAILED)).then(|| {
-                    event(
-                        EventType::Warning,
-                        REASON_PROVIDER_FAILED,
-                        "Provision",
-                        message.clone(),
-                    )
-                }),
-                status: Some(StatusChange {
-                    provisioning: Provisioning::Failed,
-                    provider_id: FieldChange::Keep,
-                    ip: FieldChange::Keep,
-                    provisioned: ConditionStatus::False,
-                    reason: REASON_PROVIDER_FAILED,
-                    message,
-                }),
-                annotations: None,
-                requeue: controller::Action::await_change(),
-            })
+            (
+                Provisioning::Failed,
+                REASON_PROVIDER_FAILED,
+                message,
+                config.permanent_failure_retry,
+            )
         }
-        Action::Backoff { message } => Err(Error::Provider(message)),
-        other => Err(Error::Provider(format!(
-            "unexpected failure action {other:?}"
-        ))),
-    }
+        other => {
+            return Err(Error::Provider(format!(
+                "unexpected failure action {other:?}"
+            )));
+        }
+    };
+    let hold = hold_for(machine.now, delay, reason, message);
+    machine.ctx.pacing.hold(&uid, hold.clone());
+    let event = (!condition_reason_is(current, reason)).then(|| {
+        event(
+            EventType::Warning,
+            reason,
+            "Provision",
+            hold.message.clone(),
+        )
+    });
+    Ok(Step::new(
+        Some(StatusChange {
+            provisioning,
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Keep,
+            provisioned: ConditionStatus::False,
+            reason: reason.to_owned(),
+            message: hold_message(&hold),
+        }),
+        controller::Action::requeue(delay),
+    )
+    .with_event(event)
+    .with_outcome(Outcome::Neutral))
 }
 
 fn provisioning(provider_id: FieldChange) -> StatusChange {
@@ -574,7 +965,7 @@ fn provisioning(provider_id: FieldChange) -> StatusChange {
         provider_id,
         ip: FieldChange::Clear,
         provisioned: ConditionStatus::False,
-        reason: REASON_PROVISIONING,
+        reason: REASON_PROVISIONING.to_owned(),
         message: "machine is being created".to_owned(),
     }
 }
@@ -597,20 +988,18 @@ fn unknown_provider(spec: &ProxySpec, ctx: &Context) -> Step {
 
 /// A Proxy that cannot be provisioned until something outside it changes: condition
 /// `Provisioned=False/<reason>`, machine fields untouched, a check again after `requeue`.
-fn waiting(reason: &'static str, message: String, requeue: std::time::Duration) -> Step {
-    Step {
-        status: Some(StatusChange {
+fn waiting(reason: &'static str, message: String, requeue: Duration) -> Step {
+    Step::new(
+        Some(StatusChange {
             provisioning: Provisioning::Waiting,
             provider_id: FieldChange::Keep,
             ip: FieldChange::Keep,
             provisioned: ConditionStatus::False,
-            reason,
+            reason: reason.to_owned(),
             message,
         }),
-        annotations: None,
-        event: None,
-        requeue: controller::Action::requeue(requeue),
-    }
+        controller::Action::requeue(requeue),
+    )
 }
 
 /// Records the hash the machine was made from, and clears the create-pending marker.
@@ -620,16 +1009,6 @@ fn record_hash(hash: &str) -> Value {
         (SPEC_HASH_VERSION_ANNOTATION, Some(SPEC_HASH_VERSION)),
         (CREATE_PENDING_ANNOTATION, None),
     ])
-}
-
-fn event(type_: EventType, reason: &str, action: &str, note: String) -> Event {
-    Event {
-        type_,
-        reason: reason.to_owned(),
-        note: Some(note),
-        action: action.to_owned(),
-        secondary: None,
-    }
 }
 
 /// Sets the finalizer list, guarded by resourceVersion so a concurrent edit is not overwritten.

@@ -5,8 +5,12 @@
 //! I/O that carries an action out lives in `apply`, so every row of the design's table is tested
 //! here without a cluster or a cloud.
 
-use crate::provider::{ErrorClass, InstanceState};
-use crate::proxy::Mode;
+use std::time::Duration;
+
+use jiff::Timestamp;
+
+use crate::provider::{ErrorClass, Instance, InstanceState, Waiting};
+use crate::proxy::{Mode, Phase};
 use crate::spec_hash::SPEC_HASH_VERSION;
 
 /// What the provider said about the machine recorded in `status.providerID`.
@@ -15,12 +19,7 @@ pub enum Observation {
     /// No `get` was made (no providerID, or no provider calls are allowed).
     NotQueried,
     /// The machine exists.
-    Found {
-        /// Its state.
-        state: InstanceState,
-        /// Its address, when running.
-        ip: Option<String>,
-    },
+    Found(Instance),
     /// The machine does not exist (an input, never an error).
     NotFound,
     /// The `get` failed.
@@ -30,6 +29,16 @@ pub enum Observation {
         /// The failure, for the condition and the log.
         message: String,
     },
+}
+
+/// The time limits of self-healing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// How long a machine may be not running (since created, or since it stopped running)
+    /// before it is replaced.
+    pub startup_timeout: Duration,
+    /// How long past its deletion deadline a machine is left before it is force-deleted.
+    pub force_delete_margin: Duration,
 }
 
 /// Everything [`decide`] looks at. Built by the caller from the object and the provider's answer.
@@ -55,8 +64,32 @@ pub struct Inputs<'a> {
     pub cloud_init_problem: Option<&'a str>,
     /// Whether a permanent provider failure was already recorded for this generation.
     pub failed_this_generation: bool,
+    /// `status.phase` now: tells a machine that vanished while being created from one lost
+    /// while serving, and both from one whose deletion was asked for.
+    pub phase: Option<Phase>,
+    /// Whether `status.ip` is set (the machine was running).
+    pub had_ip: bool,
+    /// Since when the `Provisioned` condition has been False, if it is.
+    pub not_provisioned_since: Option<Timestamp>,
+    /// No machine is created before this (backoff after failures).
+    pub hold_until: Option<Timestamp>,
+    /// Now.
+    pub now: Timestamp,
+    /// Self-healing time limits.
+    pub limits: Limits,
     /// The provider's answer about `provider_id`.
     pub observation: &'a Observation,
+}
+
+/// How a machine came to be missing, which decides what its disappearance means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// Its deletion was asked for (replacement): expected.
+    Expected,
+    /// It was serving: it died or was deleted under the proxy.
+    WhileServing,
+    /// It never ran: the provider accepted the create and then failed it.
+    BeforeRunning,
 }
 
 /// The one thing a reconcile does.
@@ -77,8 +110,23 @@ pub enum Action {
         /// The hash that create was started with.
         hash: String,
     },
-    /// The machine is being created: clear the IP, poll.
-    AwaitProvisioning,
+    /// Creates are on hold after failures: wait.
+    HoldCreate {
+        /// Until then.
+        until: Timestamp,
+    },
+    /// The machine is being created: clear the IP, show why it is not running yet, poll.
+    AwaitProvisioning {
+        /// The provider's reason, if it gave one.
+        waiting: Option<Waiting>,
+        /// When the start-up timeout runs out.
+        deadline: Option<Timestamp>,
+    },
+    /// The machine has not run within the start-up timeout: delete it to make a new one.
+    ReplaceStuck {
+        /// The provider's last reason, if it gave one.
+        waiting: Option<Waiting>,
+    },
     /// The machine runs: record its IP, poll for drift.
     Running {
         /// The machine's address.
@@ -86,10 +134,19 @@ pub enum Action {
     },
     /// The machine stopped or terminated: delete it (cattle), poll until it is gone.
     DeleteDead,
-    /// The machine is gone: forget its ID and IP so the next pass creates a new one.
+    /// The machine's deletion is stuck past its deadline (a lost node): delete it without a
+    /// grace period and end its leases.
+    ForceDelete {
+        /// When it should have been gone.
+        deadline: Timestamp,
+    },
+    /// The machine is gone: forget its ID and IP and end its leases, so the next pass creates
+    /// a new one.
     Forget {
         /// Record this hash as A too (it differed from H).
         record_hash: Option<String>,
+        /// How it went.
+        loss: Loss,
     },
     /// The spec changed: delete the machine, poll until NotFound, then re-create.
     Replace,
@@ -100,6 +157,9 @@ pub enum Action {
     },
     /// The Proxy is being deleted: delete its machine, poll until it is gone.
     DeleteForCleanup,
+    /// The Proxy is being deleted while a create was pending (no ID recorded): find the machine
+    /// by name and delete it before the finalizer goes.
+    CleanupPending,
     /// An External proxy: no provider, the endpoint is the address.
     External,
     /// A transient failure: return an error so the controller backs off.
@@ -107,18 +167,26 @@ pub enum Action {
         /// The failure.
         message: String,
     },
+    /// The platform's policy refused (admission, authorization): show it, retry with backoff.
+    Refused {
+        /// The refusal.
+        message: String,
+    },
     /// The provider refused for quota: record the condition, retry in minutes.
     QuotaWait {
         /// The failure.
         message: String,
     },
-    /// The provider refused permanently: phase Failed, no more provider calls.
+    /// The provider refused permanently: phase Failed, retried on a slow timer.
     Fail {
         /// The failure.
         message: String,
     },
-    /// A permanent failure was already recorded for this generation: do nothing.
-    StayFailed,
+    /// A permanent failure was recorded for this generation and its retry is not due.
+    StayFailed {
+        /// When it is due.
+        until: Timestamp,
+    },
     /// The referenced cloud-init Secret or key is missing: record why, retry later.
     AwaitCloudInit {
         /// What is missing.
@@ -154,12 +222,45 @@ fn hash_state(inputs: &Inputs<'_>) -> HashState {
 pub fn on_provider_error(class: ErrorClass, message: String) -> Action {
     match class {
         ErrorClass::QuotaExceeded => Action::QuotaWait { message },
+        ErrorClass::Refused => Action::Refused { message },
         ErrorClass::Permanent => Action::Fail { message },
         // NotFound only means something for `get`, which `decide` handles as an input; from any
         // other call it is unexpected, and retrying is the safe answer.
-        ErrorClass::Transient | ErrorClass::NotFound | ErrorClass::Refused => {
-            Action::Backoff { message }
-        }
+        ErrorClass::Transient | ErrorClass::NotFound => Action::Backoff { message },
+    }
+}
+
+/// `at` plus `duration` (saturating).
+pub fn after(at: Timestamp, duration: Duration) -> Timestamp {
+    jiff::SignedDuration::try_from(duration)
+        .ok()
+        .and_then(|d| at.checked_add(d).ok())
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// When the machine's stuck deletion is force-deleted, if its deletion was asked for.
+fn force_delete_at(machine: &Instance, limits: &Limits) -> Option<Timestamp> {
+    machine
+        .deletion_deadline
+        .map(|deadline| after(deadline, limits.force_delete_margin))
+}
+
+/// When a machine that is not running runs out of start-up time: the timeout counts from the
+/// later of its creation and the moment the proxy stopped being provisioned.
+fn startup_deadline(inputs: &Inputs<'_>, machine: &Instance) -> Option<Timestamp> {
+    let since = match (machine.created_at, inputs.not_provisioned_since) {
+        (Some(created), Some(since)) => Some(created.max(since)),
+        (created, since) => created.or(since),
+    }?;
+    Some(after(since, inputs.limits.startup_timeout))
+}
+
+/// How a machine that is now NotFound went.
+fn loss(inputs: &Inputs<'_>) -> Loss {
+    match inputs.phase {
+        Some(Phase::Replacing | Phase::Deleting) => Loss::Expected,
+        _ if inputs.had_ip => Loss::WhileServing,
+        _ => Loss::BeforeRunning,
     }
 }
 
@@ -169,23 +270,39 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
         return Action::External;
     }
     let provider_id = inputs.provider_id.filter(|id| !id.is_empty());
+    let create_pending = inputs.create_pending.filter(|h| !h.is_empty());
+    let now = inputs.now;
+    let stuck = |machine: &Instance| {
+        force_delete_at(machine, &inputs.limits)
+            .filter(|at| *at <= now)
+            .and(machine.deletion_deadline)
+    };
     if inputs.deleting {
         return match (provider_id, inputs.observation) {
+            (None, _) if create_pending.is_some() => Action::CleanupPending,
             (None, _) | (Some(_), Observation::NotFound) => Action::RemoveFinalizer,
             (Some(_), Observation::Error { class, message }) => {
                 on_provider_error(*class, message.clone())
             }
+            (Some(_), Observation::Found(machine)) => match stuck(machine) {
+                Some(deadline) => Action::ForceDelete { deadline },
+                None => Action::DeleteForCleanup,
+            },
             (Some(_), _) => Action::DeleteForCleanup,
         };
     }
     if !inputs.finalizer_present {
         return Action::AddFinalizer;
     }
-    if inputs.failed_this_generation {
-        return Action::StayFailed;
+    let held = inputs.hold_until.filter(|until| *until > now);
+    if let (true, Some(until)) = (inputs.failed_this_generation, held) {
+        return Action::StayFailed { until };
     }
     let Some(_) = provider_id else {
-        if let Some(hash) = inputs.create_pending.filter(|h| !h.is_empty()) {
+        if let Some(until) = held {
+            return Action::HoldCreate { until };
+        }
+        if let Some(hash) = create_pending {
             return Action::Recover {
                 hash: hash.to_owned(),
             };
@@ -202,19 +319,35 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
             },
         };
     };
-    if let Observation::Error { class, message } = inputs.observation {
-        return on_provider_error(*class, message.clone());
-    }
-    if *inputs.observation == Observation::NotFound {
-        let record_hash = inputs
-            .desired_hash
-            .filter(|h| inputs.recorded_hash != Some(*h))
-            .map(str::to_owned);
-        return Action::Forget { record_hash };
+    let machine = match inputs.observation {
+        Observation::Error { class, message } => {
+            return on_provider_error(*class, message.clone());
+        }
+        Observation::NotFound => {
+            let record_hash = inputs
+                .desired_hash
+                .filter(|h| inputs.recorded_hash != Some(*h))
+                .map(str::to_owned);
+            return Action::Forget {
+                record_hash,
+                loss: loss(inputs),
+            };
+        }
+        // Not reachable for a Managed proxy with an ID (the caller always queries), but a
+        // missing answer must never destroy anything: ask again.
+        Observation::NotQueried => {
+            return Action::Backoff {
+                message: "no answer from the provider".to_owned(),
+            };
+        }
+        Observation::Found(machine) => machine,
+    };
+    if let Some(deadline) = stuck(machine) {
+        return Action::ForceDelete { deadline };
     }
     // The ID was recorded but the crash came before the pending marker was cleared: the machine
     // was created with the pending hash, so record that one.
-    if let Some(hash) = inputs.create_pending.filter(|h| !h.is_empty()) {
+    if let Some(hash) = create_pending {
         return Action::Adopt {
             hash: hash.to_owned(),
         };
@@ -228,26 +361,24 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
         HashState::Drifted => return Action::Replace,
         HashState::Current => {}
     }
-    match inputs.observation {
-        Observation::Found {
-            state: InstanceState::Provisioning,
-            ..
-        } => Action::AwaitProvisioning,
-        Observation::Found {
-            state: InstanceState::Running,
-            ip,
-        } => Action::Running { ip: ip.clone() },
-        Observation::Found {
-            state: InstanceState::Stopped | InstanceState::Terminated,
-            ..
-        } => Action::DeleteDead,
-        // Not reachable for a Managed proxy with an ID (the caller always queries), but a missing
-        // answer must never destroy anything: ask again.
-        Observation::NotQueried | Observation::NotFound | Observation::Error { .. } => {
-            Action::Backoff {
-                message: "no answer from the provider".to_owned(),
+    match machine.state {
+        InstanceState::Provisioning => {
+            let deadline = startup_deadline(inputs, machine);
+            if deadline.is_some_and(|d| d <= now) {
+                Action::ReplaceStuck {
+                    waiting: machine.waiting.clone(),
+                }
+            } else {
+                Action::AwaitProvisioning {
+                    waiting: machine.waiting.clone(),
+                    deadline,
+                }
             }
         }
+        InstanceState::Running => Action::Running {
+            ip: machine.ip.clone(),
+        },
+        InstanceState::Stopped | InstanceState::Terminated => Action::DeleteDead,
     }
 }
 
@@ -259,11 +390,28 @@ mod tests {
     const A_OLD: &str = "hash-old";
     const V: &str = SPEC_HASH_VERSION;
 
-    fn found(state: InstanceState) -> Observation {
-        Observation::Found {
+    fn ts(seconds: i64) -> Timestamp {
+        Timestamp::from_second(seconds).unwrap()
+    }
+
+    /// "Now" in every row.
+    const NOW: i64 = 10_000;
+
+    fn machine(state: InstanceState) -> Instance {
+        Instance {
+            provider_id: "ns/proxy-x".into(),
+            name: "proxy-x".into(),
             state,
             ip: (state == InstanceState::Running).then(|| "10.0.0.9".to_owned()),
+            uid: Some("u".into()),
+            created_at: Some(ts(NOW - 60)),
+            waiting: None,
+            deletion_deadline: None,
         }
+    }
+
+    fn found(state: InstanceState) -> Observation {
+        Observation::Found(machine(state))
     }
 
     fn error(class: ErrorClass) -> Observation {
@@ -286,6 +434,15 @@ mod tests {
             desired_hash: Some(H),
             cloud_init_problem: None,
             failed_this_generation: false,
+            phase: Some(Phase::Ready),
+            had_ip: true,
+            not_provisioned_since: None,
+            hold_until: None,
+            now: ts(NOW),
+            limits: Limits {
+                startup_timeout: Duration::from_secs(600),
+                force_delete_margin: Duration::from_secs(30),
+            },
             observation,
         }
     }
@@ -330,9 +487,12 @@ mod tests {
                 Action::Create { hash: H.into() },
             ),
             (
-                "A == H, Provisioning -> poll",
+                "A == H, Provisioning -> poll until the start-up deadline",
                 base(&provisioning),
-                Action::AwaitProvisioning,
+                Action::AwaitProvisioning {
+                    waiting: None,
+                    deadline: Some(ts(NOW - 60 + 600)),
+                },
             ),
             ("A == H, Running -> set ip", base(&running), running_ip),
             (
@@ -346,18 +506,47 @@ mod tests {
                 Action::DeleteDead,
             ),
             (
-                "A == H, NotFound -> forget",
+                "A == H, NotFound while serving -> forget, the machine was lost",
                 base(&not_found),
-                Action::Forget { record_hash: None },
+                Action::Forget {
+                    record_hash: None,
+                    loss: Loss::WhileServing,
+                },
+            ),
+            (
+                "NotFound while being created -> forget, the create failed",
+                Inputs {
+                    phase: Some(Phase::Provisioning),
+                    had_ip: false,
+                    ..base(&not_found)
+                },
+                Action::Forget {
+                    record_hash: None,
+                    loss: Loss::BeforeRunning,
+                },
+            ),
+            (
+                "NotFound while replacing -> forget, as expected",
+                Inputs {
+                    phase: Some(Phase::Replacing),
+                    had_ip: false,
+                    ..base(&not_found)
+                },
+                Action::Forget {
+                    record_hash: None,
+                    loss: Loss::Expected,
+                },
             ),
             (
                 "A != H, NotFound -> forget and record H (replacement completes)",
                 Inputs {
                     recorded_hash: Some(A_OLD),
+                    phase: Some(Phase::Replacing),
                     ..base(&not_found)
                 },
                 Action::Forget {
                     record_hash: Some(H.into()),
+                    loss: Loss::Expected,
                 },
             ),
             (
@@ -467,6 +656,182 @@ mod tests {
     }
 
     #[test]
+    fn self_healing_rows() {
+        let with = |f: &dyn Fn(&mut Instance)| {
+            let mut m = machine(InstanceState::Provisioning);
+            f(&mut m);
+            Observation::Found(m)
+        };
+        let image_pull = Waiting {
+            reason: "ErrImagePull".into(),
+            message: "pull access denied".into(),
+        };
+        let pulling = with(&|m| m.waiting = Some(image_pull.clone()));
+        let old_pulling = with(&|m| {
+            m.waiting = Some(image_pull.clone());
+            m.created_at = Some(ts(NOW - 601));
+        });
+        let old_unknown_age = with(&|m| m.created_at = None);
+        let terminating = |deadline: i64| {
+            with(&|m| {
+                m.state = InstanceState::Terminated;
+                m.deletion_deadline = Some(ts(deadline));
+            })
+        };
+        let terminating_recent = terminating(NOW - 29);
+        let terminating_stuck = terminating(NOW - 30);
+        let not_queried = Observation::NotQueried;
+        let running = found(InstanceState::Running);
+        let hold = Some(ts(NOW + 5));
+        type Case<'a> = (&'a str, Inputs<'a>, Action);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "not running yet -> the provider's reason, deadline from creation",
+                base(&pulling),
+                Action::AwaitProvisioning {
+                    waiting: Some(image_pull.clone()),
+                    deadline: Some(ts(NOW - 60 + 600)),
+                },
+            ),
+            (
+                "not running since creation past the start-up timeout -> replace",
+                base(&old_pulling),
+                Action::ReplaceStuck {
+                    waiting: Some(image_pull.clone()),
+                },
+            ),
+            (
+                "was running, stopped running recently -> the clock starts then",
+                Inputs {
+                    not_provisioned_since: Some(ts(NOW - 10)),
+                    ..base(&old_pulling)
+                },
+                Action::AwaitProvisioning {
+                    waiting: Some(image_pull.clone()),
+                    deadline: Some(ts(NOW - 10 + 600)),
+                },
+            ),
+            (
+                "no creation time, not provisioned for long -> replace",
+                Inputs {
+                    not_provisioned_since: Some(ts(NOW - 600)),
+                    ..base(&old_unknown_age)
+                },
+                Action::ReplaceStuck { waiting: None },
+            ),
+            (
+                "no time known at all -> never replaced for slowness",
+                base(&old_unknown_age),
+                Action::AwaitProvisioning {
+                    waiting: None,
+                    deadline: None,
+                },
+            ),
+            (
+                "terminating within the margin -> delete and wait",
+                base(&terminating_recent),
+                Action::DeleteDead,
+            ),
+            (
+                "terminating past deadline + margin -> force-delete",
+                base(&terminating_stuck),
+                Action::ForceDelete {
+                    deadline: ts(NOW - 30),
+                },
+            ),
+            (
+                "stuck during a spec-change replacement -> force-delete first",
+                Inputs {
+                    recorded_hash: Some(A_OLD),
+                    ..base(&terminating_stuck)
+                },
+                Action::ForceDelete {
+                    deadline: ts(NOW - 30),
+                },
+            ),
+            (
+                "Proxy deleted, machine stuck -> force-delete",
+                Inputs {
+                    deleting: true,
+                    ..base(&terminating_stuck)
+                },
+                Action::ForceDelete {
+                    deadline: ts(NOW - 30),
+                },
+            ),
+            (
+                "Proxy deleted, machine terminating within the margin -> delete",
+                Inputs {
+                    deleting: true,
+                    ..base(&terminating_recent)
+                },
+                Action::DeleteForCleanup,
+            ),
+            (
+                "Proxy deleted with a create pending and no ID -> find the machine first",
+                Inputs {
+                    deleting: true,
+                    provider_id: None,
+                    create_pending: Some(A_OLD),
+                    ..base(&not_queried)
+                },
+                Action::CleanupPending,
+            ),
+            (
+                "Proxy deleted with an empty pending marker -> remove finalizer",
+                Inputs {
+                    deleting: true,
+                    provider_id: None,
+                    create_pending: Some(""),
+                    ..base(&not_queried)
+                },
+                Action::RemoveFinalizer,
+            ),
+            (
+                "creates on hold after failures -> wait",
+                Inputs {
+                    provider_id: None,
+                    hold_until: hold,
+                    ..base(&not_queried)
+                },
+                Action::HoldCreate { until: ts(NOW + 5) },
+            ),
+            (
+                "a hold also waits before recovering a pending create",
+                Inputs {
+                    provider_id: None,
+                    create_pending: Some(A_OLD),
+                    hold_until: hold,
+                    ..base(&not_queried)
+                },
+                Action::HoldCreate { until: ts(NOW + 5) },
+            ),
+            (
+                "a hold that ran out -> create",
+                Inputs {
+                    provider_id: None,
+                    hold_until: Some(ts(NOW)),
+                    ..base(&not_queried)
+                },
+                Action::Create { hash: H.into() },
+            ),
+            (
+                "a hold never stops a machine that exists from being looked after",
+                Inputs {
+                    hold_until: hold,
+                    ..base(&running)
+                },
+                Action::Running {
+                    ip: Some("10.0.0.9".into()),
+                },
+            ),
+        ];
+        for (name, inputs, expected) in cases {
+            assert_eq!(decide(&inputs), expected, "{name}");
+        }
+    }
+
+    #[test]
     fn external_proxies_never_touch_finalizers_or_providers() {
         let obs = Observation::NotQueried;
         for (deleting, finalizer) in [(false, false), (true, false), (false, true)] {
@@ -486,6 +851,7 @@ mod tests {
         let cases = [
             (ErrorClass::Transient, "Backoff"),
             (ErrorClass::QuotaExceeded, "QuotaWait"),
+            (ErrorClass::Refused, "Refused"),
             (ErrorClass::Permanent, "Fail"),
         ];
         for (class, expected) in cases {
@@ -513,6 +879,10 @@ mod tests {
             Action::QuotaWait { message: m() }
         );
         assert_eq!(
+            on_provider_error(ErrorClass::Refused, m()),
+            Action::Refused { message: m() }
+        );
+        assert_eq!(
             on_provider_error(ErrorClass::Permanent, m()),
             Action::Fail { message: m() }
         );
@@ -523,20 +893,39 @@ mod tests {
     }
 
     #[test]
-    fn permanent_failure_latches_until_the_spec_changes() {
+    fn permanent_failure_waits_for_its_slow_retry() {
         let obs = Observation::NotQueried;
+        let until = ts(NOW + 1800);
         let inputs = Inputs {
             failed_this_generation: true,
             provider_id: None,
+            hold_until: Some(until),
             ..base(&obs)
         };
-        assert_eq!(decide(&inputs), Action::StayFailed);
+        assert_eq!(decide(&inputs), Action::StayFailed { until });
         let running = found(InstanceState::Running);
         let inputs = Inputs {
             failed_this_generation: true,
+            hold_until: Some(until),
             ..base(&running)
         };
-        assert_eq!(decide(&inputs), Action::StayFailed);
+        assert_eq!(decide(&inputs), Action::StayFailed { until });
+        // Retry due (slow timer passed, or a restart forgot the hold): try again.
+        for hold_until in [Some(ts(NOW)), None] {
+            let inputs = Inputs {
+                failed_this_generation: true,
+                provider_id: None,
+                hold_until,
+                ..base(&obs)
+            };
+            assert_eq!(decide(&inputs), Action::Create { hash: H.into() });
+            let inputs = Inputs {
+                failed_this_generation: true,
+                hold_until,
+                ..base(&running)
+            };
+            assert!(matches!(decide(&inputs), Action::Running { .. }));
+        }
     }
 
     #[test]

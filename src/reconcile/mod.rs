@@ -7,15 +7,16 @@
 
 pub mod apply;
 pub mod decide;
+pub mod pacing;
 pub mod phase;
 pub mod status;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -24,12 +25,14 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::mpsc;
 
 pub use apply::reconcile;
-pub use decide::{Action, Inputs, Observation, decide, on_provider_error};
+pub use decide::{Action, Inputs, Limits, Loss, Observation, decide, on_provider_error};
+pub use pacing::Pacing;
 pub use phase::{Provisioning, compute_phase};
 pub use status::HealthSignal;
 
-use crate::provider::Provider;
-use crate::proxy::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyId};
+use crate::ledger::Ledger;
+use crate::provider::{INSTALL_LABEL, Provider};
+use crate::proxy::{CLOUD_INIT_SECRET_LABEL, MANAGED_LABEL, PROXY_UID_LABEL, Proxy, ProxyId};
 
 /// Annotation written before a provider `create` and cleared once the machine's ID is recorded.
 /// Its value is the spec hash the create was started with.
@@ -46,8 +49,16 @@ pub struct ReconcilerConfig {
     pub deletion_poll: Duration,
     /// After the provider refused for quota.
     pub quota_requeue: Duration,
-    /// After a transient failure.
+    /// First wait after a failure; doubles per failure in a row up to `error_requeue_max`.
     pub error_requeue: Duration,
+    /// Longest wait after failures in a row.
+    pub error_requeue_max: Duration,
+    /// How long a machine may take to run before it is replaced.
+    pub startup_timeout: Duration,
+    /// How long past its deletion deadline a machine is left before it is force-deleted.
+    pub force_delete_margin: Duration,
+    /// How often a permanent provider refusal is tried again.
+    pub permanent_failure_retry: Duration,
     /// Most reconciles running at once.
     pub concurrency: u16,
 }
@@ -59,7 +70,11 @@ impl Default for ReconcilerConfig {
             drift_poll: Duration::from_secs(300),
             deletion_poll: Duration::from_secs(5),
             quota_requeue: Duration::from_secs(300),
-            error_requeue: Duration::from_secs(15),
+            error_requeue: Duration::from_secs(5),
+            error_requeue_max: Duration::from_secs(300),
+            startup_timeout: Duration::from_secs(600),
+            force_delete_margin: Duration::from_secs(30),
+            permanent_failure_retry: Duration::from_secs(1800),
             concurrency: 16,
         }
     }
@@ -99,6 +114,28 @@ impl HealthStates {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(id);
     }
+
+    /// Drops every proxy whose UID is not in `live` (External proxies have no finalizer, so
+    /// nothing else notices they are gone).
+    pub fn retain(&self, live: &HashSet<&str>) {
+        self.inner
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|id, _| live.contains(id.uid.as_str()));
+    }
+
+    /// How many proxies have a recorded transition.
+    pub fn len(&self) -> usize {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether no proxy has a recorded transition.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Everything a reconcile needs; one per process, shared by every reconcile.
@@ -113,13 +150,42 @@ pub struct Context {
     pub config: ReconcilerConfig,
     /// Last health transitions.
     pub health: HealthStates,
+    /// Retry memory: failures in a row and holds on creates.
+    pub pacing: Pacing,
+    /// The lease ledger, to end the leases of machines that are gone.
+    pub ledger: Ledger,
     /// Publishes Kubernetes Events.
     pub recorder: Recorder,
     /// Current time.
     pub clock: Clock,
 }
 
-/// Why a reconcile failed; the controller retries after [`ReconcilerConfig::error_requeue`].
+impl Context {
+    /// A context with empty health and retry memory, publishing Events as `proxy-operator`,
+    /// on the system clock.
+    pub fn new(
+        client: Client,
+        providers: HashMap<String, Arc<dyn Provider>>,
+        install: String,
+        config: ReconcilerConfig,
+        ledger: Ledger,
+    ) -> Self {
+        Context {
+            recorder: Recorder::new(client.clone(), "proxy-operator".into()),
+            client,
+            providers,
+            install,
+            config,
+            health: HealthStates::default(),
+            pacing: Pacing::default(),
+            ledger,
+            clock: jiff::Timestamp::now,
+        }
+    }
+}
+
+/// Why a reconcile failed; the controller retries with exponential backoff from
+/// [`ReconcilerConfig::error_requeue`].
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A Kubernetes API call failed.
@@ -182,21 +248,69 @@ pub fn health_triggers(
     })
 }
 
-/// What to do after a failed reconcile: log it and retry later.
+/// The Proxy a managed Pod serves: named by the Pod's `crawl.example.com/proxy` annotation, or
+/// found in `proxies` by the Pod's proxy-uid label (a Pod made before the annotation existed).
+pub fn proxy_of_pod<'a>(
+    pod: &Pod,
+    proxies: impl IntoIterator<Item = &'a Proxy>,
+) -> Option<ObjectRef<Proxy>> {
+    let namespace = pod.namespace()?;
+    if let Some(name) = pod.annotations().get(PROXY_ANNOTATION) {
+        return Some(ObjectRef::new(name).within(&namespace));
+    }
+    let uid = pod.labels().get(PROXY_UID_LABEL)?;
+    proxies
+        .into_iter()
+        .find(|p| p.uid().as_deref() == Some(uid) && p.namespace().as_deref() == Some(&namespace))
+        .map(ObjectRef::from_obj)
+}
+
+/// Annotation the kubernetes provider puts on a Pod: the name of the Proxy it serves.
+pub const PROXY_ANNOTATION: &str = "crawl.example.com/proxy";
+
+/// What to do after a failed reconcile: log it and retry after a backoff that doubles with each
+/// failure in a row.
 fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controller::Action {
-    log::warn!(
-        "reconcile of Proxy {} failed ({}): {error}",
-        proxy.key(),
-        error.metric_label()
+    let delay = ctx.pacing.failed(
+        &proxy.uid().unwrap_or_default(),
+        ctx.config.error_requeue,
+        ctx.config.error_requeue_max,
     );
-    controller::Action::requeue(ctx.config.error_requeue)
+    log::warn!(
+        "reconcile of Proxy {} failed ({}); retrying in {}: {error}",
+        proxy.key(),
+        error.metric_label(),
+        humantime::format_duration(delay)
+    );
+    controller::Action::requeue(delay)
+}
+
+/// How often health and retry memory of deleted Proxies is dropped.
+const FORGET_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Drops the health transitions and retry memory of Proxies no longer in `store`, every
+/// [`FORGET_PERIOD`], once the store has its first list.
+async fn forget_deleted(store: Store<Proxy>, ctx: Arc<Context>) {
+    if store.wait_until_ready().await.is_err() {
+        return;
+    }
+    let mut tick = tokio::time::interval(FORGET_PERIOD);
+    loop {
+        tick.tick().await;
+        let state = store.state();
+        let uids: Vec<String> = state.iter().filter_map(|p| p.uid()).collect();
+        let live: HashSet<&str> = uids.iter().map(String::as_str).collect();
+        ctx.health.retain(&live);
+        ctx.pacing.retain(&live);
+    }
 }
 
 /// Runs the Proxy controller until the trigger streams end: reconciles the Proxies in `store`
 /// (kept by the one Proxy watch, `proxy_watch`, which also yields `proxies`, each Proxy it
-/// stores), re-triggers on cloud-init Secrets (in `namespace`, or in all namespaces) and on
-/// `health` transitions, at most [`ReconcilerConfig::concurrency`] at once. A Proxy that is
-/// not in the store (deleted, or skipped as undecodable) is never reconciled.
+/// stores), re-triggers on cloud-init Secrets and on this install's machine Pods (in
+/// `namespace`, or in all namespaces) and on `health` transitions, at most
+/// [`ReconcilerConfig::concurrency`] at once. A Proxy that is not in the store (deleted, or
+/// skipped as undecodable) is never reconciled.
 pub async fn run_controller(
     ctx: Arc<Context>,
     store: Store<Proxy>,
@@ -208,16 +322,30 @@ pub async fn run_controller(
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
         None => Api::all(ctx.client.clone()),
     };
+    let pods: Api<Pod> = match namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
+    };
+    let pod_selector = watcher::Config::default().labels(&format!(
+        "{MANAGED_LABEL}=true,{INSTALL_LABEL}={}",
+        ctx.install
+    ));
+    let pod_store = store.clone();
+    let forget = forget_deleted(store.clone(), ctx.clone());
     let controller = Controller::for_shared_stream(proxies, store.clone())
         .with_config(controller::Config::default().concurrency(ctx.config.concurrency));
     let secret_selector =
         watcher::Config::default().labels(&format!("{CLOUD_INIT_SECRET_LABEL}=true"));
-    controller
+    let reconciling = controller
         .watches(secrets, secret_selector, move |secret: Secret| {
             let namespace = secret.namespace().unwrap_or_default();
             let name = secret.name_any();
             let state = store.state();
             proxies_using_secret(state.iter().map(|p| p.as_ref()), &namespace, &name)
+        })
+        .watches(pods, pod_selector, move |pod: Pod| {
+            let state = pod_store.state();
+            proxy_of_pod(&pod, state.iter().map(|p| p.as_ref()))
         })
         .reconcile_on(health)
         .run(reconcile, error_policy, ctx)
@@ -226,8 +354,11 @@ pub async fn run_controller(
                 Ok((object, _)) => log::debug!("reconciled Proxy {object}"),
                 Err(e) => log::debug!("reconcile error: {e}"),
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = reconciling => {}
+        () = forget => {}
+    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,19 @@ pub const REASON_EXTERNAL: &str = "ExternalEndpoint";
 pub const REASON_QUOTA: &str = "QuotaExceeded";
 /// `Provisioned` reason: the provider refused permanently; no retry until the spec changes.
 pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
+/// `Provisioned` reason: the platform's policy (admission, authorization) refused a provider
+/// call; retried with backoff.
+pub const REASON_REFUSED: &str = "Refused";
+/// `Provisioned` reason: the machine did not run within the start-up timeout and is replaced.
+pub const REASON_STARTUP_TIMEOUT: &str = "StartupTimeout";
+/// `Provisioned` reason: the provider accepted a create, then the machine vanished before it
+/// ran; retried with backoff.
+pub const REASON_CREATE_FAILED: &str = "CreateFailed";
+/// `Provisioned` reason: the machine's deletion was stuck past its deadline (a lost node) and
+/// it was force-deleted.
+pub const REASON_MACHINE_LOST: &str = "MachineLost";
+/// Event reason: a stuck machine was force-deleted.
+pub const REASON_FORCE_DELETED: &str = "ForceDeleted";
 /// `Provisioned` reason: the cloud-init Secret or key is missing.
 pub const REASON_CLOUD_INIT: &str = "CloudInitUnavailable";
 /// `Provisioned` reason: `spec.provider` names no entry in the providers config.
@@ -89,7 +102,7 @@ pub struct StatusChange {
     /// The `Provisioned` condition's status.
     pub provisioned: ConditionStatus,
     /// The `Provisioned` condition's reason.
-    pub reason: &'static str,
+    pub reason: String,
     /// The `Provisioned` condition's message.
     pub message: String,
 }
@@ -133,7 +146,7 @@ pub fn desired_status(
         Condition {
             type_: CONDITION_PROVISIONED.to_owned(),
             status: change.provisioned,
-            reason: change.reason.to_owned(),
+            reason: change.reason.clone(),
             message: change.message.clone(),
             last_transition_time: now,
             observed_generation: generation,
@@ -177,9 +190,12 @@ pub fn desired_status(
 }
 
 /// The JSON merge patch that makes the status subresource equal `status`: every field is
-/// present, `null` where unset, so stale values are removed.
-pub fn status_patch(status: &ProxyStatus) -> Value {
+/// present, `null` where unset, so stale values are removed. It carries `resource_version`, the
+/// newest this reconcile knows, so the server refuses it (409) if the object changed since:
+/// a reconcile working from a stale copy must not write back old machine fields.
+pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Value {
     json!({
+        "metadata": {"resourceVersion": resource_version},
         "status": {
             "phase": status.phase,
             "providerID": status.provider_id,
@@ -216,7 +232,7 @@ mod tests {
             provider_id: FieldChange::Keep,
             ip: FieldChange::Set(ip.into()),
             provisioned: ConditionStatus::True,
-            reason: REASON_RUNNING,
+            reason: REASON_RUNNING.into(),
             message: "machine is running".into(),
         }
     }
@@ -315,11 +331,12 @@ mod tests {
             provider_id: FieldChange::Clear,
             ip: FieldChange::Clear,
             provisioned: ConditionStatus::False,
-            reason: REASON_MACHINE_GONE,
+            reason: REASON_MACHINE_GONE.into(),
             message: String::new(),
         };
         let status = desired_status(&current, &gone, None, Some(1), ts(2));
-        let patch = status_patch(&status);
+        let patch = status_patch(&status, Some("42"));
+        assert_eq!(patch["metadata"]["resourceVersion"], "42");
         assert_eq!(patch["status"]["ip"], Value::Null);
         assert_eq!(patch["status"]["providerID"], Value::Null);
         assert!(patch["status"].as_object().unwrap().contains_key("ip"));

@@ -28,6 +28,8 @@ pub const FAST_FLAGS: &[&str] = &[
     "200ms",
     "--error-requeue",
     "500ms",
+    "--error-requeue-max",
+    "2s",
     "--quota-requeue",
     "2s",
 ];
