@@ -22,6 +22,8 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Subcommand, Debug)]
+// Parsed once at start-up: the size of the larger variant costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run without Kubernetes: External proxies from an inventory file, with the health
     /// engine, the lease ledger, the API and metrics. The bearer token comes from

@@ -9,13 +9,13 @@ use http::{Method, Request, Response};
 use kube::Client;
 use kube::client::Body;
 use kube::runtime::controller::Action as Requeue;
-use kube::runtime::events::Recorder;
 use serde_json::{Value, json};
 use tower_test::mock;
 
 use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
 };
+use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
 use proxy_operator::proxy::Proxy;
 use proxy_operator::reconcile::{Context, HealthSignal, HealthStates, ReconcilerConfig, reconcile};
 use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
@@ -136,6 +136,27 @@ fn assert_rbac_permits(request: &Request<Body>) {
     );
 }
 
+/// A reconcile context on the test clock, with a real ledger in a temporary directory (kept
+/// alive by the returned guard).
+fn context(
+    client: Client,
+    providers: HashMap<String, Arc<dyn Provider>>,
+    config: ReconcilerConfig,
+) -> (Context, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(
+        &dir.path().join("ledger.db"),
+        LedgerConfig::default(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
+    let ctx = Context {
+        clock: now,
+        ..Context::new(client, providers, "test-install".into(), config, ledger)
+    };
+    (ctx, dir)
+}
+
 /// Runs one reconcile of `proxy` against the scripted requests; returns its requeue action.
 /// Fails on any request out of order, any extra request, and any expected request not made.
 async fn run(
@@ -156,21 +177,18 @@ async fn run(
     if let Some(signal) = health {
         states.record(proxy.id(), signal);
     }
+    let config = ReconcilerConfig {
+        provisioning_poll: Duration::from_secs(1),
+        drift_poll: Duration::from_secs(2),
+        deletion_poll: Duration::from_secs(3),
+        quota_requeue: Duration::from_secs(300),
+        error_requeue: Duration::from_secs(4),
+        ..ReconcilerConfig::default()
+    };
+    let (ctx, _ledger_dir) = context(client, providers, config);
     let ctx = Arc::new(Context {
-        recorder: Recorder::new(client.clone(), "proxy-operator".into()),
-        client,
-        providers,
-        install: "test-install".into(),
-        config: ReconcilerConfig {
-            provisioning_poll: Duration::from_secs(1),
-            drift_poll: Duration::from_secs(2),
-            deletion_poll: Duration::from_secs(3),
-            quota_requeue: Duration::from_secs(300),
-            error_requeue: Duration::from_secs(4),
-            ..ReconcilerConfig::default()
-        },
         health: states,
-        clock: now,
+        ..ctx
     });
     let verifier = tokio::spawn(async move {
         for (i, step) in script.into_iter().enumerate() {
@@ -179,11 +197,16 @@ async fn run(
             assert_eq!(request.method(), step.method, "request {i}");
             assert_eq!(request.uri().path(), step.path, "request {i}");
             let bytes = request.into_body().collect_bytes().await.unwrap();
-            let body: Value = if bytes.is_empty() {
+            let mut body: Value = if bytes.is_empty() {
                 Value::Null
             } else {
                 serde_json::from_slice(&bytes).unwrap()
             };
+            if step.path == STATUS_PATH {
+                // Every status write is guarded by the resourceVersion the reconcile knows.
+                let guard = body.as_object_mut().and_then(|b| b.remove("metadata"));
+                assert_eq!(guard, Some(json!({"resourceVersion": "41"})), "request {i}");
+            }
             (step.body)(&body);
             // Patches get the stored Proxy back; an Event is echoed.
             let reply = if step.path == EVENTS_PATH {
@@ -616,7 +639,7 @@ async fn external_gets_status_without_finalizer_or_provider() {
 }
 
 #[tokio::test]
-async fn permanent_failure_marks_failed_and_stops_calling_the_provider() {
+async fn permanent_failure_marks_failed_and_is_retried_on_a_slow_timer() {
     let stub = Arc::new(Stub::default());
     *stub.create.lock().unwrap() = Some(Err(ErrorClass::Permanent));
     let metadata = json!({"finalizers": ["crawl.example.com/finalizer"]});
@@ -641,17 +664,30 @@ async fn permanent_failure_marks_failed_and_stops_calling_the_provider() {
     )
     .await;
     assert_eq!(stub.calls().len(), 1);
+    // A restart forgets the slow timer: the create is tried once more, and the condition says
+    // when the next try is.
     stored["phase"] = json!("Failed");
     stored["observedGeneration"] = json!(2);
     stored["conditions"] = json!([provisioned("False", "ProviderFailed", "x"), not_probed()]);
-    let requeue = run(managed(metadata, stored), Some(stub.clone()), None, vec![]).await;
-    assert_eq!(requeue, Requeue::await_change());
-    assert_eq!(
-        stub.calls().len(),
-        1,
-        "no provider call after Failed: {:?}",
-        stub.calls()
-    );
+    let requeue = run(
+        managed(metadata, stored),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, PROXY_PATH, |_| {}),
+            expect(Method::PATCH, STATUS_PATH, |b| {
+                assert_eq!(b["status"]["phase"], "Failed");
+                let message = b["status"]["conditions"][0]["message"].as_str().unwrap();
+                assert!(
+                    message.ends_with("; next attempt at 2023-11-14T22:43:20Z"),
+                    "{message}"
+                );
+            }),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(1800)));
+    assert_eq!(stub.calls().len(), 2, "{:?}", stub.calls());
 }
 
 #[tokio::test]
@@ -692,15 +728,9 @@ async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
     proxy["spec"]["cloudInit"] = json!({"secretRef": {"name": "ci", "key": "user-data"}});
     let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
-    let ctx = Arc::new(Context {
-        recorder: Recorder::new(client.clone(), "proxy-operator".into()),
-        client,
-        providers: HashMap::from([("local".to_owned(), stub.clone() as Arc<dyn Provider>)]),
-        install: "test-install".into(),
-        config: ReconcilerConfig::default(),
-        health: HealthStates::default(),
-        clock: now,
-    });
+    let providers = HashMap::from([("local".to_owned(), stub.clone() as Arc<dyn Provider>)]);
+    let (ctx, _ledger_dir) = context(client, providers, ReconcilerConfig::default());
+    let ctx = Arc::new(ctx);
     let stored = serde_json::to_vec(&proxy).unwrap();
     let proxy: Proxy = serde_json::from_value(proxy).unwrap();
     let task = tokio::spawn(reconcile(Arc::new(proxy), ctx));

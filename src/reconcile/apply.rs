@@ -230,7 +230,7 @@ async fn step(
         .get(&proxy.uid().unwrap_or_default())
         .hold
         .map(|h| h.until);
-    let retry_due = !hold_until.is_some_and(|until| until > now);
+    let retry_due = hold_until.is_none_or(|until| until <= now);
     let observation = match (provider, provider_id) {
         (Some(provider), Some(id))
             if deleting || (finalizer_present && (!failed_this_generation || retry_due)) =>
