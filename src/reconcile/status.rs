@@ -194,8 +194,7 @@ pub fn desired_status(
 /// newest this reconcile knows, so the server refuses it (409) if the object changed since:
 /// a reconcile working from a stale copy must not write back old machine fields.
 pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Value {
-    json!({
-        "metadata": {"resourceVersion": resource_version},
+    let mut patch = json!({
         "status": {
             "phase": status.phase,
             "providerID": status.provider_id,
@@ -205,7 +204,12 @@ pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Val
             "latencyMs": status.latency_ms,
             "lastHealthCheckTime": status.last_health_check_time,
         }
-    })
+    });
+    // A `null` resourceVersion is refused outright (422), so it is left out when unknown.
+    if let Some(version) = resource_version {
+        patch["metadata"] = json!({ "resourceVersion": version });
+    }
+    patch
 }
 
 /// A JSON merge patch setting (`Some`) or removing (`None`) annotations.
@@ -337,6 +341,7 @@ mod tests {
         let status = desired_status(&current, &gone, None, Some(1), ts(2));
         let patch = status_patch(&status, Some("42"));
         assert_eq!(patch["metadata"]["resourceVersion"], "42");
+        assert!(status_patch(&status, None).get("metadata").is_none());
         assert_eq!(patch["status"]["ip"], Value::Null);
         assert_eq!(patch["status"]["providerID"], Value::Null);
         assert!(patch["status"].as_object().unwrap().contains_key("ip"));

@@ -34,6 +34,16 @@ pub const FAST_FLAGS: &[&str] = &[
     "2s",
 ];
 
+/// The [`FAST_FLAGS`] pairs whose flag `extra_args` does not set itself.
+fn fast_flags_not_in(extra_args: &[String]) -> Vec<&'static str> {
+    FAST_FLAGS
+        .chunks(2)
+        .filter(|pair| !extra_args.iter().any(|a| a == pair[0]))
+        .flatten()
+        .copied()
+        .collect()
+}
+
 /// How to start one operator process.
 #[derive(Debug, Clone)]
 pub struct OperatorOptions {
@@ -45,7 +55,8 @@ pub struct OperatorOptions {
     pub install_id: String,
     /// `--watch-namespace`, when cluster-wide behaviour is not the point.
     pub watch_namespace: Option<String>,
-    /// Extra flags (after [`FAST_FLAGS`], so they win).
+    /// Extra flags; one that [`FAST_FLAGS`] also sets replaces it there (the binary refuses a
+    /// flag given twice).
     pub extra_args: Vec<String>,
     /// PEM bundle trusted for probe URLs.
     pub probe_ca: Option<PathBuf>,
@@ -140,7 +151,7 @@ impl OperatorProcess {
                 &format!("leader-{}", self.options.install_id),
             ])
             .args(["--leader-namespace", "proxy-operator"])
-            .args(FAST_FLAGS);
+            .args(fast_flags_not_in(&self.options.extra_args));
         if let Some(ns) = &self.options.watch_namespace {
             command.args(["--watch-namespace", ns]);
         }
