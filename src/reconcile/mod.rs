@@ -394,6 +394,48 @@ mod tests {
         assert!(proxies_using_secret(&proxies, "c", "ci").is_empty());
     }
 
+    #[test]
+    fn pods_map_to_the_proxy_they_serve() {
+        let mut by_uid = proxy("crawl", "old-pod-owner", None);
+        by_uid.metadata.uid = Some("u-old".into());
+        let proxies = [proxy("crawl", "p1", None), by_uid];
+        let pod = |annotations: serde_json::Value, uid: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "proxy-x", "namespace": "crawl",
+                             "annotations": annotations,
+                             "labels": {PROXY_UID_LABEL: uid}},
+            }))
+            .unwrap()
+        };
+        let named = proxy_of_pod(&pod(serde_json::json!({PROXY_ANNOTATION: "p1"}), "u1"), &proxies);
+        assert_eq!(named, Some(ObjectRef::new("p1").within("crawl")));
+        let found = proxy_of_pod(&pod(serde_json::json!({}), "u-old"), &proxies);
+        assert_eq!(found, Some(ObjectRef::new("old-pod-owner").within("crawl")));
+        assert_eq!(proxy_of_pod(&pod(serde_json::json!({}), "u-none"), &proxies), None);
+    }
+
+    #[test]
+    fn health_of_deleted_proxies_is_dropped() {
+        let states = HealthStates::default();
+        let signal = HealthSignal {
+            healthy: true,
+            latency: Duration::from_millis(1),
+            at: jiff::Timestamp::UNIX_EPOCH,
+            message: String::new(),
+        };
+        let id = |uid: &str| ProxyId {
+            namespace: "crawl".into(),
+            name: format!("p-{uid}"),
+            uid: uid.into(),
+        };
+        states.record(id("external-deleted"), signal.clone());
+        states.record(id("live"), signal.clone());
+        states.retain(&HashSet::from(["live"]));
+        assert_eq!(states.len(), 1);
+        assert_eq!(states.get(&id("live")), Some(signal));
+        assert_eq!(states.get(&id("external-deleted")), None);
+    }
+
     #[tokio::test]
     async fn health_transitions_are_recorded_then_trigger() {
         let (tx, rx) = mpsc::channel(4);
