@@ -12,10 +12,10 @@ use kube::runtime::controller::Action as Requeue;
 use serde_json::{Value, json};
 use tower_test::mock;
 
+use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
 use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
 };
-use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
 use proxy_operator::proxy::Proxy;
 use proxy_operator::reconcile::{Context, HealthSignal, HealthStates, ReconcilerConfig, reconcile};
 use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
