@@ -38,11 +38,76 @@ pub struct ProviderEntry {
 
 /// The kubernetes provider: one squid Pod per proxy in the Proxy's namespace.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct KubernetesConfig {
     /// Container image running squid.
     #[serde(default = "default_squid_image")]
     pub image: String,
+    /// The Pod Security Standards level the squid Pods are built to pass: `baseline` (the
+    /// default: squid starts as root and drops to its `proxy` user) or `restricted` (squid runs
+    /// as uid/gid 13, `proxy` in `ubuntu/squid`, from the start; no privilege escalation, no
+    /// capabilities, RuntimeDefault seccomp; listen ports below 1024 are refused).
+    #[serde(default)]
+    pub pod_security: PodSecurity,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        KubernetesConfig {
+            image: default_squid_image(),
+            pod_security: PodSecurity::default(),
+        }
+    }
+}
+
+/// The [Pod Security Standards](https://kubernetes.io/docs/concepts/security/pod-security-standards/)
+/// level a kubernetes provider's Pods are built to pass (`kubernetes.podSecurity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PodSecurity {
+    /// Passes `baseline`: squid starts as root and drops to user `proxy`.
+    #[default]
+    Baseline,
+    /// Passes `restricted`: squid runs as a non-root user from the start.
+    Restricted,
+}
+
+impl PodSecurity {
+    const KNOWN: &'static str = "baseline, restricted";
+
+    /// The level named as in the namespace label `pod-security.kubernetes.io/enforce`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "baseline" => Some(PodSecurity::Baseline),
+            "restricted" => Some(PodSecurity::Restricted),
+            _ => None,
+        }
+    }
+
+    /// The level's name, as written in the config and in namespace labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PodSecurity::Baseline => "baseline",
+            PodSecurity::Restricted => "restricted",
+        }
+    }
+}
+
+impl std::fmt::Display for PodSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for PodSecurity {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        PodSecurity::parse(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "kubernetes.podSecurity {name:?} is not one of {}",
+                PodSecurity::KNOWN
+            ))
+        })
+    }
 }
 
 /// The gcp provider: Compute Engine VMs in one project.
@@ -418,6 +483,54 @@ mod tests {
             matches!(err, ConfigError::ForeignBlock { block: "gcp", .. }),
             "{err}"
         );
+    }
+
+    #[test]
+    fn pod_security_defaults_to_baseline() {
+        let config =
+            parse("providers:\n- {name: local, type: kubernetes, kubernetes: {}}\n").unwrap();
+        let kubernetes = config.get("local").unwrap().kubernetes.as_ref().unwrap();
+        assert_eq!(kubernetes.pod_security, PodSecurity::Baseline);
+        assert_eq!(kubernetes, &KubernetesConfig::default());
+    }
+
+    #[test]
+    fn pod_security_levels_are_read() {
+        for (text, want) in [
+            ("baseline", PodSecurity::Baseline),
+            ("restricted", PodSecurity::Restricted),
+        ] {
+            let config = parse(&format!(
+                "providers:\n\
+                 - name: local\n  type: kubernetes\n  kubernetes:\n    image: ubuntu/squid\n    podSecurity: {text}\n"
+            ))
+            .unwrap();
+            let kubernetes = config.get("local").unwrap().kubernetes.as_ref().unwrap();
+            assert_eq!(kubernetes.pod_security, want, "{text}");
+            assert_eq!(kubernetes.image, "ubuntu/squid");
+            assert_eq!(want.as_str(), text);
+            assert_eq!(want.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn unknown_pod_security_is_refused_naming_the_field() {
+        for bad in ["Restricted", "privileged", "restricted:latest", "''", "3"] {
+            let text = format!(
+                "providers:\n- name: local\n  type: kubernetes\n  kubernetes:\n    podSecurity: {bad}\n"
+            );
+            let err = parse(&text).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{bad}: {err}");
+            let msg = err.to_string();
+            assert!(msg.contains("/etc/proxy-operator/providers.yaml"), "{msg}");
+            assert!(msg.contains("kubernetes.podSecurity"), "{msg}");
+            assert!(msg.contains("baseline, restricted"), "{msg}");
+        }
+        // The field's name is spelled as in Kubernetes: snake case is an unknown field.
+        let msg = message(
+            "providers:\n- name: local\n  type: kubernetes\n  kubernetes:\n    pod_security: restricted\n",
+        );
+        assert!(msg.contains("pod_security"), "{msg}");
     }
 
     #[test]

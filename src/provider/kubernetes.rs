@@ -7,17 +7,22 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvVar, Pod, PodSpec, Probe, ResourceRequirements, TCPSocketAction,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, Pod, PodSecurityContext,
+    PodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext, TCPSocketAction, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
-use super::config::KubernetesConfig;
+use super::config::{KubernetesConfig, PodSecurity};
 use super::kube_refusal::classify;
 use super::pod_status::instance_from_pod;
-use super::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config};
+use super::squid_conf::{
+    POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config,
+    pod_squid_config_unprivileged,
+};
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
@@ -27,12 +32,20 @@ use crate::proxy::MANAGED_LABEL;
 const CONTAINER_NAME: &str = "squid";
 /// Pods per list request; larger fleets are read in pages.
 const LIST_PAGE_SIZE: u32 = 500;
+/// The uid and gid squid runs as in a `restricted` Pod: user and group `proxy` of the
+/// `ubuntu/squid` image (Debian's base-passwd gives `proxy` the static id 13).
+pub const RESTRICTED_SQUID_ID: i64 = 13;
+/// The lowest port a squid running as a non-root user can listen on.
+pub const FIRST_UNPRIVILEGED_PORT: i32 = 1024;
+/// Name of the emptyDir volume a `restricted` Pod mounts at [`POD_RUN_DIR`].
+const RUN_VOLUME: &str = "run";
 
 /// Squid Pods through the Kubernetes API.
 pub struct KubernetesProvider {
     name: String,
     client: kube::Client,
     image: String,
+    pod_security: PodSecurity,
     install_id: String,
 }
 
@@ -49,6 +62,7 @@ impl KubernetesProvider {
             name: name.into(),
             client,
             image: config.image.clone(),
+            pod_security: config.pod_security,
             install_id: install_id.into(),
         }
     }
@@ -66,9 +80,43 @@ impl KubernetesProvider {
     }
 }
 
-/// The Pod for `request`: squid from `request.placement.image` or `default_image`, listening on
-/// `request.port`, labelled with the request's labels plus [`machine_labels`].
+/// The Pod for `request` at the default level, [`PodSecurity::Baseline`]: see [`build_pod_with`].
 pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str) -> Pod {
+    build_pod_with(request, default_image, install_id, PodSecurity::Baseline)
+}
+
+/// Why a squid Pod at `pod_security` cannot serve a proxy on `port`, if it cannot: a
+/// `restricted` Pod runs squid as a non-root user, which cannot listen below
+/// [`FIRST_UNPRIVILEGED_PORT`].
+pub fn port_problem(pod_security: PodSecurity, port: i32) -> Option<String> {
+    (pod_security == PodSecurity::Restricted && port < FIRST_UNPRIVILEGED_PORT).then(|| {
+        format!(
+            "spec.port {port} is below {FIRST_UNPRIVILEGED_PORT}: this provider runs squid as a \
+             non-root user (podSecurity: restricted), which cannot listen on a privileged port; \
+             use a port of {FIRST_UNPRIVILEGED_PORT} or above, or a provider with podSecurity: \
+             baseline"
+        )
+    })
+}
+
+/// The Pod for `request`: squid from `request.placement.image` or `default_image`, listening on
+/// `request.port`, labelled with the request's labels plus [`machine_labels`], built to pass the
+/// Pod Security Standards level `pod_security`.
+///
+/// - [`PodSecurity::Baseline`]: no securityContext; squid starts as the image's user (root in
+///   `ubuntu/squid`) and drops to `proxy` itself.
+/// - [`PodSecurity::Restricted`]: squid runs as uid/gid [`RESTRICTED_SQUID_ID`] from the start
+///   (`runAsNonRoot`, `runAsUser`, `runAsGroup`, `fsGroup`), with RuntimeDefault seccomp, no
+///   privilege escalation and every capability dropped; [`POD_RUN_DIR`], where squid's config
+///   and access-log FIFO live, is an emptyDir that user can write, and the config
+///   ([`pod_squid_config_unprivileged`]) writes nowhere else. Such a squid cannot listen below
+///   port 1024 (see [`port_problem`]).
+pub fn build_pod_with(
+    request: &CreateRequest,
+    default_image: &str,
+    install_id: &str,
+    pod_security: PodSecurity,
+) -> Pod {
     let image = request
         .placement
         .as_ref()
@@ -81,6 +129,12 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
         "app.kubernetes.io/managed-by".to_owned(),
         "proxy-operator".to_owned(),
     );
+    let restricted = pod_security == PodSecurity::Restricted;
+    let squid_config = if restricted {
+        pod_squid_config_unprivileged(request.port, POD_RUN_DIR)
+    } else {
+        pod_squid_config(request.port, POD_RUN_DIR)
+    };
     let quantities = |cpu: &str, memory: &str| {
         BTreeMap::from([
             ("cpu".to_owned(), Quantity(cpu.to_owned())),
@@ -109,7 +163,7 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
                 ]),
                 env: Some(vec![EnvVar {
                     name: SQUID_CONFIG_ENV.to_owned(),
-                    value: Some(pod_squid_config(request.port, POD_RUN_DIR)),
+                    value: Some(squid_config),
                     ..EnvVar::default()
                 }]),
                 ports: Some(vec![ContainerPort {
@@ -132,13 +186,59 @@ pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str)
                     limits: Some(quantities("500m", "256Mi")),
                     ..ResourceRequirements::default()
                 }),
+                security_context: restricted.then(restricted_container_security),
+                volume_mounts: restricted.then(|| {
+                    vec![VolumeMount {
+                        name: RUN_VOLUME.to_owned(),
+                        mount_path: POD_RUN_DIR.to_owned(),
+                        ..VolumeMount::default()
+                    }]
+                }),
                 ..Container::default()
             }],
             automount_service_account_token: Some(false),
             termination_grace_period_seconds: Some(10),
+            security_context: restricted.then(restricted_pod_security),
+            volumes: restricted.then(|| {
+                vec![Volume {
+                    name: RUN_VOLUME.to_owned(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Volume::default()
+                }]
+            }),
             ..PodSpec::default()
         }),
         status: None,
+    }
+}
+
+/// The Pod-level securityContext of a `restricted` Pod: squid's user from the start, and the
+/// container runtime's default seccomp profile.
+fn restricted_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(RESTRICTED_SQUID_ID),
+        run_as_group: Some(RESTRICTED_SQUID_ID),
+        fs_group: Some(RESTRICTED_SQUID_ID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// The squid container's securityContext in a `restricted` Pod: no way back to root, no
+/// capabilities.
+fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            ..Capabilities::default()
+        }),
+        run_as_non_root: Some(true),
+        ..SecurityContext::default()
     }
 }
 
@@ -171,9 +271,18 @@ impl Provider for KubernetesProvider {
     }
 
     async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
-        let pod = build_pod(request, &self.image, &self.install_id);
-        let pods = self.pods(&request.namespace);
         let id = format!("{}/{}", request.namespace, request.machine_name);
+        if let Some(problem) = port_problem(self.pod_security, request.port) {
+            return Err(ProviderError::new(
+                ErrorClass::Permanent,
+                op::CREATE,
+                &self.name,
+                &id,
+                problem,
+            ));
+        }
+        let pod = build_pod_with(request, &self.image, &self.install_id, self.pod_security);
+        let pods = self.pods(&request.namespace);
         match pods.create(&PostParams::default(), &pod).await {
             Ok(created) => Ok(instance_from_pod(&created)),
             Err(kube::Error::Api(status)) if status.code == 409 => {
@@ -359,6 +468,175 @@ mod tests {
         );
         let spec = pod.spec.as_ref().unwrap();
         assert_eq!(spec.automount_service_account_token, Some(false));
+    }
+
+    fn restricted_pod() -> Pod {
+        build_pod_with(&request(), "ubuntu/squid", "prod", PodSecurity::Restricted)
+    }
+
+    #[test]
+    fn baseline_is_the_default_pod_unchanged() {
+        let pod = build_pod(&request(), "ubuntu/squid", "prod");
+        assert_eq!(
+            pod,
+            build_pod_with(&request(), "ubuntu/squid", "prod", PodSecurity::Baseline)
+        );
+        // squid starts as the image's user and drops to `proxy` itself: nothing is set.
+        let json = serde_json::to_value(&pod).unwrap();
+        assert!(json["spec"].get("securityContext").is_none(), "{json}");
+        assert!(json["spec"].get("volumes").is_none(), "{json}");
+        let container = &json["spec"]["containers"][0];
+        assert!(container.get("securityContext").is_none(), "{json}");
+        assert!(container.get("volumeMounts").is_none(), "{json}");
+        assert_eq!(
+            container["env"][0]["value"],
+            pod_squid_config(3129, POD_RUN_DIR)
+        );
+    }
+
+    #[test]
+    fn restricted_pod_runs_as_proxy_with_runtime_default_seccomp() {
+        let pod = restricted_pod();
+        let security = pod
+            .spec
+            .as_ref()
+            .unwrap()
+            .security_context
+            .as_ref()
+            .unwrap();
+        assert_eq!(security.run_as_non_root, Some(true));
+        assert_eq!(security.run_as_user, Some(13));
+        assert_eq!(security.run_as_group, Some(13));
+        assert_eq!(security.fs_group, Some(13));
+        let seccomp = security.seccomp_profile.as_ref().unwrap();
+        assert_eq!(seccomp.type_, "RuntimeDefault");
+        assert_eq!(seccomp.localhost_profile, None);
+        // Nothing that baseline or restricted forbids at Pod level.
+        assert_eq!(security.sysctls, None);
+        assert_eq!(security.se_linux_options, None);
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.host_network, None);
+        assert_eq!(spec.host_pid, None);
+        assert_eq!(spec.host_ipc, None);
+    }
+
+    #[test]
+    fn restricted_container_cannot_escalate_and_has_no_capabilities() {
+        let pod = restricted_pod();
+        let security = container(&pod).security_context.as_ref().unwrap();
+        assert_eq!(security.allow_privilege_escalation, Some(false));
+        let capabilities = security.capabilities.as_ref().unwrap();
+        assert_eq!(capabilities.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+        assert_eq!(capabilities.add, None);
+        assert_eq!(security.run_as_non_root, Some(true));
+        // Never root, never privileged, and no container-level override of the Pod's identity.
+        assert_eq!(security.privileged, None);
+        assert_eq!(security.run_as_user, None);
+        assert_eq!(security.seccomp_profile, None);
+        assert_eq!(container(&pod).ports.as_ref().unwrap()[0].host_port, None);
+    }
+
+    #[test]
+    fn restricted_pod_writes_only_to_an_emptydir_at_the_run_dir() {
+        let pod = restricted_pod();
+        let volumes = pod.spec.as_ref().unwrap().volumes.as_ref().unwrap();
+        assert_eq!(volumes.len(), 1);
+        assert_eq!(volumes[0].name, "run");
+        assert_eq!(volumes[0].empty_dir, Some(EmptyDirVolumeSource::default()));
+        let c = container(&pod);
+        let mounts = c.volume_mounts.as_ref().unwrap();
+        assert_eq!(mounts.len(), 1);
+        assert_eq!(mounts[0].name, "run");
+        assert_eq!(mounts[0].mount_path, POD_RUN_DIR);
+        assert_eq!(mounts[0].read_only, None);
+        // The same launch script; a config with nothing to write outside the run dir.
+        let command = c.command.as_ref().unwrap();
+        assert_eq!(command, &["/bin/sh", "-c", &pod_launch_script(POD_RUN_DIR)]);
+        let env = c.env.as_ref().unwrap();
+        assert_eq!(env.len(), 1);
+        assert_eq!(env[0].name, SQUID_CONFIG_ENV);
+        assert_eq!(
+            env[0].value.as_deref(),
+            Some(pod_squid_config_unprivileged(3129, POD_RUN_DIR).as_str())
+        );
+    }
+
+    #[test]
+    fn restricted_pod_keeps_everything_else_of_the_baseline_pod() {
+        let mut restricted = restricted_pod();
+        let baseline = build_pod(&request(), "ubuntu/squid", "prod");
+        let spec = restricted.spec.as_mut().unwrap();
+        spec.security_context = None;
+        spec.volumes = None;
+        let c = &mut spec.containers[0];
+        c.security_context = None;
+        c.volume_mounts = None;
+        c.env = baseline.spec.as_ref().unwrap().containers[0].env.clone();
+        assert_eq!(restricted, baseline);
+    }
+
+    #[test]
+    fn squid_accepts_the_config_the_restricted_pod_carries() {
+        let pod = restricted_pod();
+        let config = container(&pod).env.as_ref().unwrap()[0]
+            .value
+            .clone()
+            .unwrap();
+        let (ok, output) = crate::provider::squid_conf::tests::squid_parse(&config);
+        assert!(ok, "squid -k parse refused the Pod's config:\n{output}");
+        assert!(output.contains("http_port 3129"), "{output}");
+    }
+
+    #[test]
+    fn only_a_restricted_pod_refuses_privileged_ports() {
+        for (level, port, refused) in [
+            (PodSecurity::Baseline, 80, false),
+            (PodSecurity::Baseline, 1, false),
+            (PodSecurity::Baseline, 3128, false),
+            (PodSecurity::Restricted, 80, true),
+            (PodSecurity::Restricted, 1, true),
+            (PodSecurity::Restricted, 1023, true),
+            (PodSecurity::Restricted, 1024, false),
+            (PodSecurity::Restricted, 3128, false),
+            (PodSecurity::Restricted, 65535, false),
+        ] {
+            let problem = port_problem(level, port);
+            assert_eq!(problem.is_some(), refused, "{level} {port}: {problem:?}");
+            if let Some(problem) = problem {
+                assert!(problem.contains(&format!("spec.port {port} ")), "{problem}");
+                assert!(problem.contains("below 1024"), "{problem}");
+                assert!(problem.contains("podSecurity: restricted"), "{problem}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn restricted_create_on_a_privileged_port_fails_permanently_without_a_call() {
+        // A client whose every call would fail as Transient: the API server is never asked.
+        let (service, handle) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        drop(handle);
+        let client = kube::Client::new(service, "default");
+        let config = KubernetesConfig {
+            pod_security: PodSecurity::Restricted,
+            ..KubernetesConfig::default()
+        };
+        let provider = KubernetesProvider::new("local", &config, "prod", client);
+        let mut req = request();
+        req.port = 80;
+        let err = provider.create(&req).await.unwrap_err();
+        assert_eq!(err.class, ErrorClass::Permanent, "{err}");
+        assert_eq!(err.op, op::CREATE);
+        assert_eq!(err.id, format!("crawl/{}", req.machine_name));
+        let message = err.to_string();
+        assert!(message.contains("spec.port 80 is below 1024"), "{message}");
+        // The same provider does call the server for an unprivileged port (and, with no
+        // server behind the client, fails otherwise).
+        req.port = 3128;
+        let err = provider.create(&req).await.unwrap_err();
+        assert_ne!(err.class, ErrorClass::Permanent, "{err}");
     }
 
     #[test]

@@ -45,6 +45,17 @@ pub fn pod_squid_config(port: i32, run_dir: &str) -> String {
     )
 }
 
+/// The configuration of a squid container that runs as a non-root user from the start
+/// (`podSecurity: restricted`): [`pod_squid_config`] (no user switch is configured: squid started
+/// as non-root keeps its user) with squid's netdb journal switched off, because its default path
+/// under `/var/spool/squid` belongs to the image, not to the Pod's user. Every file squid then
+/// writes is in `run_dir` (an emptyDir in the Pod): the configuration, the access-log FIFO, and
+/// no pid file, so a restarted container never trips over a stale one; squid's shared-memory
+/// segments go to `/dev/shm`, which every container has writable.
+pub fn pod_squid_config_unprivileged(port: i32, run_dir: &str) -> String {
+    format!("{}netdb_filename none\n", pod_squid_config(port, run_dir))
+}
+
 /// The container command: writes [`SQUID_CONFIG_ENV`] to `run_dir/squid.conf`, makes the
 /// access-log FIFO, copies it to stdout in the background and execs squid in the foreground.
 pub fn pod_launch_script(run_dir: &str) -> String {
@@ -129,8 +140,38 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn unprivileged_config_is_the_pod_config_without_the_netdb_journal() {
+        let config = pod_squid_config_unprivileged(8081, "/run/x");
+        let base = pod_squid_config(8081, "/run/x");
+        assert_eq!(config, format!("{base}netdb_filename none\n"));
+        // Nothing asks squid to switch users, and every path squid writes is in the run dir.
+        for line in config.lines() {
+            let mut words = line.split_whitespace();
+            let directive = words.next().unwrap_or_default();
+            assert!(
+                !directive.starts_with("cache_effective_"),
+                "a user switch: {line}"
+            );
+            if matches!(
+                directive,
+                "access_log" | "pid_filename" | "netdb_filename" | "coredump_dir" | "cache_dir"
+            ) {
+                let target = words.next().unwrap_or_default();
+                assert!(
+                    target == "none" || target.contains("/run/x/"),
+                    "{line} writes outside the run dir"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn config_listens_on_the_port_and_allows_all() {
-        for config in [pod_squid_config(8081, POD_RUN_DIR), vm_squid_config(8081)] {
+        for config in [
+            pod_squid_config(8081, POD_RUN_DIR),
+            pod_squid_config_unprivileged(8081, POD_RUN_DIR),
+            vm_squid_config(8081),
+        ] {
             let lines: Vec<&str> = config.lines().collect();
             assert!(lines.contains(&"http_port 8081"), "{config}");
             assert!(lines.contains(&"http_access allow all"), "{config}");
@@ -151,6 +192,12 @@ pub(crate) mod tests {
     fn squid_accepts_the_generated_configs() {
         let output = assert_clean_parse(&pod_squid_config(3128, POD_RUN_DIR));
         assert!(output.contains("Processing: http_port 3128"), "{output}");
+        let output = assert_clean_parse(&pod_squid_config_unprivileged(3129, POD_RUN_DIR));
+        assert!(output.contains("Processing: http_port 3129"), "{output}");
+        assert!(
+            output.contains("Processing: netdb_filename none"),
+            "{output}"
+        );
         let output = assert_clean_parse(&vm_squid_config(3130));
         assert!(output.contains("Processing: http_port 3130"), "{output}");
     }
@@ -216,25 +263,79 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn the_pod_command_runs_squid_that_proxies_and_logs_to_stdout() {
+    /// The uid and gid of user `proxy` (the Debian squid package's user, uid 13 like in
+    /// `ubuntu/squid`).
+    fn proxy_user() -> (u32, u32) {
+        // SAFETY: getpwnam's result is read at once, before any other passwd lookup here.
+        unsafe {
+            let entry = libc::getpwnam(c"proxy".as_ptr());
+            assert!(
+                !entry.is_null(),
+                "user proxy must exist (Debian package squid)"
+            );
+            ((*entry).pw_uid, (*entry).pw_gid)
+        }
+    }
+
+    /// One field of `/proc/<pid>/status`, e.g. `Uid`.
+    fn proc_status(pid: u32, field: &str) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{field}:")))
+            .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status:\n{status}"))
+            .trim()
+            .to_owned()
+    }
+
+    /// Runs [`pod_launch_script`] with `config` the way the container does, with the run dir
+    /// already there with mode 0777 (like a Pod's emptyDir) when `emptydir` is set. `user` makes
+    /// it run as that uid/gid, with no new privileges (as `allowPrivilegeEscalation: false`).
+    /// Checks that squid proxies a request and that its access log reaches stdout, then hands
+    /// squid's process ID to `check` while squid still runs.
+    fn launch_and_proxy(
+        config: impl Fn(i32, &str) -> String,
+        emptydir: bool,
+        user: Option<(u32, u32)>,
+        check: impl FnOnce(u32),
+    ) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let origin = origin();
         let port = free_port();
         let dir = tempfile::tempdir().unwrap();
-        // squid runs as user `proxy` after start-up and must reach the FIFO inside.
+        // Run as root, squid drops to user `proxy` after start-up and must reach the FIFO
+        // inside; run as a user, the user must.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let run_dir = dir.path().join("run");
-        let run_dir = run_dir.to_str().unwrap();
-        let mut child = Command::new("/bin/sh")
+        let run_path = dir.path().join("run");
+        if emptydir {
+            std::fs::create_dir(&run_path).unwrap();
+            std::fs::set_permissions(&run_path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        }
+        let run_dir = run_path.to_str().unwrap();
+        let mut command = Command::new("/bin/sh");
+        command
             .arg("-c")
             .arg(pod_launch_script(run_dir))
-            .env(SQUID_CONFIG_ENV, pod_squid_config(i32::from(port), run_dir))
+            .env(SQUID_CONFIG_ENV, config(i32::from(port), run_dir))
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .current_dir("/")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap());
+        if let Some((uid, gid)) = user {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(gid);
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        let mut child = command.spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let mut squid = Launched(child);
         let stderr = || std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
@@ -267,7 +368,11 @@ pub(crate) mod tests {
         .unwrap();
         let mut response = String::new();
         proxy.read_to_string(&mut response).unwrap();
-        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(
+            response.starts_with("HTTP/1.1 200"),
+            "{response}\n{}",
+            stderr()
+        );
         assert!(response.ends_with("ok"), "{response}");
 
         loop {
@@ -275,9 +380,53 @@ pub(crate) mod tests {
             match lines_rx.recv_timeout(wait) {
                 Ok(line) if line.contains(&format!("GET {url}")) => break,
                 Ok(_) => continue,
-                Err(e) => panic!("no access-log line for {url} on stdout: {e}"),
+                Err(e) => panic!("no access-log line for {url} on stdout: {e}\n{}", stderr()),
             }
         }
-        assert!(dir.path().join("run/squid.conf").exists());
+        assert!(run_path.join("squid.conf").exists());
+        // The shell exec'd squid: the child is squid itself.
+        check(squid.0.id());
+    }
+
+    #[test]
+    fn the_pod_command_runs_squid_that_proxies_and_logs_to_stdout() {
+        launch_and_proxy(pod_squid_config, false, None, |_| {});
+    }
+
+    #[test]
+    fn the_restricted_pod_command_serves_as_a_non_root_user() {
+        // Root here (the usual case in this project's test environment) plays the container
+        // runtime: the command starts as `proxy` with no new privileges, as the restricted Pod's
+        // securityContext asks. Any other user is already what the Pod asks for.
+        // SAFETY: geteuid cannot fail.
+        let user = (unsafe { libc::geteuid() } == 0).then(proxy_user);
+        if let Some((uid, gid)) = user {
+            assert_eq!(
+                (uid, gid),
+                (13, 13),
+                "proxy is uid/gid 13 in Debian and Ubuntu"
+            );
+        }
+        launch_and_proxy(pod_squid_config_unprivileged, true, user, |pid| {
+            let uids: Vec<String> = proc_status(pid, "Uid")
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect();
+            assert_eq!(uids.len(), 4, "{uids:?}");
+            assert!(
+                uids.iter().all(|u| u != "0"),
+                "squid runs as root: {uids:?}"
+            );
+            if let Some((uid, gid)) = user {
+                assert!(uids.iter().all(|u| *u == uid.to_string()), "{uids:?}");
+                let gids = proc_status(pid, "Gid");
+                assert!(
+                    gids.split_whitespace().all(|g| *g == gid.to_string()),
+                    "{gids}"
+                );
+                assert_eq!(proc_status(pid, "NoNewPrivs"), "1");
+            }
+            assert_eq!(proc_status(pid, "CapEff"), "0000000000000000");
+        });
     }
 }
