@@ -20,6 +20,10 @@ pub const SPEC_HASH_VERSION_ANNOTATION: &str = "crawl.example.com/spec-hash-vers
 pub const MANAGED_LABEL: &str = "crawl.example.com/managed";
 /// Label carrying the UID of the Proxy a machine belongs to (used by orphan GC).
 pub const PROXY_UID_LABEL: &str = "crawl.example.com/proxy-uid";
+
+/// Annotation on a machine Pod naming the Proxy it serves (in the Pod's namespace), so a Pod
+/// event maps to its Proxy without a lookup.
+pub const PROXY_ANNOTATION: &str = "crawl.example.com/proxy";
 /// Label on Secrets whose content is used as cloud-init by some Proxy.
 pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
 

@@ -26,6 +26,7 @@ fn provider() -> (KubernetesProvider, ApiHandle) {
     let client = kube::Client::new(service, "default");
     let config = KubernetesConfig {
         image: "ubuntu/squid".to_owned(),
+        ..KubernetesConfig::default()
     };
     (
         KubernetesProvider::new("local", &config, "prod", client),
@@ -460,6 +461,39 @@ async fn list_managed_error_is_classified() {
     )
     .await
     .unwrap_err();
-    assert_eq!(err.class, ErrorClass::Permanent);
+    assert_eq!(err.class, ErrorClass::Refused);
     assert_eq!(err.op, "list");
+    assert!(
+        err.to_string()
+            .ends_with("pods is forbidden: cannot list pods at the cluster scope (403 Forbidden)"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn force_delete_deletes_the_pod_without_a_grace_period() {
+    let (provider, handle) = provider();
+    with_server(
+        handle,
+        |mut handle| async move {
+            let call = Call::next(&mut handle).await;
+            assert_eq!(call.method, Method::DELETE);
+            assert_eq!(
+                call.path,
+                format!("/api/v1/namespaces/crawl/pods/{}", machine())
+            );
+            assert_eq!(call.body["gracePeriodSeconds"], 0, "{}", call.body);
+            call.respond(200, pod("crawl", &machine(), "Running", Some("10.0.0.1")));
+            let call = Call::next(&mut handle).await;
+            call.respond(404, status(404, "NotFound", "pods \"x\" not found"));
+        },
+        async {
+            let id = format!("crawl/{}", machine());
+            provider.force_delete(&id).await?;
+            // Gone already: a second force-delete succeeds too.
+            provider.force_delete(&id).await
+        },
+    )
+    .await
+    .unwrap();
 }

@@ -3,7 +3,34 @@
 //! any time (a ServiceAccount created, a LimitRange relaxed, a namespace relabelled), so it is
 //! retried with backoff; only a request the server can never accept as it stands is permanent.
 
+use std::error::Error as StdError;
+use std::fmt;
+
 use super::ErrorClass;
+
+/// A Kubernetes API failure that displays as the server's message with its code and reason.
+/// kube's own display repeats the whole Status after the message, which doubles every
+/// condition message and Event note built from it; the kube error stays reachable as the
+/// source.
+#[derive(Debug)]
+pub struct ApiFailure(pub kube::Error);
+
+impl fmt::Display for ApiFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            kube::Error::Api(status) => {
+                write!(f, "{} ({} {})", status.message, status.code, status.reason)
+            }
+            other => write!(f, "{other}"),
+        }
+    }
+}
+
+impl StdError for ApiFailure {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&self.0)
+    }
+}
 
 /// The class of a Kubernetes API failure.
 pub fn classify(err: &kube::Error) -> ErrorClass {
@@ -111,5 +138,18 @@ mod tests {
         }
         let io = kube::Error::ReadEvents(std::io::Error::other("reset"));
         assert_eq!(classify(&io), Transient);
+    }
+
+    #[test]
+    fn failures_show_the_servers_message_once_and_keep_the_kube_error() {
+        let message = "pods \"x\" is forbidden: violates PodSecurity \"restricted:latest\"";
+        let failure = ApiFailure(api_error(403, "Forbidden", message));
+        assert_eq!(failure.to_string(), format!("{message} (403 Forbidden)"));
+        let source = failure
+            .source()
+            .and_then(|s| s.downcast_ref::<kube::Error>());
+        assert!(matches!(source, Some(kube::Error::Api(s)) if s.code == 403));
+        let io = ApiFailure(kube::Error::ReadEvents(std::io::Error::other("reset")));
+        assert!(io.to_string().contains("reset"), "{io}");
     }
 }

@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use super::config::{KubernetesConfig, PodSecurity};
-use super::kube_refusal::classify;
+use super::kube_refusal::{ApiFailure, classify};
 use super::pod_status::instance_from_pod;
 use super::squid_conf::{
     POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config,
@@ -26,7 +26,7 @@ use super::squid_conf::{
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
-use crate::proxy::MANAGED_LABEL;
+use crate::proxy::{MANAGED_LABEL, PROXY_ANNOTATION};
 
 /// Name of the squid container (and of its port).
 const CONTAINER_NAME: &str = "squid";
@@ -68,7 +68,7 @@ impl KubernetesProvider {
     }
 
     fn error(&self, op: &'static str, id: &str, err: kube::Error) -> ProviderError {
-        ProviderError::new(classify(&err), op, &self.name, id, err)
+        ProviderError::new(classify(&err), op, &self.name, id, ApiFailure(err))
     }
 
     fn pods(&self, namespace: &str) -> Api<Pod> {
@@ -147,7 +147,7 @@ pub fn build_pod_with(
             namespace: Some(request.namespace.clone()),
             labels: Some(labels),
             annotations: Some(BTreeMap::from([(
-                "crawl.example.com/proxy".to_owned(),
+                PROXY_ANNOTATION.to_owned(),
                 request.proxy_name.clone(),
             )])),
             ..ObjectMeta::default()
@@ -399,7 +399,7 @@ mod tests {
         assert_eq!(labels[INSTALL_LABEL], "prod");
         assert_eq!(labels["geo"], "eu");
         assert_eq!(
-            pod.metadata.annotations.as_ref().unwrap()["crawl.example.com/proxy"],
+            pod.metadata.annotations.as_ref().unwrap()[PROXY_ANNOTATION],
             "eu-1"
         );
     }

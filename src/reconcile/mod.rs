@@ -32,7 +32,9 @@ pub use status::HealthSignal;
 
 use crate::ledger::Ledger;
 use crate::provider::{INSTALL_LABEL, Provider};
-use crate::proxy::{CLOUD_INIT_SECRET_LABEL, MANAGED_LABEL, PROXY_UID_LABEL, Proxy, ProxyId};
+use crate::proxy::{
+    CLOUD_INIT_SECRET_LABEL, MANAGED_LABEL, PROXY_ANNOTATION, PROXY_UID_LABEL, Proxy, ProxyId,
+};
 
 /// Annotation written before a provider `create` and cleared once the machine's ID is recorded.
 /// Its value is the spec hash the create was started with.
@@ -265,9 +267,6 @@ pub fn proxy_of_pod<'a>(
         .map(ObjectRef::from_obj)
 }
 
-/// Annotation the kubernetes provider puts on a Pod: the name of the Proxy it serves.
-pub const PROXY_ANNOTATION: &str = "crawl.example.com/proxy";
-
 /// What to do after a failed reconcile: log it and retry after a backoff that doubles with each
 /// failure in a row.
 fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controller::Action {
@@ -407,11 +406,17 @@ mod tests {
             }))
             .unwrap()
         };
-        let named = proxy_of_pod(&pod(serde_json::json!({PROXY_ANNOTATION: "p1"}), "u1"), &proxies);
+        let named = proxy_of_pod(
+            &pod(serde_json::json!({PROXY_ANNOTATION: "p1"}), "u1"),
+            &proxies,
+        );
         assert_eq!(named, Some(ObjectRef::new("p1").within("crawl")));
         let found = proxy_of_pod(&pod(serde_json::json!({}), "u-old"), &proxies);
         assert_eq!(found, Some(ObjectRef::new("old-pod-owner").within("crawl")));
-        assert_eq!(proxy_of_pod(&pod(serde_json::json!({}), "u-none"), &proxies), None);
+        assert_eq!(
+            proxy_of_pod(&pod(serde_json::json!({}), "u-none"), &proxies),
+            None
+        );
     }
 
     #[test]
