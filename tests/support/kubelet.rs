@@ -6,13 +6,14 @@
 //! loopback address of its own (`127.X.Y.Z`; Linux routes all of 127/8 to `lo`), and reports it
 //! through `pods/status` the way a kubelet does. A bound Pod's deletion is graceful: the kubelet
 //! stops its squid and confirms with a grace-0 delete, unless the test made its node lost.
-//! Per-Pod [`Behaviour`]s play the failures a real cluster shows.
+//! Per-Pod [`Behaviour`]s play the failures a real cluster shows; [`Kubelet::lose_node_of`] loses
+//! the node of one Pod (one UID) only, so its same-named replacement runs normally.
 //!
 //! Run one kubelet per namespace (`Kubelet::start(client, Some(ns))`): two kubelets watching the
 //! same Pods would both run them. Everything it started stops on drop; squid runs as user
 //! `proxy` with a parent-death signal, so it also dies when the test process is killed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -52,7 +53,8 @@ pub enum Behaviour {
     Healthy,
     /// The node is gone: its squid is killed, status is no longer updated and deletions are
     /// never confirmed (the Pod stays Terminating until someone deletes it with grace 0). A Pod
-    /// created under this behaviour is bound but never started.
+    /// created under this behaviour is bound but never started. Set by name it also loses the
+    /// replacement Pod (same name); [`Kubelet::lose_node_of`] loses one Pod only.
     LostNode,
     /// `Running` with a podIP, container waiting in `CrashLoopBackOff`, restartCount rising
     /// every second, Ready=False, no squid.
@@ -115,6 +117,36 @@ impl Kubelet {
     /// Sets the behaviour of every Pod with no behaviour of its own.
     pub fn set_default_behaviour(&self, behaviour: Behaviour) {
         self.lock().default = behaviour;
+    }
+
+    /// Loses the node of the current Pod `namespace/pod` only: the newest Pod of that name the
+    /// kubelet knows, pinned by its UID. Its squid is killed before this returns, its status is
+    /// no longer updated, and its deletion is never confirmed, so once deleted it stays
+    /// Terminating until someone deletes it with grace 0 (the operator's force-delete). A new
+    /// Pod of the same name (the replacement, a new UID) runs with the name's behaviour as
+    /// usual. That is the point: the operator reuses the machine name, so
+    /// `set_behaviour(.., LostNode)` would lose the replacement's node too.
+    ///
+    /// Returns the UID of the Pod whose node was lost, or `None` (and changes nothing) when the
+    /// kubelet knows no Pod of that name now.
+    pub fn lose_node_of(&self, namespace: &str, pod: &str) -> Option<String> {
+        let key = (namespace.to_owned(), pod.to_owned());
+        let (uid, squid) = {
+            let mut state = self.lock();
+            let uid = state
+                .seen
+                .get(&key)?
+                .iter()
+                .rev()
+                .find(|uid| state.records.contains_key(*uid))?
+                .clone();
+            state.lost.insert(uid.clone());
+            let squid = state.records.get_mut(&uid).and_then(|r| r.squid.take());
+            (uid, squid)
+        };
+        // Killed and reaped by its drop, outside the lock.
+        drop(squid);
+        Some(uid)
     }
 
     /// The podIP last published for a Pod of this name (kept after the Pod is gone, replaced
@@ -197,12 +229,18 @@ struct State {
     started: HashMap<Key, Vec<String>>,
     seen: HashMap<Key, Vec<String>>,
     addresses: HashMap<Key, IpAddr>,
+    /// UIDs whose node [`Kubelet::lose_node_of`] lost: [`Behaviour::LostNode`] for that Pod
+    /// whatever its name's behaviour. By UID, not name, so the replacement is not lost too.
+    lost: HashSet<String>,
     /// Set on drop: a squid that finishes starting afterwards is killed at once.
     stopped: bool,
 }
 
 impl State {
-    fn behaviour(&self, key: &Key, proxy: Option<&str>) -> Behaviour {
+    fn behaviour(&self, uid: &str, key: &Key, proxy: Option<&str>) -> Behaviour {
+        if self.lost.contains(uid) {
+            return Behaviour::LostNode;
+        }
         self.by_pod
             .get(key)
             .or_else(|| proxy.and_then(|p| self.by_proxy.get(&(key.0.clone(), p.to_owned()))))
@@ -298,6 +336,9 @@ impl Worker {
                 .filter(|uid| !live.contains(&uid.as_str()))
                 .cloned()
                 .collect();
+            for uid in &gone {
+                state.lost.remove(uid);
+            }
             gone.iter()
                 .filter_map(|uid| state.records.remove(uid))
                 .collect()
@@ -325,7 +366,7 @@ impl Worker {
             if state.stopped {
                 return;
             }
-            let behaviour = state.behaviour(&key, proxy);
+            let behaviour = state.behaviour(&uid, &key, proxy);
             if !state.records.contains_key(&uid) {
                 state.seen.entry(key.clone()).or_default().push(uid.clone());
                 state.records.insert(uid.clone(), Record::new(key.clone()));
@@ -430,11 +471,11 @@ impl Worker {
     /// Confirms a graceful deletion with a grace-0 delete of exactly this UID (a new Pod of the
     /// same name is never deleted by mistake).
     async fn confirm_deletion(&self, pod: &Pod, uid: &str) {
-        let confirmed = self
-            .lock()
-            .records
-            .get(uid)
-            .is_none_or(|r| r.deletion_confirmed);
+        let confirmed = {
+            let state = self.lock();
+            // A node lost while this pass was under way confirms nothing.
+            state.lost.contains(uid) || state.records.get(uid).is_none_or(|r| r.deletion_confirmed)
+        };
         if confirmed {
             return;
         }
@@ -462,11 +503,15 @@ impl Worker {
 
     /// Writes `desired` to `pods/status` unless it is what was last written.
     async fn publish(&self, pod: &Pod, uid: &str, desired: Published) {
-        let already = self
-            .lock()
-            .records
-            .get(uid)
-            .is_none_or(|r| r.published.as_ref() == Some(&desired));
+        let already = {
+            let state = self.lock();
+            // A lost node reports nothing more, even from a pass that began before it was lost.
+            state.lost.contains(uid)
+                || state
+                    .records
+                    .get(uid)
+                    .is_none_or(|r| r.published.as_ref() == Some(&desired))
+        };
         if already {
             return;
         }
@@ -574,7 +619,9 @@ impl Worker {
             let mut state = self.lock();
             match started {
                 Ok(squid) => {
-                    if state.stopped {
+                    // Dropping `squid` here kills it: the kubelet stopped, or the node was lost
+                    // while it started.
+                    if state.stopped || state.lost.contains(uid) {
                         return None;
                     }
                     let record = state.records.get_mut(uid)?;
