@@ -21,9 +21,9 @@ use super::phase::Provisioning;
 use super::status::{
     FieldChange, REASON_CLOUD_INIT, REASON_CREATE_FAILED, REASON_DELETING, REASON_EXTERNAL,
     REASON_FORCE_DELETED, REASON_MACHINE_GONE, REASON_MACHINE_LOST, REASON_MACHINE_STOPPED,
-    REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA, REASON_REFUSED, REASON_REPLACING,
-    REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
-    annotations_patch, desired_status, status_patch,
+    REASON_MACHINE_TERMINATING, REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA,
+    REASON_REFUSED, REASON_REPLACING, REASON_RUNNING, REASON_STARTUP_TIMEOUT,
+    REASON_UNKNOWN_PROVIDER, StatusChange, annotations_patch, desired_status, status_patch,
 };
 use super::{CREATE_PENDING_ANNOTATION, Context, Error};
 use crate::events::event;
@@ -499,20 +499,47 @@ async fn execute(
             controller::Action::requeue(config.drift_poll),
         )
         .with_outcome(Outcome::Running),
-        Action::DeleteDead if current.phase == Some(Phase::Replacing) => {
-            // Already being replaced (its deletion shows as Terminated): keep the reason given
-            // when the replacement started, ask again, wait.
-            delete_again(machine, current).await?
-        }
-        Action::DeleteDead => {
-            delete(
-                machine,
-                current,
-                Provisioning::Replacing,
-                (EventType::Normal, REASON_MACHINE_STOPPED),
-                "machine stopped or terminated; deleting it to create a new one",
-            )
-            .await?
+        Action::DeleteDead { force_at } => {
+            let poll = controller::Action::requeue(config.deletion_poll);
+            let requeue = match force_at {
+                Some(at) if after(machine.now, config.deletion_poll) > at => {
+                    requeue_at(at, machine.now)
+                }
+                _ => poll,
+            };
+            let mut step = if current.phase == Some(Phase::Replacing) {
+                // Already being replaced (its deletion shows as Terminated): keep the reason
+                // given when the replacement started, ask again, wait.
+                delete_again(machine, current).await?
+            } else if let Some(at) = force_at {
+                let id = machine.provider_id()?;
+                let at = at.round(jiff::Unit::Second).unwrap_or(at);
+                let message = format!(
+                    "machine {id} is being deleted; a new one is created once it is gone, and \
+                     it is force-deleted if still there at {at}"
+                );
+                delete(
+                    machine,
+                    current,
+                    Provisioning::Replacing,
+                    (EventType::Warning, REASON_MACHINE_TERMINATING),
+                    &message,
+                )
+                .await?
+            } else {
+                delete(
+                    machine,
+                    current,
+                    Provisioning::Replacing,
+                    (EventType::Normal, REASON_MACHINE_STOPPED),
+                    "machine stopped or terminated; deleting it to create a new one",
+                )
+                .await?
+            };
+            if step.outcome == Outcome::Progress {
+                step.requeue = requeue;
+            }
+            step
         }
         Action::ForceDelete { deadline } => force_delete(machine, current, deadline).await?,
         Action::Replace => {
@@ -783,9 +810,10 @@ async fn force_delete(
     }
     let ended = machine.end_leases(LEASES_MACHINE_LOST).await;
     let margin = humantime::format_duration(machine.ctx.config.force_delete_margin);
+    let leases = if ended == 1 { "lease" } else { "leases" };
     let message = format!(
         "machine {id} was still terminating {margin} after its deletion deadline {deadline} \
-         (a lost node?); force-deleted it and ended {ended} active leases on it"
+         (a lost node?); force-deleted it and ended {ended} active {leases} on it"
     );
     log::warn!("Proxy {}: {message}", proxy.key());
     let deleting_proxy = proxy.metadata.deletion_timestamp.is_some();

@@ -133,7 +133,10 @@ pub enum Action {
         ip: Option<String>,
     },
     /// The machine stopped or terminated: delete it (cattle), poll until it is gone.
-    DeleteDead,
+    DeleteDead {
+        /// When its deletion, asked for already (by anyone), is force-deleted if still there.
+        force_at: Option<Timestamp>,
+    },
     /// The machine's deletion is stuck past its deadline (a lost node): delete it without a
     /// grace period and end its leases.
     ForceDelete {
@@ -378,7 +381,9 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
         InstanceState::Running => Action::Running {
             ip: machine.ip.clone(),
         },
-        InstanceState::Stopped | InstanceState::Terminated => Action::DeleteDead,
+        InstanceState::Stopped | InstanceState::Terminated => Action::DeleteDead {
+            force_at: force_delete_at(machine, &inputs.limits),
+        },
     }
 }
 
@@ -498,12 +503,12 @@ mod tests {
             (
                 "A == H, Stopped -> delete",
                 base(&stopped),
-                Action::DeleteDead,
+                Action::DeleteDead { force_at: None },
             ),
             (
                 "A == H, Terminated -> delete",
                 base(&terminated),
-                Action::DeleteDead,
+                Action::DeleteDead { force_at: None },
             ),
             (
                 "A == H, NotFound while serving -> forget, the machine was lost",
@@ -728,9 +733,11 @@ mod tests {
                 },
             ),
             (
-                "terminating within the margin -> delete and wait",
+                "terminating within the margin -> delete and wait for the force-delete time",
                 base(&terminating_recent),
-                Action::DeleteDead,
+                Action::DeleteDead {
+                    force_at: Some(ts(NOW - 29 + 30)),
+                },
             ),
             (
                 "terminating past deadline + margin -> force-delete",

@@ -43,6 +43,9 @@ pub const REASON_CREATE_FAILED: &str = "CreateFailed";
 /// `Provisioned` reason: the machine's deletion was stuck past its deadline (a lost node) and
 /// it was force-deleted.
 pub const REASON_MACHINE_LOST: &str = "MachineLost";
+/// `Provisioned` reason: the machine is being deleted by someone else (an eviction, a node
+/// drain, `kubectl delete pod`); it is replaced once gone, force-deleted if it gets stuck.
+pub const REASON_MACHINE_TERMINATING: &str = "MachineTerminating";
 /// Event reason: a stuck machine was force-deleted.
 pub const REASON_FORCE_DELETED: &str = "ForceDeleted";
 /// `Provisioned` reason: the cloud-init Secret or key is missing.
