@@ -7,7 +7,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -15,8 +14,6 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use proxy_operator::naming::machine_name;
-use proxy_operator::provider::CreateRequest;
-use proxy_operator::provider::kubernetes::build_pod;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::Squid;
@@ -314,20 +311,7 @@ async fn orphan_pods_are_collected_while_holding_the_lease() {
 
     // A Pod with this install's labels whose Proxy never existed.
     let orphan_uid = "00000000-0000-4000-8000-00000000dead";
-    let orphan = build_pod(
-        &CreateRequest {
-            namespace: world.ns.clone(),
-            proxy_name: "gone".to_owned(),
-            proxy_uid: orphan_uid.to_owned(),
-            machine_name: machine_name(orphan_uid),
-            port: 3128,
-            placement: None,
-            cloud_init: None,
-            labels: BTreeMap::new(),
-        },
-        "ubuntu/squid",
-        &world.ns,
-    );
+    let orphan = world.machine_pod("gone", orphan_uid);
     let pods = world.pods();
     pods.create(&PostParams::default(), &orphan)
         .await

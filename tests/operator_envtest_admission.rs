@@ -11,7 +11,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,9 +21,6 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
-use proxy_operator::naming::machine_name;
-use proxy_operator::provider::CreateRequest;
-use proxy_operator::provider::kubernetes::build_pod;
 use serde_json::{Value, json};
 use support::ControlPlane;
 use support::operator::{OperatorProcess, metric_sum};
@@ -224,20 +220,7 @@ async fn create_cpu_limit_range(world: &World) {
 /// to count); returns the server's message.
 async fn wait_server_refuses(world: &World, expected: &str) -> String {
     let uid = "00000000-0000-4000-8000-0000000000ad";
-    let pod = build_pod(
-        &CreateRequest {
-            namespace: world.ns.clone(),
-            proxy_name: "probe".to_owned(),
-            proxy_uid: uid.to_owned(),
-            machine_name: machine_name(uid),
-            port: 3128,
-            placement: None,
-            cloud_init: None,
-            labels: BTreeMap::new(),
-        },
-        "ubuntu/squid",
-        &world.ns,
-    );
+    let pod = world.machine_pod("probe", uid);
     let dry_run = PostParams {
         dry_run: true,
         ..PostParams::default()

@@ -9,8 +9,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -18,14 +16,12 @@ use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use proxy_operator::naming::machine_name;
-use proxy_operator::provider::CreateRequest;
-use proxy_operator::provider::kubernetes::build_pod;
 use proxy_operator::proxy::FINALIZER;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::Behaviour;
 use support::operator::OperatorProcess;
-use support::world::{SLOW, World, eventually};
+use support::world::{SLOW, World, eventually, within};
 
 /// The annotation a create is marked pending with before the provider is called (the design's
 /// "create pending"), spelled out here so a rename in the operator fails this test.
@@ -56,25 +52,6 @@ const DEFAULT_DELAYS: &[&str] = &[
 /// A lost node costs the Pod's grace period (10 s) plus the force-delete margin (30 s), then
 /// polls and a start-up; the issue allows two minutes.
 const LOST_NODE_DEADLINE: Duration = Duration::from_secs(120);
-
-/// Polls `probe` every 100 ms until it yields a value, panicking with `what` after `deadline`.
-async fn within<T, F, Fut>(deadline: Duration, what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// The condition of type `kind` in a Proxy's status.
 fn condition<'a>(status: &'a Value, kind: &str) -> Option<&'a Value> {
@@ -193,6 +170,26 @@ async fn evicted_pod_on_a_lost_node_is_force_deleted_and_replaced() {
         terminating.metadata.deletion_timestamp.is_some(),
         "eviction of a bound Pod is graceful: {:?}",
         terminating.metadata
+    );
+
+    // Until then the Proxy says its machine is being deleted and when it will be forced.
+    let condition = |s: &Value| {
+        s["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "Provisioned"))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let waiting = world
+        .wait_proxy("px", "Provisioned=False/MachineTerminating", |s| {
+            condition(s)["reason"] == "MachineTerminating"
+        })
+        .await;
+    assert_eq!(waiting["status"]["phase"], "Replacing");
+    let message = condition(&waiting["status"])["message"].to_string();
+    assert!(
+        message.contains("force-deleted if still there at"),
+        "{message}"
     );
 
     // Force-deleted past its grace period plus the margin, then replaced and Ready again.
@@ -522,21 +519,7 @@ async fn deleting_a_proxy_with_a_pending_create_deletes_its_machine_first() {
         )
         .await
         .expect("add the finalizer and the create-pending marker");
-    let pod = build_pod(
-        &CreateRequest {
-            namespace: world.ns.clone(),
-            proxy_name: "px".to_owned(),
-            proxy_uid: uid.clone(),
-            machine_name: machine_name(&uid),
-            port: 3128,
-            placement: None,
-            cloud_init: None,
-            labels: BTreeMap::new(),
-        },
-        "ubuntu/squid",
-        // The operator's install ID in these tests is the namespace name.
-        &world.ns,
-    );
+    let pod = world.machine_pod("px", &uid);
     let pod_name = pod.name_any();
     let pods = world.pods();
     pods.create(&PostParams::default(), &pod)

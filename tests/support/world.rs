@@ -1,6 +1,7 @@
 //! One envtest test's world: its own namespace on a shared control plane, a test kubelet, a
 //! probe target and helpers to create Proxies and wait on what the operator does with them.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,8 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
 use proxy_operator::naming::machine_name;
+use proxy_operator::provider::CreateRequest;
+use proxy_operator::provider::kubernetes::build_pod;
 use proxy_operator::proxy::Proxy;
 use serde_json::{Value, json};
 
@@ -153,6 +156,25 @@ impl World {
         self.pods().get_opt(&machine_name(uid)).await.ok()?
     }
 
+    /// The Pod the operator would make for the Proxy `proxy_name` with UID `uid` (default port
+    /// and image; the install ID of these tests' operators is the namespace name).
+    pub fn machine_pod(&self, proxy_name: &str, uid: &str) -> Pod {
+        build_pod(
+            &CreateRequest {
+                namespace: self.ns.clone(),
+                proxy_name: proxy_name.to_owned(),
+                proxy_uid: uid.to_owned(),
+                machine_name: machine_name(uid),
+                port: 3128,
+                placement: None,
+                cloud_init: None,
+                labels: BTreeMap::new(),
+            },
+            "ubuntu/squid",
+            &self.ns,
+        )
+    }
+
     /// Events about the object `name` (events.k8s.io/v1), as `reason` values.
     pub async fn event_reasons(&self, name: &str) -> Vec<String> {
         let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
@@ -169,7 +191,16 @@ impl World {
 }
 
 /// Polls `probe` until it yields a value, panicking with `what` after [`SLOW`].
-pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    within(SLOW, what, probe).await
+}
+
+/// Polls `probe` every 100 ms until it yields a value, panicking with `what` after `deadline`.
+pub async fn within<T, F, Fut>(deadline: Duration, what: &str, mut probe: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -180,8 +211,8 @@ where
             return value;
         }
         assert!(
-            start.elapsed() < SLOW,
-            "timed out after {SLOW:?} waiting for {what}"
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
