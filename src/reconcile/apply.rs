@@ -16,7 +16,7 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::decide::{Action, Inputs, Limits, Loss, Observation, after, decide, on_provider_error};
-use super::pacing::{Hold, hold_for};
+use super::pacing::{At, Hold, hold_for};
 use super::phase::Provisioning;
 use super::status::{
     FieldChange, REASON_CLOUD_INIT, REASON_CREATE_FAILED, REASON_DELETING, REASON_EXTERNAL,
@@ -227,9 +227,7 @@ async fn step(
         .is_some_and(|c| c.reason == REASON_PROVIDER_FAILED && c.observed_generation == generation);
     let hold_until = ctx
         .pacing
-        .get(&proxy.uid().unwrap_or_default())
-        .hold
-        .map(|h| h.until);
+        .hold_until(&proxy.uid().unwrap_or_default(), generation);
     let retry_due = hold_until.is_none_or(|until| until <= now);
     let observation = match (provider, provider_id) {
         (Some(provider), Some(id))
@@ -322,6 +320,14 @@ impl Machine<'_> {
             placement: self.proxy.spec.placement.clone(),
             cloud_init: self.cloud_init.clone(),
             labels,
+        }
+    }
+
+    /// Now, in the Proxy's current generation.
+    fn at(&self) -> At {
+        At {
+            now: self.now,
+            generation: self.proxy.metadata.generation,
         }
     }
 
@@ -441,7 +447,12 @@ async fn execute(
             }
         }
         Action::HoldCreate { until } => {
-            let hold = machine.ctx.pacing.get(&machine.uid()).hold;
+            let hold = machine
+                .ctx
+                .pacing
+                .get(&machine.uid())
+                .hold
+                .filter(|h| h.until == until);
             let status = hold.map(|hold| StatusChange {
                 provisioning: Provisioning::Waiting,
                 provider_id: FieldChange::Keep,
@@ -474,7 +485,7 @@ async fn execute(
             machine.ctx.pacing.machine_failed(
                 &machine.uid(),
                 machine.backoff(),
-                machine.now,
+                machine.at(),
                 REASON_STARTUP_TIMEOUT,
                 message.clone(),
             );
@@ -876,7 +887,7 @@ async fn forget(
     let hold = machine.ctx.pacing.machine_failed(
         &machine.uid(),
         machine.backoff(),
-        machine.now,
+        machine.at(),
         REASON_CREATE_FAILED,
         message,
     );
@@ -962,7 +973,7 @@ fn failure_step(
             )));
         }
     };
-    let hold = hold_for(machine.now, delay, reason, message);
+    let hold = hold_for(machine.at(), delay, reason, message);
     machine.ctx.pacing.hold(&uid, hold.clone());
     let event = (!condition_reason_is(current, reason)).then(|| {
         event(

@@ -23,11 +23,14 @@ pub fn backoff(base: Duration, cap: Duration, failures: u32) -> Duration {
         .max(base)
 }
 
-/// Why creates are on hold, shown in the `Provisioned` condition while they are.
+/// Why creates are on hold, shown in the `Provisioned` condition while they are. A hold is for
+/// one generation of the spec: an edit (a fixed image, a lower port) tries again at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hold {
     /// No create before this.
     pub until: Timestamp,
+    /// The Proxy's `metadata.generation` it was set for.
+    pub generation: Option<i64>,
     /// The condition reason that caused it (e.g. `StartupTimeout`).
     pub reason: String,
     /// What happened.
@@ -76,22 +79,30 @@ impl Pacing {
         })
     }
 
-    /// Counts a machine that never ran and holds creates for the backoff it earns.
+    /// Counts a machine that never ran and holds creates for the backoff it earns, from `at`.
     pub fn machine_failed(
         &self,
         uid: &str,
         (base, cap): (Duration, Duration),
-        now: Timestamp,
+        at: At,
         reason: &str,
         message: String,
     ) -> Hold {
         self.with(uid, |r| {
             r.failed_machines = r.failed_machines.saturating_add(1);
             let delay = backoff(base, cap, r.failed_machines);
-            let hold = hold_for(now, delay, reason, message);
+            let hold = hold_for(at, delay, reason, message);
             r.hold = Some(hold.clone());
             hold
         })
+    }
+
+    /// When creates of the Proxy's `generation` are held until, if they are.
+    pub fn hold_until(&self, uid: &str, generation: Option<i64>) -> Option<Timestamp> {
+        self.get(uid)
+            .hold
+            .filter(|h| h.generation == generation)
+            .map(|h| h.until)
     }
 
     /// Holds creates until `hold.until`.
@@ -137,14 +148,24 @@ impl Pacing {
     }
 }
 
-/// A hold of `delay` from `now`.
-pub fn hold_for(now: Timestamp, delay: Duration, reason: &str, message: String) -> Hold {
+/// A moment in one generation of a Proxy's spec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct At {
+    /// Now.
+    pub now: Timestamp,
+    /// The Proxy's `metadata.generation`.
+    pub generation: Option<i64>,
+}
+
+/// A hold of `delay` from `at`.
+pub fn hold_for(at: At, delay: Duration, reason: &str, message: String) -> Hold {
     let until = jiff::SignedDuration::try_from(delay)
         .ok()
-        .and_then(|d| now.checked_add(d).ok())
+        .and_then(|d| at.now.checked_add(d).ok())
         .unwrap_or(Timestamp::MAX);
     Hold {
         until,
+        generation: at.generation,
         reason: reason.to_owned(),
         message,
     }
@@ -193,12 +214,21 @@ mod tests {
     #[test]
     fn machines_that_never_ran_hold_creates_until_one_runs() {
         let pacing = Pacing::default();
-        let now = Timestamp::from_second(1_000).unwrap();
+        let at = At {
+            now: Timestamp::from_second(1_000).unwrap(),
+            generation: Some(2),
+        };
         let base_cap = (S(5), S(300));
-        let first = pacing.machine_failed("u", base_cap, now, "StartupTimeout", "m".into());
+        let first = pacing.machine_failed("u", base_cap, at, "StartupTimeout", "m".into());
         assert_eq!(first.until, Timestamp::from_second(1_005).unwrap());
-        let second = pacing.machine_failed("u", base_cap, now, "StartupTimeout", "m".into());
+        let second = pacing.machine_failed("u", base_cap, at, "StartupTimeout", "m".into());
         assert_eq!(second.until, Timestamp::from_second(1_010).unwrap());
+        assert_eq!(pacing.hold_until("u", Some(2)), Some(second.until));
+        assert_eq!(
+            pacing.hold_until("u", Some(3)),
+            None,
+            "a spec edit lifts the hold"
+        );
         // A success that is not a running machine keeps the hold and the count.
         pacing.succeeded("u", false);
         assert_eq!(pacing.get("u").failed_machines, 2);
