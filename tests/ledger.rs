@@ -1,26 +1,22 @@
 //! The lease ledger against real SQLite files in temporary directories.
 
+mod support;
+
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseState, Ledger, LedgerConfig,
     LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION, SweepStats,
     SystemClock,
 };
-use proxy_operator::proxy::ProxyId;
-use tempfile::TempDir;
+use support::ledger::{Fixture, candidate, granted, no_match, start};
 
 const MINUTE: Duration = Duration::from_secs(60);
-
-fn start() -> Timestamp {
-    "2026-01-01T00:00:00Z".parse().unwrap()
-}
 
 fn config() -> LedgerConfig {
     LedgerConfig {
@@ -32,35 +28,8 @@ fn config() -> LedgerConfig {
     }
 }
 
-struct Fixture {
-    _dir: TempDir,
-    path: PathBuf,
-    clock: Arc<ManualClock>,
-    ledger: Ledger,
-}
-
+/// What only these tests read from or send to the fixture's ledger.
 impl Fixture {
-    fn new() -> Self {
-        Self::with_config(config())
-    }
-
-    fn with_config(config: LedgerConfig) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
-        let clock = Arc::new(ManualClock::new(start()));
-        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
-        Self {
-            _dir: dir,
-            path,
-            clock,
-            ledger,
-        }
-    }
-
-    fn reopen(&mut self) {
-        self.ledger = Ledger::open(&self.path, config(), self.clock.clone()).unwrap();
-    }
-
     fn raw(&self) -> rusqlite::Connection {
         rusqlite::Connection::open(&self.path).unwrap()
     }
@@ -77,10 +46,6 @@ impl Fixture {
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap()
-    }
-
-    fn count(&self, sql: &str) -> i64 {
-        self.raw().query_row(sql, [], |r| r.get(0)).unwrap()
     }
 
     async fn acquire(
@@ -130,43 +95,26 @@ async fn acquire(
         .await
 }
 
-fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>) -> Candidate {
+/// A healthy proxy whose last probe took `latency_ms`: the latency orders proxies with the
+/// same load.
+fn measured(name: &str, max_leases: u32, latency_ms: u64) -> Candidate {
     Candidate {
-        proxy: Arc::new(ProxyId {
-            namespace: "crawl".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-        }),
-        max_leases,
-        healthy,
-        latency: latency_ms.map(Duration::from_millis),
+        latency: Some(Duration::from_millis(latency_ms)),
+        ..candidate(name, max_leases)
     }
 }
 
-fn granted(outcome: AcquireOutcome) -> Lease {
+/// The lease a retried acquire answered again; panics with the answer otherwise.
+fn replayed(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
     match outcome {
-        AcquireOutcome::Granted(lease) => lease,
-        other => panic!("expected a new lease, got {other:?}"),
-    }
-}
-
-fn replayed(outcome: AcquireOutcome) -> Lease {
-    match outcome {
-        AcquireOutcome::Replayed(lease) => lease,
+        Ok(AcquireOutcome::Replayed(lease)) => lease,
         other => panic!("expected a replayed lease, got {other:?}"),
-    }
-}
-
-fn no_match(outcome: AcquireOutcome) -> NoMatch {
-    match outcome {
-        AcquireOutcome::NoMatch(stats) => stats,
-        other => panic!("expected no match, got {other:?}"),
     }
 }
 
 #[tokio::test]
 async fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::new(config());
     let version: u32 = f
         .raw()
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -177,11 +125,7 @@ async fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
         .query_row("PRAGMA journal_mode", [], |r| r.get(0))
         .unwrap();
     assert_eq!(mode, "wal");
-    let lease = granted(
-        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
-            .await
-            .unwrap(),
-    );
+    let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
     f.reopen();
     f.reopen();
     assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
@@ -216,8 +160,8 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
     }
     let ledger = Ledger::open(&path, config(), clock.clone()).unwrap();
     assert_eq!(ledger.active_total(), 1);
-    let c = [candidate("a", 1, true, None)];
-    no_match(acquire(&ledger, &c, None, MINUTE).await.unwrap());
+    let c = [candidate("a", 1)];
+    no_match(acquire(&ledger, &c, None, MINUTE).await);
     let version: u32 = rusqlite::Connection::open(&path)
         .unwrap()
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -228,22 +172,19 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
 
 #[tokio::test]
 async fn full_durability_opens_and_keeps_leases_across_reopening() {
-    let mut f = Fixture::with_config(LedgerConfig {
+    let mut f = Fixture::new(LedgerConfig {
         durability: Durability::Full,
         ..config()
     });
-    let lease = granted(
-        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
-            .await
-            .unwrap(),
-    );
-    f.reopen();
+    let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
+    // Reopened with the default (Normal) durability of `config()`.
+    f.ledger = Ledger::open(&f.path, config(), f.clock.clone()).unwrap();
     assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
 }
 
 #[tokio::test]
 async fn a_database_from_a_newer_binary_is_refused() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     f.raw()
         .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
         .unwrap();
@@ -298,23 +239,23 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
 
 #[tokio::test]
 async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let candidates = [
-        candidate("slow", 2, true, Some(80)),
-        candidate("fast", 2, true, Some(10)),
-        candidate("unknown", 2, true, None),
+        measured("slow", 2, 80),
+        measured("fast", 2, 10),
+        candidate("unknown", 2),
     ];
     let mut order = Vec::new();
     for _ in 0..6 {
         let outcome = f.acquire(&candidates, Some("example.com"), MINUTE).await;
-        order.push(granted(outcome.unwrap()).proxy.name);
+        order.push(granted(outcome).proxy.name);
     }
     assert_eq!(
         order,
         ["fast", "slow", "unknown", "fast", "slow", "unknown"]
     );
 
-    let stats = no_match(f.acquire(&candidates, None, MINUTE).await.unwrap());
+    let stats = no_match(f.acquire(&candidates, None, MINUTE).await);
     assert_eq!(
         stats,
         NoMatch {
@@ -326,13 +267,8 @@ async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
     );
 
     let lease = granted(
-        f.acquire(
-            &[candidate("other", 1, true, None)],
-            Some("example.com"),
-            MINUTE,
-        )
-        .await
-        .unwrap(),
+        f.acquire(&[candidate("other", 1)], Some("example.com"), MINUTE)
+            .await,
     );
     assert_eq!(lease.proxy.uid, "uid-other");
     assert_eq!(lease.proxy.namespace, "crawl");
@@ -361,12 +297,15 @@ async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
 
 #[tokio::test]
 async fn unhealthy_and_zero_capacity_proxies_are_never_leased() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let candidates = [
-        candidate("sick", 5, false, Some(1)),
-        candidate("zero", 0, true, Some(1)),
+        Candidate {
+            healthy: false,
+            ..measured("sick", 5, 1)
+        },
+        measured("zero", 0, 1),
     ];
-    let stats = no_match(f.acquire(&candidates, None, MINUTE).await.unwrap());
+    let stats = no_match(f.acquire(&candidates, None, MINUTE).await);
     assert_eq!(
         stats,
         NoMatch {
@@ -378,19 +317,15 @@ async fn unhealthy_and_zero_capacity_proxies_are_never_leased() {
     );
     assert_eq!(f.ledger.active_total(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
-    let stats = no_match(f.acquire(&[], None, MINUTE).await.unwrap());
+    let stats = no_match(f.acquire(&[], None, MINUTE).await);
     assert_eq!(stats, NoMatch::default());
 }
 
 #[tokio::test]
 async fn ttl_is_capped_and_must_not_be_zero() {
-    let f = Fixture::new();
-    let c = [candidate("a", 5, true, None)];
-    let lease = granted(
-        f.acquire(&c, None, Duration::from_secs(86_400))
-            .await
-            .unwrap(),
-    );
+    let f = Fixture::new(config());
+    let c = [candidate("a", 5)];
+    let lease = granted(f.acquire(&c, None, Duration::from_secs(86_400)).await);
     assert_eq!(lease.ttl, Duration::from_secs(3600));
     assert_eq!(lease.expires_at, start() + Duration::from_secs(3600));
     for ttl in [Duration::ZERO, Duration::from_micros(999)] {
@@ -408,16 +343,16 @@ async fn ttl_is_capped_and_must_not_be_zero() {
 
 #[tokio::test]
 async fn an_expired_lease_stops_counting_before_the_sweep() {
-    let f = Fixture::new();
-    let c = [candidate("a", 1, true, None)];
-    let first = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 1)];
+    let first = granted(f.acquire(&c, None, MINUTE).await);
     f.clock.advance(MINUTE - Duration::from_millis(1));
     assert_eq!(
-        no_match(f.acquire(&c, None, MINUTE).await.unwrap()).retry_after,
+        no_match(f.acquire(&c, None, MINUTE).await).retry_after,
         Some(first.expires_at)
     );
     f.clock.advance(Duration::from_millis(1));
-    let second = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    let second = granted(f.acquire(&c, None, MINUTE).await);
     assert_ne!(first.id, second.id);
     assert_eq!(
         f.ledger.get(&first.id).unwrap().unwrap().state,
@@ -428,9 +363,9 @@ async fn an_expired_lease_stops_counting_before_the_sweep() {
 
 #[tokio::test]
 async fn renew_extends_active_leases_only() {
-    let f = Fixture::new();
-    let c = [candidate("a", 3, true, None)];
-    let lease = granted(f.acquire(&c, Some("t.example"), MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 3)];
+    let lease = granted(f.acquire(&c, Some("t.example"), MINUTE).await);
     f.clock.advance(Duration::from_secs(50));
     let renewed = f.ledger.renew(&lease.id, 2 * MINUTE).await.unwrap();
     assert_eq!(
@@ -452,7 +387,7 @@ async fn renew_extends_active_leases_only() {
         "{err:?}"
     );
 
-    let short = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    let short = granted(f.acquire(&c, None, MINUTE).await);
     f.clock.advance(MINUTE);
     let err = f.ledger.renew(&short.id, MINUTE).await.unwrap_err();
     assert!(
@@ -476,10 +411,10 @@ async fn renew_extends_active_leases_only() {
 
 #[tokio::test]
 async fn release_is_idempotent_and_frees_the_slot() {
-    let f = Fixture::new();
-    let c = [candidate("a", 1, true, None)];
-    let lease = granted(f.acquire(&c, None, MINUTE).await.unwrap());
-    no_match(f.acquire(&c, None, MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 1)];
+    let lease = granted(f.acquire(&c, None, MINUTE).await);
+    no_match(f.acquire(&c, None, MINUTE).await);
     f.clock.advance(Duration::from_secs(5));
     f.ledger.release(&lease.id).await.unwrap();
     f.ledger.release(&lease.id).await.unwrap();
@@ -489,14 +424,10 @@ async fn release_is_idempotent_and_frees_the_slot() {
     assert_eq!(released.released_at, Some(start() + Duration::from_secs(5)));
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(kinds, ["acquired", "released"]);
-    granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    granted(f.acquire(&c, None, MINUTE).await);
 
     // Releasing after the TTL ran out changes nothing: the lease already expired.
-    let late = granted(
-        f.acquire(&[candidate("b", 1, true, None)], None, MINUTE)
-            .await
-            .unwrap(),
-    );
+    let late = granted(f.acquire(&[candidate("b", 1)], None, MINUTE).await);
     f.clock.advance(2 * MINUTE);
     f.ledger.release(&late.id).await.unwrap();
     assert_eq!(
@@ -509,12 +440,9 @@ async fn release_is_idempotent_and_frees_the_slot() {
 #[tokio::test]
 async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() {
     for result in [ReportResult::RateLimited, ReportResult::Blocked] {
-        let f = Fixture::new();
-        let c = [
-            candidate("a", 5, true, Some(1)),
-            candidate("b", 5, true, Some(9)),
-        ];
-        let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
+        let f = Fixture::new(config());
+        let c = [measured("a", 5, 1), measured("b", 5, 9)];
+        let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(lease.proxy.name, "a");
         f.clock.advance(Duration::from_secs(1));
         let reported = f.ledger.report(&lease.id, result, None).await.unwrap();
@@ -531,24 +459,20 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() 
 
         // Released, "a" would win on load and latency; the cooldown makes the target skip it.
         f.ledger.release(&lease.id).await.unwrap();
-        let next = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
+        let next = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(next.proxy.name, "b", "{result}");
         f.ledger.release(&next.id).await.unwrap();
         // Another target and no target are not affected.
-        let other = granted(f.acquire(&c, Some("news.example"), MINUTE).await.unwrap());
+        let other = granted(f.acquire(&c, Some("news.example"), MINUTE).await);
         assert_eq!(other.proxy.name, "a");
         f.ledger.release(&other.id).await.unwrap();
-        let untargeted = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+        let untargeted = granted(f.acquire(&c, None, MINUTE).await);
         assert_eq!(untargeted.proxy.name, "a");
         f.ledger.release(&untargeted.id).await.unwrap();
 
         // Only "a" offered for the cooled target: no match, retry when the cooldown ends.
         let cooldown_end = start() + Duration::from_secs(1) + 10 * MINUTE;
-        let stats = no_match(
-            f.acquire(&c[..1], Some("shop.example"), MINUTE)
-                .await
-                .unwrap(),
-        );
+        let stats = no_match(f.acquire(&c[..1], Some("shop.example"), MINUTE).await);
         assert_eq!(
             stats,
             NoMatch {
@@ -560,16 +484,16 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() 
         );
         f.clock.set(cooldown_end);
         assert_eq!(f.ledger.cooldowns_active(), 0);
-        let back = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
+        let back = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(back.proxy.name, "a");
     }
 }
 
 #[tokio::test]
 async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_is_keyed() {
-    let f = Fixture::new();
-    let c = [candidate("a", 5, true, None)];
-    let untargeted = granted(f.acquire(&c, None, MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 5)];
+    let untargeted = granted(f.acquire(&c, None, MINUTE).await);
     f.ledger
         .report(&untargeted.id, ReportResult::RateLimited, None)
         .await
@@ -590,15 +514,11 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
         .await
         .unwrap();
     assert_eq!(f.ledger.cooldowns_active(), 1);
-    let stats = no_match(
-        f.acquire(&c, Some("explicit.example"), MINUTE)
-            .await
-            .unwrap(),
-    );
+    let stats = no_match(f.acquire(&c, Some("explicit.example"), MINUTE).await);
     assert_eq!(stats.in_cooldown, 1);
 
     for result in [ReportResult::Ok, ReportResult::Error] {
-        let lease = granted(f.acquire(&c, Some("fine.example"), MINUTE).await.unwrap());
+        let lease = granted(f.acquire(&c, Some("fine.example"), MINUTE).await);
         f.ledger.report(&lease.id, result, None).await.unwrap();
         assert_eq!(f.ledger.cooldowns_active(), 1, "{result}");
         assert_eq!(f.events(&lease.id)[1].2.as_deref(), Some(result.as_str()));
@@ -615,9 +535,9 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
 
 #[tokio::test]
 async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned() {
-    let f = Fixture::new();
-    let c = [candidate("a", 1, true, None)];
-    let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 1)];
+    let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
     f.clock.advance(MINUTE + Duration::from_secs(30));
     assert_eq!(
         f.ledger.sweep().await.unwrap(),
@@ -633,7 +553,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
         .unwrap();
     assert_eq!(reported.state, LeaseState::Expired);
     assert_eq!(f.ledger.cooldowns_active(), 1);
-    let stats = no_match(f.acquire(&c, Some("shop.example"), MINUTE).await.unwrap());
+    let stats = no_match(f.acquire(&c, Some("shop.example"), MINUTE).await);
     assert_eq!(stats.in_cooldown, 1);
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(kinds, ["acquired", "expired", "reported"]);
@@ -659,11 +579,11 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
 
 #[tokio::test]
 async fn sweep_expires_prunes_cooldowns_and_old_history() {
-    let f = Fixture::new();
-    let c = [candidate("a", 5, true, None), candidate("b", 5, true, None)];
-    let short = granted(f.acquire(&c, Some("t"), MINUTE).await.unwrap());
-    let long = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
-    let released = granted(f.acquire(&c, None, 30 * MINUTE).await.unwrap());
+    let f = Fixture::new(config());
+    let c = [candidate("a", 5), candidate("b", 5)];
+    let short = granted(f.acquire(&c, Some("t"), MINUTE).await);
+    let long = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
+    let released = granted(f.acquire(&c, None, 30 * MINUTE).await);
     f.ledger.release(&released.id).await.unwrap();
     f.ledger
         .report(&short.id, ReportResult::RateLimited, None)
@@ -718,10 +638,10 @@ async fn sweep_expires_prunes_cooldowns_and_old_history() {
 
 #[tokio::test]
 async fn leases_cooldowns_and_history_survive_reopening() {
-    let mut f = Fixture::new();
-    let c = [candidate("a", 5, true, None), candidate("b", 5, true, None)];
-    let kept = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
-    let cooled = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await.unwrap());
+    let mut f = Fixture::new(config());
+    let c = [candidate("a", 5), candidate("b", 5)];
+    let kept = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
+    let cooled = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     f.ledger
         .report(&cooled.id, ReportResult::Blocked, None)
         .await
@@ -741,7 +661,7 @@ async fn leases_cooldowns_and_history_survive_reopening() {
     assert_eq!(f.ledger.active_total(), 1);
     assert_eq!(f.ledger.cooldowns_active(), 1);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), history);
-    let stats = no_match(f.acquire(&c[1..], Some("t"), MINUTE).await.unwrap());
+    let stats = no_match(f.acquire(&c[1..], Some("t"), MINUTE).await);
     assert_eq!(
         stats.in_cooldown, 1,
         "the cooled proxy is still skipped after reopening"
@@ -750,11 +670,11 @@ async fn leases_cooldowns_and_history_survive_reopening() {
 
 #[tokio::test]
 async fn lease_ids_are_unique_and_carry_128_random_bits() {
-    let f = Fixture::new();
-    let c = [candidate("a", 1000, true, None)];
+    let f = Fixture::new(config());
+    let c = [candidate("a", 1000)];
     let mut ids = HashSet::new();
     for _ in 0..500 {
-        ids.insert(granted(f.acquire(&c, None, MINUTE).await.unwrap()).id);
+        ids.insert(granted(f.acquire(&c, None, MINUTE).await).id);
     }
     assert_eq!(ids.len(), 500);
     let time_prefix = format!("{:012x}", start().as_millisecond());
@@ -767,12 +687,8 @@ async fn lease_ids_are_unique_and_carry_128_random_bits() {
 
 #[tokio::test]
 async fn history_is_append_only() {
-    let f = Fixture::new();
-    let lease = granted(
-        f.acquire(&[candidate("a", 1, true, None)], None, MINUTE)
-            .await
-            .unwrap(),
-    );
+    let f = Fixture::new(config());
+    let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
     let err = f
         .raw()
         .execute("UPDATE lease_events SET kind = 'released'", [])
@@ -783,14 +699,11 @@ async fn history_is_append_only() {
 
 #[tokio::test]
 async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it_runs() {
-    let f = Fixture::new();
-    let c = [
-        candidate("a", 5, true, Some(1)),
-        candidate("b", 5, true, Some(2)),
-    ];
-    let first = granted(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    let f = Fixture::new(config());
+    let c = [measured("a", 5, 1), measured("b", 5, 2)];
+    let first = granted(f.acquire_once(&c, "job-1", "fp").await);
     assert_eq!(first.proxy.name, "a");
-    let again = replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    let again = replayed(f.acquire_once(&c, "job-1", "fp").await);
     assert_eq!(again, first);
     assert_eq!(f.ledger.active_total(), 1, "a replay grants nothing");
 
@@ -799,28 +712,25 @@ async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it
         matches!(&err, LedgerError::RequestIdReused { request_id } if request_id == "job-1"),
         "{err:?}"
     );
-    let other = granted(f.acquire_once(&c, "job-2", "fp").await.unwrap());
+    let other = granted(f.acquire_once(&c, "job-2", "fp").await);
     assert_eq!(other.proxy.name, "b", "another ID is another acquire");
 
     // Renewing moves the window; the replay shows the lease as it is now.
     f.clock.advance(Duration::from_secs(50));
     let renewed = f.ledger.renew(&first.id, 2 * MINUTE).await.unwrap();
     f.clock.advance(Duration::from_secs(30));
-    assert_eq!(
-        replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap()),
-        renewed
-    );
+    assert_eq!(replayed(f.acquire_once(&c, "job-1", "fp").await), renewed);
     // A released lease is still the answer until its expiry...
     f.ledger.release(&first.id).await.unwrap();
-    let released = replayed(f.acquire_once(&c, "job-1", "fp").await.unwrap());
+    let released = replayed(f.acquire_once(&c, "job-1", "fp").await);
     assert_eq!(released.id, first.id);
     assert_eq!(released.state, LeaseState::Released);
     // ...then the ID is free again and names the newer lease.
     f.clock.set(renewed.expires_at);
-    let fresh = granted(f.acquire_once(&c, "job-1", "new").await.unwrap());
+    let fresh = granted(f.acquire_once(&c, "job-1", "new").await);
     assert_ne!(fresh.id, first.id);
     assert_eq!(
-        replayed(f.acquire_once(&c, "job-1", "new").await.unwrap()).id,
+        replayed(f.acquire_once(&c, "job-1", "new").await).id,
         fresh.id
     );
     assert_eq!(
@@ -839,22 +749,19 @@ async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it
 
 #[tokio::test]
 async fn request_ids_answer_after_reopening() {
-    let mut f = Fixture::new();
-    let c = [candidate("a", 5, true, None)];
-    let kept = granted(f.acquire_once(&c, "kept", "fp").await.unwrap());
-    let released = granted(f.acquire_once(&c, "released", "fp").await.unwrap());
+    let mut f = Fixture::new(config());
+    let c = [candidate("a", 5)];
+    let kept = granted(f.acquire_once(&c, "kept", "fp").await);
+    let released = granted(f.acquire_once(&c, "released", "fp").await);
     f.ledger.release(&released.id).await.unwrap();
-    let short = granted(f.acquire_once(&c, "short", "fp").await.unwrap());
+    let short = granted(f.acquire_once(&c, "short", "fp").await);
     f.clock.advance(Duration::from_secs(10));
     let renewed = f.ledger.renew(&kept.id, 5 * MINUTE).await.unwrap();
     f.clock.set(short.expires_at - Duration::from_millis(1));
     f.reopen();
+    assert_eq!(replayed(f.acquire_once(&c, "kept", "fp").await), renewed);
     assert_eq!(
-        replayed(f.acquire_once(&c, "kept", "fp").await.unwrap()),
-        renewed
-    );
-    assert_eq!(
-        replayed(f.acquire_once(&c, "released", "fp").await.unwrap()).state,
+        replayed(f.acquire_once(&c, "released", "fp").await).state,
         LeaseState::Released
     );
     assert!(matches!(
@@ -864,12 +771,12 @@ async fn request_ids_answer_after_reopening() {
     f.clock.advance(Duration::from_millis(1));
     f.reopen();
     assert_ne!(
-        granted(f.acquire_once(&c, "short", "changed").await.unwrap()).id,
+        granted(f.acquire_once(&c, "short", "changed").await).id,
         short.id,
         "the window closed at the expiry, before the restart as after"
     );
     assert_eq!(
-        replayed(f.acquire_once(&c, "kept", "fp").await.unwrap()).expires_at,
+        replayed(f.acquire_once(&c, "kept", "fp").await).expires_at,
         renewed.expires_at,
         "the renewed window survives the restart"
     );
@@ -900,14 +807,12 @@ async fn observable(f: &Fixture, c: &[Candidate], ids: &[&str]) -> Observed {
 
 #[tokio::test]
 async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
-    let mut f = Fixture::new();
-    let c: Vec<Candidate> = (0..4)
-        .map(|i| candidate(&format!("p{i}"), 2, true, Some(i)))
-        .collect();
+    let mut f = Fixture::new(config());
+    let c: Vec<Candidate> = (0..4).map(|i| measured(&format!("p{i}"), 2, i)).collect();
     let mut leases = Vec::new();
     for i in 0..8 {
         let id = format!("req-{i}");
-        leases.push(granted(f.acquire_once(&c, &id, "fp").await.unwrap()));
+        leases.push(granted(f.acquire_once(&c, &id, "fp").await));
         f.clock.advance(Duration::from_secs(1));
     }
     f.ledger.release(&leases[0].id).await.unwrap();
@@ -934,11 +839,7 @@ async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
     assert_eq!(observable(&f, &c, &ids).await, before);
     assert_eq!(before.1, 4, "{before:?}");
     assert_eq!(before.2, 2, "{before:?}");
-    let in_cooldown = no_match(
-        f.acquire(&c[3..4], Some("b.example"), MINUTE)
-            .await
-            .unwrap(),
-    );
+    let in_cooldown = no_match(f.acquire(&c[3..4], Some("b.example"), MINUTE).await);
     assert_eq!(in_cooldown.in_cooldown, 1, "{in_cooldown:?}");
 }
 
@@ -962,20 +863,9 @@ async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
     let ledger = Ledger::open(&path, config(), Arc::new(SystemClock)).unwrap();
-    let c = [
-        candidate("a", 5, true, None),
-        candidate("b", 5, true, Some(3)),
-    ];
-    let first = granted(
-        acquire(&ledger, &c, Some("shop.example"), MINUTE)
-            .await
-            .unwrap(),
-    );
-    let second = granted(
-        acquire(&ledger, &c, Some("shop.example"), MINUTE)
-            .await
-            .unwrap(),
-    );
+    let c = [candidate("a", 5), measured("b", 5, 3)];
+    let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
+    let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     ledger
         .report(&first.id, ReportResult::RateLimited, None)
         .await
@@ -1015,9 +905,9 @@ async fn concurrent_acquires_never_exceed_max_leases() {
     const PROXIES: usize = 10;
     const MAX: u32 = 3;
     const HELD: usize = 4;
-    let f = Arc::new(Fixture::new());
+    let f = Arc::new(Fixture::new(config()));
     let candidates: Arc<[Candidate]> = (0..PROXIES)
-        .map(|i| candidate(&format!("p{i}"), MAX, true, Some(i as u64)))
+        .map(|i| measured(&format!("p{i}"), MAX, i as u64))
         .collect();
     let granted_total = Arc::new(AtomicU32::new(0));
     let refused_total = Arc::new(AtomicU32::new(0));

@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
-use jiff::Timestamp;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
@@ -24,62 +23,21 @@ use proxy_operator::ledger::{
     ManualClock, ReportResult, RequestKey,
 };
 use proxy_operator::metrics::LeaseMetrics;
-use proxy_operator::proxy::{Proxy, ProxyId, ProxySpec};
+use proxy_operator::proxy::{Proxy, ProxySpec};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use support::ledger::{candidates, count, granted, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
 use tempfile::TempDir;
 
 const MIB: u64 = 1 << 20;
 const MINUTE: Duration = Duration::from_secs(60);
 
-fn start() -> Timestamp {
-    "2026-01-01T00:00:00Z".parse().unwrap()
-}
-
-fn candidates(count: usize, max_leases: u32) -> Arc<[Candidate]> {
-    (0..count)
-        .map(|i| Candidate {
-            proxy: Arc::new(ProxyId {
-                namespace: "crawl".into(),
-                name: format!("p{i}"),
-                uid: format!("uid-p{i}"),
-            }),
-            max_leases,
-            healthy: true,
-            latency: None,
-        })
-        .collect()
-}
-
-fn request(candidates: &Arc<[Candidate]>, target: &str, ttl: Duration) -> AcquireRequest {
-    AcquireRequest {
-        candidates: candidates.clone(),
-        target: Some(target.to_owned()),
-        ttl,
-        request: None,
-    }
-}
-
-fn granted(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
-    match outcome {
-        Ok(AcquireOutcome::Granted(lease)) => lease,
-        other => panic!("expected a lease, got {other:?}"),
-    }
-}
-
 fn full<T: std::fmt::Debug>(answer: Result<T, LedgerError>) -> Duration {
     match answer {
         Err(LedgerError::Full { retry_after }) => retry_after,
         other => panic!("expected the ledger to be full, got {other:?}"),
     }
-}
-
-fn count(path: &Path, sql: &str) -> i64 {
-    rusqlite::Connection::open(path)
-        .unwrap()
-        .query_row(sql, [], |r| r.get(0))
-        .unwrap()
 }
 
 /// 200,000 acquire+release cycles (two history rows each, and a retained lease row for the
@@ -124,7 +82,7 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
                     return;
                 }
                 let target = format!("site-{}.example", cycle % 50);
-                let lease = granted(ledger.acquire(request(&pool, &target, MINUTE)).await);
+                let lease = granted(ledger.acquire(request(pool.clone(), &target, MINUTE)).await);
                 largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
                 ledger.release(&lease.id).await.unwrap();
                 largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
@@ -296,7 +254,7 @@ impl Full {
         let mut granted_leases = Vec::new();
         loop {
             match ledger
-                .acquire(request(&pool, "t.example", 10 * MINUTE))
+                .acquire(request(pool.clone(), "t.example", 10 * MINUTE))
                 .await
             {
                 Ok(AcquireOutcome::Granted(lease)) => granted_leases.push(lease),
@@ -350,7 +308,7 @@ impl Full {
         assert!(queue(&mut report).await.is_none());
         assert!(queue(&mut fresh).await.is_none());
         let mut acquires: Vec<_> = (0..64)
-            .map(|_| Box::pin(ledger.acquire(request(&self.pool, "t.example", MINUTE))))
+            .map(|_| Box::pin(ledger.acquire(request(self.pool.clone(), "t.example", MINUTE))))
             .collect();
         for acquire in &mut acquires {
             assert!(queue(acquire).await.is_none());
@@ -394,7 +352,7 @@ fn keyed(pool: &Arc<[Candidate]>, request_id: &str) -> AcquireRequest {
             id: request_id.into(),
             fingerprint: "fp".into(),
         }),
-        ..request(pool, "t.example", 10 * MINUTE)
+        ..request(pool.clone(), "t.example", 10 * MINUTE)
     }
 }
 
@@ -721,7 +679,11 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
         let (ledger, pool) = (ledger.clone(), pool.clone());
         cycles.spawn(async move {
             for _ in (caller..CYCLES).step_by(64) {
-                let lease = granted(ledger.acquire(request(&pool, "t.example", MINUTE)).await);
+                let lease = granted(
+                    ledger
+                        .acquire(request(pool.clone(), "t.example", MINUTE))
+                        .await,
+                );
                 ledger.release(&lease.id).await.unwrap();
             }
         });
@@ -757,7 +719,11 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
         "the newest finished leases are kept"
     );
     assert!(std::fs::metadata(&path).unwrap().len() >= file, "no VACUUM");
-    let lease = granted(ledger.acquire(request(&pool, "t.example", MINUTE)).await);
+    let lease = granted(
+        ledger
+            .acquire(request(pool.clone(), "t.example", MINUTE))
+            .await,
+    );
     assert_eq!(ledger.get(&lease.id).unwrap().as_ref(), Some(&lease));
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())

@@ -6,24 +6,17 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseState, Ledger, LedgerConfig,
     LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
 };
-use proxy_operator::proxy::ProxyId;
+use support::ledger::{Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
-use tempfile::TempDir;
 
 const MINUTE: Duration = Duration::from_secs(60);
-
-fn start() -> Timestamp {
-    "2026-01-01T00:00:00Z".parse().unwrap()
-}
 
 fn config() -> LedgerConfig {
     LedgerConfig {
@@ -32,67 +25,8 @@ fn config() -> LedgerConfig {
     }
 }
 
-fn candidate(name: &str, max_leases: u32) -> Candidate {
-    Candidate {
-        proxy: Arc::new(ProxyId {
-            namespace: "crawl".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-        }),
-        max_leases,
-        healthy: true,
-        latency: None,
-    }
-}
-
-fn request(candidates: &[Candidate], target: &str, ttl: Duration) -> AcquireRequest {
-    AcquireRequest {
-        candidates: candidates.into(),
-        target: Some(target.to_owned()),
-        ttl,
-        request: None,
-    }
-}
-
-fn granted(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
-    match outcome {
-        Ok(AcquireOutcome::Granted(lease)) => lease,
-        other => panic!("expected a lease, got {other:?}"),
-    }
-}
-
-fn no_match(outcome: Result<AcquireOutcome, LedgerError>) {
-    match outcome {
-        Ok(AcquireOutcome::NoMatch(_)) => {}
-        other => panic!("expected no match, got {other:?}"),
-    }
-}
-
-struct Fixture {
-    _dir: TempDir,
-    path: PathBuf,
-    clock: Arc<ManualClock>,
-    ledger: Ledger,
-}
-
+/// What only these tests do with the fixture's ledger.
 impl Fixture {
-    fn new() -> Self {
-        Self::with_config(config())
-    }
-
-    fn with_config(config: LedgerConfig) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
-        let clock = Arc::new(ManualClock::new(start()));
-        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
-        Self {
-            _dir: dir,
-            path,
-            clock,
-            ledger,
-        }
-    }
-
     /// `count` leases on `proxy` alone, for `ttl`.
     async fn hold(&self, proxy: &Candidate, count: usize, ttl: Duration) -> Vec<Lease> {
         let mut leases = Vec::new();
@@ -106,8 +40,9 @@ impl Fixture {
         leases
     }
 
-    /// Shuts the ledger down (its writer finishes) and opens the file again.
-    async fn reopen(&mut self) {
+    /// Shuts the ledger down (its writer finishes) and opens the file again — unlike
+    /// `reopen`, which opens the file before the old handle stops.
+    async fn shut_down_and_reopen(&mut self) {
         let ledger = self.ledger.clone();
         tokio::task::spawn_blocking(move || ledger.shutdown())
             .await
@@ -118,17 +53,6 @@ impl Fixture {
     fn sqlite3(&self, sql: &str) -> String {
         sqlite3(&self.path, sql)
     }
-
-    fn count(&self, sql: &str) -> i64 {
-        count(&self.path, sql)
-    }
-}
-
-fn count(path: &Path, sql: &str) -> i64 {
-    rusqlite::Connection::open(path)
-        .unwrap()
-        .query_row(sql, [], |r| r.get(0))
-        .unwrap()
 }
 
 /// Sorted lease IDs.
@@ -140,7 +64,7 @@ fn ids(leases: &[Lease]) -> Vec<String> {
 
 #[tokio::test]
 async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let (a, b) = (candidate("a", 5), candidate("b", 5));
     let on_a = f.hold(&a, 4, MINUTE).await;
     let on_b = f.hold(&b, 2, MINUTE).await;
@@ -181,7 +105,7 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
 
 #[tokio::test]
 async fn the_replacement_gets_the_proxys_full_capacity_at_once() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 3);
     f.hold(&a, 3, 10 * MINUTE).await;
     no_match(
@@ -212,7 +136,7 @@ async fn the_replacement_gets_the_proxys_full_capacity_at_once() {
 /// writer decides in arrival order against memory the end has just changed.
 #[tokio::test]
 async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 2);
     let held = f.hold(&a, 2, 10 * MINUTE).await;
 
@@ -263,7 +187,7 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
 
 #[tokio::test]
 async fn the_reason_shows_in_leases_and_lease_history_with_the_sqlite3_shell() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let (a, b) = (candidate("a", 5), candidate("b", 5));
     let on_a = f.hold(&a, 2, MINUTE).await;
     let on_b = f.hold(&b, 1, MINUTE).await;
@@ -331,7 +255,7 @@ async fn the_reason_shows_in_leases_and_lease_history_with_the_sqlite3_shell() {
 
 #[tokio::test]
 async fn leases_a_crawler_released_keep_a_null_reason() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 5);
     let leases = f.hold(&a, 2, MINUTE).await;
     let (by_crawler, by_operator) = (&leases[0], &leases[1]);
@@ -377,7 +301,7 @@ async fn leases_a_crawler_released_keep_a_null_reason() {
 
 #[tokio::test]
 async fn ending_again_ends_nothing_and_records_nothing() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 5);
     f.hold(&a, 3, MINUTE).await;
     assert_eq!(
@@ -413,7 +337,7 @@ async fn ending_again_ends_nothing_and_records_nothing() {
 
 #[tokio::test]
 async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 5);
     let keyed = AcquireRequest {
         request: Some(RequestKey {
@@ -468,7 +392,7 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
 /// reason), exactly as without the end.
 #[tokio::test]
 async fn a_lease_past_its_expiry_is_left_for_the_sweep() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 5);
     let short = f.hold(&a, 1, MINUTE).await.remove(0);
     let long = f.hold(&a, 1, 10 * MINUTE).await.remove(0);
@@ -506,13 +430,13 @@ async fn a_lease_past_its_expiry_is_left_for_the_sweep() {
 
 #[tokio::test]
 async fn ended_leases_and_their_reason_survive_reopening() {
-    let mut f = Fixture::new();
+    let mut f = Fixture::new(config());
     let (a, b) = (candidate("a", 3), candidate("b", 3));
     let on_a = f.hold(&a, 3, 10 * MINUTE).await;
     f.hold(&b, 1, 10 * MINUTE).await;
     f.ledger.end_leases("uid-a", "machine_gone").await.unwrap();
 
-    f.reopen().await;
+    f.shut_down_and_reopen().await;
 
     assert_eq!(
         f.ledger.active_count("uid-a"),
@@ -642,7 +566,7 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
 
 #[tokio::test]
 async fn a_reason_that_is_not_a_machine_code_is_refused_and_nothing_ends() {
-    let f = Fixture::new();
+    let f = Fixture::new(config());
     let a = candidate("a", 5);
     f.hold(&a, 2, MINUTE).await;
     for reason in [
@@ -689,7 +613,7 @@ const FAILURES: [(&str, &str, &str); 2] = [
 #[tokio::test]
 async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
     for (name, poison, message) in FAILURES {
-        let f = Fixture::new();
+        let f = Fixture::new(config());
         let (a, b) = (candidate("a", 3), candidate("b", 3));
         let held = f.hold(&a, 3, MINUTE).await;
         rusqlite::Connection::open(&f.path)
@@ -760,7 +684,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
 /// memory rolled back); once the sweep has made room, the end goes through.
 #[tokio::test]
 async fn a_full_ledger_refuses_the_end_whole() {
-    let f = Fixture::with_config(LedgerConfig {
+    let f = Fixture::new(LedgerConfig {
         max_size: MIN_MAX_SIZE,
         cooldown: MINUTE,
         ..LedgerConfig::default()

@@ -11,68 +11,30 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use jiff::Timestamp;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, ReportResult, RequestKey,
+    AcquireOutcome, AcquireRequest, Candidate, LedgerConfig, LedgerError, ReportResult, RequestKey,
 };
-use proxy_operator::proxy::ProxyId;
+use support::ledger::{Fixture, candidates, granted, request};
 use support::{FileLock, queue, wait_until};
-use tempfile::TempDir;
 
 const MINUTE: Duration = Duration::from_secs(60);
 
-struct Fixture {
-    _dir: TempDir,
-    path: PathBuf,
-    clock: Arc<ManualClock>,
-    ledger: Ledger,
-    candidates: Arc<[Candidate]>,
-}
+/// What every acquire of these tests may choose from: four proxies, 100 leases each.
+static POOL: LazyLock<Arc<[Candidate]>> = LazyLock::new(|| candidates(4, 100));
 
+/// How these tests queue writes and hold the writer.
 impl Fixture {
-    fn new(config: LedgerConfig) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
-        let clock = Arc::new(ManualClock::new(
-            "2026-01-01T00:00:00Z".parse::<Timestamp>().unwrap(),
-        ));
-        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
-        let candidates = (0..4)
-            .map(|i| Candidate {
-                proxy: Arc::new(ProxyId {
-                    namespace: "crawl".into(),
-                    name: format!("p{i}"),
-                    uid: format!("uid-{i}"),
-                }),
-                max_leases: 100,
-                healthy: true,
-                latency: None,
-            })
-            .collect();
-        Self {
-            _dir: dir,
-            path,
-            clock,
-            ledger,
-            candidates,
-        }
-    }
-
     fn request(&self, target: &str, request_id: Option<&str>) -> AcquireRequest {
         AcquireRequest {
-            candidates: self.candidates.clone(),
-            target: Some(target.into()),
-            ttl: MINUTE,
             request: request_id.map(|id| RequestKey {
                 id: id.into(),
                 fingerprint: "fp".into(),
             }),
+            ..request(POOL.clone(), target, MINUTE)
         }
     }
 
@@ -81,13 +43,6 @@ impl Fixture {
         target: &str,
     ) -> Pin<Box<impl Future<Output = Result<AcquireOutcome, LedgerError>> + '_>> {
         Box::pin(self.ledger.acquire(self.request(target, None)))
-    }
-
-    fn count(&self, sql: &str) -> i64 {
-        rusqlite::Connection::open(&self.path)
-            .unwrap()
-            .query_row(sql, [], |r| r.get(0))
-            .unwrap()
     }
 
     /// Takes the file's write lock until the returned guard is released.
@@ -101,13 +56,6 @@ impl Fixture {
             self.ledger.queue_depth() == 0
         })
         .await;
-    }
-}
-
-fn granted(outcome: Result<AcquireOutcome, LedgerError>) -> Lease {
-    match outcome {
-        Ok(AcquireOutcome::Granted(lease)) => lease,
-        other => panic!("expected a lease, got {other:?}"),
     }
 }
 
@@ -335,7 +283,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         assert_eq!(f.ledger.active_total(), 1, "{name}");
         f.ledger.self_check().await.unwrap();
         let before = (f.ledger.active_counts(), f.ledger.cooldowns_active());
-        f.ledger = Ledger::open(&f.path, LedgerConfig::default(), f.clock.clone()).unwrap();
+        f.reopen();
         assert_eq!(
             (f.ledger.active_counts(), f.ledger.cooldowns_active()),
             before,

@@ -7,6 +7,7 @@
 
 pub mod envtest;
 pub mod kubelet;
+pub mod ledger;
 pub mod operator;
 pub mod squid;
 pub mod standalone;
