@@ -113,6 +113,11 @@ async fn api_server(
                 StatusCode::OK,
                 &json!({"apiVersion": "v1", "kind": "SecretList", "metadata": {"resourceVersion": "7"}, "items": []}),
             ),
+            // The reconciler's watch of this install's machine Pods (none: External only).
+            ("GET", "/api/v1/pods") => reply(
+                StatusCode::OK,
+                &json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": []}),
+            ),
             ("PATCH", "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/ext/status") => {
                 let mut updated = proxy.clone();
                 updated["status"] = body["status"].clone();
@@ -327,7 +332,8 @@ async fn run_reconciles_an_external_proxy_to_ready() {
     assert_eq!(list["count"], 1);
     assert_eq!(list["proxies"][0]["name"], "ext");
 
-    // An External proxy never gets a finalizer, and nothing touches Pods.
+    // An External proxy never gets a finalizer, and no Pod is touched: Pods are only listed and
+    // watched (the reconciler's watch of this install's machines).
     for (method, target, _) in running.requests.lock().unwrap().iter() {
         assert!(
             !(method == "PATCH"
@@ -335,7 +341,10 @@ async fn run_reconciles_an_external_proxy_to_ready() {
                     .starts_with("/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/ext?")),
             "metadata patch on an External proxy: {target}"
         );
-        assert!(!target.contains("/pods"), "{method} {target}");
+        assert!(
+            !target.contains("/pods") || (method == "GET" && target.starts_with("/api/v1/pods?")),
+            "{method} {target}"
+        );
     }
 
     // One Proxy watch serves the reconciler and the inventory: one list, one watch.
