@@ -75,6 +75,7 @@ fn copying(inventory: &Inventory, health: &HealthSnapshot, selector: &Selector) 
                     && h.and_then(|h| h.healthy) == Some(true),
                 latency: h.and_then(|h| h.latency),
                 max_leases: p.spec.max_leases(),
+                cordoned: p.spec.cordoned,
                 proxy: Arc::new(id.clone()),
             }
         })

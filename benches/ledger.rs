@@ -54,6 +54,7 @@ impl LedgerSide {
                 }),
                 max_leases: 5,
                 healthy: true,
+                cordoned: false,
                 latency: Some(Duration::from_millis(20 + (i as u64 * 7) % 50)),
             })
             .collect();

@@ -127,7 +127,9 @@ impl LeaseMetrics {
 pub enum RejectionReason {
     /// No proxy matches the selector.
     NoProxies,
-    /// Every matching proxy is unhealthy.
+    /// Every matching proxy is cordoned.
+    Cordoned,
+    /// Every matching proxy that is not cordoned is unhealthy.
     Unhealthy,
     /// Healthy proxies exist but every one is full.
     Capacity,
@@ -136,18 +138,24 @@ pub enum RejectionReason {
 }
 
 impl RejectionReason {
-    const ALL: [RejectionReason; 4] = [
+    const ALL: [RejectionReason; 5] = [
         RejectionReason::NoProxies,
+        RejectionReason::Cordoned,
         RejectionReason::Unhealthy,
         RejectionReason::Capacity,
         RejectionReason::Cooldown,
     ];
 
-    /// The reason for a refused acquire: the first that explains it wholly.
+    /// The reason for a refused acquire: the first that explains it wholly. Cordoned proxies
+    /// are set aside on purpose, so they are the reason only when every matching proxy is
+    /// cordoned; otherwise the reason is about the others.
     pub fn of(no_match: &NoMatch) -> Self {
+        let uncordoned = no_match.considered.saturating_sub(no_match.cordoned);
         if no_match.considered == 0 {
             RejectionReason::NoProxies
-        } else if no_match.unhealthy == no_match.considered {
+        } else if uncordoned == 0 {
+            RejectionReason::Cordoned
+        } else if no_match.unhealthy == uncordoned {
             RejectionReason::Unhealthy
         } else if no_match.at_capacity == 0 {
             RejectionReason::Cooldown
@@ -160,6 +168,7 @@ impl RejectionReason {
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionReason::NoProxies => "no_proxies",
+            RejectionReason::Cordoned => "cordoned",
             RejectionReason::Unhealthy => "unhealthy",
             RejectionReason::Capacity => "capacity",
             RejectionReason::Cooldown => "cooldown",
@@ -323,6 +332,39 @@ fn render(registry: &Registry) -> HttpResponse {
         Err(e) => {
             log::error!("cannot encode metrics: {e}");
             HttpResponse::InternalServerError().finish()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rejection_reason_is_the_first_that_explains_the_refusal_wholly() {
+        let no_match = |considered, cordoned, unhealthy, at_capacity, in_cooldown| NoMatch {
+            considered,
+            cordoned,
+            unhealthy,
+            at_capacity,
+            in_cooldown,
+            retry_after: None,
+        };
+        let cases = [
+            ("nothing matches", no_match(0, 0, 0, 0, 0), "no_proxies"),
+            ("all cordoned", no_match(3, 3, 0, 0, 0), "cordoned"),
+            ("all unhealthy", no_match(2, 0, 2, 0, 0), "unhealthy"),
+            (
+                "the uncordoned are unhealthy",
+                no_match(3, 1, 2, 0, 0),
+                "unhealthy",
+            ),
+            ("some full", no_match(4, 1, 1, 1, 1), "capacity"),
+            ("all full", no_match(2, 0, 0, 2, 0), "capacity"),
+            ("cooling down", no_match(3, 1, 1, 0, 1), "cooldown"),
+        ];
+        for (name, stats, reason) in cases {
+            assert_eq!(RejectionReason::of(&stats).as_str(), reason, "{name}");
         }
     }
 }

@@ -67,6 +67,7 @@ pub const DEFAULT_EXPECTED_STATUS_CODES: [i32; 2] = [200, 204];
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Healthy\")].status"
     ),
+    printcolumn(name = "Cordoned", type_ = "boolean", json_path = ".spec.cordoned"),
     printcolumn(
         name = "Age",
         type_ = "date",
@@ -134,6 +135,13 @@ pub struct ProxySpec {
     )]
     #[schemars(range(min = 0))]
     pub max_leases: Option<i32>,
+
+    /// Stops new leases on the proxy and changes nothing else: leases already held keep
+    /// working (renew, report, release), health checks go on, and a Managed proxy's machine
+    /// is not replaced (this field is not part of the spec hash). Set it back to `false` to
+    /// lease the proxy again.
+    #[serde(default)]
+    pub cordoned: bool,
 
     /// How the proxy is probed. Every nested field has a default.
     #[serde(default)]
@@ -610,6 +618,7 @@ mod tests {
         assert_eq!(s.port, 3128);
         assert_eq!(s.max_leases, Some(5));
         assert_eq!(s.max_leases(), 5);
+        assert!(!s.cordoned);
         let hc = s.health_check();
         assert_eq!(hc.probe_url, "https://www.gstatic.com/generate_204");
         assert_eq!(hc.interval(), Duration::from_secs(30));

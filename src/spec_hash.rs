@@ -1,8 +1,8 @@
 //! The spec hash: what decides that a Managed proxy's machine must be replaced.
 //!
 //! It covers an explicit struct — placement, the *resolved* cloud-init content and the port —
-//! not the whole spec, so lease capacity or health-check edits never replace a machine, and a
-//! change to a referenced Secret does.
+//! not the whole spec, so lease capacity, cordoning or health-check edits never replace a
+//! machine, and a change to a referenced Secret does.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -134,5 +134,17 @@ mod tests {
         other["maxLeases"] = json!(0);
         other["healthCheck"] = json!({"interval": "5s", "failureThreshold": 9});
         assert_eq!(base, hash_of(other, Some("a")));
+    }
+
+    #[test]
+    fn cordoning_never_changes_the_hash() {
+        let base = hash_of(managed(), Some("a"));
+        for cordoned in [true, false] {
+            let mut toggled = managed();
+            toggled["cordoned"] = json!(cordoned);
+            let parsed = spec(toggled.clone());
+            assert_eq!(parsed.cordoned, cordoned);
+            assert_eq!(base, hash_of(toggled, Some("a")), "cordoned: {cordoned}");
+        }
     }
 }

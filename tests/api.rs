@@ -632,6 +632,150 @@ async fn lease_lifecycle_get_renew_report_release() {
     h.stop().await;
 }
 
+fn cordoned(mut p: Proxy) -> Proxy {
+    p.spec.cordoned = true;
+    p
+}
+
+/// `(name, cordoned, healthy, activeLeases)` of every listed proxy.
+fn cordon_view(list: &Value) -> Vec<(String, bool, bool, u64)> {
+    list["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["cordoned"].as_bool().expect("cordoned is always listed"),
+                p["healthy"].as_bool().unwrap(),
+                p["activeLeases"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
+    let h = Harness::start().await;
+    let eu = [("geo", "eu")];
+    h.load(vec![
+        (proxy("a", 3001, &eu, 5), Some(5)),
+        (proxy("b", 3002, &eu, 5), Some(50)),
+    ]);
+    let (_, list) = h.get("/v1/proxies").await;
+    assert_eq!(
+        cordon_view(&list),
+        [
+            ("a".to_owned(), false, true, 0),
+            ("b".to_owned(), false, true, 0)
+        ]
+    );
+    // A lease on the fast proxy, granted before the cordon, with a request ID.
+    let before = json!({"selector": {"geo": "eu"}, "ttlSeconds": 100, "requestID": "pre-cordon"});
+    let (s, first) = h.acquire(before.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{first}");
+    assert_eq!(first["proxy"]["name"], "a");
+    let id = first["leaseID"].as_str().unwrap().to_owned();
+
+    // Cordon a (the inventory changes, as the watch or the file would make it).
+    h.load(vec![
+        (cordoned(proxy("a", 3001, &eu, 5)), Some(5)),
+        (proxy("b", 3002, &eu, 5), Some(50)),
+    ]);
+    let (_, list) = h.get("/v1/proxies?healthy=true").await;
+    assert_eq!(
+        cordon_view(&list),
+        [
+            ("a".to_owned(), true, true, 1),
+            ("b".to_owned(), false, true, 0)
+        ]
+    );
+    // Every new lease goes to b, though a is faster and (after the first) less loaded.
+    for _ in 0..3 {
+        let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+        assert_eq!(s, StatusCode::CREATED, "{lease}");
+        assert_eq!(lease["proxy"]["name"], "b", "{lease}");
+    }
+    // The lease granted before the cordon replays, renews, takes reports.
+    let (s, replay) = h.acquire(before.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(
+        lease_summary(&replay),
+        (id.clone(), "a".into(), "active".into())
+    );
+    h.clock.advance(Duration::from_secs(50));
+    let (s, renewed) = h
+        .post(
+            &format!("/v1/leases/{id}/renew"),
+            json!({"ttlSeconds": 100}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{renewed}");
+    assert!(
+        renewed["expiresAt"]
+            .as_str()
+            .unwrap()
+            .starts_with("2026-11-30T12:02:30"),
+        "{renewed}"
+    );
+    let (s, v) = h
+        .post(&format!("/v1/leases/{id}/report"), json!({"result": "ok"}))
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+
+    // With b cordoned too and an unhealthy c, the 409 counts the cordoned proxies as cordoned
+    // only (healthy or not), and a's lease expiry is no reason to retry.
+    h.load(vec![
+        (cordoned(proxy("a", 3001, &eu, 5)), Some(5)),
+        (cordoned(proxy("b", 3002, &eu, 5)), Some(50)),
+        (proxy("c", 3003, &eu, 5), None),
+        (cordoned(proxy("d", 3004, &eu, 5)), None),
+    ]);
+    let (s, headers, body) = h
+        .send(
+            reqwest::Method::POST,
+            "/v1/leases",
+            Some(json!({"selector": {"geo": "eu"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_error(&body, "no_match");
+    assert_eq!(body["considered"], 4, "{body}");
+    assert_eq!(body["cordoned"], 3, "{body}");
+    assert_eq!(body["unhealthy"], 1, "{body}");
+    assert_eq!(body["atCapacity"], 0, "{body}");
+    assert_eq!(body["inCooldown"], 0, "{body}");
+    assert!(body.get("retryAfterSeconds").is_none(), "{body}");
+    assert!(headers.get("retry-after").is_none(), "{headers:?}");
+    assert!(
+        body["message"].as_str().unwrap().contains("3 cordoned"),
+        "{body}"
+    );
+
+    // Releasing works on a cordoned proxy; uncordoning makes it leasable again.
+    let (s, _, _) = h
+        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    h.load(vec![
+        (proxy("a", 3001, &eu, 5), Some(5)),
+        (cordoned(proxy("b", 3002, &eu, 5)), Some(50)),
+    ]);
+    let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+    assert_eq!(s, StatusCode::CREATED, "{lease}");
+    assert_eq!(lease["proxy"]["name"], "a");
+
+    // The document says so: both fields are always sent.
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    for (schema, kind) in [("NoMatchBody", "integer"), ("ProxyView", "boolean")] {
+        let schema = &doc["components"]["schemas"][schema];
+        assert_eq!(schema["properties"]["cordoned"]["type"], kind, "{schema}");
+        let required = schema["required"].as_array().unwrap();
+        assert!(required.contains(&json!("cordoned")), "{schema}");
+    }
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn lease_errors() {
     let h = Harness::start().await;

@@ -50,7 +50,9 @@ fn crd_names_scope_and_printer_columns() {
         .collect();
     assert_eq!(
         columns,
-        ["Mode", "Provider", "Phase", "IP", "Healthy", "Age"]
+        [
+            "Mode", "Provider", "Phase", "IP", "Healthy", "Cordoned", "Age"
+        ]
     );
 }
 
@@ -147,6 +149,10 @@ fn defaults_are_in_the_schema() {
     assert_eq!(spec["maxLeases"]["default"], 5);
     assert_eq!(spec["maxLeases"]["minimum"], 0.0);
     assert_eq!(spec["healthCheck"]["default"], serde_json::json!({}));
+    assert_eq!(spec["cordoned"]["type"], "boolean");
+    assert_eq!(spec["cordoned"]["default"], false);
+    let required = schema["properties"]["spec"]["required"].as_array().unwrap();
+    assert!(!required.contains(&"cordoned".into()), "{required:?}");
     let hc = &spec["healthCheck"]["properties"];
     assert_eq!(
         hc["probeURL"]["default"],

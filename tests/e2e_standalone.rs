@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use support::standalone::{ExternalProxy, Standalone};
 use support::{DEADLINE, Squid, SquidOptions, Target, free_port, sqlite3};
 
 const TOKEN: &str = "e2e-secret-0123456789abcdef";
@@ -729,4 +730,161 @@ async fn insecure_no_auth_serves_without_a_token_and_says_so() {
             && log.contains("accepts requests from anyone"),
         "{log}"
     );
+}
+
+/// Names and `cordoned` flags of the listed proxies of `pool=cordon`, with their health.
+async fn cordon_states(client: &Client) -> Vec<(String, bool, bool)> {
+    let (_, _, list) = client
+        .call(
+            reqwest::Method::GET,
+            "/v1/proxies?selector=pool=cordon",
+            None,
+        )
+        .await;
+    list["proxies"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| {
+                    (
+                        p["name"].as_str().unwrap_or_default().to_owned(),
+                        p["cordoned"].as_bool().unwrap_or_default(),
+                        p["healthy"].as_bool().unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Cordoning through the inventory file: new leases stop landing on the proxy while the lease
+/// it holds renews and takes reports, and it stays listed (cordoned) and probed — its squid
+/// going down shows as unhealthy, coming back as healthy. Uncordoning makes it leasable again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::start();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, target.ca_cert_pem()).unwrap();
+    let mut squids = [Squid::start(), Squid::start()];
+    let mut proxies: Vec<ExternalProxy> = ["cordon-a", "cordon-b"]
+        .iter()
+        .zip(&squids)
+        .map(|(name, squid)| ExternalProxy {
+            name: (*name).to_owned(),
+            labels: vec![("pool".into(), "cordon".into())],
+            port: squid.port(),
+            max_leases: 3,
+            probe_url: target.https_url(),
+            interval: "500ms",
+            cordoned: false,
+        })
+        .collect();
+    let mut operator = Standalone::start(
+        dir.path(),
+        &proxies,
+        &ca,
+        TOKEN,
+        &["--inventory-poll", "100ms"],
+    );
+    operator.wait_healthy(TOKEN, 2, DEADLINE * 2).await;
+    let client = Client {
+        http: reqwest::Client::new(),
+        base: operator.api().to_owned(),
+    };
+    let pool = json!({"selector": {"pool": "cordon"}, "ttlSeconds": 60});
+
+    // A lease before the cordon, on whichever proxy is chosen: that one gets cordoned.
+    let (s, _, held) = client.acquire(pool.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{held}");
+    let held_id = held["leaseID"].as_str().unwrap().to_owned();
+    let cordoned = held["proxy"]["name"].as_str().unwrap().to_owned();
+    let p = proxies.iter().position(|x| x.name == cordoned).unwrap();
+    let other = proxies[1 - p].name.clone();
+    assert!(
+        cordon_states(&client).await.iter().all(|(_, c, _)| !c),
+        "nothing is cordoned yet"
+    );
+
+    proxies[p].cordoned = true;
+    operator.rewrite_inventory(&proxies);
+    let mut expected = vec![(cordoned.clone(), true, true), (other.clone(), false, true)];
+    expected.sort();
+    eventually("the cordon to be listed", || async {
+        cordon_states(&client).await == expected
+    })
+    .await;
+
+    // New leases land on the other proxy only, until it is full.
+    let mut url = String::new();
+    for _ in 0..3 {
+        let (s, _, lease) = client.acquire(pool.clone()).await;
+        assert_eq!(s, StatusCode::CREATED, "{lease}");
+        assert_eq!(lease["proxy"]["name"], other.as_str(), "{lease}");
+        url = lease["proxy"]["url"].as_str().unwrap().to_owned();
+    }
+    // A lease on it works: a request through the leased squid reaches the target.
+    assert_eq!(url, squids[1 - p].url());
+    let through = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(&url).unwrap())
+        .build()
+        .unwrap();
+    let answer = through.get(target.http_url()).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NO_CONTENT);
+    let (s, headers, body) = client.acquire(pool.clone()).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["considered"], 2, "{body}");
+    assert_eq!(body["cordoned"], 1, "{body}");
+    assert_eq!(body["atCapacity"], 1, "{body}");
+    assert_eq!(body["unhealthy"], 0, "{body}");
+    assert!(headers.contains_key("retry-after"), "{headers:?}");
+
+    // The lease held on the cordoned proxy renews and takes reports.
+    let (s, _, renewed) = client
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/leases/{held_id}/renew"),
+            Some(json!({"ttlSeconds": 120})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{renewed}");
+    assert_eq!(renewed["state"], "active");
+    assert_eq!(renewed["ttlSeconds"], 120);
+    assert_eq!(renewed["proxy"]["name"], cordoned.as_str());
+    let (s, _, v) = client
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/leases/{held_id}/report"),
+            Some(json!({"result": "ok"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+
+    // Still probed: its squid going down and coming back shows.
+    squids[p].kill();
+    eventually("the cordoned proxy to turn unhealthy", || async {
+        cordon_states(&client)
+            .await
+            .contains(&(cordoned.clone(), true, false))
+    })
+    .await;
+    squids[p].restart();
+    eventually("the cordoned proxy to recover", || async {
+        cordon_states(&client)
+            .await
+            .contains(&(cordoned.clone(), true, true))
+    })
+    .await;
+
+    // Uncordoned, it takes new leases again.
+    proxies[p].cordoned = false;
+    operator.rewrite_inventory(&proxies);
+    eventually("the uncordon to be listed", || async {
+        cordon_states(&client).await.iter().all(|(_, c, _)| !c)
+    })
+    .await;
+    let (s, _, lease) = client.acquire(pool.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{lease}");
+    assert_eq!(lease["proxy"]["name"], cordoned.as_str(), "{lease}");
+    drop(operator);
 }

@@ -40,6 +40,7 @@ fn candidates() -> Arc<[Candidate]> {
             }),
             max_leases: 1_000_000,
             healthy: true,
+            cordoned: false,
             latency: None,
         })
         .collect()

@@ -241,6 +241,8 @@ async fn schemathesis_finds_nothing_with_every_check() {
             max_leases: 1_000_000,
             probe_url: target.https_url(),
             interval: "2s",
+            // One cordoned proxy: listed with `cordoned: true`, never leased.
+            cordoned: i == 0,
         })
         .collect();
     let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);

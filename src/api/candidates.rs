@@ -125,8 +125,9 @@ impl CandidateIndex {
         positioned(&self.index(snapshot), snapshot, health)
     }
 
-    /// The acquire candidates: every proxy of `snapshot` matching `selector`, healthy or not.
-    /// Only a proxy that passes health checks and has an address counts as healthy.
+    /// The acquire candidates: every proxy of `snapshot` matching `selector`, healthy or not,
+    /// cordoned or not. Only a proxy that passes health checks and has an address counts as
+    /// healthy; a cordoned one is passed on flagged, so the ledger counts it without choosing it.
     pub fn candidates(
         &self,
         snapshot: &Arc<InventorySnapshot>,
@@ -156,6 +157,7 @@ impl CandidateIndex {
                 proxy: proxy.id.clone(),
                 max_leases: proxy.max_leases,
                 healthy: proxy.has_address && h.and_then(|h| h.healthy) == Some(true),
+                cordoned: proxy.cordoned,
                 latency: h.and_then(|h| h.latency),
             });
         }
@@ -363,6 +365,37 @@ mod tests {
         assert_eq!(
             summary(&eu)[3],
             ("eu-unprobed".to_owned(), 2, true, Some(7))
+        );
+    }
+
+    #[test]
+    fn cordoned_proxies_are_offered_flagged_with_their_health() {
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let mut cordoned = proxy("a", "eu", 2, true);
+        cordoned.spec.cordoned = true;
+        let open = proxy("b", "eu", 2, true);
+        health.set(cordoned.id(), healthy(1));
+        health.set(open.id(), healthy(9));
+        inventory.replace([cordoned.clone(), open]);
+        let index = CandidateIndex::default();
+        let flags = |list: &[Candidate]| -> Vec<(String, bool, bool)> {
+            list.iter()
+                .map(|c| (c.proxy.name.clone(), c.healthy, c.cordoned))
+                .collect()
+        };
+        let eu = index.candidates(&inventory.snapshot(), &health, &selector("geo=eu"));
+        assert_eq!(
+            flags(&eu),
+            [("a".to_owned(), true, true), ("b".to_owned(), true, false)]
+        );
+        // Uncordoning is an inventory change: the next snapshot's list says so.
+        cordoned.spec.cordoned = false;
+        inventory.replace([cordoned, proxy("b", "eu", 2, true)]);
+        let eu = index.candidates(&inventory.snapshot(), &health, &selector("geo=eu"));
+        assert_eq!(
+            flags(&eu),
+            [("a".to_owned(), true, false), ("b".to_owned(), true, false)]
         );
     }
 

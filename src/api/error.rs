@@ -26,11 +26,14 @@ pub struct NoMatchBody {
     pub message: String,
     /// Proxies matching the selector.
     pub considered: u32,
+    /// Cordoned proxies (`spec.cordoned: true`); each is counted here only, whatever its
+    /// health or load.
+    pub cordoned: u32,
     /// Healthy proxies with every lease slot taken (or `maxLeases: 0`).
     pub at_capacity: u32,
     /// Healthy proxies with a free slot that are cooling down for the target.
     pub in_cooldown: u32,
-    /// Proxies failing health checks (or not yet checked).
+    /// Uncordoned proxies failing health checks (or not yet checked).
     pub unhealthy: u32,
     /// Seconds until a proxy frees up by itself (also sent as `Retry-After`); absent when
     /// nothing will.

@@ -102,10 +102,15 @@ fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     NoMatchBody {
         error: "no_match".into(),
         message: format!(
-            "no proxy can take a lease: {} match the selector, {} unhealthy, {} at capacity, {} cooling down for the target",
-            no_match.considered, no_match.unhealthy, no_match.at_capacity, no_match.in_cooldown
+            "no proxy can take a lease: {} match the selector, {} cordoned, {} unhealthy, {} at capacity, {} cooling down for the target",
+            no_match.considered,
+            no_match.cordoned,
+            no_match.unhealthy,
+            no_match.at_capacity,
+            no_match.in_cooldown
         ),
         considered: no_match.considered,
+        cordoned: no_match.cordoned,
         at_capacity: no_match.at_capacity,
         in_cooldown: no_match.in_cooldown,
         unhealthy: no_match.unhealthy,

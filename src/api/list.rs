@@ -68,7 +68,7 @@ impl Dynamic {
 struct Fragment {
     /// `{"name":…,"url":"…"`.
     head: Box<str>,
-    /// `"maxLeases":…,"labels":{…}}`.
+    /// `"maxLeases":…,"cordoned":…,"labels":{…}}`.
     tail: Box<str>,
 }
 
@@ -87,6 +87,7 @@ impl Fragment {
             last_failure: None,
             active_leases: 0,
             max_leases: proxy.spec.max_leases(),
+            cordoned: proxy.spec.cordoned,
             labels: proxy.labels(),
         };
         let json = serde_json::to_string(&view).ok()?;
@@ -234,11 +235,14 @@ mod tests {
 
     /// The body written from fragments equals serde's serialisation of the same list, for
     /// every kind of entry: with and without latency, escaped strings, an IPv6 host, a label
-    /// named like a changing field, and a proxy without an address (not listed).
+    /// named like a changing field, a cordoned proxy, and a proxy without an address (not
+    /// listed).
     #[test]
     fn body_matches_the_serde_shape() {
+        let mut cordoned = proxy("a", Some("10.0.0.1"), &[("geo", "eu")]);
+        cordoned.spec.cordoned = true;
         let proxies = vec![
-            proxy("a", Some("10.0.0.1"), &[("geo", "eu")]),
+            cordoned,
             proxy("b\"quoted\\", Some("2001:db8::1"), &[]),
             proxy("c", None, &[("geo", "us")]),
             proxy("d-ünïcode", Some("h"), &[("healthy", "false"), ("x", "\n")]),
@@ -301,6 +305,7 @@ mod tests {
                     }),
                     active_leases: dynamic.active_leases,
                     max_leases: p.spec.max_leases(),
+                    cordoned: p.spec.cordoned,
                     labels: p.labels(),
                 });
             }

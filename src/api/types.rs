@@ -221,6 +221,9 @@ pub struct ProxyView {
     pub active_leases: u32,
     /// How many leases it grants at once (0: never).
     pub max_leases: u32,
+    /// Whether it is cordoned (`spec.cordoned`): no new leases, while the leases it holds go
+    /// on and it is still health-checked.
+    pub cordoned: bool,
     /// Its selection labels.
     pub labels: BTreeMap<String, String>,
 }

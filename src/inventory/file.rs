@@ -333,6 +333,11 @@ spec:
         assert_eq!(proxies[1].key(), "crawl/b");
         assert_eq!(proxies[1].spec.max_leases(), 0);
         assert_eq!(proxies[1].spec.effective_port(), 3129);
+        assert!(!proxies[0].spec.cordoned && !proxies[1].spec.cordoned);
+        let cordoned = GOOD.replace("  maxLeases: 0\n", "  maxLeases: 0\n  cordoned: true\n");
+        let proxies = file().parse(&cordoned).unwrap();
+        assert!(!proxies[0].spec.cordoned);
+        assert!(proxies[1].spec.cordoned);
     }
 
     fn error(text: &str) -> String {
@@ -385,6 +390,12 @@ spec:
                     "{header}metadata: {{name: t}}\nspec: {{mode: External, endpoint: {{host: h, port: 1}}, healthCheck: {{interval: 1s, timeout: 2s}}}}\n"
                 ),
                 "document 1 (default/t): spec.healthCheck: timeout must not be longer than interval",
+            ),
+            (
+                format!(
+                    "{header}metadata: {{name: c}}\nspec: {{mode: External, endpoint: {{host: h, port: 1}}, cordoned: 'yes'}}\n"
+                ),
+                "document 1 (default/c): /spec/cordoned: \"yes\" is not of type \"boolean\"",
             ),
         ];
         for (text, expected) in cases {
@@ -444,6 +455,59 @@ spec:
         ));
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(inventory.snapshot().version(), 0);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn watch_picks_up_a_cordon_and_its_removal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inventory.yaml");
+        std::fs::write(&path, GOOD).unwrap();
+        let file = InventoryFile::new(&path).unwrap();
+        let inventory = Inventory::new();
+        inventory.replace(file.load().unwrap());
+        let (_reload_tx, reload_rx) = mpsc::channel(1);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(watch(
+            file,
+            inventory.clone(),
+            Duration::from_millis(10),
+            reload_rx,
+            shutdown.clone(),
+        ));
+        let cordoned_names = || -> Vec<String> {
+            inventory
+                .snapshot()
+                .leasable()
+                .iter()
+                .filter(|l| l.cordoned)
+                .map(|l| l.id.name.clone())
+                .collect()
+        };
+        let wait_for = |expected: &[&str]| {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            let expected: Vec<String> = expected.iter().map(|s| (*s).to_owned()).collect();
+            async move {
+                while cordoned_names() != expected {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "cordoned proxies never became {expected:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        let cordon_a = GOOD.replacen(
+            "  endpoint: {host: 127.0.0.1, port: 3128}\n",
+            "  endpoint: {host: 127.0.0.1, port: 3128}\n  cordoned: true\n",
+            1,
+        );
+        std::fs::write(&path, &cordon_a).unwrap();
+        wait_for(&["a"]).await;
+        assert_eq!(inventory.snapshot().len(), 2);
+        std::fs::write(&path, GOOD).unwrap();
+        wait_for(&[]).await;
         shutdown.cancel();
         task.await.unwrap();
     }

@@ -24,6 +24,8 @@ pub struct Leasable {
     /// Whether crawlers have an address to connect to (a Managed proxy has none until its
     /// machine runs); a proxy without one is never leased.
     pub has_address: bool,
+    /// `spec.cordoned`: never leased, still listed and probed.
+    pub cordoned: bool,
 }
 
 impl Leasable {
@@ -32,6 +34,7 @@ impl Leasable {
             id: Arc::new(id),
             max_leases: proxy.spec.max_leases(),
             has_address: proxy.spec.effective_host(proxy.status.as_ref()).is_some(),
+            cordoned: proxy.spec.cordoned,
         }
     }
 }
@@ -41,7 +44,7 @@ impl Leasable {
 pub struct InventorySnapshot {
     /// Proxies sorted by namespace/name.
     proxies: Vec<Arc<Proxy>>,
-    /// Identity, capacity and address presence of each proxy in `proxies`, computed once per
+    /// Identity, capacity, address presence and cordon of each proxy in `proxies`, computed once per
     /// replacement (the API and the health engine look proxies up on every request and tick).
     leasable: Vec<Leasable>,
     /// Position of each proxy in `proxies`, by identity.
@@ -225,24 +228,24 @@ mod tests {
         pending.metadata.namespace = Some("a".into());
         let mut zero = proxy("a", "zero");
         zero.spec.max_leases = Some(0);
+        let mut cordoned = proxy("a", "cordoned");
+        cordoned.spec.cordoned = true;
         let inventory = Inventory::new();
-        inventory.replace([proxy("a", "plain"), pending, zero]);
+        inventory.replace([proxy("a", "plain"), pending, zero, cordoned]);
         let snap = inventory.snapshot();
-        let facts: Vec<(String, u32, bool)> = snap
+        let facts: Vec<(String, u32, bool, bool)> = snap
             .leasable()
             .iter()
-            .map(|l| (l.id.name.clone(), l.max_leases, l.has_address))
+            .map(|l| (l.id.name.clone(), l.max_leases, l.has_address, l.cordoned))
             .collect();
+        let default = crate::proxy::DEFAULT_MAX_LEASES.unsigned_abs();
         assert_eq!(
             facts,
             [
-                ("pending".to_owned(), 3, false),
-                (
-                    "plain".to_owned(),
-                    crate::proxy::DEFAULT_MAX_LEASES.unsigned_abs(),
-                    true
-                ),
-                ("zero".to_owned(), 0, true),
+                ("cordoned".to_owned(), default, true, true),
+                ("pending".to_owned(), 3, false, false),
+                ("plain".to_owned(), default, true, false),
+                ("zero".to_owned(), 0, true, false),
             ]
         );
         for (i, l) in snap.leasable().iter().enumerate() {

@@ -180,6 +180,9 @@ pub struct Candidate {
     pub max_leases: u32,
     /// Whether the health engine considers it healthy (unhealthy ones are only counted).
     pub healthy: bool,
+    /// Whether its spec says `cordoned: true`: never chosen, only counted. (The flag sits in
+    /// the struct's padding, so the candidate list takes no more memory for it.)
+    pub cordoned: bool,
     /// Latency of its last probe; proxies without one sort after those with one.
     pub latency: Option<Duration>,
 }
@@ -225,16 +228,18 @@ pub enum AcquireOutcome {
 }
 
 /// Why an acquire granted nothing. Every candidate is counted in exactly one bucket, in the
-/// order unhealthy, at capacity, in cooldown.
+/// order cordoned, unhealthy, at capacity, in cooldown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NoMatch {
     /// Candidates offered.
     pub considered: u32,
+    /// Cordoned candidates (`spec.cordoned: true`), healthy or not.
+    pub cordoned: u32,
     /// Healthy candidates with every lease slot taken (or `maxLeases: 0`).
     pub at_capacity: u32,
     /// Healthy candidates with a free slot whose (proxy, target) pair is cooling down.
     pub in_cooldown: u32,
-    /// Candidates the health engine considers unhealthy.
+    /// Uncordoned candidates the health engine considers unhealthy.
     pub unhealthy: u32,
     /// The earliest moment a healthy candidate frees up (a lease expiry or a cooldown end);
     /// `None` when nothing will free up by itself.
@@ -314,6 +319,14 @@ mod tests {
             assert!(!is_release_reason(bad), "{bad:?}");
         }
         assert!(is_release_reason(&long[1..]));
+    }
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn the_cordoned_flag_costs_a_candidate_no_memory() {
+        // Acquires over large fleets read these lists in place: one more flag must not make
+        // each entry bigger (it fits next to `max_leases` and `healthy`).
+        assert_eq!(std::mem::size_of::<Candidate>(), 32);
     }
 
     #[test]

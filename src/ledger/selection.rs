@@ -28,10 +28,12 @@ pub(crate) enum Selection {
 /// and UID break remaining ties, so the choice is deterministic).
 ///
 /// `load` gives a proxy's load by UID; `cooldown_until` gives the end of a cooldown in force
-/// for the acquire's target, by UID. When nothing is chosen, every candidate is counted in one
-/// bucket (unhealthy, then at capacity, then in cooldown) and `retry_after` is the earliest
-/// moment a healthy candidate frees up: for a proxy at capacity the earliest expiry of its
-/// leases (or the end of its cooldown if that is later), for one in cooldown the cooldown's end.
+/// for the acquire's target, by UID. A cordoned candidate is never chosen and its load is never
+/// looked up, like an unhealthy one. When nothing is chosen, every candidate is counted in one
+/// bucket (cordoned, then unhealthy, then at capacity, then in cooldown) and `retry_after` is
+/// the earliest moment a healthy uncordoned candidate frees up: for a proxy at capacity the
+/// earliest expiry of its leases (or the end of its cooldown if that is later), for one in
+/// cooldown the cooldown's end (an uncordon is an edit, not something that happens by itself).
 /// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
 /// the hint is then early, and the next attempt gets a fresh one.
 ///
@@ -50,6 +52,10 @@ pub(crate) fn select(
     };
     let mut best: Option<(usize, u32)> = None;
     for (index, candidate) in candidates.iter().enumerate() {
+        if candidate.cordoned {
+            stats.cordoned += 1;
+            continue;
+        }
         if !candidate.healthy {
             stats.unhealthy += 1;
             continue;
@@ -145,8 +151,14 @@ mod tests {
             }),
             max_leases,
             healthy,
+            cordoned: false,
             latency: latency_ms.map(Duration::from_millis),
         }
+    }
+
+    fn cordoned(mut c: Candidate) -> Candidate {
+        c.cordoned = true;
+        c
     }
 
     /// Runs a selection with loads `(name, active, earliest expiry second)` and cooldowns
@@ -182,7 +194,7 @@ mod tests {
 
     #[test]
     fn chooses_by_active_leases_then_latency_then_name() {
-        let cases: [(&str, Vec<Candidate>, Loads, &str); 6] = [
+        let cases: [(&str, Vec<Candidate>, Loads, &str); 8] = [
             (
                 "fewest active leases wins over lower latency",
                 vec![
@@ -238,6 +250,25 @@ mod tests {
                 vec![],
                 "c",
             ),
+            (
+                "a cordoned proxy is never chosen, even the emptiest and fastest",
+                vec![
+                    cordoned(candidate("a", 5, true, Some(1))),
+                    candidate("b", 5, true, Some(99)),
+                ],
+                vec![("b", 4, 60)],
+                "b",
+            ),
+            (
+                "a cordoned proxy holding leases does not stop others being chosen",
+                vec![
+                    candidate("a", 5, true, Some(50)),
+                    cordoned(candidate("b", 1, true, Some(1))),
+                    candidate("c", 5, true, Some(9)),
+                ],
+                vec![("a", 1, 60), ("b", 1, 60), ("c", 1, 60)],
+                "c",
+            ),
         ];
         for (name, candidates, loads, expected) in cases {
             assert_eq!(
@@ -259,7 +290,7 @@ mod tests {
 
     #[test]
     fn no_match_counts_each_candidate_once_and_hints_the_earliest_free_slot() {
-        let cases: [(&str, Vec<Candidate>, Loads, Cooldowns, NoMatch); 5] = [
+        let cases: [(&str, Vec<Candidate>, Loads, Cooldowns, NoMatch); 8] = [
             ("no candidates", vec![], vec![], vec![], NoMatch::default()),
             (
                 "all unhealthy: nothing frees up by itself",
@@ -314,6 +345,55 @@ mod tests {
                     in_cooldown: 1,
                     unhealthy: 1,
                     retry_after: Some(ts(50)),
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "cordoned proxies count as cordoned only, whatever else holds for them",
+                vec![
+                    cordoned(candidate("free", 5, true, Some(1))),
+                    cordoned(candidate("sick", 5, false, None)),
+                    cordoned(candidate("full", 1, true, None)),
+                    cordoned(candidate("zero", 0, true, None)),
+                    cordoned(candidate("cool", 5, true, None)),
+                ],
+                vec![("full", 1, 20)],
+                vec![("cool", 50)],
+                NoMatch {
+                    considered: 5,
+                    cordoned: 5,
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "a cordoned proxy's lease expiry frees nothing: the hint is the uncordoned one's",
+                vec![
+                    cordoned(candidate("early", 1, true, None)),
+                    candidate("late", 1, true, None),
+                ],
+                vec![("early", 1, 10), ("late", 1, 90)],
+                vec![],
+                NoMatch {
+                    considered: 2,
+                    cordoned: 1,
+                    at_capacity: 1,
+                    retry_after: Some(ts(90)),
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "cordoned and unhealthy: no hint",
+                vec![
+                    cordoned(candidate("a", 5, true, Some(1))),
+                    candidate("b", 5, false, None),
+                ],
+                vec![],
+                vec![],
+                NoMatch {
+                    considered: 2,
+                    cordoned: 1,
+                    unhealthy: 1,
+                    ..NoMatch::default()
                 },
             ),
         ];
@@ -338,7 +418,7 @@ mod tests {
             .enumerate()
             .filter_map(|(index, c)| {
                 let active = loads.get(&c.proxy.uid).map_or(0, |l| l.active);
-                let free = c.healthy && active < c.max_leases;
+                let free = !c.cordoned && c.healthy && active < c.max_leases;
                 (free && !cooldowns.contains_key(&c.proxy.uid)).then_some((index, active))
             })
             .collect();
@@ -373,6 +453,7 @@ mod tests {
                         rng.random_bool(0.9),
                         latency,
                     );
+                    c.cordoned = rng.random_bool(0.15);
                     Arc::make_mut(&mut c.proxy).uid = format!("uid-{i}");
                     c
                 })
@@ -399,7 +480,8 @@ mod tests {
             ) {
                 Selection::Chosen(index) => Some(index),
                 Selection::NoMatch(stats) => {
-                    let counted = stats.unhealthy + stats.at_capacity + stats.in_cooldown;
+                    let counted =
+                        stats.cordoned + stats.unhealthy + stats.at_capacity + stats.in_cooldown;
                     assert_eq!(counted, stats.considered, "case {case}: {stats:?}");
                     None
                 }

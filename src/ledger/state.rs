@@ -572,6 +572,7 @@ mod tests {
                 proxy: proxy(name),
                 max_leases,
                 healthy: true,
+                cordoned: false,
                 latency: None,
             })
             .collect()

@@ -81,6 +81,7 @@ pub fn candidate(name: &str, max_leases: u32) -> Candidate {
         }),
         max_leases,
         healthy: true,
+        cordoned: false,
         latency: None,
     }
 }

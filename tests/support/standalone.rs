@@ -23,6 +23,8 @@ pub struct ExternalProxy {
     pub probe_url: String,
     /// `spec.healthCheck.interval` and `timeout` (e.g. `1s`).
     pub interval: &'static str,
+    /// `spec.cordoned`.
+    pub cordoned: bool,
 }
 
 impl ExternalProxy {
@@ -43,6 +45,7 @@ spec:
   mode: External
   endpoint: {{host: 127.0.0.1, port: {port}}}
   maxLeases: {max_leases}
+  cordoned: {cordoned}
   healthCheck:
     probeURL: {probe_url}
     interval: {interval}
@@ -53,6 +56,7 @@ spec:
             labels = labels.join(", "),
             port = self.port,
             max_leases = self.max_leases,
+            cordoned = self.cordoned,
             probe_url = self.probe_url,
             interval = self.interval,
         )
@@ -64,6 +68,7 @@ pub struct Standalone {
     child: Child,
     api: String,
     log: PathBuf,
+    inventory: PathBuf,
 }
 
 impl Standalone {
@@ -104,7 +109,15 @@ impl Standalone {
             child,
             api: format!("http://127.0.0.1:{api_port}"),
             log,
+            inventory,
         }
+    }
+
+    /// Rewrites the inventory file with `proxies`, as an engineer editing it would; the
+    /// binary picks the change up at its next `--inventory-poll`.
+    pub fn rewrite_inventory(&self, proxies: &[ExternalProxy]) {
+        let yaml: String = proxies.iter().map(ExternalProxy::to_yaml).collect();
+        std::fs::write(&self.inventory, yaml).expect("rewrite the inventory");
     }
 
     /// `http://127.0.0.1:<port>`, the API's base URL.
