@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use prometheus::core::{Collector, Desc};
-use prometheus::proto::MetricFamily;
+use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{
     Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
@@ -18,7 +18,7 @@ use prometheus::{
 use crate::api::CandidateIndex;
 use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
-use crate::ledger::{Ledger, NoMatch, ReportResult};
+use crate::ledger::{Ledger, NAMED_TARGETS, NoMatch, OTHER_TARGETS, ReportResult, TargetCooldowns};
 use crate::proxy::{Phase, Proxy};
 
 /// Counters the lease API increments.
@@ -200,6 +200,7 @@ pub struct FleetCollector {
     leases_active: IntGauge,
     proxy_leases_active: PerProxyGauge,
     cooldowns_active: IntGauge,
+    target_cooldowns: TargetCooldownGauge,
     ledger_bytes: IntGauge,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
@@ -233,6 +234,7 @@ impl FleetCollector {
                 "proxy_operator_cooldowns_active",
                 "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
             )?,
+            target_cooldowns: TargetCooldownGauge::new()?,
             ledger_bytes: IntGauge::new(
                 "proxy_operator_ledger_bytes",
                 "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
@@ -248,6 +250,7 @@ impl Collector for FleetCollector {
         descs.extend(self.leases_active.desc());
         descs.push(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
+        descs.push(&self.target_cooldowns.desc);
         descs.extend(self.ledger_bytes.desc());
         descs
     }
@@ -293,11 +296,74 @@ impl Collector for FleetCollector {
         families.extend(self.leases_active.collect());
         families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
+        // At most 51 numbers copied from the ledger's memory; none when nothing cools down.
+        if let Some(family) = self
+            .target_cooldowns
+            .family(&self.ledger.target_cooldowns())
+        {
+            families.push(family);
+        }
         // Two stat calls, no query.
         self.ledger_bytes
             .set(i64::try_from(self.ledger.disk_bytes()).unwrap_or(i64::MAX));
         families.extend(self.ledger_bytes.collect());
         families
+    }
+}
+
+/// `proxy_operator_target_cooldowns{target}`: cooldowns in force per target, for the
+/// [`NAMED_TARGETS`] targets with the most and `_other` for the rest. Made at every scrape from
+/// the ledger's ranking, so a target whose cooldowns ended has no series left behind.
+struct TargetCooldownGauge {
+    desc: Desc,
+}
+
+impl TargetCooldownGauge {
+    fn new() -> Result<Self, prometheus::Error> {
+        let help = format!(
+            "(proxy, target) cooldowns in force per target, only for targets with one: the \
+             {NAMED_TARGETS} targets with the most (ties by name), the others summed under \
+             target=\"{OTHER_TARGETS}\"."
+        );
+        let desc = Desc::new(
+            "proxy_operator_target_cooldowns".into(),
+            help,
+            vec!["target".into()],
+            std::collections::HashMap::new(),
+        )?;
+        Ok(TargetCooldownGauge { desc })
+    }
+
+    /// One scrape's family; `None` when no target cools down (the registry would drop an
+    /// empty family anyway).
+    fn family(&self, cooldowns: &TargetCooldowns) -> Option<MetricFamily> {
+        let other = (cooldowns.other > 0).then_some((OTHER_TARGETS, cooldowns.other));
+        let metrics: Vec<Metric> = cooldowns
+            .named
+            .iter()
+            .map(|(target, count)| (&**target, *count))
+            .chain(other)
+            .map(|(target, count)| {
+                let mut label = LabelPair::default();
+                label.set_name("target".to_owned());
+                label.set_value(target.to_owned());
+                let mut metric = Metric::from_label(vec![label]);
+                let mut gauge = Gauge::default();
+                // Exact up to 2^53 cooldowns.
+                gauge.set_value(count as f64);
+                metric.set_gauge(gauge);
+                metric
+            })
+            .collect();
+        if metrics.is_empty() {
+            return None;
+        }
+        let mut family = MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(MetricType::GAUGE);
+        family.set_metric(metrics);
+        Some(family)
     }
 }
 
@@ -366,5 +432,35 @@ mod tests {
         for (name, stats, reason) in cases {
             assert_eq!(RejectionReason::of(&stats).as_str(), reason, "{name}");
         }
+    }
+
+    #[test]
+    fn the_target_gauge_names_the_ranked_targets_then_other_and_nothing_when_none_cools_down() {
+        let gauge = TargetCooldownGauge::new().unwrap();
+        assert!(gauge.family(&TargetCooldowns::default()).is_none());
+        let series = |cooldowns: &TargetCooldowns| -> Vec<(String, f64)> {
+            let family = gauge.family(cooldowns).unwrap();
+            assert_eq!(family.name(), "proxy_operator_target_cooldowns");
+            assert!(family.help().contains("50 targets"), "{}", family.help());
+            family
+                .get_metric()
+                .iter()
+                .map(|m| {
+                    let label = &m.get_label()[0];
+                    assert_eq!(label.name(), "target");
+                    (label.value().to_owned(), m.get_gauge().value())
+                })
+                .collect()
+        };
+        let named = TargetCooldowns {
+            named: vec![("b.example".into(), 3), ("a.example".into(), 1)],
+            other: 0,
+        };
+        assert_eq!(
+            series(&named),
+            [("b.example".to_owned(), 3.0), ("a.example".to_owned(), 1.0)]
+        );
+        let with_other = TargetCooldowns { other: 7, ..named };
+        assert_eq!(series(&with_other)[2], ("_other".to_owned(), 7.0));
     }
 }

@@ -1,6 +1,7 @@
 //! `/metrics` as Prometheus scrapes it: a real metrics server over the registry the binary
 //! builds, fed by the real health engine probing through a real squid, checked by
-//! `promtool check metrics` (required when `CI` is set), and its size at 10,000 proxies.
+//! `promtool check metrics` (required when `CI` is set), and its size at 10,000 proxies; and
+//! the per-target cooldown gauge fed by reports through the real lease API.
 
 mod support;
 
@@ -11,13 +12,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{Encoder, Registry, TextEncoder};
+use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
     ProxyHealth,
 };
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, ManualClock,
+    SystemClock,
 };
 use proxy_operator::metrics::{self, FleetCollector, LeaseMetrics};
 use proxy_operator::proxy::{Proxy, ProxyId};
@@ -331,4 +334,297 @@ async fn ten_thousand_proxies_fit_in_3_mib() {
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await
         .unwrap();
+}
+
+/// The lease API and a metrics server over one ledger on a `ManualClock`, with `proxies`
+/// healthy External proxies (`p0`, `p1`, ...), as the binary wires them.
+struct CooldownWorld {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    clock: Arc<ManualClock>,
+    ledger: Ledger,
+    api: String,
+    api_server: actix_web::dev::ServerHandle,
+    metrics: String,
+    metrics_server: actix_web::dev::ServerHandle,
+    http: reqwest::Client,
+}
+
+const TOKEN: &str = "metrics-test-token";
+const COOLDOWN: Duration = Duration::from_secs(600);
+
+impl CooldownWorld {
+    fn start(proxies: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let clock = Arc::new(ManualClock::new("2026-01-01T00:00:00Z".parse().unwrap()));
+        let dyn_clock: Arc<dyn Clock> = clock.clone();
+        let ledger = Ledger::open(
+            &path,
+            LedgerConfig {
+                cooldown: COOLDOWN,
+                ..LedgerConfig::default()
+            },
+            dyn_clock.clone(),
+        )
+        .unwrap();
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let proxies: Vec<Proxy> = (0..proxies)
+            .map(|i| proxy(&format!("p{i}"), 3128, "https://example.com/"))
+            .collect();
+        for proxy in &proxies {
+            health.set(
+                proxy.id(),
+                ProxyHealth {
+                    healthy: Some(true),
+                    latency: Some(Duration::from_millis(5)),
+                    ..ProxyHealth::default()
+                },
+            );
+        }
+        inventory.replace(proxies);
+        let registry = Registry::new();
+        let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone()).unwrap();
+        registry.register(Box::new(fleet)).unwrap();
+        let state = ApiState {
+            inventory,
+            health,
+            ledger: ledger.clone(),
+            clock: dyn_clock,
+            metrics: LeaseMetrics::register(&registry).unwrap(),
+            default_ttl: Duration::from_secs(60),
+            proxy_list: ProxyListCache::default(),
+            candidates: CandidateIndex::default(),
+        };
+        let (api, api_server) = support::serve_api(state, TOKEN);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let metrics = format!("http://{}/metrics", listener.local_addr().unwrap());
+        let server = metrics::serve(listener, registry).unwrap();
+        let metrics_server = server.handle();
+        tokio::spawn(server);
+        CooldownWorld {
+            _dir: dir,
+            path,
+            clock,
+            ledger,
+            api,
+            api_server,
+            metrics,
+            metrics_server,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// `count` leases for `target`, each reported `result` and released: `count` proxies
+    /// cooling down for it (an acquire for `target` skips the ones already cooling down).
+    async fn cool_down(&self, target: &str, count: usize, result: &str) {
+        for _ in 0..count {
+            let response = self
+                .http
+                .post(format!("{}/v1/leases", self.api))
+                .bearer_auth(TOKEN)
+                .json(&serde_json::json!({"selector": {}, "target": target, "ttlSeconds": 60}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), reqwest::StatusCode::CREATED, "{target}");
+            let lease: serde_json::Value = response.json().await.unwrap();
+            let id = lease["leaseID"].as_str().unwrap();
+            let response = self
+                .http
+                .post(format!("{}/v1/leases/{id}/report", self.api))
+                .bearer_auth(TOKEN)
+                .json(&serde_json::json!({"result": result}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(
+                response.status(),
+                reqwest::StatusCode::NO_CONTENT,
+                "{target}"
+            );
+            let response = self
+                .http
+                .delete(format!("{}/v1/leases/{id}", self.api))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), reqwest::StatusCode::NO_CONTENT);
+        }
+    }
+
+    /// One scrape, checked by promtool.
+    async fn scrape(&self) -> String {
+        let text = self
+            .http
+            .get(&self.metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        promtool_check(&text);
+        text
+    }
+
+    async fn stop(self) {
+        self.api_server.stop(true).await;
+        self.metrics_server.stop(true).await;
+        let ledger = self.ledger;
+        tokio::task::spawn_blocking(move || ledger.shutdown())
+            .await
+            .unwrap();
+    }
+}
+
+/// The `proxy_operator_target_cooldowns` series of a scrape, by target, in page order.
+fn target_cooldowns(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("proxy_operator_target_cooldowns{target=\""))
+        .map(|rest| {
+            let (target, value) = rest.rsplit_once("\"} ").unwrap();
+            (target.to_owned(), value.parse().unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_cooldowns_follow_reports_and_go_when_the_cooldowns_end() {
+    let world = CooldownWorld::start(4);
+    let text = world.scrape().await;
+    assert!(
+        !text.contains("proxy_operator_target_cooldowns"),
+        "no series (nor HELP) while nothing cools down: {text}"
+    );
+
+    world.cool_down("shop.example", 3, "rate_limited").await;
+    world.cool_down("news.example", 1, "blocked").await;
+    world.clock.advance(Duration::from_secs(300));
+    world.cool_down("api.example", 2, "rate_limited").await;
+    let text = world.scrape().await;
+    assert_eq!(
+        target_cooldowns(&text),
+        [
+            ("api.example".to_owned(), 2.0),
+            ("news.example".to_owned(), 1.0),
+            ("shop.example".to_owned(), 3.0),
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "# HELP proxy_operator_target_cooldowns (proxy, target) cooldowns in force per target"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE proxy_operator_target_cooldowns gauge"));
+    assert_eq!(
+        line_value(&text, "proxy_operator_cooldowns_active"),
+        Some(6.0)
+    );
+
+    // The first two targets' cooldowns end (no sweep yet): their series are gone at once.
+    world.clock.advance(COOLDOWN - Duration::from_secs(300));
+    let text = world.scrape().await;
+    assert_eq!(
+        target_cooldowns(&text),
+        [("api.example".to_owned(), 2.0)],
+        "{text}"
+    );
+    assert_eq!(
+        line_value(&text, "proxy_operator_cooldowns_active"),
+        Some(2.0)
+    );
+
+    // The sweep removes the ended ones; then the last target's end too.
+    world.ledger.sweep().await.unwrap();
+    assert_eq!(
+        target_cooldowns(&world.scrape().await),
+        [("api.example".to_owned(), 2.0)]
+    );
+    world.clock.advance(Duration::from_secs(300));
+    let text = world.scrape().await;
+    assert!(target_cooldowns(&text).is_empty(), "{text}");
+    assert!(!text.contains("proxy_operator_target_cooldowns"), "{text}");
+    world.ledger.sweep().await.unwrap();
+    assert!(target_cooldowns(&world.scrape().await).is_empty());
+
+    // Which targets ban which proxies, as the README shows it.
+    let banned = support::sqlite3(
+        &world.path,
+        "SELECT target, proxy_namespace || '/' || proxy_name AS proxy, result, COUNT(*) AS reports
+         FROM lease_events WHERE kind = 'reported' AND result IN ('rate_limited', 'blocked')
+         GROUP BY target, proxy_uid, result ORDER BY target, proxy;",
+    );
+    let lines: Vec<&str> = banned.lines().collect();
+    assert_eq!(lines.len(), 6, "{banned}");
+    assert!(
+        lines.contains(&"news.example|crawl/p0|blocked|1"),
+        "{banned}"
+    );
+    world.stop().await;
+}
+
+/// 60 targets in cooldown: exactly 50 named series, the most cooldowns first (ties by name),
+/// and `_other` with the sum of the other 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_targets_show_fifty_series_and_other() {
+    let world = CooldownWorld::start(3);
+    // t00..t59: 1, 2 or 3 cooldowns.
+    let targets: Vec<(String, usize)> = (0..60)
+        .map(|i| (format!("t{i:02}.example"), 1 + i % 3))
+        .collect();
+    for (target, count) in &targets {
+        world.cool_down(target, *count, "rate_limited").await;
+    }
+    let mut ranked = targets.clone();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let other: usize = ranked[50..].iter().map(|(_, count)| count).sum();
+    assert_eq!(other, 10, "the ten left out count one each");
+
+    let text = world.scrape().await;
+    let series = target_cooldowns(&text);
+    assert_eq!(series.len(), 51, "{text}");
+    let mut named: Vec<(String, f64)> = ranked[..50]
+        .iter()
+        .map(|(target, count)| (target.clone(), *count as f64))
+        .collect();
+    named.push(("_other".to_owned(), other as f64));
+    // The page is sorted by label value.
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(series, named);
+    assert_eq!(
+        line_value(&text, "proxy_operator_cooldowns_active"),
+        Some(120.0)
+    );
+
+    // Timed: the scrape copies 51 numbers from the ledger's memory.
+    let mut times: Vec<Duration> = Vec::new();
+    for _ in 0..50 {
+        let start = std::time::Instant::now();
+        let _ = world
+            .http
+            .get(&world.metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        times.push(start.elapsed());
+    }
+    times.sort();
+    eprintln!(
+        "/metrics with 60 targets in cooldown: p50 {:?}, p95 {:?}",
+        times[times.len() / 2],
+        times[times.len() * 95 / 100]
+    );
+
+    world.clock.advance(COOLDOWN);
+    let text = world.scrape().await;
+    assert!(target_cooldowns(&text).is_empty(), "{text}");
+    world.stop().await;
 }

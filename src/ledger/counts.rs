@@ -2,11 +2,101 @@
 //! cooldown ends, as of the last commit. The writer refreshes the entries a batch touched
 //! after its COMMIT and before answering, so a caller that got its answer reads its own write;
 //! counts are taken at the reader's `now`, because a lease stops counting by time alone.
+//!
+//! # Cooldowns per target
+//!
+//! The view also keeps the cooldown ends of each target, and after each commit that changed a
+//! cooldown the writer ranks the targets by cooldowns in force ([`rank_targets`]): the
+//! [`NAMED_TARGETS`] with the most, and the sum over the rest. A reader copies that ranking
+//! (at most 51 numbers) while it is exact, that is until the first cooldown it counted ends;
+//! after that, until the next commit that changes a cooldown (a report, or the sweep removing
+//! the ended ones), the reader ranks the targets itself at its own `now` (one binary search
+//! per target). Either way an ended cooldown never counts, as in
+//! [`cooldowns_active`](Counts::cooldowns_active).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::state::{LedgerState, Touched};
+
+/// How many targets the per-target cooldown gauge names; the rest are summed under
+/// [`OTHER_TARGETS`].
+pub const NAMED_TARGETS: usize = 50;
+
+/// The label value the targets beyond the named ones are summed under. A target of that very
+/// name is always counted there, so the value stays unique.
+pub const OTHER_TARGETS: &str = "_other";
+
+/// Cooldowns in force per target, bounded: what `proxy_operator_target_cooldowns` shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TargetCooldowns {
+    /// At most [`NAMED_TARGETS`] targets with their count of (proxy, target) cooldowns in
+    /// force, most first, ties by target name; only targets with at least one.
+    pub named: Vec<(Arc<str>, u64)>,
+    /// Cooldowns in force of every other target (0 when there is none: no `_other` series).
+    pub other: u64,
+}
+
+impl TargetCooldowns {
+    /// Every cooldown in force, named or not.
+    pub fn total(&self) -> u64 {
+        self.named
+            .iter()
+            .map(|(_, count)| count)
+            .sum::<u64>()
+            .saturating_add(self.other)
+    }
+}
+
+/// Ranks targets by their count of cooldowns (`(target, count)`, each target once): the `cap`
+/// with the most are named, most first and ties by name so the choice is deterministic;
+/// the counts of the others are summed in `other`. Targets counting 0 are left out, and a
+/// target named [`OTHER_TARGETS`] always goes to `other`.
+pub fn rank_targets(
+    counts: impl IntoIterator<Item = (Arc<str>, u64)>,
+    cap: usize,
+) -> TargetCooldowns {
+    let mut other = 0u64;
+    let mut named: Vec<(Arc<str>, u64)> = Vec::new();
+    for (target, count) in counts {
+        if count == 0 {
+            continue;
+        }
+        if &*target == OTHER_TARGETS {
+            other = other.saturating_add(count);
+        } else {
+            named.push((target, count));
+        }
+    }
+    let order =
+        |a: &(Arc<str>, u64), b: &(Arc<str>, u64)| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0));
+    if named.len() > cap {
+        // The first `cap` are then the top ones, in no order: linear, not a full sort.
+        named.select_nth_unstable_by(cap, order);
+        for (_, count) in named.drain(cap..) {
+            other = other.saturating_add(count);
+        }
+    }
+    named.sort_unstable_by(order);
+    TargetCooldowns { named, other }
+}
+
+/// The ranking the writer made at its last commit that changed a cooldown.
+#[derive(Debug, Default)]
+struct Ranking {
+    targets: TargetCooldowns,
+    /// The writer's clock when it ranked.
+    as_of: i64,
+    /// The first end among the cooldowns it counted (`i64::MAX`: none): from then on it
+    /// would count an ended cooldown.
+    exact_until: i64,
+}
+
+impl Ranking {
+    fn is_exact_at(&self, now: i64) -> bool {
+        self.as_of <= now && now < self.exact_until
+    }
+}
 
 /// Committed lease expiries and cooldown ends.
 #[derive(Debug, Default)]
@@ -15,18 +105,22 @@ pub(crate) struct Counts {
     leases: HashMap<Arc<str>, Vec<i64>>,
     /// Cooldown end by `(proxy UID, target)`.
     cooldowns: HashMap<(Arc<str>, Arc<str>), i64>,
+    /// The same cooldown ends by target, sorted (ended ones stay until the sweep removes them).
+    by_target: HashMap<Arc<str>, Vec<i64>>,
+    ranking: Ranking,
 }
 
 impl Counts {
-    /// The view of a whole state (at open).
-    pub fn of(state: &LedgerState) -> Counts {
+    /// The view of a whole state (at open), ranked at `now`.
+    pub fn of(state: &LedgerState, now: i64) -> Counts {
         let mut counts = Counts::default();
-        counts.refresh(state, &state.everything());
+        counts.refresh(state, &state.everything(), now);
         counts
     }
 
-    /// Copies the entries a committed batch touched from the writer's state.
-    pub fn refresh(&mut self, state: &LedgerState, touched: &Touched) {
+    /// Copies the entries a committed batch touched from the writer's state, and ranks the
+    /// targets at `now` (the writer's clock) when a cooldown changed.
+    pub fn refresh(&mut self, state: &LedgerState, touched: &Touched, now: i64) {
         for uid in &touched.proxies {
             let expiries: Vec<i64> = state.expiries(uid).collect();
             if expiries.is_empty() {
@@ -36,14 +130,67 @@ impl Counts {
             }
         }
         for (uid, target) in &touched.cooldowns {
-            match state.cooldown(uid, target) {
-                Some(until) => {
-                    self.cooldowns.insert((uid.clone(), target.clone()), until);
-                }
-                None => {
-                    self.cooldowns.remove(&(uid.clone(), target.clone()));
-                }
+            let key = (uid.clone(), target.clone());
+            let until = state.cooldown(uid, target);
+            let previous = match until {
+                Some(until) => self.cooldowns.insert(key, until),
+                None => self.cooldowns.remove(&key),
+            };
+            if previous != until {
+                self.move_end(target, previous, until);
             }
+        }
+        if !touched.cooldowns.is_empty() || self.ranking.as_of > now {
+            self.rank(now);
+        }
+    }
+
+    /// Replaces one cooldown end of `target` in its sorted list.
+    fn move_end(&mut self, target: &Arc<str>, previous: Option<i64>, until: Option<i64>) {
+        let ends = self.by_target.entry(target.clone()).or_default();
+        if let Some(previous) = previous
+            && let Ok(at) = ends.binary_search(&previous)
+        {
+            ends.remove(at);
+        }
+        if let Some(until) = until {
+            let at = ends.partition_point(|&end| end <= until);
+            ends.insert(at, until);
+        }
+        if ends.is_empty() {
+            self.by_target.remove(target);
+        }
+    }
+
+    fn rank(&mut self, now: i64) {
+        let exact_until = self
+            .by_target
+            .values()
+            .filter_map(|ends| in_force(ends, now).first().copied())
+            .min()
+            .unwrap_or(i64::MAX);
+        self.ranking = Ranking {
+            targets: self.rank_at(now),
+            as_of: now,
+            exact_until,
+        };
+    }
+
+    fn rank_at(&self, now: i64) -> TargetCooldowns {
+        let counts = self.by_target.iter().map(|(target, ends)| {
+            let count = u64::try_from(in_force(ends, now).len()).unwrap_or(u64::MAX);
+            (target.clone(), count)
+        });
+        rank_targets(counts, NAMED_TARGETS)
+    }
+
+    /// Cooldowns in force at `now` per target, bounded (see the module documentation): a copy
+    /// of the writer's ranking while it is exact, else ranked here.
+    pub fn target_cooldowns(&self, now: i64) -> TargetCooldowns {
+        if self.ranking.is_exact_at(now) {
+            self.ranking.targets.clone()
+        } else {
+            self.rank_at(now)
         }
     }
 
@@ -71,8 +218,11 @@ impl Counts {
             .sum()
     }
 
-    /// `(proxy, target)` pairs cooling down at `now`.
+    /// `(proxy, target)` pairs cooling down at `now`: the ranking's total while it is exact.
     pub fn cooldowns_active(&self, now: i64) -> u64 {
+        if self.ranking.is_exact_at(now) {
+            return self.ranking.targets.total();
+        }
         let active = self
             .cooldowns
             .values()
@@ -80,6 +230,11 @@ impl Counts {
             .count();
         u64::try_from(active).unwrap_or(u64::MAX)
     }
+}
+
+/// The ends of a target's cooldowns (sorted) that are still in force at `now`.
+fn in_force(ends: &[i64], now: i64) -> &[i64] {
+    &ends[ends.partition_point(|&end| end <= now)..]
 }
 
 fn counting(expiries: &[i64], now: i64) -> u32 {
@@ -113,7 +268,7 @@ mod tests {
         let mut state = LedgerState::default();
         state.restore_lease("l1".into(), lease("a", 100));
         state.restore_cooldown("a", "t", 50);
-        let mut counts = Counts::of(&state);
+        let mut counts = Counts::of(&state, 0);
         let cases = [(0, 1, 1), (49, 1, 1), (50, 1, 0), (100, 0, 0)];
         for (now, leases, cooldowns) in cases {
             assert_eq!(counts.active_total(now), leases, "at {now}");
@@ -128,7 +283,7 @@ mod tests {
             "nothing is seen before the commit"
         );
         let touched = state.commit();
-        counts.refresh(&state, &touched);
+        counts.refresh(&state, &touched, 0);
         assert_eq!(
             counts.active_counts(150),
             HashMap::from([("a".to_owned(), 1), ("b".to_owned(), 1)])
@@ -138,7 +293,7 @@ mod tests {
         state.release("l3", 0);
         state.sweep(100);
         let touched = state.commit();
-        counts.refresh(&state, &touched);
+        counts.refresh(&state, &touched, 0);
         assert_eq!(
             counts.active_counts(0),
             HashMap::from([("a".to_owned(), 1)])
@@ -148,5 +303,144 @@ mod tests {
             0,
             "the sweep removed the ended cooldown"
         );
+    }
+
+    fn targets(counts: &[(&str, u64)]) -> Vec<(Arc<str>, u64)> {
+        counts.iter().map(|&(t, c)| (Arc::from(t), c)).collect()
+    }
+
+    /// `n` targets `t000`.. with `count(i)` cooldowns each.
+    fn many(n: usize, count: impl Fn(usize) -> u64) -> Vec<(Arc<str>, u64)> {
+        (0..n)
+            .map(|i| (Arc::from(format!("t{i:03}")), count(i)))
+            .collect()
+    }
+
+    /// Name, input, cap, the named targets wanted and `other`.
+    type RankCase<'a> = (
+        &'a str,
+        Vec<(Arc<str>, u64)>,
+        usize,
+        Vec<(&'a str, u64)>,
+        u64,
+    );
+
+    #[test]
+    fn the_top_targets_are_named_and_the_rest_summed() {
+        let cases: Vec<RankCase> = vec![
+            ("nothing", vec![], 50, vec![], 0),
+            (
+                "zero counts are no target",
+                targets(&[("a", 0)]),
+                50,
+                vec![],
+                0,
+            ),
+            (
+                "most first, ties by name",
+                targets(&[("c", 2), ("b", 1), ("a", 2), ("d", 1)]),
+                50,
+                vec![("a", 2), ("c", 2), ("b", 1), ("d", 1)],
+                0,
+            ),
+            (
+                "the tie at the cap goes by name",
+                targets(&[("b", 1), ("a", 1), ("c", 1), ("z", 3)]),
+                2,
+                vec![("z", 3), ("a", 1)],
+                2,
+            ),
+            (
+                "a target named _other is counted there",
+                targets(&[("_other", 4), ("a", 1)]),
+                50,
+                vec![("a", 1)],
+                4,
+            ),
+        ];
+        for (name, counts, cap, named, other) in cases {
+            let ranked = rank_targets(counts, cap);
+            let want: Vec<(Arc<str>, u64)> = targets(&named);
+            assert_eq!(ranked.named, want, "{name}");
+            assert_eq!(ranked.other, other, "{name}");
+        }
+    }
+
+    #[test]
+    fn fifty_targets_are_named_and_the_51st_goes_to_other() {
+        // Exactly 50: all named, no _other.
+        let ranked = rank_targets(many(50, |_| 1), NAMED_TARGETS);
+        assert_eq!(ranked.named.len(), 50);
+        assert_eq!(ranked.other, 0);
+        // 51 with equal counts: the last by name goes to _other.
+        let ranked = rank_targets(many(51, |_| 1), NAMED_TARGETS);
+        assert_eq!(ranked.named.len(), 50);
+        assert_eq!(&*ranked.named[49].0, "t049");
+        assert_eq!(ranked.other, 1);
+        // 60 targets, t000 with 1 .. t059 with 60: t059..t010 named, t000..t009 summed.
+        let ranked = rank_targets(many(60, |i| i as u64 + 1), NAMED_TARGETS);
+        assert_eq!(&*ranked.named[0].0, "t059");
+        assert_eq!(&*ranked.named[49].0, "t010");
+        assert_eq!(ranked.other, (1..=10).sum::<u64>());
+        assert_eq!(ranked.total(), (1..=60).sum::<u64>());
+        // The input order does not matter.
+        let mut reversed = many(60, |i| i as u64 + 1);
+        reversed.reverse();
+        assert_eq!(rank_targets(reversed, NAMED_TARGETS), ranked);
+    }
+
+    #[test]
+    fn target_cooldowns_stop_counting_when_they_end() {
+        let mut state = LedgerState::default();
+        state.restore_cooldown("a", "t", 50);
+        state.restore_cooldown("b", "t", 80);
+        state.restore_cooldown("a", "u", 100);
+        let mut counts = Counts::of(&state, 0);
+        let named = |counts: &Counts, now| -> Vec<(String, u64)> {
+            let ranked = counts.target_cooldowns(now);
+            assert_eq!(ranked.other, 0);
+            assert_eq!(ranked.total(), counts.cooldowns_active(now), "at {now}");
+            ranked
+                .named
+                .iter()
+                .map(|(t, c)| (t.to_string(), *c))
+                .collect()
+        };
+        let cases: [(i64, &[(&str, u64)]); 5] = [
+            (0, &[("t", 2), ("u", 1)]),
+            (49, &[("t", 2), ("u", 1)]),
+            // Past the writer's ranking: ranked at the reader's now, before any sweep.
+            (50, &[("t", 1), ("u", 1)]),
+            (80, &[("u", 1)]),
+            (100, &[]),
+        ];
+        for (now, want) in cases {
+            let want: Vec<(String, u64)> = want.iter().map(|&(t, c)| (t.into(), c)).collect();
+            assert_eq!(named(&counts, now), want, "at {now}");
+        }
+
+        // A later report extends (b, t) and adds (b, u); the sweep at 60 removed (a, t).
+        state.sweep(60);
+        state.cool_down("b", "t", 200);
+        state.cool_down("b", "u", 150);
+        let touched = state.commit();
+        counts.refresh(&state, &touched, 60);
+        let cases: [(i64, &[(&str, u64)]); 4] = [
+            (60, &[("u", 2), ("t", 1)]),
+            (100, &[("t", 1), ("u", 1)]),
+            (150, &[("t", 1)]),
+            (200, &[]),
+        ];
+        for (now, want) in cases {
+            let want: Vec<(String, u64)> = want.iter().map(|&(t, c)| (t.into(), c)).collect();
+            assert_eq!(named(&counts, now), want, "at {now}");
+        }
+
+        // Once the sweep has removed every cooldown, no target is left behind.
+        state.sweep(200);
+        let touched = state.commit();
+        counts.refresh(&state, &touched, 200);
+        assert!(counts.by_target.is_empty());
+        assert_eq!(counts.target_cooldowns(0), TargetCooldowns::default());
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 
 use super::clock::Clock;
 use super::config::LedgerConfig;
-use super::counts::Counts;
+use super::counts::{Counts, TargetCooldowns};
 use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, ReportResult, SweepStats, is_release_reason,
@@ -63,13 +63,12 @@ impl Ledger {
     ) -> Result<Ledger, LedgerError> {
         config.validate()?;
         let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
-        let state = store::load_state(&conn, clock.now().as_millisecond()).map_err(|source| {
-            LedgerError::Open {
-                path: path.to_owned(),
-                source,
-            }
+        let now = clock.now().as_millisecond();
+        let state = store::load_state(&conn, now).map_err(|source| LedgerError::Open {
+            path: path.to_owned(),
+            source,
         })?;
-        let counts = Arc::new(RwLock::new(Counts::of(&state)));
+        let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
         let pool = store::reader_pool(path, config.durability)?;
         let (queue, receiver) = sync_channel(config.queue_capacity);
         let shared = Arc::new(Shared::default());
@@ -252,6 +251,16 @@ impl Ledger {
     /// Number of (proxy, target) pairs in cooldown, from memory.
     pub fn cooldowns_active(&self) -> u64 {
         self.counts().cooldowns_active(self.now_ms())
+    }
+
+    /// (proxy, target) cooldowns in force per target, from memory: the [`NAMED_TARGETS`] targets
+    /// with the most (ties by name) and the sum over the others. A scrape copies the ranking
+    /// the writer made at its last commit that changed a cooldown, or ranks the targets
+    /// itself once a cooldown counted there has ended; an ended cooldown never counts.
+    ///
+    /// [`NAMED_TARGETS`]: super::NAMED_TARGETS
+    pub fn target_cooldowns(&self) -> TargetCooldowns {
+        self.counts().target_cooldowns(self.now_ms())
     }
 
     /// Writes waiting in the queue.

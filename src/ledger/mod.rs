@@ -31,9 +31,9 @@
 //! batch was acknowledged; when the failure is SQLITE_FULL (the disk, or the file's page
 //! limit) they get [`LedgerError::Full`] instead, which says when to retry. Readers never see
 //! a batch before its commit: the counts they read ([`Ledger::active_counts`],
-//! [`Ledger::active_total`], [`Ledger::cooldowns_active`]) are a view the writer refreshes
-//! after each COMMIT (only for what the batch touched) and before answering; a lease is read
-//! through a pool of WAL readers. No read waits for a write.
+//! [`Ledger::active_total`], [`Ledger::cooldowns_active`], [`Ledger::target_cooldowns`]) are
+//! a view the writer refreshes after each COMMIT (only for what the batch touched) and before
+//! answering; a lease is read through a pool of WAL readers. No read waits for a write.
 //!
 //! # Size bound
 //!
@@ -80,6 +80,7 @@ mod writer;
 pub use bound::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Durability, LedgerConfig};
+pub use counts::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
 pub use error::LedgerError;
 pub use handle::Ledger;
 pub use lease::{

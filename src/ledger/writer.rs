@@ -315,10 +315,11 @@ impl Writer {
         self.writable_again();
         let touched = self.state.commit();
         if !touched.proxies.is_empty() || !touched.cooldowns.is_empty() {
+            let now = self.clock.now().as_millisecond();
             self.counts
                 .write()
                 .unwrap_or_else(PoisonError::into_inner)
-                .refresh(&self.state, &touched);
+                .refresh(&self.state, &touched, now);
         }
         for settle in settled {
             settle(None);
