@@ -435,47 +435,71 @@ spec:
         assert!(message.contains("/srv/inventory.yaml"), "{message}");
     }
 
+    /// A watch of an inventory file holding `GOOD`, polled every `poll`, started right after
+    /// the file was loaded (as at start-up); the inventory gets what was loaded when `fill`.
+    struct Watched {
+        _dir: tempfile::TempDir,
+        path: std::path::PathBuf,
+        /// How many proxies the load before the watch read.
+        loaded: usize,
+        inventory: Inventory,
+        reload: mpsc::Sender<()>,
+        shutdown: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Watched {
+        fn start(poll: Duration, fill: bool) -> Watched {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("inventory.yaml");
+            std::fs::write(&path, GOOD).unwrap();
+            let file = InventoryFile::new(&path).unwrap();
+            let inventory = Inventory::new();
+            let proxies = file.load().unwrap();
+            let loaded = proxies.len();
+            if fill {
+                inventory.replace(proxies);
+            }
+            let (reload, reload_rx) = mpsc::channel(1);
+            let shutdown = CancellationToken::new();
+            let task = tokio::spawn(watch(
+                file,
+                inventory.clone(),
+                poll,
+                reload_rx,
+                shutdown.clone(),
+            ));
+            Watched {
+                _dir: dir,
+                path,
+                loaded,
+                inventory,
+                reload,
+                shutdown,
+                task,
+            }
+        }
+
+        async fn stop(self) {
+            self.shutdown.cancel();
+            self.task.await.unwrap();
+        }
+    }
+
     #[tokio::test]
     async fn watch_does_not_check_again_what_was_just_loaded() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("inventory.yaml");
-        std::fs::write(&path, GOOD).unwrap();
-        let file = InventoryFile::new(&path).unwrap();
-        assert_eq!(file.load().unwrap().len(), 2);
         // Left empty on purpose: a reload of the unchanged file would fill it.
-        let inventory = Inventory::new();
-        let (_reload_tx, reload_rx) = mpsc::channel(1);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(watch(
-            file,
-            inventory.clone(),
-            Duration::from_millis(10),
-            reload_rx,
-            shutdown.clone(),
-        ));
+        let watched = Watched::start(Duration::from_millis(10), false);
+        assert_eq!(watched.loaded, 2);
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(inventory.snapshot().version(), 0);
-        shutdown.cancel();
-        task.await.unwrap();
+        assert_eq!(watched.inventory.snapshot().version(), 0);
+        watched.stop().await;
     }
 
     #[tokio::test]
     async fn watch_picks_up_a_cordon_and_its_removal() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("inventory.yaml");
-        std::fs::write(&path, GOOD).unwrap();
-        let file = InventoryFile::new(&path).unwrap();
-        let inventory = Inventory::new();
-        inventory.replace(file.load().unwrap());
-        let (_reload_tx, reload_rx) = mpsc::channel(1);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(watch(
-            file,
-            inventory.clone(),
-            Duration::from_millis(10),
-            reload_rx,
-            shutdown.clone(),
-        ));
+        let watched = Watched::start(Duration::from_millis(10), true);
+        let (path, inventory) = (&watched.path, &watched.inventory);
         let cordoned_names = || -> Vec<String> {
             inventory
                 .snapshot()
@@ -503,32 +527,18 @@ spec:
             "  endpoint: {host: 127.0.0.1, port: 3128}\n  cordoned: true\n",
             1,
         );
-        std::fs::write(&path, &cordon_a).unwrap();
+        std::fs::write(path, &cordon_a).unwrap();
         wait_for(&["a"]).await;
         assert_eq!(inventory.snapshot().len(), 2);
-        std::fs::write(&path, GOOD).unwrap();
+        std::fs::write(path, GOOD).unwrap();
         wait_for(&[]).await;
-        shutdown.cancel();
-        task.await.unwrap();
+        watched.stop().await;
     }
 
     #[tokio::test]
     async fn watch_reloads_on_change_and_keeps_last_good_on_a_broken_edit() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("inventory.yaml");
-        std::fs::write(&path, GOOD).unwrap();
-        let file = InventoryFile::new(&path).unwrap();
-        let inventory = Inventory::new();
-        inventory.replace(file.load().unwrap());
-        let (reload_tx, reload_rx) = mpsc::channel(1);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(watch(
-            file,
-            inventory.clone(),
-            Duration::from_millis(20),
-            reload_rx,
-            shutdown.clone(),
-        ));
+        let watched = Watched::start(Duration::from_millis(20), true);
+        let (path, inventory, reload_tx) = (&watched.path, &watched.inventory, &watched.reload);
         let wait_for = |expected: usize| {
             let inventory = inventory.clone();
             async move {
@@ -543,19 +553,18 @@ spec:
             }
         };
         let one = GOOD.split("---").next().unwrap().to_owned();
-        std::fs::write(&path, &one).unwrap();
+        std::fs::write(path, &one).unwrap();
         wait_for(1).await;
 
         // A broken edit is logged and ignored; the SIGHUP path forces a re-read.
-        std::fs::write(&path, "apiVersion: [").unwrap();
+        std::fs::write(path, "apiVersion: [").unwrap();
         reload_tx.send(()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(inventory.snapshot().len(), 1);
 
-        std::fs::write(&path, GOOD).unwrap();
+        std::fs::write(path, GOOD).unwrap();
         reload_tx.send(()).await.unwrap();
         wait_for(2).await;
-        shutdown.cancel();
-        task.await.unwrap();
+        watched.stop().await;
     }
 }
