@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kube::runtime::events::Recorder;
 use kube::{Api, Client};
 use tokio::sync::mpsc;
 
@@ -97,9 +96,19 @@ async fn start(
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
     start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
 
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        providers
+            .iter()
+            .map(|(name, p)| (name.clone(), p.clone()))
+            .collect::<HashMap<_, _>>(),
+        args.install_id.clone(),
+        args.reconciler_config(),
+        core.ledger.clone(),
+    ));
+
     // One watch of raw Proxies, decoded one by one (an undecodable one is skipped and
     // reported), feeding the inventory and the reconciler from one store.
-    let recorder = Recorder::new(client.clone(), "proxy-operator".into());
     let watch_metrics = WatchMetrics::register(&core.registry)
         .map_err(|e| StartError::from_display("metrics", e))?;
     let (watch, reconciler_feed) = proxy_watch::shared_store();
@@ -117,22 +126,13 @@ async fn start(
     );
     supervisor.spawn(
         "undecodable Proxy events",
-        proxy_watch::publish_reports(recorder.clone(), reports_rx, supervisor.shutdown_token()),
+        proxy_watch::publish_reports(
+            ctx.recorder.clone(),
+            reports_rx,
+            supervisor.shutdown_token(),
+        ),
     );
 
-    let ctx = Arc::new(Context {
-        recorder,
-        ..Context::new(
-            client.clone(),
-            providers
-                .iter()
-                .map(|(name, p)| (name.clone(), p.clone()))
-                .collect::<HashMap<_, _>>(),
-            args.install_id.clone(),
-            args.reconciler_config(),
-            core.ledger.clone(),
-        )
-    });
     let (signals_tx, signals_rx) = mpsc::channel(1024);
     supervisor.spawn(
         "health transition relay",
