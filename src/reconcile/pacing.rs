@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
+use super::decide::after;
+
 /// The delay after `failures` failures in a row: `base`, doubled per further failure, at most
 /// `cap` (and never less than `base`).
 pub fn backoff(base: Duration, cap: Duration, failures: u32) -> Duration {
@@ -159,12 +161,8 @@ pub struct At {
 
 /// A hold of `delay` from `at`.
 pub fn hold_for(at: At, delay: Duration, reason: &str, message: String) -> Hold {
-    let until = jiff::SignedDuration::try_from(delay)
-        .ok()
-        .and_then(|d| at.now.checked_add(d).ok())
-        .unwrap_or(Timestamp::MAX);
     Hold {
-        until,
+        until: after(at.now, delay),
         generation: at.generation,
         reason: reason.to_owned(),
         message,
