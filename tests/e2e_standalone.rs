@@ -880,7 +880,8 @@ async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
     proxies[p].cordoned = false;
     operator.rewrite_inventory(&proxies);
     eventually("the uncordon to be listed", || async {
-        cordon_states(&client).await.iter().all(|(_, c, _)| !c)
+        let states = cordon_states(&client).await;
+        states.len() == proxies.len() && states.iter().all(|(_, c, _)| !c)
     })
     .await;
     let (s, _, lease) = client.acquire(pool.clone()).await;

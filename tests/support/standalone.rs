@@ -113,11 +113,14 @@ impl Standalone {
         }
     }
 
-    /// Rewrites the inventory file with `proxies`, as an engineer editing it would; the
-    /// binary picks the change up at its next `--inventory-poll`.
+    /// Rewrites the inventory file with `proxies`, as a deployment tool would: a new file
+    /// renamed over the old one, so the binary, which picks the change up at its next
+    /// `--inventory-poll`, never reads a half-written file.
     pub fn rewrite_inventory(&self, proxies: &[ExternalProxy]) {
         let yaml: String = proxies.iter().map(ExternalProxy::to_yaml).collect();
-        std::fs::write(&self.inventory, yaml).expect("rewrite the inventory");
+        let next = self.inventory.with_extension("yaml.next");
+        std::fs::write(&next, yaml).expect("write the new inventory");
+        std::fs::rename(&next, &self.inventory).expect("replace the inventory");
     }
 
     /// `http://127.0.0.1:<port>`, the API's base URL.
