@@ -422,15 +422,17 @@ mod tests {
         let pod = build_pod(&request(), "ubuntu/squid", "prod");
         let c = container(&pod);
         assert_eq!(c.image.as_deref(), Some("ubuntu/squid"));
+        assert_launches_squid_with(c, &pod_squid_config(3129, POD_RUN_DIR));
+    }
+
+    /// The container runs the launch script with exactly `config` in its one env var.
+    fn assert_launches_squid_with(c: &Container, config: &str) {
         let command = c.command.as_ref().unwrap();
         assert_eq!(command, &["/bin/sh", "-c", &pod_launch_script(POD_RUN_DIR)]);
         let env = c.env.as_ref().unwrap();
         assert_eq!(env.len(), 1);
         assert_eq!(env[0].name, SQUID_CONFIG_ENV);
-        assert_eq!(
-            env[0].value.as_deref(),
-            Some(pod_squid_config(3129, POD_RUN_DIR).as_str())
-        );
+        assert_eq!(env[0].value.as_deref(), Some(config));
     }
 
     #[test]
@@ -550,15 +552,7 @@ mod tests {
         assert_eq!(mounts[0].mount_path, POD_RUN_DIR);
         assert_eq!(mounts[0].read_only, None);
         // The same launch script; a config with nothing to write outside the run dir.
-        let command = c.command.as_ref().unwrap();
-        assert_eq!(command, &["/bin/sh", "-c", &pod_launch_script(POD_RUN_DIR)]);
-        let env = c.env.as_ref().unwrap();
-        assert_eq!(env.len(), 1);
-        assert_eq!(env[0].name, SQUID_CONFIG_ENV);
-        assert_eq!(
-            env[0].value.as_deref(),
-            Some(pod_squid_config_unprivileged(3129, POD_RUN_DIR).as_str())
-        );
+        assert_launches_squid_with(c, &pod_squid_config_unprivileged(3129, POD_RUN_DIR));
     }
 
     #[test]
