@@ -26,6 +26,12 @@ pub const PROXY_UID_LABEL: &str = "crawl.example.com/proxy-uid";
 pub const PROXY_ANNOTATION: &str = "crawl.example.com/proxy";
 /// Label on Secrets whose content is used as cloud-init by some Proxy.
 pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
+/// Annotation a user sets on a Managed Proxy to rotate its machine now: every new value
+/// replaces the machine once (through the drain and the replacement budget).
+pub const ROTATE_ANNOTATION: &str = "crawl.example.com/rotate";
+/// Annotation the operator writes when it creates a machine: the value `ROTATE_ANNOTATION`
+/// had then, so only a new value rotates.
+pub const ROTATED_ANNOTATION: &str = "crawl.example.com/rotated";
 
 /// Default listen port of a Managed proxy.
 pub const DEFAULT_PORT: i32 = 3128;
@@ -142,6 +148,13 @@ pub struct ProxySpec {
     /// lease the proxy again.
     #[serde(default)]
     pub cordoned: bool,
+
+    /// Longest life of a Managed proxy's machine (IP rotation), in the syntax of
+    /// `healthCheck.interval`, at least `1m`. The machine is replaced, through the drain and the
+    /// replacement budget, at this age minus a fixed per-proxy jitter of up to 10 %. Not part
+    /// of the spec hash: setting or changing it never replaces a machine by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lifetime: Option<kube::core::Duration>,
 
     /// How the proxy is probed. Every nested field has a default.
     #[serde(default)]
@@ -348,6 +361,59 @@ pub struct ProxyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<String>", extend("format" = "date-time"))]
     pub last_health_check_time: Option<jiff::Timestamp>,
+    /// When the machine behind a Managed proxy was created (its age drives `maxLifetime`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>", extend("format" = "date-time"))]
+    pub machine_created_at: Option<jiff::Timestamp>,
+    /// The voluntary replacement under way, from the start of its drain until the new machine
+    /// runs and passes health checks; it holds a slot of the replacement budget meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disruption: Option<Disruption>,
+}
+
+/// A voluntary replacement of a Managed proxy's machine.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
+pub struct Disruption {
+    /// Why the machine is replaced.
+    pub reason: DisruptionReason,
+    /// When its drain started.
+    #[schemars(with = "String", extend("format" = "date-time"))]
+    pub since: jiff::Timestamp,
+}
+
+/// Why a machine is replaced voluntarily.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DisruptionReason {
+    /// The spec hash changed.
+    SpecChange,
+    /// The machine reached `spec.maxLifetime`.
+    MaxLifetime,
+    /// The `crawl.example.com/rotate` annotation got a new value.
+    RotateRequested,
+    /// The proxy failed health checks for longer than the remediation threshold.
+    Unhealthy,
+}
+
+impl DisruptionReason {
+    /// Every reason, for metric series.
+    pub const ALL: [DisruptionReason; 4] = [
+        DisruptionReason::SpecChange,
+        DisruptionReason::MaxLifetime,
+        DisruptionReason::RotateRequested,
+        DisruptionReason::Unhealthy,
+    ];
+
+    /// The reason as a metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DisruptionReason::SpecChange => "spec_change",
+            DisruptionReason::MaxLifetime => "max_lifetime",
+            DisruptionReason::RotateRequested => "rotate_requested",
+            DisruptionReason::Unhealthy => "unhealthy",
+        }
+    }
 }
 
 /// Lifecycle phase of a proxy.
@@ -434,6 +500,9 @@ pub enum ConditionStatus {
 pub const CONDITION_PROVISIONED: &str = "Provisioned";
 /// Condition type set from health transitions.
 pub const CONDITION_HEALTHY: &str = "Healthy";
+/// `Provisioned` reason while a proxy drains before its machine is deleted: it takes no new
+/// leases and its leases cannot be renewed.
+pub const REASON_DRAINING: &str = "Draining";
 
 fn default_port() -> i32 {
     DEFAULT_PORT
@@ -574,6 +643,17 @@ impl Proxy {
             name,
             uid,
         }
+    }
+
+    /// Whether the proxy is draining: its Proxy is being deleted, or its machine is about to be
+    /// replaced. A draining proxy takes no new leases and refuses renewals.
+    pub fn is_draining(&self) -> bool {
+        self.metadata.deletion_timestamp.is_some()
+            || self
+                .status
+                .as_ref()
+                .and_then(|s| s.condition(CONDITION_PROVISIONED))
+                .is_some_and(|c| c.reason == REASON_DRAINING)
     }
 
     /// The selection labels crawlers filter on.
