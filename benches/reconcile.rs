@@ -1,8 +1,11 @@
 //! The pure part of a reconcile: [`decide`] and the status it leads to
 //! ([`desired_status`]), for the situations a fleet spends its time in —
-//! - `running`: the drift poll of a healthy machine (most reconciles of a settled fleet);
+//! - `running`: the drift poll of a healthy machine with a `maxLifetime` (most reconciles of a
+//!   settled fleet);
 //! - `not running`: a Pod with a waiting reason, inside its start-up time;
 //! - `stuck deletion`: a machine past its deletion deadline, to be force-deleted;
+//! - `draining`: a proxy draining its leases before a replacement;
+//! - `unhealthy, remediation due`: a machine failing health checks past the threshold;
 //! - `running + status`: `decide` and then the status that would be written (and compared with
 //!   the current one to find nothing to write);
 //! - `fleet of 10,000`: `decide` for every proxy of a 10,000-proxy fleet, as after a restart.
@@ -15,8 +18,11 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use jiff::Timestamp;
 use proxy_operator::provider::{Instance, InstanceState, Waiting};
-use proxy_operator::proxy::{ConditionStatus, Mode, Phase, ProxyStatus};
+use proxy_operator::proxy::{
+    ConditionStatus, Disruption, DisruptionReason, Mode, Phase, ProxyStatus,
+};
 use proxy_operator::reconcile::phase::Provisioning;
+use proxy_operator::reconcile::remediation::Gate;
 use proxy_operator::reconcile::status::{FieldChange, StatusChange, desired_status};
 use proxy_operator::reconcile::{Inputs, Limits, Observation, decide};
 use proxy_operator::spec_hash::SPEC_HASH_VERSION;
@@ -60,8 +66,19 @@ fn inputs(observation: &Observation) -> Inputs<'_> {
         limits: Limits {
             startup_timeout: Duration::from_secs(600),
             force_delete_margin: Duration::from_secs(30),
+            drain_timeout: Duration::from_secs(900),
+            remediate_after: Duration::from_secs(600),
         },
         observation,
+        deletion_requested: None,
+        disruption: None,
+        active_leases: 2,
+        uid: "0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234",
+        max_lifetime: Some(Duration::from_secs(86_400)),
+        rotate_requested: false,
+        unhealthy_since: None,
+        health: Some((true, now())),
+        remediation: Gate::Allowed,
     }
 }
 
@@ -86,6 +103,27 @@ fn bench(c: &mut Criterion) {
     });
     group.bench_function("stuck deletion", |b| {
         b.iter(|| decide(black_box(&inputs(&stuck))))
+    });
+    let draining = Disruption {
+        reason: DisruptionReason::SpecChange,
+        since: now(),
+        replaced_at: None,
+    };
+    group.bench_function("draining", |b| {
+        b.iter(|| {
+            decide(black_box(&Inputs {
+                disruption: Some(&draining),
+                ..inputs(&running)
+            }))
+        })
+    });
+    group.bench_function("unhealthy, remediation due", |b| {
+        b.iter(|| {
+            decide(black_box(&Inputs {
+                unhealthy_since: Timestamp::from_second(1_799_000_000).ok(),
+                ..inputs(&running)
+            }))
+        })
     });
 
     let change = StatusChange {

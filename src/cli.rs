@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::ledger::{Durability, MIN_MAX_SIZE};
-use crate::reconcile::ReconcilerConfig;
+use crate::reconcile::{ReconcilerConfig, Share};
 
 /// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
 /// proxy and leases them to crawlers.
@@ -283,6 +283,29 @@ pub struct RunArgs {
     #[arg(long, env = "PROXY_OPERATOR_PERMANENT_FAILURE_RETRY", default_value = "30m", value_parser = humantime::parse_duration)]
     pub permanent_failure_retry: Duration,
 
+    /// How long a proxy drains before its machine is deleted anyway (a replacement, or the
+    /// Proxy's deletion): it takes no new leases meanwhile, and the leases still active at
+    /// the end are ended.
+    #[arg(long, env = "PROXY_OPERATOR_DRAIN_TIMEOUT", default_value = "15m", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+
+    /// Most Managed proxies draining or being replaced at once for a spec change, a rotation
+    /// or a remediation: a count (`3`) or a percentage of the Managed proxies (`10%`, rounded
+    /// down but at least 1). `0` pauses all such replacements; repairs of machines already
+    /// gone or dead never wait.
+    #[arg(long, env = "PROXY_OPERATOR_REPLACEMENT_BUDGET", default_value = "10%")]
+    pub replacement_budget: Share,
+
+    /// How long a Managed proxy may fail health checks before its machine is replaced.
+    #[arg(long, env = "PROXY_OPERATOR_REMEDIATE_AFTER", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub remediate_after: Duration,
+
+    /// No machine is replaced for failing health checks while more than this many of its
+    /// provider's Managed proxies fail them (the fault is then the network or the probe
+    /// target): a count (`5`) or a percentage (`40%`).
+    #[arg(long, env = "PROXY_OPERATOR_MAX_UNHEALTHY", default_value = "40%")]
+    pub max_unhealthy: Share,
+
     /// The flags shared with `standalone`.
     #[command(flatten)]
     pub common: CommonArgs,
@@ -301,6 +324,10 @@ impl RunArgs {
             startup_timeout: self.startup_timeout,
             force_delete_margin: self.force_delete_margin,
             permanent_failure_retry: self.permanent_failure_retry,
+            drain_timeout: self.drain_timeout,
+            replacement_budget: self.replacement_budget,
+            remediate_after: self.remediate_after,
+            max_unhealthy: self.max_unhealthy,
             concurrency: self.max_concurrent_reconciles,
         }
     }

@@ -85,6 +85,23 @@ pub fn timeout_rule() -> String {
     )
 }
 
+/// Shortest `spec.maxLifetime` the CRD accepts: a shorter life would keep the fleet replacing
+/// machines faster than a drain and a start-up take.
+pub const MIN_MAX_LIFETIME: &str = "1m";
+/// [`MIN_MAX_LIFETIME`] as a value (a unit test keeps the two equal).
+pub const MIN_MAX_LIFETIME_VALUE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Message of the CRD's rule on the least `spec.maxLifetime`.
+pub const MAX_LIFETIME_MESSAGE: &str = "must be at least 1m (a machine must live longer than its \
+                                        drain and its start-up)";
+
+/// The CEL rule that a duration field is at least `minimum` (a string in the accepted syntax,
+/// written into the rule). Like [`timeout_rule`] it passes a malformed value, which its
+/// [`field_rule`] already reports, so `duration()` never sees a string it cannot parse.
+pub fn at_least_rule(minimum: &str) -> String {
+    format!("!self.matches('{PATTERN}') || duration(self) >= duration('{minimum}')")
+}
+
 static SYNTAX: LazyLock<Regex> = LazyLock::new(|| {
     // A constant, checked by the unit tests: never input-dependent.
     Regex::new(PATTERN).expect("PATTERN is a valid regular expression")
@@ -147,6 +164,17 @@ where
     parse(&text).map_err(serde::de::Error::custom)
 }
 
+/// `#[serde(deserialize_with = ...)]` for an optional `kube::core::Duration` field (with
+/// `#[serde(default)]`): absent or `null` is `None`, a string must have the accepted syntax.
+pub fn deserialize_option<'de, D>(deserializer: D) -> Result<Option<kube::core::Duration>, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    Option::<String>::deserialize(deserializer)?
+        .map(|text| parse(&text).map_err(serde::de::Error::custom))
+        .transpose()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +187,12 @@ mod tests {
         assert!(!PATTERN.contains('\''), "{PATTERN}");
         assert!(field_rule().contains(PATTERN));
         assert!(timeout_rule().contains(PATTERN));
+        assert!(at_least_rule(MIN_MAX_LIFETIME).contains(PATTERN));
+        assert_eq!(
+            parse(MIN_MAX_LIFETIME).map(Duration::from),
+            Ok(MIN_MAX_LIFETIME_VALUE)
+        );
+        assert!(!MAX_LIFETIME_MESSAGE.contains('\''));
     }
 
     #[test]
@@ -215,5 +249,45 @@ mod tests {
             serde_json::from_value::<Check>(serde_json::json!({"interval": 30})).is_err(),
             "a number is not a duration string"
         );
+    }
+
+    #[test]
+    fn deserializes_optional_durations() {
+        #[derive(Deserialize)]
+        struct Spec {
+            #[serde(default, deserialize_with = "deserialize_option")]
+            lifetime: Option<kube::core::Duration>,
+        }
+        let cases = [
+            (serde_json::json!({}), Ok(None)),
+            (serde_json::json!({"lifetime": null}), Ok(None)),
+            (
+                serde_json::json!({"lifetime": "1m"}),
+                Ok(Some(Duration::from_secs(60))),
+            ),
+            (
+                serde_json::json!({"lifetime": "24h"}),
+                Ok(Some(Duration::from_secs(86_400))),
+            ),
+            (
+                serde_json::json!({"lifetime": "30"}),
+                Err("\"30\" is not a duration"),
+            ),
+            (serde_json::json!({"lifetime": "1x"}), Err("unit (h, m, s")),
+            (
+                serde_json::json!({"lifetime": 60}),
+                Err("expected a string"),
+            ),
+        ];
+        for (input, expected) in cases {
+            let got = serde_json::from_value::<Spec>(input.clone())
+                .map(|s| s.lifetime.map(Duration::from))
+                .map_err(|e| e.to_string());
+            match (got, expected) {
+                (Ok(got), Ok(expected)) => assert_eq!(got, expected, "{input}"),
+                (Err(error), Err(needle)) => assert!(error.contains(needle), "{input}: {error}"),
+                (got, expected) => panic!("{input}: got {got:?}, expected {expected:?}"),
+            }
+        }
     }
 }

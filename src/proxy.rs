@@ -101,6 +101,10 @@ pub const DEFAULT_EXPECTED_STATUS_CODES: [i32; 2] = [200, 204];
     validation = Rule::new("self.mode != 'Managed' || !has(self.endpoint)")
         .message("endpoint must not be set when mode is Managed")
 )]
+#[x_kube(
+    validation = Rule::new("self.mode != 'External' || !has(self.maxLifetime)")
+        .message("maxLifetime must not be set when mode is External")
+)]
 #[schemars(transform = crate::crd::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxySpec {
@@ -153,7 +157,17 @@ pub struct ProxySpec {
     /// `healthCheck.interval`, at least `1m`. The machine is replaced, through the drain and the
     /// replacement budget, at this age minus a fixed per-proxy jitter of up to 10 %. Not part
     /// of the spec hash: setting or changing it never replaces a machine by itself.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::duration::deserialize_option"
+    )]
+    #[schemars(length(max = 64))]
+    #[x_kube(
+        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE),
+        validation = Rule::new(crate::duration::at_least_rule(crate::duration::MIN_MAX_LIFETIME))
+            .message(crate::duration::MAX_LIFETIME_MESSAGE)
+    )]
     pub max_lifetime: Option<kube::core::Duration>,
 
     /// How the proxy is probed. Every nested field has a default.
@@ -381,6 +395,11 @@ pub struct Disruption {
     /// When its drain started.
     #[schemars(with = "String", extend("format" = "date-time"))]
     pub since: jiff::Timestamp,
+    /// When the old machine was found gone: the machine since is its replacement, and the
+    /// disruption ends once that one passes a health check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>", extend("format" = "date-time"))]
+    pub replaced_at: Option<jiff::Timestamp>,
 }
 
 /// Why a machine is replaced voluntarily.
@@ -565,6 +584,14 @@ impl ProxySpec {
     /// The health check with every default materialized.
     pub fn health_check(&self) -> &HealthCheck {
         &self.health_check
+    }
+
+    /// `maxLifetime` as a std duration; `None` when unset. The CRD refuses values under `1m`;
+    /// one that never met it (no API server in between) counts as `1m`, so it can never turn
+    /// into a replacement loop.
+    pub fn max_lifetime(&self) -> Option<Duration> {
+        self.max_lifetime
+            .map(|lifetime| Duration::from(lifetime).max(crate::duration::MIN_MAX_LIFETIME_VALUE))
     }
 }
 

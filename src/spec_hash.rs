@@ -147,4 +147,28 @@ mod tests {
             assert_eq!(base, hash_of(toggled, Some("a")), "cordoned: {cordoned}");
         }
     }
+
+    /// Rotation replaces machines through the budget on its own schedule: setting or changing
+    /// `maxLifetime` must not also replace every machine at once as spec drift.
+    #[test]
+    fn max_lifetime_never_changes_the_hash() {
+        let base = hash_of(managed(), Some("a"));
+        let cases = [
+            ("1m", std::time::Duration::from_secs(60)),
+            ("90s", std::time::Duration::from_secs(90)),
+            ("24h", std::time::Duration::from_secs(86_400)),
+        ];
+        for (value, expected) in cases {
+            let mut with_lifetime = managed();
+            with_lifetime["maxLifetime"] = json!(value);
+            let parsed = spec(with_lifetime.clone());
+            assert_eq!(parsed.max_lifetime(), Some(expected), "{value}");
+            assert_eq!(
+                base,
+                hash_of(with_lifetime, Some("a")),
+                "maxLifetime: {value}"
+            );
+        }
+        assert_eq!(spec(managed()).max_lifetime(), None);
+    }
 }

@@ -231,3 +231,109 @@ fn defaults_are_applied_before_rules() {
     let spec = json!({"mode": "External", "endpoint": {"host": "h", "port": 1}});
     check(v.validate_create(&object(spec)), None, "defaulted external");
 }
+
+#[test]
+fn max_lifetime_rules() {
+    use proxy_operator::duration::{FIELD_MESSAGE, MAX_LIFETIME_MESSAGE};
+    let v = ProxyValidator::new().unwrap();
+    let external_set = "maxLifetime must not be set when mode is External";
+    let cases: Vec<(&str, Value, Option<&str>)> = vec![
+        ("1m", with(managed(), "maxLifetime", json!("1m")), None),
+        ("90s", with(managed(), "maxLifetime", json!("90s")), None),
+        ("24h", with(managed(), "maxLifetime", json!("24h")), None),
+        (
+            "1m0.5s",
+            with(managed(), "maxLifetime", json!("1m0.5s")),
+            None,
+        ),
+        ("absent on Managed", managed(), None),
+        ("absent on External", external(), None),
+        (
+            "59s",
+            with(managed(), "maxLifetime", json!("59s")),
+            Some(MAX_LIFETIME_MESSAGE),
+        ),
+        (
+            "59.999s",
+            with(managed(), "maxLifetime", json!("59.999s")),
+            Some(MAX_LIFETIME_MESSAGE),
+        ),
+        (
+            "30 (no unit)",
+            with(managed(), "maxLifetime", json!("30")),
+            Some(FIELD_MESSAGE),
+        ),
+        (
+            "1x (unknown unit)",
+            with(managed(), "maxLifetime", json!("1x")),
+            Some(FIELD_MESSAGE),
+        ),
+        (
+            "0s",
+            with(managed(), "maxLifetime", json!("0s")),
+            Some(FIELD_MESSAGE),
+        ),
+        (
+            "-1h",
+            with(managed(), "maxLifetime", json!("-1h")),
+            Some(MAX_LIFETIME_MESSAGE),
+        ),
+        (
+            "on External",
+            with(external(), "maxLifetime", json!("24h")),
+            Some(external_set),
+        ),
+        (
+            "too long",
+            with(managed(), "maxLifetime", json!("1h".repeat(33))),
+            Some("longer than 64"),
+        ),
+    ];
+    for (case, spec, expected) in cases {
+        let result = v.validate_create(&object(spec));
+        if let Err(violations) = &result {
+            assert!(
+                violations
+                    .iter()
+                    .all(|x| !x.message.contains("evaluation error")),
+                "{case}: a rule failed to evaluate: {violations:?}"
+            );
+            assert!(
+                violations
+                    .iter()
+                    .all(|x| x.message == external_set || x.path.contains("maxLifetime")),
+                "{case}: a violation does not name maxLifetime: {violations:?}"
+            );
+        }
+        check(result, expected, case);
+    }
+}
+
+#[test]
+fn max_lifetime_may_be_set_changed_and_removed() {
+    let v = ProxyValidator::new().unwrap();
+    let day = with(managed(), "maxLifetime", json!("24h"));
+    let cases: Vec<(&str, Value, Value, Option<&str>)> = vec![
+        ("set", managed(), day.clone(), None),
+        (
+            "changed",
+            day.clone(),
+            with(managed(), "maxLifetime", json!("12h")),
+            None,
+        ),
+        ("removed", day.clone(), managed(), None),
+        (
+            "set on External",
+            external(),
+            with(external(), "maxLifetime", json!("24h")),
+            Some("maxLifetime must not be set when mode is External"),
+        ),
+    ];
+    for (case, old, new, expected) in cases {
+        check(
+            v.validate_update(&object(new), &object(old)),
+            expected,
+            case,
+        );
+    }
+}

@@ -265,3 +265,49 @@ fn every_default_passes_the_rules_of_its_own_schema() {
         );
     }
 }
+
+#[test]
+fn max_lifetime_is_checked_like_the_health_check_durations() {
+    use proxy_operator::duration;
+    let schema = crd::openapi_schema();
+    let spec = &schema["properties"]["spec"];
+    let lifetime = &spec["properties"]["maxLifetime"];
+    let interval = &spec["properties"]["healthCheck"]["properties"]["interval"];
+    assert_eq!(lifetime["type"], "string");
+    assert_eq!(lifetime["maxLength"], interval["maxLength"]);
+    assert_eq!(lifetime["maxLength"], duration::MAX_LENGTH);
+    assert!(lifetime.get("default").is_none(), "{lifetime}");
+    let required = spec["required"].as_array().cloned().unwrap_or_default();
+    assert!(!required.contains(&"maxLifetime".into()), "{required:?}");
+    let rules = |node: &Value| -> Vec<(String, String)> {
+        node["x-kubernetes-validations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (
+                    r["rule"].as_str().unwrap_or_default().to_owned(),
+                    r["message"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let expected = [
+        (duration::field_rule(), duration::FIELD_MESSAGE.to_owned()),
+        (
+            duration::at_least_rule(duration::MIN_MAX_LIFETIME),
+            duration::MAX_LIFETIME_MESSAGE.to_owned(),
+        ),
+    ];
+    assert_eq!(rules(lifetime), expected);
+    // The syntax rule is the interval's, word for word.
+    assert_eq!(rules(interval), expected[..1]);
+    assert!(
+        rules(spec).contains(&(
+            "self.mode != 'External' || !has(self.maxLifetime)".to_owned(),
+            "maxLifetime must not be set when mode is External".to_owned()
+        )),
+        "{:?}",
+        rules(spec)
+    );
+}

@@ -2,10 +2,15 @@
 //! API server: the operator's decoder, kube's own parser (why the decoder checks the syntax
 //! first), the CRD's rules evaluated client-side (OpenAPI constraints + CEL, what standalone
 //! inventories are checked with), and the standalone inventory file. The real API server's
-//! verdicts on the same table are checked by the envtest suite.
+//! verdicts on the same table are checked by the envtest suite for the health check, and here
+//! for `spec.maxLifetime` (the same syntax, at least `1m`, Managed only), which needs
+//! `KUBEBUILDER_ASSETS` (skipped without it unless `CI` is set).
+
+mod support;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use proxy_operator::duration;
 use proxy_operator::inventory::file::InventoryFile;
 use proxy_operator::proxy::Proxy;
@@ -245,6 +250,146 @@ fn standalone_inventories_refuse_what_the_crd_refuses() {
                     "{name}: {message}"
                 );
             }
+        }
+    }
+}
+
+/// A Managed Proxy named `name` with `spec.maxLifetime` set to `value`.
+fn with_lifetime(name: &str, mode: &str, value: &str) -> Value {
+    let mut spec = match mode {
+        "Managed" => json!({"mode": "Managed", "provider": "local"}),
+        _ => json!({"mode": "External", "endpoint": {"host": "127.0.0.1", "port": 3128}}),
+    };
+    spec["maxLifetime"] = json!(value);
+    json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    })
+}
+
+/// Whether the CRD should accept `case` as a `maxLifetime`: an accepted duration of 1m or more.
+fn lifetime_accepted(case: &StringCase) -> bool {
+    case.accepted
+        && duration::parse(&case.value)
+            .is_ok_and(|d| std::time::Duration::from(d) >= duration::MIN_MAX_LIFETIME_VALUE)
+}
+
+/// The brief's named cases on top of the table: (value, mode, accepted).
+const LIFETIME_CASES: [(&str, &str, bool); 8] = [
+    ("1m", "Managed", true),
+    ("90s", "Managed", true),
+    ("24h", "Managed", true),
+    ("59s", "Managed", false),
+    ("30", "Managed", false),
+    ("1x", "Managed", false),
+    ("24h", "External", false),
+    ("1m", "External", false),
+];
+
+#[test]
+fn max_lifetime_decodes_like_the_health_check_durations() {
+    for case in table().strings {
+        let name = case_name(&case);
+        let decoded = serde_json::from_value::<Proxy>(with_lifetime("p", "Managed", &case.value));
+        assert_eq!(decoded.is_ok(), case.decodes, "{name}: {decoded:?}");
+        match decoded {
+            Ok(proxy) => {
+                let parsed = proxy.spec.max_lifetime();
+                let floor = duration::MIN_MAX_LIFETIME_VALUE;
+                assert!(parsed.is_some_and(|d| d >= floor), "{name}: {parsed:?}");
+            }
+            Err(e) => assert!(e.to_string().contains("is not a duration"), "{name}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn the_crd_accepts_exactly_the_lifetimes_of_a_minute_or_more() {
+    let validator = ProxyValidator::new().unwrap();
+    let table = table();
+    let mut cases: Vec<(String, &str, bool)> = table
+        .strings
+        .iter()
+        .map(|c| (c.value.clone(), "Managed", lifetime_accepted(c)))
+        .collect();
+    cases.extend(
+        LIFETIME_CASES
+            .iter()
+            .map(|(value, mode, accepted)| ((*value).to_owned(), *mode, *accepted)),
+    );
+    assert!(cases.iter().any(|c| c.2) && cases.iter().any(|c| !c.2));
+    for (value, mode, accepted) in cases {
+        let name = format!("{value:?} on {mode}");
+        let violations = verdict(&validator, &with_lifetime("p", mode, &value), &name);
+        assert_eq!(violations.is_empty(), accepted, "{name}: {violations:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_accepts_exactly_the_lifetimes_of_a_minute_or_more() {
+    let Some(plane) = support::ControlPlane::shared() else {
+        return;
+    };
+    plane.apply_crd().await;
+    let namespace = plane.new_namespace("max-lifetime").await;
+    let proxies: Api<DynamicObject> = Api::namespaced_with(
+        plane.admin_client(),
+        &namespace,
+        &ApiResource::erase::<Proxy>(&()),
+    );
+    let table = table();
+    let from_table = table.strings.iter().map(|c| {
+        let expected = if lifetime_accepted(c) {
+            Ok(())
+        } else if c.accepted {
+            Err(duration::MAX_LIFETIME_MESSAGE)
+        } else {
+            Err("spec.maxLifetime")
+        };
+        (c.value.as_str(), "Managed", expected)
+    });
+    let named = LIFETIME_CASES.iter().map(|(value, mode, accepted)| {
+        let expected = match (*accepted, *mode, *value) {
+            (true, _, _) => Ok(()),
+            (false, "External", _) => Err("maxLifetime must not be set when mode is External"),
+            (false, _, "59s") => Err(duration::MAX_LIFETIME_MESSAGE),
+            (false, _, _) => Err(duration::FIELD_MESSAGE),
+        };
+        (*value, *mode, expected)
+    });
+    for (i, (value, mode, expected)) in from_table.chain(named).enumerate() {
+        let mut object = with_lifetime(&format!("l{i}"), mode, value);
+        object["metadata"]["namespace"] = json!(namespace);
+        let object: DynamicObject = serde_json::from_value(object)
+            .unwrap_or_else(|e| panic!("{value:?}: not an object: {e}"));
+        let result = proxies.create(&PostParams::default(), &object).await;
+        let name = format!("{value:?} on {mode}");
+        match (result, expected) {
+            (Ok(created), Ok(())) => {
+                // Stored as written, and the operator decodes what the server stored.
+                assert_eq!(created.data["spec"]["maxLifetime"], json!(value), "{name}");
+                let stored = serde_json::to_value(&created).unwrap_or(Value::Null);
+                let proxy = serde_json::from_value::<Proxy>(stored)
+                    .unwrap_or_else(|e| panic!("{name}: stored but undecodable: {e}"));
+                assert!(proxy.spec.max_lifetime().is_some(), "{name}");
+            }
+            (Ok(_), Err(message)) => panic!("{name}: accepted, expected {message:?}"),
+            (Err(kube::Error::Api(status)), Err(message)) => {
+                assert!(
+                    status.message.contains(message),
+                    "{name}: {}",
+                    status.message
+                );
+                assert!(
+                    !status.message.contains("compilation")
+                        && !status.message.contains("error evaluating"),
+                    "{name}: {}",
+                    status.message
+                );
+            }
+            (Err(e), _) => panic!("{name}: {e}"),
         }
     }
 }

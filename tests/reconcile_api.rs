@@ -17,7 +17,9 @@ use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
 };
 use proxy_operator::proxy::Proxy;
-use proxy_operator::reconcile::{Context, HealthSignal, HealthStates, ReconcilerConfig, reconcile};
+use proxy_operator::reconcile::{
+    Context, FleetMetrics, HealthSignal, HealthStates, ReconcilerConfig, reconcile,
+};
 use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
 
 const NS: &str = "crawl";
@@ -152,7 +154,14 @@ fn context(
     .unwrap();
     let ctx = Context {
         clock: now,
-        ..Context::new(client, providers, "test-install".into(), config, ledger)
+        ..Context::new(
+            client,
+            providers,
+            "test-install".into(),
+            config,
+            ledger,
+            FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
+        )
     };
     (ctx, dir)
 }

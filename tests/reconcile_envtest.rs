@@ -19,7 +19,7 @@ use kube::{Client, Resource, ResourceExt};
 use proxy_operator::events::{NOTE_LIMIT, event};
 use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
 use proxy_operator::proxy::{Proxy, ProxySpec};
-use proxy_operator::reconcile::{Context, ReconcilerConfig, reconcile};
+use proxy_operator::reconcile::{Context, FleetMetrics, ReconcilerConfig, reconcile};
 use serde_json::json;
 use support::envtest::ControlPlane;
 
@@ -45,6 +45,7 @@ fn context(client: Client) -> (Arc<Context>, tempfile::TempDir) {
         "reconcile-envtest".to_owned(),
         ReconcilerConfig::default(),
         ledger,
+        FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
     );
     (Arc::new(ctx), dir)
 }

@@ -20,7 +20,8 @@ use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::proxy::{Proxy, ProxyId};
 use crate::proxy_watch::{self, WatchMetrics};
-use crate::reconcile::{self, Context, HealthSignal};
+use crate::reconcile::metrics::RemediationGauge;
+use crate::reconcile::{self, Context, FleetMetrics, HealthSignal};
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -105,6 +106,8 @@ async fn start(
         args.install_id.clone(),
         args.reconciler_config(),
         core.ledger.clone(),
+        FleetMetrics::register(&core.registry)
+            .map_err(|e| StartError::from_display("metrics", e))?,
     ));
 
     // One watch of raw Proxies, decoded one by one (an undecodable one is skipped and
@@ -142,6 +145,13 @@ async fn start(
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
     let (store, proxies) = reconciler_feed.into_parts();
+    RemediationGauge::register(
+        &core.registry,
+        store.clone(),
+        providers.keys().cloned().collect(),
+        args.max_unhealthy,
+    )
+    .map_err(|e| StartError::from_display("metrics", e))?;
     supervisor.spawn("reconciler", async move {
         tokio::select! {
             () = reconcile::run_controller(ctx, store, proxies, namespace.as_deref(), triggers) => Ok(()),

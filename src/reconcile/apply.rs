@@ -15,24 +15,30 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 
+use super::budget::{self, Admission};
 use super::decide::{Action, Inputs, Limits, Loss, Observation, after, decide, on_provider_error};
+use super::metrics::DELETED;
 use super::pacing::{At, Hold, hold_for};
 use super::phase::Provisioning;
+use super::remediation::{self, Gate};
+use super::rotation;
 use super::status::{
     FieldChange, REASON_CLOUD_INIT, REASON_CREATE_FAILED, REASON_DELETING, REASON_EXTERNAL,
     REASON_FORCE_DELETED, REASON_MACHINE_GONE, REASON_MACHINE_LOST, REASON_MACHINE_STOPPED,
     REASON_MACHINE_TERMINATING, REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA,
-    REASON_REFUSED, REASON_REPLACING, REASON_RUNNING, REASON_STARTUP_TIMEOUT,
-    REASON_UNKNOWN_PROVIDER, StatusChange, annotations_patch, desired_status, status_patch,
+    REASON_REFUSED, REASON_REMEDIATION_PAUSED, REASON_REPLACEMENT_PENDING, REASON_REPLACING,
+    REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
+    annotations_patch, desired_status, status_patch,
 };
 use super::{CREATE_PENDING_ANNOTATION, Context, Error};
 use crate::events::event;
 use crate::naming::machine_name;
 use crate::provider::{CreateRequest, INSTALL_LABEL, Provider, ProviderError, Waiting};
 use crate::proxy::{
-    CONDITION_PROVISIONED, ConditionStatus, FINALIZER, MANAGED_LABEL, PROXY_UID_LABEL, Phase,
-    Proxy, ProxySpec, ProxyStatus, SPEC_HASH_ANNOTATION, SPEC_HASH_VERSION_ANNOTATION,
-    SecretKeyRef,
+    CONDITION_HEALTHY, CONDITION_PROVISIONED, ConditionStatus, Disruption, DisruptionReason,
+    FINALIZER, MANAGED_LABEL, Mode, PROXY_UID_LABEL, Phase, Proxy, ProxySpec, ProxyStatus,
+    REASON_DRAINING, ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION,
+    SPEC_HASH_VERSION_ANNOTATION, SecretKeyRef,
 };
 use crate::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
 
@@ -42,6 +48,10 @@ pub const LEASES_MACHINE_LOST: &str = "machine_lost";
 pub const LEASES_MACHINE_GONE: &str = "machine_gone";
 /// Ledger reason of leases ended because their machine was replaced.
 pub const LEASES_MACHINE_REPLACED: &str = "machine_replaced";
+/// Ledger reason of leases still active when a drain timed out.
+pub const LEASES_DRAIN_TIMEOUT: &str = "drain_timeout";
+/// Event reason: a drain timed out and its leases were ended.
+pub const REASON_DRAIN_TIMED_OUT: &str = "DrainTimedOut";
 
 /// What a reconcile's outcome means for the retry memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +78,10 @@ struct Step {
     outcome: Outcome,
     /// The resourceVersion returned by a metadata patch made before the status write.
     resource_version: Option<String>,
+    /// New `status.disruption` (`None`: keep), written with the status change.
+    disruption: Option<Option<Disruption>>,
+    /// New `status.machineCreatedAt` (`None`: keep), written with the status change.
+    machine_created_at: Option<Option<Timestamp>>,
 }
 
 impl Step {
@@ -79,6 +93,8 @@ impl Step {
             requeue,
             outcome: Outcome::Progress,
             resource_version: None,
+            disruption: None,
+            machine_created_at: None,
         }
     }
 
@@ -98,6 +114,11 @@ impl Step {
 
     fn with_outcome(mut self, outcome: Outcome) -> Self {
         self.outcome = outcome;
+        self
+    }
+
+    fn with_disruption(mut self, disruption: Option<Disruption>) -> Self {
+        self.disruption = Some(disruption);
         self
     }
 }
@@ -121,13 +142,19 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
     if let Some(change) = &step.status {
         let health = ctx.health.get(&proxy.id());
         let now = (ctx.clock)();
-        let desired = desired_status(
+        let mut desired = desired_status(
             &current,
             change,
             health.as_ref(),
             proxy.metadata.generation,
             now,
         );
+        if let Some(disruption) = &step.disruption {
+            desired.disruption.clone_from(disruption);
+        }
+        if let Some(created) = step.machine_created_at {
+            desired.machine_created_at = created;
+        }
         if desired != current {
             let known = step
                 .resource_version
@@ -238,9 +265,30 @@ async fn step(
         _ => Observation::NotQueried,
     };
 
+    let uid = proxy.uid().unwrap_or_default();
+    let unhealthy_since = current
+        .condition(CONDITION_HEALTHY)
+        .filter(|c| c.status == ConditionStatus::False)
+        .map(|c| c.last_transition_time);
+    let health = ctx
+        .health
+        .get(&proxy.id())
+        .map(|signal| (signal.healthy, signal.at))
+        .or_else(|| current.healthy().zip(current.last_health_check_time));
+    let remediation = match (&spec.provider, unhealthy_since) {
+        (Some(provider), Some(_)) if spec.mode == Mode::Managed => {
+            let fleet = ctx.fleet();
+            remediation::gate(
+                remediation::provider_health(fleet.iter().map(AsRef::as_ref), provider),
+                ctx.config.max_unhealthy,
+            )
+        }
+        _ => Gate::Allowed,
+    };
     let inputs = Inputs {
         mode: spec.mode,
         deleting,
+        deletion_requested: proxy.metadata.deletion_timestamp.as_ref().map(|t| t.0),
         finalizer_present,
         provider_id,
         recorded_hash: annotations.get(SPEC_HASH_ANNOTATION).map(String::as_str),
@@ -263,11 +311,29 @@ async fn step(
         limits: Limits {
             startup_timeout: ctx.config.startup_timeout,
             force_delete_margin: ctx.config.force_delete_margin,
+            drain_timeout: ctx.config.drain_timeout,
+            remediate_after: ctx.config.remediate_after,
         },
         observation: &observation,
+        disruption: current.disruption.as_ref(),
+        active_leases: ctx.ledger.active_count(&uid),
+        uid: &uid,
+        max_lifetime: spec.max_lifetime(),
+        rotate_requested: rotation::requested(
+            annotations.get(ROTATE_ANNOTATION).map(String::as_str),
+            annotations.get(ROTATED_ANNOTATION).map(String::as_str),
+        ),
+        unhealthy_since,
+        health,
+        remediation,
     };
     let action = decide(&inputs);
     log::debug!("Proxy {}: {action:?}", proxy.key());
+    // A slot granted by a Disrupt whose status write was lost, for a replacement no longer
+    // wanted, goes back to the budget.
+    if current.disruption.is_none() && !matches!(action, Action::Disrupt { .. }) {
+        ctx.grants.release(&uid);
+    }
     let machine = Machine {
         proxy,
         provider,
@@ -276,7 +342,13 @@ async fn step(
         ctx,
         now,
     };
-    execute(action, &machine, current, api, desired_hash.as_deref()).await
+    let mut step = execute(action, &machine, current, api, desired_hash.as_deref()).await?;
+    step.machine_created_at = match &observation {
+        Observation::Found(instance) => Some(instance.created_at),
+        Observation::NotFound => Some(None),
+        Observation::NotQueried | Observation::Error { .. } => None,
+    };
+    Ok(step)
 }
 
 /// What `execute` needs about the machine behind a proxy.
@@ -437,7 +509,7 @@ async fn execute(
                         Some(provisioning(FieldChange::Set(instance.provider_id))),
                         controller::Action::requeue(config.provisioning_poll),
                     )
-                    .with_annotations(Some(record_hash(&hash)))
+                    .with_annotations(Some(record_created(proxy, &hash)))
                 }
                 Ok(None) => match desired_hash {
                     Some(hash) => create(machine, current, api, hash).await?,
@@ -498,18 +570,36 @@ async fn execute(
             )
             .await?
         }
-        Action::Running { ip } => Step::new(
-            Some(StatusChange {
-                provisioning: Provisioning::Done,
-                provider_id: FieldChange::Keep,
-                ip: ip.map_or(FieldChange::Clear, FieldChange::Set),
-                provisioned: ConditionStatus::True,
-                reason: REASON_RUNNING.to_owned(),
-                message: "machine is running".to_owned(),
-            }),
-            controller::Action::requeue(config.drift_poll),
-        )
-        .with_outcome(Outcome::Running),
+        Action::Running {
+            ip,
+            replaced,
+            recheck,
+            remediation_paused,
+        } => running(machine, current, ip, replaced, recheck, remediation_paused),
+        Action::Disrupt { reason } => disrupt(machine, current, reason),
+        Action::Drain { leases, deadline } => {
+            let deleting = proxy.metadata.deletion_timestamp.is_some();
+            let cause = if deleting {
+                "the Proxy's deletion"
+            } else {
+                current
+                    .disruption
+                    .as_ref()
+                    .map_or("a replacement", |d| cause(d.reason))
+            };
+            let first = !condition_reason_is(current, REASON_DRAINING);
+            if first && deleting {
+                machine.ctx.metrics.disruption_started(DELETED);
+            }
+            draining(machine, cause, leases, deadline, deleting).with_event(first.then(|| {
+                event(
+                    EventType::Normal,
+                    REASON_DRAINING,
+                    "Drain",
+                    format!("draining before {cause}: {}", leases_text(leases)),
+                )
+            }))
+        }
         Action::DeleteDead { force_at } => {
             let poll = controller::Action::requeue(config.deletion_poll);
             let requeue = match force_at {
@@ -553,25 +643,33 @@ async fn execute(
             step
         }
         Action::ForceDelete { deadline } => force_delete(machine, current, deadline).await?,
-        Action::Replace => {
-            delete(
+        Action::Replace {
+            reason,
+            drain_timed_out,
+        } => {
+            let ended = end_drain(machine, drain_timed_out).await;
+            let message = format!("{}; deleting the machine to create a new one", why(reason));
+            let step = delete(
                 machine,
                 current,
                 Provisioning::Replacing,
                 (EventType::Normal, REASON_REPLACING),
-                "spec changed; deleting the machine to create a new one",
+                &message,
             )
-            .await?
+            .await?;
+            with_drain_timeout(step, ended, machine)
         }
-        Action::DeleteForCleanup => {
-            delete(
+        Action::DeleteForCleanup { drain_timed_out } => {
+            let ended = end_drain(machine, drain_timed_out).await;
+            let step = delete(
                 machine,
                 current,
                 Provisioning::Deleting,
                 (EventType::Normal, REASON_DELETING),
                 "Proxy is being deleted; deleting its machine",
             )
-            .await?
+            .await?;
+            with_drain_timeout(step, ended, machine)
         }
         Action::CleanupPending => {
             let provider = machine.provider()?;
@@ -625,6 +723,235 @@ async fn execute(
     Ok(step)
 }
 
+/// The machine runs: record its address; end a finished replacement (freeing its budget
+/// slot); say when remediation is paused; look again when rotation or remediation falls due.
+fn running(
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    ip: Option<String>,
+    replaced: bool,
+    recheck: Option<Timestamp>,
+    remediation_paused: Option<(usize, usize)>,
+) -> Step {
+    let config = &machine.ctx.config;
+    let mut requeue = config.drift_poll;
+    if let Some(at) = recheck {
+        let wait = at
+            .duration_since(machine.now)
+            .try_into()
+            .unwrap_or(Duration::ZERO);
+        requeue = requeue.min(wait);
+    }
+    let (reason, message, event) = match remediation_paused {
+        Some((unhealthy, managed)) => {
+            requeue = requeue.min(config.provisioning_poll);
+            let provider = machine.proxy.spec.provider.as_deref().unwrap_or_default();
+            let message = format!(
+                "machine is running but failing health checks for longer than {}; not replaced \
+                 while {unhealthy} of the {managed} Managed proxies of provider {provider} are \
+                 unhealthy (more than --max-unhealthy {}): the fault is likely the network or \
+                 the probe target",
+                humantime::format_duration(config.remediate_after),
+                config.max_unhealthy,
+            );
+            let event = (!condition_reason_is(current, REASON_REMEDIATION_PAUSED)).then(|| {
+                log::warn!("Proxy {}: {message}", machine.proxy.key());
+                event(
+                    EventType::Warning,
+                    REASON_REMEDIATION_PAUSED,
+                    "Remediate",
+                    message.clone(),
+                )
+            });
+            (REASON_REMEDIATION_PAUSED, message, event)
+        }
+        None => (REASON_RUNNING, "machine is running".to_owned(), None),
+    };
+    let step = Step::new(
+        Some(StatusChange {
+            provisioning: Provisioning::Done,
+            provider_id: FieldChange::Keep,
+            ip: ip.map_or(FieldChange::Clear, FieldChange::Set),
+            provisioned: ConditionStatus::True,
+            reason: reason.to_owned(),
+            message,
+        }),
+        controller::Action::requeue(requeue),
+    )
+    .with_event(event)
+    .with_outcome(Outcome::Running);
+    if !replaced {
+        return step;
+    }
+    machine.ctx.grants.release(&machine.uid());
+    log::info!(
+        "Proxy {}: its new machine runs and passes health checks; the replacement is over",
+        machine.proxy.key()
+    );
+    step.with_disruption(None)
+}
+
+/// A voluntary replacement is due: start its drain if the replacement budget has a slot,
+/// otherwise say it waits.
+fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReason) -> Step {
+    let ctx = machine.ctx;
+    let fleet = ctx.fleet();
+    let limit = ctx
+        .config
+        .replacement_budget
+        .budget(budget::managed(fleet.iter().map(AsRef::as_ref)));
+    let holders = budget::holders(fleet.iter().map(AsRef::as_ref));
+    drop(fleet);
+    let why = why(reason);
+    match ctx.grants.try_admit(&machine.uid(), holders, limit) {
+        Admission::Granted | Admission::AlreadyHeld => {
+            let leases = ctx.ledger.active_count(&machine.uid());
+            let deadline = after(machine.now, ctx.config.drain_timeout);
+            let cause = cause(reason);
+            log::info!(
+                "Proxy {}: {why}; draining ({}) before replacing its machine",
+                machine.proxy.key(),
+                leases_text(leases)
+            );
+            ctx.metrics.disruption_started(reason.label());
+            draining(machine, cause, leases, deadline, false)
+                .with_disruption(Some(Disruption {
+                    reason,
+                    since: machine.now,
+                    replaced_at: None,
+                }))
+                .with_event(Some(event(
+                    EventType::Normal,
+                    REASON_DRAINING,
+                    "Drain",
+                    format!("{why}; draining before {cause}: {}", leases_text(leases)),
+                )))
+        }
+        Admission::Wait { in_use, limit } => {
+            let budget = ctx.config.replacement_budget;
+            let message = if limit == 0 {
+                format!("{why}; replacements are paused (--replacement-budget {budget})")
+            } else {
+                format!(
+                    "{why}; waiting for the replacement budget ({in_use} of {limit} in use, \
+                     --replacement-budget {budget})"
+                )
+            };
+            let event = (!condition_reason_is(current, REASON_REPLACEMENT_PENDING)).then(|| {
+                event(
+                    EventType::Normal,
+                    REASON_REPLACEMENT_PENDING,
+                    "Replace",
+                    message.clone(),
+                )
+            });
+            Step::new(
+                Some(StatusChange {
+                    provisioning: Provisioning::Done,
+                    provider_id: FieldChange::Keep,
+                    ip: FieldChange::Keep,
+                    provisioned: ConditionStatus::True,
+                    reason: REASON_REPLACEMENT_PENDING.to_owned(),
+                    message,
+                }),
+                controller::Action::requeue(ctx.config.provisioning_poll),
+            )
+            .with_event(event)
+            .with_outcome(Outcome::Neutral)
+        }
+    }
+}
+
+/// The status of a draining proxy: its machine still serves the leases it has (the address
+/// stays) and is deleted when they end or at `deadline`.
+fn draining(
+    machine: &Machine<'_>,
+    cause: &str,
+    leases: u32,
+    deadline: Timestamp,
+    deleting: bool,
+) -> Step {
+    let at = deadline.round(jiff::Unit::Second).unwrap_or(deadline);
+    let poll = controller::Action::requeue(machine.ctx.config.deletion_poll);
+    let requeue = if after(machine.now, machine.ctx.config.deletion_poll) > deadline {
+        requeue_at(deadline, machine.now)
+    } else {
+        poll
+    };
+    Step::new(
+        Some(StatusChange {
+            provisioning: if deleting {
+                Provisioning::Deleting
+            } else {
+                Provisioning::Replacing
+            },
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Keep,
+            provisioned: ConditionStatus::False,
+            reason: REASON_DRAINING.to_owned(),
+            message: format!(
+                "draining before {cause}: {}; no new leases or renewals; the machine is \
+                 deleted when they end or at {at}",
+                leases_text(leases)
+            ),
+        }),
+        requeue,
+    )
+}
+
+/// Ends the leases a timed-out drain leaves; returns how many.
+async fn end_drain(machine: &Machine<'_>, timed_out: bool) -> Option<u64> {
+    if !timed_out {
+        return None;
+    }
+    machine.ctx.metrics.drain_timed_out();
+    Some(machine.end_leases(LEASES_DRAIN_TIMEOUT).await)
+}
+
+/// A deletion after a timed-out drain: its Event says so.
+fn with_drain_timeout(step: Step, ended: Option<u64>, machine: &Machine<'_>) -> Step {
+    let Some(ended) = ended else {
+        return step;
+    };
+    let timeout = humantime::format_duration(machine.ctx.config.drain_timeout);
+    let message = format!(
+        "drain timed out after {timeout}; ended {} and deleted the machine",
+        leases_text(u32::try_from(ended).unwrap_or(u32::MAX))
+    );
+    log::warn!("Proxy {}: {message}", machine.proxy.key());
+    step.with_event(Some(event(
+        EventType::Warning,
+        REASON_DRAIN_TIMED_OUT,
+        "Drain",
+        message,
+    )))
+}
+
+/// "1 active lease", "3 active leases".
+fn leases_text(leases: u32) -> String {
+    let noun = if leases == 1 { "lease" } else { "leases" };
+    format!("{leases} active {noun}")
+}
+
+/// What a voluntary replacement is, for messages ("draining before …").
+fn cause(reason: DisruptionReason) -> &'static str {
+    match reason {
+        DisruptionReason::SpecChange => "a replacement for a spec change",
+        DisruptionReason::MaxLifetime | DisruptionReason::RotateRequested => "a rotation",
+        DisruptionReason::Unhealthy => "a remediation",
+    }
+}
+
+/// Why a voluntary replacement happens, for messages.
+fn why(reason: DisruptionReason) -> &'static str {
+    match reason {
+        DisruptionReason::SpecChange => "spec changed",
+        DisruptionReason::MaxLifetime => "machine reached spec.maxLifetime",
+        DisruptionReason::RotateRequested => "rotation requested by annotation",
+        DisruptionReason::Unhealthy => "machine failed health checks for too long",
+    }
+}
+
 /// The machine of this Proxy found by its deterministic name.
 async fn find_by_name(
     machine: &Machine<'_>,
@@ -645,6 +972,7 @@ async fn remove_finalizer(machine: &Machine<'_>, api: &Api<Proxy>) -> Result<Ste
         .collect();
     patch_finalizers(api, proxy, finalizers).await?;
     machine.ctx.health.forget(&proxy.id());
+    machine.ctx.grants.release(&machine.uid());
     Ok(Step::requeue(controller::Action::await_change()))
 }
 
@@ -718,7 +1046,7 @@ async fn create(
                 Some(provisioning(FieldChange::Set(instance.provider_id))),
                 controller::Action::requeue(machine.ctx.config.provisioning_poll),
             )
-            .with_annotations(Some(record_hash(hash)))
+            .with_annotations(Some(record_created(proxy, hash)))
             .with_event(Some(event(EventType::Normal, "Created", "Create", note)));
             step.resource_version = marked.resource_version();
             Ok(step)
@@ -752,7 +1080,7 @@ async fn delete(
     } else {
         Phase::Replacing
     };
-    let first = current.phase != Some(phase);
+    let first = current.phase != Some(phase) || condition_reason_is(current, REASON_DRAINING);
     Ok(Step::new(
         Some(StatusChange {
             provisioning: state,
@@ -866,8 +1194,17 @@ async fn forget(
     };
     machine.end_leases(reason).await;
     let annotations = hash.as_deref().map(record_hash);
+    // The old machine of a voluntary replacement is gone: what runs next is its replacement.
+    let replaced = current
+        .disruption
+        .as_ref()
+        .filter(|d| d.replaced_at.is_none())
+        .map(|d| Disruption {
+            replaced_at: Some(machine.now),
+            ..d.clone()
+        });
     if loss != Loss::BeforeRunning {
-        return Step::new(
+        let step = Step::new(
             Some(StatusChange {
                 provisioning: Provisioning::InProgress,
                 provider_id: FieldChange::Clear,
@@ -879,6 +1216,10 @@ async fn forget(
             controller::Action::requeue(Duration::ZERO),
         )
         .with_annotations(annotations);
+        return match replaced {
+            Some(disruption) => step.with_disruption(Some(disruption)),
+            None => step,
+        };
     }
     let message = format!(
         "machine {id} vanished before it ran (the provider accepted the create, then failed it)"
@@ -1042,6 +1383,20 @@ fn waiting(reason: &'static str, message: String, requeue: Duration) -> Step {
 }
 
 /// Records the hash the machine was made from, and clears the create-pending marker.
+/// The annotations recorded once a machine is created: the spec hash it was made with and the
+/// rotate annotation's value then (so only a new value rotates it).
+fn record_created(proxy: &Proxy, hash: &str) -> Value {
+    let rotate = proxy
+        .annotations()
+        .get(ROTATE_ANNOTATION)
+        .map(String::as_str);
+    annotations_patch(&[
+        (SPEC_HASH_ANNOTATION, Some(hash)),
+        (SPEC_HASH_VERSION_ANNOTATION, Some(SPEC_HASH_VERSION)),
+        (ROTATED_ANNOTATION, rotate),
+    ])
+}
+
 fn record_hash(hash: &str) -> Value {
     annotations_patch(&[
         (SPEC_HASH_ANNOTATION, Some(hash)),

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
+use super::remediation::{self, Gate};
+use super::rotation;
 use crate::provider::{ErrorClass, Instance, InstanceState, Waiting};
-use crate::proxy::{Mode, Phase};
+use crate::proxy::{Disruption, DisruptionReason, Mode, Phase};
 use crate::spec_hash::SPEC_HASH_VERSION;
 
 /// What the provider said about the machine recorded in `status.providerID`.
@@ -39,6 +41,10 @@ pub struct Limits {
     pub startup_timeout: Duration,
     /// How long past its deletion deadline a machine is left before it is force-deleted.
     pub force_delete_margin: Duration,
+    /// Longest drain before a machine is deleted anyway.
+    pub drain_timeout: Duration,
+    /// How long a running machine may fail health checks before it is replaced.
+    pub remediate_after: Duration,
 }
 
 /// Everything [`decide`] looks at. Built by the caller from the object and the provider's answer.
@@ -48,6 +54,8 @@ pub struct Inputs<'a> {
     pub mode: Mode,
     /// Whether the object has a deletionTimestamp.
     pub deleting: bool,
+    /// The deletionTimestamp: when the Proxy's deletion (and its drain) started.
+    pub deletion_requested: Option<Timestamp>,
     /// Whether our finalizer is on the object.
     pub finalizer_present: bool,
     /// `status.providerID` (an empty string counts as unset).
@@ -79,6 +87,49 @@ pub struct Inputs<'a> {
     pub limits: Limits,
     /// The provider's answer about `provider_id`.
     pub observation: &'a Observation,
+    /// `status.disruption`: the voluntary replacement under way, if any.
+    pub disruption: Option<&'a Disruption>,
+    /// Leases active on the proxy now.
+    pub active_leases: u32,
+    /// The object's UID (it fixes the proxy's rotation jitter).
+    pub uid: &'a str,
+    /// `spec.maxLifetime`.
+    pub max_lifetime: Option<Duration>,
+    /// Whether the rotate annotation asks for a rotation not yet done.
+    pub rotate_requested: bool,
+    /// Since when the `Healthy` condition has been False, if it is.
+    pub unhealthy_since: Option<Timestamp>,
+    /// The last health verdict and when its probe finished.
+    pub health: Option<(bool, Timestamp)>,
+    /// Whether health remediation is allowed for the proxy's provider now (computed only for
+    /// an unhealthy proxy; `Allowed` otherwise).
+    pub remediation: Gate,
+}
+
+/// Where a drain stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// Leases are still active and there is time left.
+    Draining {
+        /// Active leases.
+        leases: u32,
+        /// When the drain gives up on them.
+        deadline: Timestamp,
+    },
+    /// No lease is active: the machine can go.
+    Drained,
+    /// The timeout passed with leases still active: they are ended and the machine goes.
+    TimedOut,
+}
+
+/// The state of a drain that started at `since`.
+fn drain(inputs: &Inputs<'_>, since: Timestamp) -> Drain {
+    let deadline = after(since, inputs.limits.drain_timeout);
+    match inputs.active_leases {
+        0 => Drain::Drained,
+        _ if deadline <= inputs.now => Drain::TimedOut,
+        leases => Drain::Draining { leases, deadline },
+    }
 }
 
 /// How a machine came to be missing, which decides what its disappearance means.
@@ -131,6 +182,13 @@ pub enum Action {
     Running {
         /// The machine's address.
         ip: Option<String>,
+        /// It replaced a machine voluntarily and passed a health check since: the replacement
+        /// is over and its budget slot is free.
+        replaced: bool,
+        /// When to look again before the drift poll (rotation or remediation due).
+        recheck: Option<Timestamp>,
+        /// Remediation is due but paused: (unhealthy, managed) proxies of its provider.
+        remediation_paused: Option<(usize, usize)>,
     },
     /// The machine stopped or terminated: delete it (cattle), poll until it is gone.
     DeleteDead {
@@ -151,15 +209,36 @@ pub enum Action {
         /// How it went.
         loss: Loss,
     },
-    /// The spec changed: delete the machine, poll until NotFound, then re-create.
-    Replace,
+    /// The machine is replaced (its drain is over, or it was not serving): delete it, poll
+    /// until NotFound, then re-create.
+    Replace {
+        /// Why.
+        reason: DisruptionReason,
+        /// The drain timed out with leases still active: end them first.
+        drain_timed_out: bool,
+    },
+    /// A voluntary replacement is due: ask the replacement budget, then start the drain.
+    Disrupt {
+        /// Why.
+        reason: DisruptionReason,
+    },
+    /// The proxy drains (no new leases, no renewals): wait for its leases to end.
+    Drain {
+        /// Leases still active.
+        leases: u32,
+        /// When the machine is deleted anyway.
+        deadline: Timestamp,
+    },
     /// Record the hash without replacing (annotation empty or from another hash version).
     Adopt {
         /// The hash to record as A.
         hash: String,
     },
     /// The Proxy is being deleted: delete its machine, poll until it is gone.
-    DeleteForCleanup,
+    DeleteForCleanup {
+        /// Its drain timed out with leases still active: end them first.
+        drain_timed_out: bool,
+    },
     /// The Proxy is being deleted while a create was pending (no ID recorded): find the machine
     /// by name and delete it before the finalizer goes.
     CleanupPending,
@@ -289,9 +368,25 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
             }
             (Some(_), Observation::Found(machine)) => match stuck(machine) {
                 Some(deadline) => Action::ForceDelete { deadline },
-                None => Action::DeleteForCleanup,
+                None if serving(machine) => {
+                    let since = inputs.deletion_requested.unwrap_or(now);
+                    match drain(inputs, since) {
+                        Drain::Draining { leases, deadline } => Action::Drain { leases, deadline },
+                        Drain::Drained => Action::DeleteForCleanup {
+                            drain_timed_out: false,
+                        },
+                        Drain::TimedOut => Action::DeleteForCleanup {
+                            drain_timed_out: true,
+                        },
+                    }
+                }
+                None => Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
             },
-            (Some(_), _) => Action::DeleteForCleanup,
+            (Some(_), _) => Action::DeleteForCleanup {
+                drain_timed_out: false,
+            },
         };
     }
     if !inputs.finalizer_present {
@@ -355,14 +450,50 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
             hash: hash.to_owned(),
         };
     }
-    match hash_state(inputs) {
+    let drifted = match hash_state(inputs) {
         HashState::Adoptable => {
             return Action::Adopt {
                 hash: inputs.desired_hash.unwrap_or_default().to_owned(),
             };
         }
-        HashState::Drifted => return Action::Replace,
-        HashState::Current => {}
+        HashState::Drifted => true,
+        HashState::Current => false,
+    };
+    let serving = serving(machine);
+    // A voluntary replacement whose old machine is still there: drain it, then delete it.
+    if let Some(disruption) = inputs.disruption.filter(|d| d.replaced_at.is_none()) {
+        let reason = disruption.reason;
+        return match drain(inputs, disruption.since) {
+            Drain::Draining { leases, deadline } if serving => Action::Drain { leases, deadline },
+            Drain::TimedOut if serving => Action::Replace {
+                reason,
+                drain_timed_out: true,
+            },
+            _ => Action::Replace {
+                reason,
+                drain_timed_out: false,
+            },
+        };
+    }
+    if drifted && !serving {
+        // Nothing to drain and nobody served: replace it now, outside the budget.
+        return Action::Replace {
+            reason: DisruptionReason::SpecChange,
+            drain_timed_out: false,
+        };
+    }
+    let due = serving.then(|| voluntary(inputs, machine));
+    if drifted {
+        return Action::Disrupt {
+            reason: DisruptionReason::SpecChange,
+        };
+    }
+    if let Some(Voluntary {
+        reason: Some(reason),
+        ..
+    }) = due
+    {
+        return Action::Disrupt { reason };
     }
     match machine.state {
         InstanceState::Provisioning => {
@@ -378,13 +509,76 @@ pub fn decide(inputs: &Inputs<'_>) -> Action {
                 }
             }
         }
-        InstanceState::Running => Action::Running {
-            ip: machine.ip.clone(),
-        },
+        InstanceState::Running => {
+            let due = due.unwrap_or_default();
+            Action::Running {
+                ip: machine.ip.clone(),
+                replaced: replacement_done(inputs),
+                recheck: due.recheck,
+                remediation_paused: due.paused,
+            }
+        }
         InstanceState::Stopped | InstanceState::Terminated => Action::DeleteDead {
             force_at: force_delete_at(machine, &inputs.limits),
         },
     }
+}
+
+/// Whether a machine serves (runs, and nobody asked for its deletion): only a serving machine
+/// drains, rotates or is remediated.
+fn serving(machine: &Instance) -> bool {
+    machine.state == InstanceState::Running && machine.deletion_deadline.is_none()
+}
+
+/// What rotation and remediation say about a serving machine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Voluntary {
+    /// A replacement due now.
+    reason: Option<DisruptionReason>,
+    /// When one falls due later.
+    recheck: Option<Timestamp>,
+    /// Remediation is due but paused: (unhealthy, managed).
+    paused: Option<(usize, usize)>,
+}
+
+/// Rotation (the annotation, then `maxLifetime`) and remediation of a serving machine.
+fn voluntary(inputs: &Inputs<'_>, machine: &Instance) -> Voluntary {
+    let now = inputs.now;
+    let rotate_at = inputs
+        .max_lifetime
+        .zip(machine.created_at)
+        .map(|(lifetime, created)| rotation::due_at(created, lifetime, inputs.uid));
+    let remediate_at = inputs
+        .unhealthy_since
+        .map(|since| remediation::due_at(since, machine.created_at, inputs.limits.remediate_after));
+    let mut verdict = Voluntary::default();
+    if inputs.rotate_requested {
+        verdict.reason = Some(DisruptionReason::RotateRequested);
+    } else if rotate_at.is_some_and(|at| at <= now) {
+        verdict.reason = Some(DisruptionReason::MaxLifetime);
+    } else if remediate_at.is_some_and(|at| at <= now) {
+        match inputs.remediation {
+            Gate::Allowed => verdict.reason = Some(DisruptionReason::Unhealthy),
+            Gate::Paused { unhealthy, managed } => verdict.paused = Some((unhealthy, managed)),
+        }
+    }
+    verdict.recheck = [rotate_at, remediate_at]
+        .into_iter()
+        .flatten()
+        .filter(|at| *at > now)
+        .min();
+    verdict
+}
+
+/// Whether a voluntary replacement is over: its new machine passed a health check made after
+/// the old one was gone.
+fn replacement_done(inputs: &Inputs<'_>) -> bool {
+    let Some(replaced_at) = inputs.disruption.and_then(|d| d.replaced_at) else {
+        return false;
+    };
+    inputs
+        .health
+        .is_some_and(|(healthy, at)| healthy && at > replaced_at)
 }
 
 #[cfg(test)]
@@ -447,8 +641,29 @@ mod tests {
             limits: Limits {
                 startup_timeout: Duration::from_secs(600),
                 force_delete_margin: Duration::from_secs(30),
+                drain_timeout: Duration::from_secs(900),
+                remediate_after: Duration::from_secs(600),
             },
             observation,
+            deletion_requested: None,
+            disruption: None,
+            active_leases: 0,
+            uid: "uid-1",
+            max_lifetime: None,
+            rotate_requested: false,
+            unhealthy_since: None,
+            health: None,
+            remediation: Gate::Allowed,
+        }
+    }
+
+    /// The Running action of a machine with nothing due.
+    fn running_at(ip: &str) -> Action {
+        Action::Running {
+            ip: Some(ip.into()),
+            replaced: false,
+            recheck: None,
+            remediation_paused: None,
         }
     }
 
@@ -460,9 +675,7 @@ mod tests {
         let stopped = found(InstanceState::Stopped);
         let terminated = found(InstanceState::Terminated);
         let not_found = Observation::NotFound;
-        let running_ip = Action::Running {
-            ip: Some("10.0.0.9".into()),
-        };
+        let running_ip = running_at("10.0.0.9");
         type Case<'a> = (&'a str, Inputs<'a>, Action);
         let cases: Vec<Case<'_>> = vec![
             (
@@ -555,12 +768,14 @@ mod tests {
                 },
             ),
             (
-                "A != H, Running -> replace",
+                "A != H, Running -> a voluntary replacement: budget, then drain",
                 Inputs {
                     recorded_hash: Some(A_OLD),
                     ..base(&running)
                 },
-                Action::Replace,
+                Action::Disrupt {
+                    reason: DisruptionReason::SpecChange,
+                },
             ),
             (
                 "A != H, Provisioning -> replace",
@@ -568,7 +783,10 @@ mod tests {
                     recorded_hash: Some(A_OLD),
                     ..base(&provisioning)
                 },
-                Action::Replace,
+                Action::Replace {
+                    reason: DisruptionReason::SpecChange,
+                    drain_timed_out: false,
+                },
             ),
             (
                 "A != H, Terminated (still deleting) -> replace again, wait for NotFound",
@@ -576,7 +794,10 @@ mod tests {
                     recorded_hash: Some(A_OLD),
                     ..base(&terminated)
                 },
-                Action::Replace,
+                Action::Replace {
+                    reason: DisruptionReason::SpecChange,
+                    drain_timed_out: false,
+                },
             ),
             (
                 "A empty, Running -> adopt",
@@ -635,7 +856,9 @@ mod tests {
                     deleting: true,
                     ..base(&running)
                 },
-                Action::DeleteForCleanup,
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
             ),
             (
                 "deleting, ID, Terminated -> delete",
@@ -643,7 +866,9 @@ mod tests {
                     deleting: true,
                     ..base(&terminated)
                 },
-                Action::DeleteForCleanup,
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
             ),
             (
                 "deleting after a permanent failure still deletes",
@@ -652,7 +877,9 @@ mod tests {
                     failed_this_generation: true,
                     ..base(&running)
                 },
-                Action::DeleteForCleanup,
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
             ),
         ];
         for (name, inputs, expected) in cases {
@@ -772,7 +999,9 @@ mod tests {
                     deleting: true,
                     ..base(&terminating_recent)
                 },
-                Action::DeleteForCleanup,
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
             ),
             (
                 "Proxy deleted with a create pending and no ID -> find the machine first",
@@ -828,9 +1057,7 @@ mod tests {
                     hold_until: hold,
                     ..base(&running)
                 },
-                Action::Running {
-                    ip: Some("10.0.0.9".into()),
-                },
+                running_at("10.0.0.9"),
             ),
         ];
         for (name, inputs, expected) in cases {
@@ -976,5 +1203,268 @@ mod tests {
             ..base(&running)
         };
         assert!(matches!(decide(&inputs), Action::Running { .. }));
+    }
+
+    fn machine_created(state: InstanceState, created: i64) -> Observation {
+        Observation::Found(Instance {
+            created_at: Some(ts(created)),
+            ..machine(state)
+        })
+    }
+
+    fn disruption(since: i64, replaced_at: Option<i64>) -> Disruption {
+        Disruption {
+            reason: DisruptionReason::SpecChange,
+            since: ts(since),
+            replaced_at: replaced_at.map(ts),
+        }
+    }
+
+    #[test]
+    fn drains_rotations_and_remediations() {
+        let running = found(InstanceState::Running);
+        let provisioning = found(InstanceState::Provisioning);
+        let terminated = found(InstanceState::Terminated);
+        let terminating = Observation::Found(Instance {
+            deletion_deadline: Some(ts(NOW + 20)),
+            ..machine(InstanceState::Terminated)
+        });
+        let old_machine = machine_created(InstanceState::Running, NOW - 1000);
+        let draining = disruption(NOW - 10, None);
+        let drain_expired = disruption(NOW - 1000, None);
+        let replaced = disruption(NOW - 100, Some(NOW - 30));
+        let hour = Duration::from_secs(3600);
+        let rotate_at = rotation::due_at(ts(NOW - 60), hour, "uid-1");
+        let deleted = |since: i64| Inputs {
+            deleting: true,
+            deletion_requested: Some(ts(since)),
+            active_leases: 2,
+            ..base(&running)
+        };
+        type Case<'a> = (&'a str, Inputs<'a>, Action);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "deleted with leases -> drain until the deletion time plus the timeout",
+                deleted(NOW - 10),
+                Action::Drain {
+                    leases: 2,
+                    deadline: ts(NOW - 10 + 900),
+                },
+            ),
+            (
+                "deleted, drain timed out -> end the leases and delete",
+                deleted(NOW - 1000),
+                Action::DeleteForCleanup {
+                    drain_timed_out: true,
+                },
+            ),
+            (
+                "deleted without leases -> delete at once",
+                Inputs {
+                    active_leases: 0,
+                    ..deleted(NOW - 10)
+                },
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
+            ),
+            (
+                "deleted, machine already terminating -> no drain",
+                Inputs {
+                    observation: &terminating,
+                    ..deleted(NOW - 10)
+                },
+                Action::DeleteForCleanup {
+                    drain_timed_out: false,
+                },
+            ),
+            (
+                "replacement admitted, leases active -> drain",
+                Inputs {
+                    disruption: Some(&draining),
+                    active_leases: 1,
+                    ..base(&running)
+                },
+                Action::Drain {
+                    leases: 1,
+                    deadline: ts(NOW - 10 + 900),
+                },
+            ),
+            (
+                "replacement admitted, no lease left -> replace",
+                Inputs {
+                    disruption: Some(&draining),
+                    ..base(&running)
+                },
+                Action::Replace {
+                    reason: DisruptionReason::SpecChange,
+                    drain_timed_out: false,
+                },
+            ),
+            (
+                "replacement admitted, drain timed out -> end leases, replace",
+                Inputs {
+                    disruption: Some(&drain_expired),
+                    active_leases: 3,
+                    ..base(&running)
+                },
+                Action::Replace {
+                    reason: DisruptionReason::SpecChange,
+                    drain_timed_out: true,
+                },
+            ),
+            (
+                "replacement admitted, machine already going -> replace (delete again)",
+                Inputs {
+                    disruption: Some(&draining),
+                    active_leases: 1,
+                    ..base(&terminated)
+                },
+                Action::Replace {
+                    reason: DisruptionReason::SpecChange,
+                    drain_timed_out: false,
+                },
+            ),
+            (
+                "new machine healthy after the old one went -> replacement over",
+                Inputs {
+                    disruption: Some(&replaced),
+                    health: Some((true, ts(NOW - 5))),
+                    ..base(&running)
+                },
+                Action::Running {
+                    ip: Some("10.0.0.9".into()),
+                    replaced: true,
+                    recheck: None,
+                    remediation_paused: None,
+                },
+            ),
+            (
+                "a healthy verdict from before the old machine went does not count",
+                Inputs {
+                    disruption: Some(&replaced),
+                    health: Some((true, ts(NOW - 40))),
+                    ..base(&running)
+                },
+                running_at("10.0.0.9"),
+            ),
+            (
+                "new machine unhealthy -> replacement not over",
+                Inputs {
+                    disruption: Some(&replaced),
+                    health: Some((false, ts(NOW - 5))),
+                    ..base(&running)
+                },
+                running_at("10.0.0.9"),
+            ),
+            (
+                "spec changed again on the new machine -> a new drain (slot already held)",
+                Inputs {
+                    disruption: Some(&replaced),
+                    recorded_hash: Some(A_OLD),
+                    ..base(&running)
+                },
+                Action::Disrupt {
+                    reason: DisruptionReason::SpecChange,
+                },
+            ),
+            (
+                "rotate annotation -> rotate",
+                Inputs {
+                    rotate_requested: true,
+                    ..base(&running)
+                },
+                Action::Disrupt {
+                    reason: DisruptionReason::RotateRequested,
+                },
+            ),
+            (
+                "rotate annotation on a machine not running yet -> wait for it",
+                Inputs {
+                    rotate_requested: true,
+                    ..base(&provisioning)
+                },
+                Action::AwaitProvisioning {
+                    waiting: None,
+                    deadline: Some(ts(NOW - 60 + 600)),
+                },
+            ),
+            (
+                "older than maxLifetime -> rotate",
+                Inputs {
+                    max_lifetime: Some(Duration::from_secs(30)),
+                    ..base(&running)
+                },
+                Action::Disrupt {
+                    reason: DisruptionReason::MaxLifetime,
+                },
+            ),
+            (
+                "younger than maxLifetime -> look again when it is due",
+                Inputs {
+                    max_lifetime: Some(hour),
+                    ..base(&running)
+                },
+                Action::Running {
+                    ip: Some("10.0.0.9".into()),
+                    replaced: false,
+                    recheck: Some(rotate_at),
+                    remediation_paused: None,
+                },
+            ),
+            (
+                "unhealthy since before the machine existed -> counted from its creation",
+                Inputs {
+                    unhealthy_since: Some(ts(NOW - 700)),
+                    ..base(&running)
+                },
+                Action::Running {
+                    ip: Some("10.0.0.9".into()),
+                    replaced: false,
+                    recheck: Some(ts(NOW - 60 + 600)),
+                    remediation_paused: None,
+                },
+            ),
+            (
+                "unhealthy past the threshold -> remediate",
+                Inputs {
+                    unhealthy_since: Some(ts(NOW - 700)),
+                    ..base(&old_machine)
+                },
+                Action::Disrupt {
+                    reason: DisruptionReason::Unhealthy,
+                },
+            ),
+            (
+                "unhealthy past the threshold, provider mostly unhealthy -> paused",
+                Inputs {
+                    unhealthy_since: Some(ts(NOW - 700)),
+                    remediation: Gate::Paused {
+                        unhealthy: 3,
+                        managed: 5,
+                    },
+                    ..base(&old_machine)
+                },
+                Action::Running {
+                    ip: Some("10.0.0.9".into()),
+                    replaced: false,
+                    recheck: None,
+                    remediation_paused: Some((3, 5)),
+                },
+            ),
+            (
+                "unhealthy past the threshold while not serving -> no remediation",
+                Inputs {
+                    unhealthy_since: Some(ts(NOW - 700)),
+                    ..base(&terminating)
+                },
+                Action::DeleteDead {
+                    force_at: Some(ts(NOW + 50)),
+                },
+            ),
+        ];
+        for (name, inputs, expected) in cases {
+            assert_eq!(decide(&inputs), expected, "{name}");
+        }
     }
 }

@@ -6,13 +6,17 @@
 //! functions and written at most once per reconcile.
 
 pub mod apply;
+pub mod budget;
 pub mod decide;
+pub mod metrics;
 pub mod pacing;
 pub mod phase;
+pub mod remediation;
+pub mod rotation;
 pub mod status;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -25,7 +29,9 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::mpsc;
 
 pub use apply::reconcile;
+pub use budget::Share;
 pub use decide::{Action, Inputs, Limits, Loss, Observation, decide, on_provider_error};
+pub use metrics::FleetMetrics;
 pub use pacing::Pacing;
 pub use phase::{Provisioning, compute_phase};
 pub use status::HealthSignal;
@@ -61,6 +67,14 @@ pub struct ReconcilerConfig {
     pub force_delete_margin: Duration,
     /// How often a permanent provider refusal is tried again.
     pub permanent_failure_retry: Duration,
+    /// Longest drain before a machine is deleted anyway.
+    pub drain_timeout: Duration,
+    /// Most voluntary replacements under way at once.
+    pub replacement_budget: Share,
+    /// How long a proxy may fail health checks before its machine is replaced.
+    pub remediate_after: Duration,
+    /// Above this share of a provider's proxies unhealthy, none is remediated.
+    pub max_unhealthy: Share,
     /// Most reconciles running at once.
     pub concurrency: u16,
 }
@@ -77,6 +91,10 @@ impl Default for ReconcilerConfig {
             startup_timeout: Duration::from_secs(600),
             force_delete_margin: Duration::from_secs(30),
             permanent_failure_retry: Duration::from_secs(1800),
+            drain_timeout: Duration::from_secs(900),
+            replacement_budget: Share::Percent(10),
+            remediate_after: Duration::from_secs(600),
+            max_unhealthy: Share::Percent(40),
             concurrency: 16,
         }
     }
@@ -160,6 +178,12 @@ pub struct Context {
     pub recorder: Recorder,
     /// Current time.
     pub clock: Clock,
+    /// Replacement budget slots granted by this process and not yet visible in the store.
+    pub grants: budget::Grants,
+    /// Every Proxy, as the controller's store has them (set when the controller starts).
+    pub fleet: OnceLock<Store<Proxy>>,
+    /// Counters of drains and their timeouts.
+    pub metrics: FleetMetrics,
 }
 
 impl Context {
@@ -171,6 +195,7 @@ impl Context {
         install: String,
         config: ReconcilerConfig,
         ledger: Ledger,
+        metrics: FleetMetrics,
     ) -> Self {
         Context {
             recorder: Recorder::new(client.clone(), "proxy-operator".into()),
@@ -182,7 +207,15 @@ impl Context {
             pacing: Pacing::default(),
             ledger,
             clock: jiff::Timestamp::now,
+            grants: budget::Grants::default(),
+            fleet: OnceLock::new(),
+            metrics,
         }
+    }
+
+    /// Every Proxy the controller knows now (none before it starts).
+    pub fn fleet(&self) -> Vec<Arc<Proxy>> {
+        self.fleet.get().map(Store::state).unwrap_or_default()
     }
 }
 
@@ -301,6 +334,7 @@ async fn forget_deleted(store: Store<Proxy>, ctx: Arc<Context>) {
         let live: HashSet<&str> = uids.iter().map(String::as_str).collect();
         ctx.health.retain(&live);
         ctx.pacing.retain(&live);
+        ctx.grants.retain(&live);
     }
 }
 
@@ -330,6 +364,9 @@ pub async fn run_controller(
         ctx.install
     ));
     let pod_store = store.clone();
+    if ctx.fleet.set(store.clone()).is_err() {
+        log::warn!("the Proxy controller was started twice on one context");
+    }
     let forget = forget_deleted(store.clone(), ctx.clone());
     let controller = Controller::for_shared_stream(proxies, store.clone())
         .with_config(controller::Config::default().concurrency(ctx.config.concurrency));

@@ -46,6 +46,12 @@ pub const REASON_MACHINE_LOST: &str = "MachineLost";
 /// `Provisioned` reason: the machine is being deleted by someone else (an eviction, a node
 /// drain, `kubectl delete pod`); it is replaced once gone, force-deleted if it gets stuck.
 pub const REASON_MACHINE_TERMINATING: &str = "MachineTerminating";
+/// `Provisioned` reason (True): a voluntary replacement is due but the replacement budget is
+/// full (or paused); the machine keeps serving meanwhile.
+pub const REASON_REPLACEMENT_PENDING: &str = "ReplacementPending";
+/// `Provisioned` reason (True) and Event reason: the machine fails health checks past the
+/// remediation threshold, but too many of its provider's proxies do for it to be replaced.
+pub const REASON_REMEDIATION_PAUSED: &str = "RemediationPaused";
 /// Event reason: a stuck machine was force-deleted.
 pub const REASON_FORCE_DELETED: &str = "ForceDeleted";
 /// `Provisioned` reason: the cloud-init Secret or key is missing.
@@ -206,6 +212,8 @@ pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Val
             "conditions": status.conditions,
             "latencyMs": status.latency_ms,
             "lastHealthCheckTime": status.last_health_check_time,
+            "machineCreatedAt": status.machine_created_at,
+            "disruption": status.disruption,
         }
     });
     // A `null` resourceVersion is refused outright (422), so it is left out when unknown.
