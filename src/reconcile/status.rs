@@ -213,7 +213,13 @@ pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Val
             "latencyMs": status.latency_ms,
             "lastHealthCheckTime": status.last_health_check_time,
             "machineCreatedAt": status.machine_created_at,
-            "disruption": status.disruption,
+            // Spelled out: a merge patch merges nested objects, so an absent `replacedAt` would
+            // leave an old one in place.
+            "disruption": status.disruption.as_ref().map(|d| json!({
+                "reason": d.reason,
+                "since": d.since,
+                "replacedAt": d.replaced_at,
+            })),
         }
     });
     // A `null` resourceVersion is refused outright (422), so it is left out when unknown.
@@ -235,7 +241,7 @@ pub fn annotations_patch(changes: &[(&str, Option<&str>)]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::Phase;
+    use crate::proxy::{Disruption, DisruptionReason, Phase};
 
     fn ts(seconds: i64) -> jiff::Timestamp {
         jiff::Timestamp::from_second(seconds).unwrap()
@@ -357,6 +363,27 @@ mod tests {
         assert_eq!(patch["status"]["providerID"], Value::Null);
         assert!(patch["status"].as_object().unwrap().contains_key("ip"));
         assert_eq!(patch["status"]["phase"], "Provisioning");
+        assert_eq!(patch["status"]["disruption"], Value::Null);
+        assert!(patch["status"].as_object().unwrap().contains_key("disruption"));
+
+        // A new drain over a finished replacement's record clears its `replacedAt`.
+        let drain = ProxyStatus {
+            disruption: Some(Disruption {
+                reason: DisruptionReason::SpecChange,
+                since: ts(3),
+                replaced_at: None,
+            }),
+            ..status
+        };
+        let patch = status_patch(&drain, None);
+        assert_eq!(patch["status"]["disruption"]["reason"], "SpecChange");
+        assert_eq!(patch["status"]["disruption"]["replacedAt"], Value::Null);
+        assert!(
+            patch["status"]["disruption"]
+                .as_object()
+                .unwrap()
+                .contains_key("replacedAt")
+        );
     }
 
     #[test]
