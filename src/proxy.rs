@@ -375,6 +375,9 @@ pub struct ProxyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<String>", extend("format" = "date-time"))]
     pub last_health_check_time: Option<jiff::Timestamp>,
+    /// The port the machine behind a Managed proxy listens on: `spec.port` when it was created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<i32>,
     /// When the machine behind a Managed proxy was created (its age drives `maxLifetime`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<String>", extend("format" = "date-time"))]
@@ -556,11 +559,14 @@ fn default_expected_status_codes() -> Vec<i32> {
 }
 
 impl ProxySpec {
-    /// The port crawlers connect to: `spec.port` for Managed, `endpoint.port` for External.
-    pub fn effective_port(&self) -> i32 {
+    /// The port crawlers connect to: `endpoint.port` for External; for Managed the port its
+    /// current machine was created with (`status.port`), so a port change waiting for its
+    /// replacement does not send probes and crawlers to a port nothing listens on, else
+    /// `spec.port`.
+    pub fn effective_port(&self, status: Option<&ProxyStatus>) -> i32 {
         match (self.mode, &self.endpoint) {
             (Mode::External, Some(endpoint)) => endpoint.port,
-            _ => self.port,
+            _ => status.and_then(|s| s.port).unwrap_or(self.port),
         }
     }
 
@@ -786,12 +792,17 @@ mod tests {
                 host: h.to_owned(),
                 port: p,
             });
-            let status = ProxyStatus {
+            let mut status = ProxyStatus {
                 ip: ip.map(str::to_owned),
                 ..Default::default()
             };
-            assert_eq!(s.effective_port(), port, "{mode:?}");
+            assert_eq!(s.effective_port(Some(&status)), port, "{mode:?}");
+            assert_eq!(s.effective_port(None), port, "{mode:?}");
             assert_eq!(s.effective_host(Some(&status)), host, "{mode:?}");
+            // A Managed machine keeps the port it was created with until it is replaced.
+            status.port = Some(3130);
+            let machine_port = if mode == Mode::Managed { 3130 } else { port };
+            assert_eq!(s.effective_port(Some(&status)), machine_port, "{mode:?}");
         }
     }
 

@@ -56,7 +56,7 @@ fn external_sample() {
     let proxies = proxies_in("proxy_external.yaml");
     assert_valid("proxy_external.yaml", &proxies);
     assert_eq!(proxies[0].spec.mode, Mode::External);
-    assert_eq!(proxies[0].spec.effective_port(), 8080);
+    assert_eq!(proxies[0].spec.effective_port(None), 8080);
 }
 
 #[test]

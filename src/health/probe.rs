@@ -143,7 +143,7 @@ impl ProbeSettings {
         if host.is_empty() {
             return None;
         }
-        let port = proxy.spec.effective_port();
+        let port = proxy.spec.effective_port(proxy.status.as_ref());
         let host = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]")
         } else {

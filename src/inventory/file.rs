@@ -332,7 +332,7 @@ spec:
         assert_eq!(proxies[0].spec.health_check().failure_threshold(), 3);
         assert_eq!(proxies[1].key(), "crawl/b");
         assert_eq!(proxies[1].spec.max_leases(), 0);
-        assert_eq!(proxies[1].spec.effective_port(), 3129);
+        assert_eq!(proxies[1].spec.effective_port(None), 3129);
         assert!(!proxies[0].spec.cordoned && !proxies[1].spec.cordoned);
         let cordoned = GOOD.replace("  maxLeases: 0\n", "  maxLeases: 0\n  cordoned: true\n");
         let proxies = file().parse(&cordoned).unwrap();

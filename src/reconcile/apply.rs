@@ -82,6 +82,8 @@ struct Step {
     disruption: Option<Option<Disruption>>,
     /// New `status.machineCreatedAt` (`None`: keep), written with the status change.
     machine_created_at: Option<Option<Timestamp>>,
+    /// New `status.port` (`None`: keep): the port of a machine just created.
+    port: Option<i32>,
 }
 
 impl Step {
@@ -95,6 +97,7 @@ impl Step {
             resource_version: None,
             disruption: None,
             machine_created_at: None,
+            port: None,
         }
     }
 
@@ -154,6 +157,9 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
         }
         if let Some(created) = step.machine_created_at {
             desired.machine_created_at = created;
+        }
+        if let Some(port) = step.port {
+            desired.port = Some(port);
         }
         if desired != current {
             let known = step
@@ -505,11 +511,13 @@ async fn execute(
                         proxy.key(),
                         instance.provider_id
                     );
-                    Step::new(
+                    let mut step = Step::new(
                         Some(provisioning(FieldChange::Set(instance.provider_id))),
                         controller::Action::requeue(config.provisioning_poll),
                     )
-                    .with_annotations(Some(record_created(proxy, &hash)))
+                    .with_annotations(Some(record_created(proxy, &hash)));
+                    step.port = Some(proxy.spec.port);
+                    step
                 }
                 Ok(None) => match desired_hash {
                     Some(hash) => create(machine, current, api, hash).await?,
@@ -767,7 +775,7 @@ fn running(
         }
         None => (REASON_RUNNING, "machine is running".to_owned(), None),
     };
-    let step = Step::new(
+    let mut step = Step::new(
         Some(StatusChange {
             provisioning: Provisioning::Done,
             provider_id: FieldChange::Keep,
@@ -780,6 +788,11 @@ fn running(
     )
     .with_event(event)
     .with_outcome(Outcome::Running);
+    // A machine from before `status.port` existed: its spec hash is current (or this would
+    // be a replacement), so it listens on `spec.port`.
+    if current.port.is_none() {
+        step.port = Some(machine.proxy.spec.port);
+    }
     if !replaced {
         return step;
     }
@@ -1049,6 +1062,7 @@ async fn create(
             .with_annotations(Some(record_created(proxy, hash)))
             .with_event(Some(event(EventType::Normal, "Created", "Create", note)));
             step.resource_version = marked.resource_version();
+            step.port = Some(request.port);
             Ok(step)
         }
         Err(e) => {

@@ -212,6 +212,7 @@ pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Val
             "conditions": status.conditions,
             "latencyMs": status.latency_ms,
             "lastHealthCheckTime": status.last_health_check_time,
+            "port": status.port,
             "machineCreatedAt": status.machine_created_at,
             // Spelled out: a merge patch merges nested objects, so an absent `replacedAt` would
             // leave an old one in place.
@@ -364,7 +365,12 @@ mod tests {
         assert!(patch["status"].as_object().unwrap().contains_key("ip"));
         assert_eq!(patch["status"]["phase"], "Provisioning");
         assert_eq!(patch["status"]["disruption"], Value::Null);
-        assert!(patch["status"].as_object().unwrap().contains_key("disruption"));
+        assert!(
+            patch["status"]
+                .as_object()
+                .unwrap()
+                .contains_key("disruption")
+        );
 
         // A new drain over a finished replacement's record clears its `replacedAt`.
         let drain = ProxyStatus {
