@@ -76,6 +76,7 @@ fn copying(inventory: &Inventory, health: &HealthSnapshot, selector: &Selector) 
                 latency: h.and_then(|h| h.latency),
                 max_leases: p.spec.max_leases(),
                 cordoned: p.spec.cordoned,
+                draining: p.is_draining(),
                 proxy: Arc::new(id.clone()),
             }
         })

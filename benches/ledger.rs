@@ -55,6 +55,7 @@ impl LedgerSide {
                 max_leases: 5,
                 healthy: true,
                 cordoned: false,
+                draining: false,
                 latency: Some(Duration::from_millis(20 + (i as u64 * 7) % 50)),
             })
             .collect();

@@ -129,7 +129,9 @@ pub enum RejectionReason {
     NoProxies,
     /// Every matching proxy is cordoned.
     Cordoned,
-    /// Every matching proxy that is not cordoned is unhealthy.
+    /// Every matching proxy is draining or cordoned, at least one draining.
+    Draining,
+    /// Every matching proxy that is neither cordoned nor draining is unhealthy.
     Unhealthy,
     /// Healthy proxies exist but every one is full.
     Capacity,
@@ -138,24 +140,30 @@ pub enum RejectionReason {
 }
 
 impl RejectionReason {
-    const ALL: [RejectionReason; 5] = [
+    const ALL: [RejectionReason; 6] = [
         RejectionReason::NoProxies,
         RejectionReason::Cordoned,
+        RejectionReason::Draining,
         RejectionReason::Unhealthy,
         RejectionReason::Capacity,
         RejectionReason::Cooldown,
     ];
 
-    /// The reason for a refused acquire: the first that explains it wholly. Cordoned proxies
-    /// are set aside on purpose, so they are the reason only when every matching proxy is
-    /// cordoned; otherwise the reason is about the others.
+    /// The reason for a refused acquire: the first that explains it wholly. Cordoned and
+    /// draining proxies are set aside on purpose, so they are the reason only when every
+    /// matching proxy is set aside (`cordoned` when all are cordoned, `draining` when some
+    /// drain: their replacements will come back by themselves); otherwise the reason is about
+    /// the others.
     pub fn of(no_match: &NoMatch) -> Self {
         let uncordoned = no_match.considered.saturating_sub(no_match.cordoned);
+        let available = uncordoned.saturating_sub(no_match.draining);
         if no_match.considered == 0 {
             RejectionReason::NoProxies
         } else if uncordoned == 0 {
             RejectionReason::Cordoned
-        } else if no_match.unhealthy == uncordoned {
+        } else if available == 0 {
+            RejectionReason::Draining
+        } else if no_match.unhealthy == available {
             RejectionReason::Unhealthy
         } else if no_match.at_capacity == 0 {
             RejectionReason::Cooldown
@@ -169,6 +177,7 @@ impl RejectionReason {
         match self {
             RejectionReason::NoProxies => "no_proxies",
             RejectionReason::Cordoned => "cordoned",
+            RejectionReason::Draining => "draining",
             RejectionReason::Unhealthy => "unhealthy",
             RejectionReason::Capacity => "capacity",
             RejectionReason::Cooldown => "cooldown",
@@ -408,26 +417,49 @@ mod tests {
 
     #[test]
     fn the_rejection_reason_is_the_first_that_explains_the_refusal_wholly() {
-        let no_match = |considered, cordoned, unhealthy, at_capacity, in_cooldown| NoMatch {
-            considered,
-            cordoned,
-            unhealthy,
-            at_capacity,
-            in_cooldown,
-            retry_after: None,
-        };
+        let no_match =
+            |considered, cordoned, draining, unhealthy, at_capacity, in_cooldown| NoMatch {
+                considered,
+                cordoned,
+                draining,
+                unhealthy,
+                at_capacity,
+                in_cooldown,
+                retry_after: None,
+            };
         let cases = [
-            ("nothing matches", no_match(0, 0, 0, 0, 0), "no_proxies"),
-            ("all cordoned", no_match(3, 3, 0, 0, 0), "cordoned"),
-            ("all unhealthy", no_match(2, 0, 2, 0, 0), "unhealthy"),
+            ("nothing matches", no_match(0, 0, 0, 0, 0, 0), "no_proxies"),
+            ("all cordoned", no_match(3, 3, 0, 0, 0, 0), "cordoned"),
+            ("all draining", no_match(2, 0, 2, 0, 0, 0), "draining"),
+            (
+                "cordoned or draining",
+                no_match(3, 2, 1, 0, 0, 0),
+                "draining",
+            ),
+            ("all unhealthy", no_match(2, 0, 0, 2, 0, 0), "unhealthy"),
             (
                 "the uncordoned are unhealthy",
-                no_match(3, 1, 2, 0, 0),
+                no_match(3, 1, 0, 2, 0, 0),
                 "unhealthy",
             ),
-            ("some full", no_match(4, 1, 1, 1, 1), "capacity"),
-            ("all full", no_match(2, 0, 0, 2, 0), "capacity"),
-            ("cooling down", no_match(3, 1, 1, 0, 1), "cooldown"),
+            (
+                "the others than the cordoned and draining are unhealthy",
+                no_match(4, 1, 1, 2, 0, 0),
+                "unhealthy",
+            ),
+            ("some full", no_match(4, 1, 0, 1, 1, 1), "capacity"),
+            (
+                "some full, some draining",
+                no_match(3, 0, 2, 0, 1, 0),
+                "capacity",
+            ),
+            ("all full", no_match(2, 0, 0, 0, 2, 0), "capacity"),
+            ("cooling down", no_match(3, 1, 0, 1, 0, 1), "cooldown"),
+            (
+                "cooling down, some draining",
+                no_match(2, 0, 1, 0, 0, 1),
+                "cooldown",
+            ),
         ];
         for (name, stats, reason) in cases {
             assert_eq!(RejectionReason::of(&stats).as_str(), reason, "{name}");

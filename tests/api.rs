@@ -7,12 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock};
 use proxy_operator::metrics::LeaseMetrics;
-use proxy_operator::proxy::{Proxy, ProxySpec};
+use proxy_operator::proxy::{
+    CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxySpec, ProxyStatus,
+    REASON_DRAINING,
+};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -773,6 +777,248 @@ async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
         let required = schema["required"].as_array().unwrap();
         assert!(required.contains(&json!("cordoned")), "{schema}");
     }
+    h.stop().await;
+}
+
+/// `p` with the Provisioned condition the reconciler writes when it starts draining the proxy
+/// for a replacement (`reason: Draining`).
+fn replacing(mut p: Proxy) -> Proxy {
+    p.status = Some(ProxyStatus {
+        conditions: vec![Condition {
+            type_: CONDITION_PROVISIONED.into(),
+            status: ConditionStatus::False,
+            reason: REASON_DRAINING.into(),
+            message: "draining before replacement: 1 active lease".into(),
+            last_transition_time: "2026-11-30T12:00:00Z".parse().unwrap(),
+            observed_generation: Some(1),
+        }],
+        ..ProxyStatus::default()
+    });
+    p
+}
+
+/// `p` being deleted (`kubectl delete` set its deletionTimestamp; the finalizer holds it).
+fn deleted(mut p: Proxy) -> Proxy {
+    p.metadata.deletion_timestamp = Some(Time("2026-11-30T12:00:00Z".parse().unwrap()));
+    p
+}
+
+/// `(name, draining, cordoned, activeLeases)` of every listed proxy.
+fn drain_view(list: &Value) -> Vec<(String, bool, bool, u64)> {
+    list["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["draining"].as_bool().expect("draining is always listed"),
+                p["cordoned"].as_bool().unwrap(),
+                p["activeLeases"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
+    let h = Harness::start().await;
+    let eu = [("geo", "eu")];
+    h.load(vec![
+        (proxy("a", 3001, &eu, 5), Some(5)),
+        (proxy("b", 3002, &eu, 5), Some(50)),
+    ]);
+    let (_, list) = h.get("/v1/proxies").await;
+    assert_eq!(
+        drain_view(&list),
+        [
+            ("a".to_owned(), false, false, 0),
+            ("b".to_owned(), false, false, 0)
+        ]
+    );
+    // A lease on the fast proxy, granted before the drain, with a request ID; one on b.
+    let before = json!({"selector": {"geo": "eu"}, "ttlSeconds": 100, "requestID": "pre-drain"});
+    let (s, first) = h.acquire(before.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{first}");
+    assert_eq!(first["proxy"]["name"], "a");
+    let id = first["leaseID"].as_str().unwrap().to_owned();
+    let (s, on_b) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+    assert_eq!(s, StatusCode::CREATED, "{on_b}");
+    assert_eq!(on_b["proxy"]["name"], "b");
+    let on_b = on_b["leaseID"].as_str().unwrap().to_owned();
+
+    // a starts draining for a replacement (the reconciler's condition, as the watch delivers
+    // it): listed as draining, still healthy and holding its lease.
+    h.load(vec![
+        (replacing(proxy("a", 3001, &eu, 5)), Some(5)),
+        (proxy("b", 3002, &eu, 5), Some(50)),
+    ]);
+    let (_, list) = h.get("/v1/proxies?healthy=true").await;
+    assert_eq!(
+        drain_view(&list),
+        [
+            ("a".to_owned(), true, false, 1),
+            ("b".to_owned(), false, false, 1)
+        ]
+    );
+    // Every new lease goes to b, though a is faster and as loaded.
+    for _ in 0..3 {
+        let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+        assert_eq!(s, StatusCode::CREATED, "{lease}");
+        assert_eq!(lease["proxy"]["name"], "b", "{lease}");
+    }
+    // The lease granted before the drain replays and can be read, but is not renewed: the
+    // crawler is told to release it and acquire another proxy.
+    let (s, replay) = h.acquire(before.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(
+        lease_summary(&replay),
+        (id.clone(), "a".into(), "active".into())
+    );
+    h.clock.advance(Duration::from_secs(50));
+    let (s, refused) = h
+        .post(
+            &format!("/v1/leases/{id}/renew"),
+            json!({"ttlSeconds": 100}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{refused}");
+    assert_error(&refused, "proxy_draining");
+    let message = refused["message"].as_str().unwrap();
+    for part in [
+        "crawl/a is draining",
+        "release",
+        "acquire another proxy",
+        &id,
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message:?}");
+    }
+    assert_eq!(refused.as_object().unwrap().len(), 2, "{refused}");
+    // Nothing was renewed.
+    let (s, got) = h.get(&format!("/v1/leases/{id}")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(got["expiresAt"], first["expiresAt"], "{got}");
+    assert_eq!(got["state"], "active", "{got}");
+    // Leases on other proxies renew as before, and unknown leases are still unknown.
+    let (s, renewed) = h.post(&format!("/v1/leases/{on_b}/renew"), json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{renewed}");
+    let (s, v) = h.post("/v1/leases/never-issued/renew", json!({})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_error(&v, "unknown_lease");
+    // Reports and the release still land on the draining proxy's lease.
+    let (s, v) = h
+        .post(
+            &format!("/v1/leases/{id}/report"),
+            json!({"result": "ok", "target": "example.com"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+    let (s, _, body) = h
+        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{body}");
+    // Once released, a renew gets today's answer for a lease that is over.
+    let (s, v) = h.post(&format!("/v1/leases/{id}/renew"), json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, "lease_not_active");
+    // The replay still answers, with the lease as it is now.
+    let (s, replay) = h.acquire(before.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{replay}");
+    assert_eq!(
+        lease_summary(&replay),
+        (id.clone(), "a".into(), "released".into())
+    );
+
+    // Draining for a replacement (a, with leases), being deleted (b, with leases), cordoned
+    // and deleted at once (c) and unhealthy (d): the 409 counts each proxy in one bucket, in
+    // the order cordoned, draining, unhealthy; the draining proxies' lease expiries are no
+    // reason to retry. (First a takes a lease while it is not draining.)
+    h.load(vec![
+        (proxy("a", 3001, &eu, 5), Some(5)),
+        (proxy("b", 3002, &eu, 5), Some(50)),
+    ]);
+    let (s, on_a) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+    assert_eq!(s, StatusCode::CREATED, "{on_a}");
+    assert_eq!(on_a["proxy"]["name"], "a", "{on_a}");
+    h.load(vec![
+        (replacing(proxy("a", 3001, &eu, 5)), Some(5)),
+        (deleted(proxy("b", 3002, &eu, 5)), Some(50)),
+        (deleted(cordoned(proxy("c", 3003, &eu, 5))), Some(1)),
+        (proxy("d", 3004, &eu, 5), None),
+    ]);
+    let (s, headers, body) = h
+        .send(
+            reqwest::Method::POST,
+            "/v1/leases",
+            Some(json!({"selector": {"geo": "eu"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_error(&body, "no_match");
+    assert_eq!(body["considered"], 4, "{body}");
+    assert_eq!(body["cordoned"], 1, "{body}");
+    assert_eq!(body["draining"], 2, "{body}");
+    assert_eq!(body["unhealthy"], 1, "{body}");
+    assert_eq!(body["atCapacity"], 0, "{body}");
+    assert_eq!(body["inCooldown"], 0, "{body}");
+    assert!(body.get("retryAfterSeconds").is_none(), "{body}");
+    assert!(headers.get("retry-after").is_none(), "{headers:?}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("1 cordoned, 2 draining, 1 unhealthy"),
+        "{body}"
+    );
+    let (_, list) = h.get("/v1/proxies").await;
+    assert_eq!(
+        drain_view(&list),
+        [
+            ("a".to_owned(), true, false, 1),
+            ("b".to_owned(), true, false, 4),
+            ("c".to_owned(), true, true, 0),
+            ("d".to_owned(), false, false, 0),
+        ]
+    );
+    // The proxy being deleted refuses renewals too; its leases can still be released.
+    let (s, v) = h.post(&format!("/v1/leases/{on_b}/renew"), json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_error(&v, "proxy_draining");
+    assert!(v["message"].as_str().unwrap().contains("crawl/b"), "{v}");
+    let (s, _, _) = h
+        .send(reqwest::Method::DELETE, &format!("/v1/leases/{on_b}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+
+    // A proxy that is back (its new machine runs, the condition no longer says Draining)
+    // renews and takes leases again.
+    let on_a = on_a["leaseID"].as_str().unwrap().to_owned();
+    h.load(vec![
+        (proxy("a", 3001, &eu, 5), Some(5)),
+        (deleted(proxy("b", 3002, &eu, 5)), Some(50)),
+    ]);
+    let (s, renewed) = h.post(&format!("/v1/leases/{on_a}/renew"), json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{renewed}");
+    let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
+    assert_eq!(s, StatusCode::CREATED, "{lease}");
+    assert_eq!(lease["proxy"]["name"], "a");
+
+    // The document says so: the fields are always sent, and renew documents the code.
+    let (_, doc) = h.get("/v1/openapi.json").await;
+    for (schema, kind) in [("NoMatchBody", "integer"), ("ProxyView", "boolean")] {
+        let schema = &doc["components"]["schemas"][schema];
+        assert_eq!(schema["properties"]["draining"]["type"], kind, "{schema}");
+        let required = schema["required"].as_array().unwrap();
+        assert!(required.contains(&json!("draining")), "{schema}");
+    }
+    let conflict = &doc["paths"]["/v1/leases/{id}/renew"]["post"]["responses"]["409"];
+    assert!(
+        conflict["description"]
+            .as_str()
+            .unwrap()
+            .contains("`proxy_draining`"),
+        "{conflict}"
+    );
     h.stop().await;
 }
 

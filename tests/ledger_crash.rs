@@ -41,6 +41,7 @@ fn candidates() -> Arc<[Candidate]> {
             max_leases: 1_000_000,
             healthy: true,
             cordoned: false,
+            draining: false,
             latency: None,
         })
         .collect()

@@ -159,6 +159,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
                 max_leases: 2,
                 healthy: true,
                 cordoned: false,
+                draining: false,
                 latency: None,
             }]
             .into(),

@@ -126,8 +126,9 @@ impl CandidateIndex {
     }
 
     /// The acquire candidates: every proxy of `snapshot` matching `selector`, healthy or not,
-    /// cordoned or not. Only a proxy that passes health checks and has an address counts as
-    /// healthy; a cordoned one is passed on flagged, so the ledger counts it without choosing it.
+    /// cordoned or draining or not. Only a proxy that passes health checks and has an address
+    /// counts as healthy; a cordoned or draining one is passed on flagged, so the ledger counts
+    /// it without choosing it.
     pub fn candidates(
         &self,
         snapshot: &Arc<InventorySnapshot>,
@@ -158,6 +159,7 @@ impl CandidateIndex {
                 max_leases: proxy.max_leases,
                 healthy: proxy.has_address && h.and_then(|h| h.healthy) == Some(true),
                 cordoned: proxy.cordoned,
+                draining: proxy.draining,
                 latency: h.and_then(|h| h.latency),
             });
         }
@@ -396,6 +398,52 @@ mod tests {
         assert_eq!(
             flags(&eu),
             [("a".to_owned(), true, false), ("b".to_owned(), true, false)]
+        );
+    }
+
+    #[test]
+    fn draining_proxies_are_offered_flagged_with_their_health() {
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let mut deleted = proxy("a", "eu", 2, true);
+        deleted.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        );
+        let mut both = proxy("b", "eu", 2, true);
+        both.spec.cordoned = true;
+        both.metadata.deletion_timestamp = deleted.metadata.deletion_timestamp.clone();
+        let open = proxy("c", "eu", 2, true);
+        for (p, ms) in [(&deleted, 1), (&both, 2), (&open, 9)] {
+            health.set(p.id(), healthy(ms));
+        }
+        inventory.replace([deleted.clone(), both, open.clone()]);
+        let index = CandidateIndex::default();
+        // (name, healthy, cordoned, draining)
+        let flags = |list: &[Candidate]| -> Vec<(String, bool, bool, bool)> {
+            list.iter()
+                .map(|c| (c.proxy.name.clone(), c.healthy, c.cordoned, c.draining))
+                .collect()
+        };
+        let eu = index.candidates(&inventory.snapshot(), &health, &selector("geo=eu"));
+        assert_eq!(
+            flags(&eu),
+            [
+                ("a".to_owned(), true, false, true),
+                ("b".to_owned(), true, true, true),
+                ("c".to_owned(), true, false, false),
+            ]
+        );
+        // A drain that ends (the object is back without a deletionTimestamp) is an inventory
+        // change: the next snapshot's list says so.
+        deleted.metadata.deletion_timestamp = None;
+        inventory.replace([deleted, open]);
+        let eu = index.candidates(&inventory.snapshot(), &health, &selector("geo=eu"));
+        assert_eq!(
+            flags(&eu),
+            [
+                ("a".to_owned(), true, false, false),
+                ("c".to_owned(), true, false, false),
+            ]
         );
     }
 

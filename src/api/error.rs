@@ -29,11 +29,14 @@ pub struct NoMatchBody {
     /// Cordoned proxies (`spec.cordoned: true`); each is counted here only, whatever its
     /// health or load.
     pub cordoned: u32,
+    /// Uncordoned proxies that are draining (being deleted, or their machine about to be
+    /// replaced); each is counted here only, whatever its health or load.
+    pub draining: u32,
     /// Healthy proxies with every lease slot taken (or `maxLeases: 0`).
     pub at_capacity: u32,
     /// Healthy proxies with a free slot that are cooling down for the target.
     pub in_cooldown: u32,
-    /// Uncordoned proxies failing health checks (or not yet checked).
+    /// Proxies neither cordoned nor draining that fail health checks (or are not yet checked).
     pub unhealthy: u32,
     /// Seconds until a proxy frees up by itself (also sent as `Retry-After`); absent when
     /// nothing will.

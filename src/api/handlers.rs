@@ -18,7 +18,9 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
     StatusBody, parse_target,
 };
-use crate::ledger::{self, AcquireOutcome, Lease, LedgerError, NoMatch, ReportResult, RequestKey};
+use crate::ledger::{
+    self, AcquireOutcome, Lease, LeaseState, LedgerError, NoMatch, ReportResult, RequestKey,
+};
 
 /// Runs a blocking ledger read on the blocking pool.
 async fn ledger_read<T: Send + 'static>(
@@ -102,15 +104,17 @@ fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     NoMatchBody {
         error: "no_match".into(),
         message: format!(
-            "no proxy can take a lease: {} match the selector, {} cordoned, {} unhealthy, {} at capacity, {} cooling down for the target",
+            "no proxy can take a lease: {} match the selector, {} cordoned, {} draining, {} unhealthy, {} at capacity, {} cooling down for the target",
             no_match.considered,
             no_match.cordoned,
+            no_match.draining,
             no_match.unhealthy,
             no_match.at_capacity,
             no_match.in_cooldown
         ),
         considered: no_match.considered,
         cordoned: no_match.cordoned,
+        draining: no_match.draining,
         at_capacity: no_match.at_capacity,
         in_cooldown: no_match.in_cooldown,
         unhealthy: no_match.unhealthy,
@@ -304,7 +308,7 @@ pub async fn release(
         (status = 400, description = "`invalid_body`: malformed body (the message names the field)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 404, description = "`unknown_lease`", body = ErrorBody),
-        (status = 409, description = "`lease_not_active`: the lease was released or has expired", body = ErrorBody),
+        (status = 409, description = "`lease_not_active`: the lease was released or has expired; or `proxy_draining`: the lease's proxy is draining (being deleted, or its machine about to be replaced) and its leases are not extended. Either way, release it and acquire another proxy", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
@@ -318,12 +322,45 @@ pub async fn renew(
     body: OptionalApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let ttl = ttl(&state, body.0.ttl_seconds);
+    refuse_renewal_if_draining(&state, &id).await?;
     let lease = state
         .ledger
         .renew(&id, ttl)
         .await
         .map_err(|e| ledger_error(&state, "renewing a lease", e))?;
     Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
+}
+
+/// 409 `proxy_draining` when lease `id` is active and its proxy is draining in the current
+/// inventory. Only then is the lease looked up (a blocking read): while no proxy drains, a
+/// renew costs what it did. An unknown or inactive lease passes, so the renew gives its usual
+/// answer (404 `unknown_lease`, 409 `lease_not_active`); so does a lease whose proxy has left
+/// the inventory.
+async fn refuse_renewal_if_draining(state: &ApiState, id: &str) -> Result<(), ApiError> {
+    if !state.inventory.snapshot().any_draining() {
+        return Ok(());
+    }
+    let lookup = id.to_owned();
+    let Some(lease) = ledger_read(state, "renewing a lease", move |l| l.get(&lookup))
+        .await?
+        .map_err(|e| ApiError::internal("renewing a lease", e))?
+    else {
+        return Ok(());
+    };
+    // The inventory as it is after the read, not before it.
+    if lease.state != LeaseState::Active || !state.inventory.snapshot().is_draining(&lease.proxy) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "proxy_draining",
+        format!(
+            "proxy {}/{} is draining (its Proxy is being deleted or its machine replaced), so \
+             lease {id} cannot be renewed: release it (DELETE /v1/leases/{id}) and acquire \
+             another proxy (POST /v1/leases); the lease ends at {} at the latest",
+            lease.proxy.namespace, lease.proxy.name, lease.expires_at
+        ),
+    ))
 }
 
 /// Records what the crawler saw through the lease's proxy.

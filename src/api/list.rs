@@ -20,7 +20,7 @@ const PLACEHOLDER: &str = r#","healthy":false,"activeLeases":0,"#;
 /// Host and port of a proxy, when it has an address.
 pub fn address(proxy: &Proxy) -> Option<(&str, i32)> {
     let host = proxy.spec.effective_host(proxy.status.as_ref())?;
-    Some((host, proxy.spec.effective_port()))
+    Some((host, proxy.spec.effective_port(proxy.status.as_ref())))
 }
 
 /// `http://host:port`, with brackets around an IPv6 host.
@@ -68,7 +68,7 @@ impl Dynamic {
 struct Fragment {
     /// `{"name":…,"url":"…"`.
     head: Box<str>,
-    /// `"maxLeases":…,"cordoned":…,"labels":{…}}`.
+    /// `"maxLeases":…,"cordoned":…,"draining":…,"labels":{…}}`.
     tail: Box<str>,
 }
 
@@ -88,6 +88,7 @@ impl Fragment {
             active_leases: 0,
             max_leases: proxy.spec.max_leases(),
             cordoned: proxy.spec.cordoned,
+            draining: proxy.is_draining(),
             labels: proxy.labels(),
         };
         let json = serde_json::to_string(&view).ok()?;
@@ -235,12 +236,15 @@ mod tests {
 
     /// The body written from fragments equals serde's serialisation of the same list, for
     /// every kind of entry: with and without latency, escaped strings, an IPv6 host, a label
-    /// named like a changing field, a cordoned proxy, and a proxy without an address (not
-    /// listed).
+    /// named like a changing field, a cordoned and draining proxy, and a proxy without an
+    /// address (not listed).
     #[test]
     fn body_matches_the_serde_shape() {
         let mut cordoned = proxy("a", Some("10.0.0.1"), &[("geo", "eu")]);
         cordoned.spec.cordoned = true;
+        cordoned.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        );
         let proxies = vec![
             cordoned,
             proxy("b\"quoted\\", Some("2001:db8::1"), &[]),
@@ -306,6 +310,7 @@ mod tests {
                     active_leases: dynamic.active_leases,
                     max_leases: p.spec.max_leases(),
                     cordoned: p.spec.cordoned,
+                    draining: p.is_draining(),
                     labels: p.labels(),
                 });
             }
@@ -315,7 +320,15 @@ mod tests {
             proxies: expected,
         })
         .unwrap();
-        assert_eq!(body.finish(), expected);
+        let body = body.finish();
+        assert_eq!(body, expected);
+        let parsed: ProxyList = serde_json::from_str(&body).unwrap();
+        let flags: Vec<(bool, bool)> = parsed
+            .proxies
+            .iter()
+            .map(|p| (p.cordoned, p.draining))
+            .collect();
+        assert_eq!(flags, [(true, true), (false, false), (false, false)]);
     }
 
     #[test]

@@ -224,6 +224,10 @@ pub struct ProxyView {
     /// Whether it is cordoned (`spec.cordoned`): no new leases, while the leases it holds go
     /// on and it is still health-checked.
     pub cordoned: bool,
+    /// Whether it is draining (its Proxy is being deleted, or its machine is about to be
+    /// replaced): no new leases, and its leases cannot be renewed (`proxy_draining`); release
+    /// them and acquire another proxy.
+    pub draining: bool,
     /// Its selection labels.
     pub labels: BTreeMap<String, String>,
 }

@@ -26,6 +26,9 @@ pub struct Leasable {
     pub has_address: bool,
     /// `spec.cordoned`: never leased, still listed and probed.
     pub cordoned: bool,
+    /// [`Proxy::is_draining`]: being deleted or about to be replaced. Never leased, its
+    /// leases are not renewed; still listed and probed.
+    pub draining: bool,
 }
 
 impl Leasable {
@@ -35,6 +38,7 @@ impl Leasable {
             max_leases: proxy.spec.max_leases(),
             has_address: proxy.spec.effective_host(proxy.status.as_ref()).is_some(),
             cordoned: proxy.spec.cordoned,
+            draining: proxy.is_draining(),
         }
     }
 }
@@ -44,9 +48,12 @@ impl Leasable {
 pub struct InventorySnapshot {
     /// Proxies sorted by namespace/name.
     proxies: Vec<Arc<Proxy>>,
-    /// Identity, capacity, address presence and cordon of each proxy in `proxies`, computed once per
-    /// replacement (the API and the health engine look proxies up on every request and tick).
+    /// Identity, capacity, address presence, cordon and drain of each proxy in `proxies`,
+    /// computed once per replacement (the API and the health engine look proxies up on every
+    /// request and tick).
     leasable: Vec<Leasable>,
+    /// How many of them are draining (a renew looks its lease's proxy up only when some are).
+    draining: usize,
     /// Position of each proxy in `proxies`, by identity.
     by_id: HashMap<Arc<ProxyId>, usize>,
     /// Whether the feeder has delivered its first complete set (drives `/readyz`).
@@ -79,6 +86,18 @@ impl InventorySnapshot {
     /// Where the proxy with this identity is in [`proxies`](Self::proxies).
     pub fn position(&self, id: &ProxyId) -> Option<usize> {
         self.by_id.get(id).copied()
+    }
+
+    /// Whether any proxy is draining ([`Leasable::draining`]).
+    pub fn any_draining(&self) -> bool {
+        self.draining > 0
+    }
+
+    /// Whether the proxy with this identity is present and draining.
+    pub fn is_draining(&self, id: &ProxyId) -> bool {
+        self.position(id)
+            .and_then(|i| self.leasable.get(i))
+            .is_some_and(|l| l.draining)
     }
 
     /// Whether a first complete set has been loaded.
@@ -143,10 +162,12 @@ impl Inventory {
             .enumerate()
             .map(|(i, l)| (l.id.clone(), i))
             .collect();
+        let draining = leasable.iter().filter(|l| l.draining).count();
         let version = self.sender.borrow().version + 1;
         self.sender.send_replace(Arc::new(InventorySnapshot {
             proxies,
             leasable,
+            draining,
             by_id,
             synced: true,
             version,
@@ -183,7 +204,9 @@ fn key_order(a: &ProxyId, b: &ProxyId) -> std::cmp::Ordering {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::ProxySpec;
+    use crate::proxy::{
+        CONDITION_PROVISIONED, Condition, ConditionStatus, ProxySpec, ProxyStatus, REASON_DRAINING,
+    };
 
     fn proxy(ns: &str, name: &str) -> Proxy {
         let spec: ProxySpec = serde_json::from_value(serde_json::json!({
@@ -218,40 +241,94 @@ mod tests {
         assert_eq!(snap.version(), 1);
     }
 
+    /// A Provisioned condition with `reason`, as the reconciler writes it.
+    fn provisioned(mut p: Proxy, status: ConditionStatus, reason: &str) -> Proxy {
+        p.status = Some(ProxyStatus {
+            ip: Some("10.0.0.9".into()),
+            conditions: vec![Condition {
+                type_: CONDITION_PROVISIONED.into(),
+                status,
+                reason: reason.into(),
+                message: String::new(),
+                last_transition_time: jiff::Timestamp::UNIX_EPOCH,
+                observed_generation: None,
+            }],
+            ..ProxyStatus::default()
+        });
+        p
+    }
+
     #[test]
     fn leasable_facts_follow_the_proxies() {
         let managed: ProxySpec = serde_json::from_value(serde_json::json!({
             "mode": "Managed", "provider": "local", "maxLeases": 3
         }))
         .unwrap();
-        let mut pending = Proxy::new("pending", managed);
+        let mut pending = Proxy::new("pending", managed.clone());
         pending.metadata.namespace = Some("a".into());
         let mut zero = proxy("a", "zero");
         zero.spec.max_leases = Some(0);
         let mut cordoned = proxy("a", "cordoned");
         cordoned.spec.cordoned = true;
+        let mut replaced = Proxy::new("replaced", managed.clone());
+        replaced.metadata.namespace = Some("a".into());
+        let replaced = provisioned(replaced, ConditionStatus::False, REASON_DRAINING);
+        let mut running = Proxy::new("running", managed);
+        running.metadata.namespace = Some("a".into());
+        let running = provisioned(running, ConditionStatus::True, "Running");
+        let mut deleted = proxy("a", "deleted");
+        deleted.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        );
         let inventory = Inventory::new();
-        inventory.replace([proxy("a", "plain"), pending, zero, cordoned]);
+        inventory.replace([
+            proxy("a", "plain"),
+            pending,
+            zero,
+            cordoned,
+            replaced,
+            running,
+            deleted,
+        ]);
         let snap = inventory.snapshot();
-        let facts: Vec<(String, u32, bool, bool)> = snap
+        let facts: Vec<(String, u32, bool, bool, bool)> = snap
             .leasable()
             .iter()
-            .map(|l| (l.id.name.clone(), l.max_leases, l.has_address, l.cordoned))
+            .map(|l| {
+                (
+                    l.id.name.clone(),
+                    l.max_leases,
+                    l.has_address,
+                    l.cordoned,
+                    l.draining,
+                )
+            })
             .collect();
         let default = crate::proxy::DEFAULT_MAX_LEASES.unsigned_abs();
         assert_eq!(
             facts,
             [
-                ("cordoned".to_owned(), default, true, true),
-                ("pending".to_owned(), 3, false, false),
-                ("plain".to_owned(), default, true, false),
-                ("zero".to_owned(), 0, true, false),
+                ("cordoned".to_owned(), default, true, true, false),
+                ("deleted".to_owned(), default, true, false, true),
+                ("pending".to_owned(), 3, false, false, false),
+                ("plain".to_owned(), default, true, false, false),
+                ("replaced".to_owned(), 3, true, false, true),
+                ("running".to_owned(), 3, true, false, false),
+                ("zero".to_owned(), 0, true, false, false),
             ]
         );
         for (i, l) in snap.leasable().iter().enumerate() {
             assert_eq!(snap.position(&l.id), Some(i));
             assert_eq!(snap.proxies()[i].id(), *l.id);
+            assert_eq!(snap.is_draining(&l.id), l.draining, "{}", l.id.name);
         }
+        assert!(snap.any_draining());
+        assert!(!snap.is_draining(&proxy("a", "absent").id()));
+
+        // The count follows every replacement.
+        inventory.replace([proxy("a", "plain")]);
+        assert!(!inventory.snapshot().any_draining());
+        assert!(!Inventory::new().snapshot().any_draining());
     }
 
     #[test]

@@ -183,6 +183,9 @@ pub struct Candidate {
     /// Whether its spec says `cordoned: true`: never chosen, only counted. (The flag sits in
     /// the struct's padding, so the candidate list takes no more memory for it.)
     pub cordoned: bool,
+    /// Whether it is draining (being deleted, or its machine about to be replaced): never
+    /// chosen, only counted. (In the padding too, like `cordoned`.)
+    pub draining: bool,
     /// Latency of its last probe; proxies without one sort after those with one.
     pub latency: Option<Duration>,
 }
@@ -228,18 +231,20 @@ pub enum AcquireOutcome {
 }
 
 /// Why an acquire granted nothing. Every candidate is counted in exactly one bucket, in the
-/// order cordoned, unhealthy, at capacity, in cooldown.
+/// order cordoned, draining, unhealthy, at capacity, in cooldown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NoMatch {
     /// Candidates offered.
     pub considered: u32,
     /// Cordoned candidates (`spec.cordoned: true`), healthy or not.
     pub cordoned: u32,
+    /// Uncordoned draining candidates (being deleted or replaced), healthy or not.
+    pub draining: u32,
     /// Healthy candidates with every lease slot taken (or `maxLeases: 0`).
     pub at_capacity: u32,
     /// Healthy candidates with a free slot whose (proxy, target) pair is cooling down.
     pub in_cooldown: u32,
-    /// Uncordoned candidates the health engine considers unhealthy.
+    /// Candidates neither cordoned nor draining that the health engine considers unhealthy.
     pub unhealthy: u32,
     /// The earliest moment a healthy candidate frees up (a lease expiry or a cooldown end);
     /// `None` when nothing will free up by itself.
@@ -323,9 +328,9 @@ mod tests {
 
     #[test]
     #[cfg(target_pointer_width = "64")]
-    fn the_cordoned_flag_costs_a_candidate_no_memory() {
-        // Acquires over large fleets read these lists in place: one more flag must not make
-        // each entry bigger (it fits next to `max_leases` and `healthy`).
+    fn the_cordoned_and_draining_flags_cost_a_candidate_no_memory() {
+        // Acquires over large fleets read these lists in place: more flags must not make
+        // each entry bigger (they fit next to `max_leases` and `healthy`).
         assert_eq!(std::mem::size_of::<Candidate>(), 32);
     }
 

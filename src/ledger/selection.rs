@@ -28,12 +28,14 @@ pub(crate) enum Selection {
 /// and UID break remaining ties, so the choice is deterministic).
 ///
 /// `load` gives a proxy's load by UID; `cooldown_until` gives the end of a cooldown in force
-/// for the acquire's target, by UID. A cordoned candidate is never chosen and its load is never
-/// looked up, like an unhealthy one. When nothing is chosen, every candidate is counted in one
-/// bucket (cordoned, then unhealthy, then at capacity, then in cooldown) and `retry_after` is
-/// the earliest moment a healthy uncordoned candidate frees up: for a proxy at capacity the
-/// earliest expiry of its leases (or the end of its cooldown if that is later), for one in
-/// cooldown the cooldown's end (an uncordon is an edit, not something that happens by itself).
+/// for the acquire's target, by UID. A cordoned or draining candidate is never chosen and its
+/// load is never looked up, like an unhealthy one. When nothing is chosen, every candidate is
+/// counted in one bucket (cordoned, then draining, then unhealthy, then at capacity, then in
+/// cooldown) and `retry_after` is the earliest moment a healthy candidate that is neither
+/// cordoned nor draining frees up: for a proxy at capacity the earliest expiry of its leases
+/// (or the end of its cooldown if that is later), for one in cooldown the cooldown's end (an
+/// uncordon is an edit, and a drain ends with the machine deleted, so the leases of a cordoned
+/// or draining proxy free nothing an acquire could take).
 /// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
 /// the hint is then early, and the next attempt gets a fresh one.
 ///
@@ -54,6 +56,10 @@ pub(crate) fn select(
     for (index, candidate) in candidates.iter().enumerate() {
         if candidate.cordoned {
             stats.cordoned += 1;
+            continue;
+        }
+        if candidate.draining {
+            stats.draining += 1;
             continue;
         }
         if !candidate.healthy {
@@ -152,12 +158,18 @@ mod tests {
             max_leases,
             healthy,
             cordoned: false,
+            draining: false,
             latency: latency_ms.map(Duration::from_millis),
         }
     }
 
     fn cordoned(mut c: Candidate) -> Candidate {
         c.cordoned = true;
+        c
+    }
+
+    fn draining(mut c: Candidate) -> Candidate {
+        c.draining = true;
         c
     }
 
@@ -194,7 +206,7 @@ mod tests {
 
     #[test]
     fn chooses_by_active_leases_then_latency_then_name() {
-        let cases: [(&str, Vec<Candidate>, Loads, &str); 8] = [
+        let cases: [(&str, Vec<Candidate>, Loads, &str); 11] = [
             (
                 "fewest active leases wins over lower latency",
                 vec![
@@ -269,6 +281,36 @@ mod tests {
                 vec![("a", 1, 60), ("b", 1, 60), ("c", 1, 60)],
                 "c",
             ),
+            (
+                "a draining proxy is never chosen, even the emptiest and fastest",
+                vec![
+                    draining(candidate("a", 5, true, Some(1))),
+                    candidate("b", 5, true, Some(99)),
+                ],
+                vec![("b", 4, 60)],
+                "b",
+            ),
+            (
+                "a draining proxy holding leases does not stop others being chosen",
+                vec![
+                    candidate("a", 5, true, Some(50)),
+                    draining(candidate("b", 1, true, Some(1))),
+                    candidate("c", 5, true, Some(9)),
+                ],
+                vec![("a", 1, 60), ("b", 1, 60), ("c", 1, 60)],
+                "c",
+            ),
+            (
+                "cordoned or draining, the best-ranked are passed over for the slowest",
+                vec![
+                    cordoned(draining(candidate("a", 5, true, Some(1)))),
+                    draining(candidate("b", 5, true, Some(2))),
+                    cordoned(candidate("c", 5, true, Some(3))),
+                    candidate("d", 5, true, Some(900)),
+                ],
+                vec![("d", 4, 60)],
+                "d",
+            ),
         ];
         for (name, candidates, loads, expected) in cases {
             assert_eq!(
@@ -290,7 +332,7 @@ mod tests {
 
     #[test]
     fn no_match_counts_each_candidate_once_and_hints_the_earliest_free_slot() {
-        let cases: [(&str, Vec<Candidate>, Loads, Cooldowns, NoMatch); 8] = [
+        let cases: [(&str, Vec<Candidate>, Loads, Cooldowns, NoMatch); 12] = [
             ("no candidates", vec![], vec![], vec![], NoMatch::default()),
             (
                 "all unhealthy: nothing frees up by itself",
@@ -396,6 +438,76 @@ mod tests {
                     ..NoMatch::default()
                 },
             ),
+            (
+                "draining proxies count as draining only, whatever else holds for them",
+                vec![
+                    draining(candidate("free", 5, true, Some(1))),
+                    draining(candidate("sick", 5, false, None)),
+                    draining(candidate("full", 1, true, None)),
+                    draining(candidate("zero", 0, true, None)),
+                    draining(candidate("cool", 5, true, None)),
+                ],
+                vec![("full", 1, 20)],
+                vec![("cool", 50)],
+                NoMatch {
+                    considered: 5,
+                    draining: 5,
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "a proxy both cordoned and draining counts as cordoned",
+                vec![
+                    cordoned(draining(candidate("both", 5, true, Some(1)))),
+                    draining(candidate("drain", 5, false, None)),
+                ],
+                vec![],
+                vec![],
+                NoMatch {
+                    considered: 2,
+                    cordoned: 1,
+                    draining: 1,
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "a draining proxy's lease expiry and cooldown free nothing: the hint is the others'",
+                vec![
+                    draining(candidate("early", 1, true, None)),
+                    draining(candidate("cool", 5, true, None)),
+                    candidate("late", 1, true, None),
+                ],
+                vec![("early", 1, 10), ("late", 1, 90)],
+                vec![("cool", 20)],
+                NoMatch {
+                    considered: 3,
+                    draining: 2,
+                    at_capacity: 1,
+                    retry_after: Some(ts(90)),
+                    ..NoMatch::default()
+                },
+            ),
+            (
+                "every bucket at once, in order",
+                vec![
+                    cordoned(candidate("c", 5, true, Some(1))),
+                    draining(candidate("d", 5, true, Some(1))),
+                    candidate("sick", 5, false, None),
+                    candidate("full", 1, true, None),
+                    candidate("cool", 5, true, None),
+                ],
+                vec![("d", 1, 5), ("full", 1, 40)],
+                vec![("cool", 30)],
+                NoMatch {
+                    considered: 5,
+                    cordoned: 1,
+                    draining: 1,
+                    unhealthy: 1,
+                    at_capacity: 1,
+                    in_cooldown: 1,
+                    retry_after: Some(ts(30)),
+                },
+            ),
         ];
         for (name, candidates, loads, cooldowns, expected) in cases {
             assert_eq!(
@@ -404,6 +516,41 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn cordoned_and_draining_candidates_are_never_looked_up() {
+        let candidates = [
+            cordoned(candidate("c", 5, true, Some(1))),
+            draining(candidate("d", 5, true, Some(1))),
+            cordoned(draining(candidate("cd", 5, true, Some(1)))),
+            candidate("open", 1, true, Some(50)),
+        ];
+        let looked_up = std::cell::RefCell::new(Vec::new());
+        let record = |uid: &str| looked_up.borrow_mut().push(uid.to_owned());
+        let full = |uid: &str| {
+            record(uid);
+            ProxyLoad {
+                active: 1,
+                earliest_expiry: Some(ts(60)),
+            }
+        };
+        let selection = select(&candidates, full, |uid| {
+            record(uid);
+            None
+        });
+        assert_eq!(
+            selection,
+            Selection::NoMatch(NoMatch {
+                considered: 4,
+                cordoned: 2,
+                draining: 1,
+                at_capacity: 1,
+                retry_after: Some(ts(60)),
+                ..NoMatch::default()
+            })
+        );
+        assert_eq!(*looked_up.borrow(), ["uid-open", "uid-open"]);
     }
 
     /// The selection as the design states it, without shortcuts: every eligible candidate
@@ -418,7 +565,7 @@ mod tests {
             .enumerate()
             .filter_map(|(index, c)| {
                 let active = loads.get(&c.proxy.uid).map_or(0, |l| l.active);
-                let free = !c.cordoned && c.healthy && active < c.max_leases;
+                let free = !c.cordoned && !c.draining && c.healthy && active < c.max_leases;
                 (free && !cooldowns.contains_key(&c.proxy.uid)).then_some((index, active))
             })
             .collect();
@@ -454,6 +601,7 @@ mod tests {
                         latency,
                     );
                     c.cordoned = rng.random_bool(0.15);
+                    c.draining = rng.random_bool(0.15);
                     Arc::make_mut(&mut c.proxy).uid = format!("uid-{i}");
                     c
                 })
@@ -480,8 +628,11 @@ mod tests {
             ) {
                 Selection::Chosen(index) => Some(index),
                 Selection::NoMatch(stats) => {
-                    let counted =
-                        stats.cordoned + stats.unhealthy + stats.at_capacity + stats.in_cooldown;
+                    let counted = stats.cordoned
+                        + stats.draining
+                        + stats.unhealthy
+                        + stats.at_capacity
+                        + stats.in_cooldown;
                     assert_eq!(counted, stats.considered, "case {case}: {stats:?}");
                     None
                 }

@@ -573,6 +573,7 @@ mod tests {
                 max_leases,
                 healthy: true,
                 cordoned: false,
+                draining: false,
                 latency: None,
             })
             .collect()

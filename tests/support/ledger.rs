@@ -82,6 +82,7 @@ pub fn candidate(name: &str, max_leases: u32) -> Candidate {
         max_leases,
         healthy: true,
         cordoned: false,
+        draining: false,
         latency: None,
     }
 }
