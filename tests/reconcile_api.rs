@@ -327,6 +327,9 @@ async fn create_marks_pending_creates_records_status_then_hash() {
                     "conditions": [provisioned("False", "Provisioning", "machine is being created"), not_probed()],
                     "latencyMs": null,
                     "lastHealthCheckTime": null,
+                    "port": 3128,
+                    "machineCreatedAt": null,
+                    "disruption": null,
                 }})),
             ),
             expect(
@@ -336,6 +339,7 @@ async fn create_marks_pending_creates_records_status_then_hash() {
                     "crawl.example.com/spec-hash": hash,
                     "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
                     "crawl.example.com/create-pending": null,
+                    "crawl.example.com/rotated": null,
                 }}})),
             ),
             expect(Method::POST, EVENTS_PATH, event_with_reason("Created")),
@@ -407,6 +411,9 @@ async fn running_sets_the_ip_once_and_then_writes_nothing() {
         ],
         "latencyMs": 37,
         "lastHealthCheckTime": NOW,
+        "port": 3128,
+        "machineCreatedAt": null,
+        "disruption": null,
     });
     let before = json!({
         "phase": "Provisioning",
@@ -455,11 +462,39 @@ fn running_status() -> Value {
 }
 
 #[tokio::test]
-async fn spec_change_replaces_and_waits_for_not_found() {
+async fn spec_change_drains_replaces_and_waits_for_not_found() {
     let stub = Arc::new(Stub::default());
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let metadata =
         json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded("old-hash")});
+
+    // The spec changed under a serving machine: a slot of the budget, then a drain, no delete.
+    let requeue = run(
+        managed(metadata.clone(), running_status()),
+        Some(stub.clone()),
+        None,
+        vec![
+            expect(Method::PATCH, STATUS_PATH, |b: &Value| {
+                let s = &b["status"];
+                assert_eq!(s["phase"], "Replacing");
+                assert_eq!(s["ip"], "10.1.2.3", "a draining machine keeps serving");
+                assert_eq!(s["conditions"][0]["reason"], "Draining");
+                assert_eq!(s["disruption"]["reason"], "SpecChange");
+                assert_eq!(s["disruption"]["since"], NOW);
+                assert_eq!(s["disruption"]["replacedAt"], Value::Null);
+            }),
+            expect(Method::POST, EVENTS_PATH, event_with_reason("Draining")),
+        ],
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(3)));
+    assert_eq!(stub.calls(), ["get crawl/proxy-abc"]);
+
+    // Drained (no lease): delete the machine.
+    let mut draining = running_status();
+    draining["phase"] = json!("Replacing");
+    draining["conditions"][0] = provisioned("False", "Draining", "draining");
+    draining["disruption"] = json!({"reason": "SpecChange", "since": NOW});
     let replacing = |b: &Value| {
         let s = &b["status"];
         assert_eq!(s["phase"], "Replacing");
@@ -475,7 +510,7 @@ async fn spec_change_replaces_and_waits_for_not_found() {
         );
     };
     let requeue = run(
-        managed(metadata.clone(), running_status()),
+        managed(metadata.clone(), draining.clone()),
         Some(stub.clone()),
         None,
         vec![
@@ -486,14 +521,13 @@ async fn spec_change_replaces_and_waits_for_not_found() {
     .await;
     assert_eq!(requeue, Requeue::requeue(Duration::from_secs(3)));
     assert_eq!(
-        stub.calls(),
+        stub.calls()[1..],
         ["get crawl/proxy-abc", "delete crawl/proxy-abc"]
     );
 
     // Still there (terminating): delete again, no create, no second event.
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Terminated, None)));
-    let mut status = running_status();
-    status["phase"] = json!("Replacing");
+    let mut status = draining;
     status["ip"] = Value::Null;
     status["observedGeneration"] = json!(2);
     status["conditions"][0] = provisioned(
@@ -510,7 +544,7 @@ async fn spec_change_replaces_and_waits_for_not_found() {
     )
     .await;
     assert_eq!(
-        stub.calls()[2..],
+        stub.calls()[3..],
         ["get crawl/proxy-abc", "delete crawl/proxy-abc"]
     );
 
@@ -526,6 +560,9 @@ async fn spec_change_replaces_and_waits_for_not_found() {
                 assert_eq!(b["status"]["providerID"], Value::Null);
                 assert_eq!(b["status"]["phase"], "Provisioning");
                 assert_eq!(b["status"]["conditions"][0]["reason"], "MachineGone");
+                // The old machine is gone: what comes next is its replacement.
+                assert_eq!(b["status"]["disruption"]["reason"], "SpecChange");
+                assert_eq!(b["status"]["disruption"]["replacedAt"], NOW);
             }),
             expect(
                 Method::PATCH,
@@ -640,6 +677,9 @@ async fn external_gets_status_without_finalizer_or_provider() {
                 "conditions": [provisioned("True", "ExternalEndpoint", "external endpoint"), not_probed()],
                 "latencyMs": null,
                 "lastHealthCheckTime": null,
+                "port": null,
+                "machineCreatedAt": null,
+                "disruption": null,
             }})),
         )],
     )
@@ -803,6 +843,7 @@ async fn interrupted_create_finds_the_machine_by_name_and_records_the_pending_ha
                     "crawl.example.com/spec-hash": "hash-at-create",
                     "crawl.example.com/spec-hash-version": SPEC_HASH_VERSION,
                     "crawl.example.com/create-pending": null,
+                    "crawl.example.com/rotated": null,
                 }}})),
             ),
         ],

@@ -1396,27 +1396,29 @@ fn waiting(reason: &'static str, message: String, requeue: Duration) -> Step {
     )
 }
 
-/// Records the hash the machine was made from, and clears the create-pending marker.
-/// The annotations recorded once a machine is created: the spec hash it was made with and the
-/// rotate annotation's value then (so only a new value rotates it).
+/// The annotations recorded once a machine is created: the spec hash it was made with, the
+/// rotate annotation's value then (so only a new value rotates it), and the create-pending
+/// marker cleared.
 fn record_created(proxy: &Proxy, hash: &str) -> Value {
     let rotate = proxy
         .annotations()
         .get(ROTATE_ANNOTATION)
         .map(String::as_str);
-    annotations_patch(&[
-        (SPEC_HASH_ANNOTATION, Some(hash)),
-        (SPEC_HASH_VERSION_ANNOTATION, Some(SPEC_HASH_VERSION)),
-        (ROTATED_ANNOTATION, rotate),
-    ])
+    let [spec_hash, version, pending] = hash_annotations(hash);
+    annotations_patch(&[spec_hash, version, pending, (ROTATED_ANNOTATION, rotate)])
 }
 
+/// Records the hash the machine was made from, and clears the create-pending marker.
 fn record_hash(hash: &str) -> Value {
-    annotations_patch(&[
+    annotations_patch(&hash_annotations(hash))
+}
+
+fn hash_annotations(hash: &str) -> [(&'static str, Option<&str>); 3] {
+    [
         (SPEC_HASH_ANNOTATION, Some(hash)),
         (SPEC_HASH_VERSION_ANNOTATION, Some(SPEC_HASH_VERSION)),
         (CREATE_PENDING_ANNOTATION, None),
-    ])
+    ]
 }
 
 /// Sets the finalizer list, guarded by resourceVersion so a concurrent edit is not overwritten.
