@@ -195,6 +195,37 @@ impl Kubelet {
             .unwrap_or_default()
     }
 
+    /// Freezes (SIGSTOP) the squid of the current Pod `namespace/pod` (the newest Pod of that
+    /// name whose squid runs): the process stays alive and its port keeps accepting TCP
+    /// connections into the listen backlog, but nothing answers, so every probe through it times
+    /// out. The Pod's status is untouched (still `Running`, Ready): a wedged proxy only health
+    /// checks can see. A replacement Pod (a new UID) runs a squid of its own, not frozen; a
+    /// frozen squid is still killed as usual when its Pod goes. Returns the UID of the Pod whose
+    /// squid was frozen, or `None` when no squid runs for that name now.
+    pub fn freeze_squid_of(&self, namespace: &str, pod: &str) -> Option<String> {
+        self.signal_squid_of(namespace, pod, libc::SIGSTOP)
+    }
+
+    /// Resumes (SIGCONT) a squid frozen by [`Kubelet::freeze_squid_of`]; returns the Pod UID.
+    pub fn thaw_squid_of(&self, namespace: &str, pod: &str) -> Option<String> {
+        self.signal_squid_of(namespace, pod, libc::SIGCONT)
+    }
+
+    /// Sends `signal` to the squid of the newest Pod of this name whose squid runs.
+    fn signal_squid_of(&self, namespace: &str, pod: &str, signal: libc::c_int) -> Option<String> {
+        let key = (namespace.to_owned(), pod.to_owned());
+        let state = self.lock();
+        let (uid, pid) = state.seen.get(&key)?.iter().rev().find_map(|uid| {
+            let squid = state.records.get(uid)?.squid.as_ref()?;
+            Some((uid.clone(), squid.child.id()))
+        })?;
+        let pid = i32::try_from(pid).ok()?;
+        // SAFETY: kill(2) on a child this kubelet spawned and has not reaped (its record holds
+        // it, under the lock).
+        let sent = unsafe { libc::kill(pid, signal) } == 0;
+        sent.then_some(uid)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
