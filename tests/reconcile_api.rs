@@ -152,8 +152,13 @@ fn context(
         Arc::new(SystemClock),
     )
     .unwrap();
+    // An empty fleet view, as after the controller's first list.
+    let (store, mut writer) = kube::runtime::reflector::store::<Proxy>();
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::Init);
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
     let ctx = Context {
         clock: now,
+        fleet: std::sync::OnceLock::from(store),
         ..Context::new(
             client,
             providers,

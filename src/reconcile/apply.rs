@@ -283,7 +283,7 @@ async fn step(
         .or_else(|| current.healthy().zip(current.last_health_check_time));
     let remediation = match (&spec.provider, unhealthy_since) {
         (Some(provider), Some(_)) if spec.mode == Mode::Managed => {
-            let fleet = ctx.fleet();
+            let fleet = ctx.fleet().unwrap_or_default();
             remediation::gate(
                 remediation::provider_health(fleet.iter().map(AsRef::as_ref), provider),
                 ctx.config.max_unhealthy,
@@ -808,7 +808,11 @@ fn running(
 /// otherwise say it waits.
 fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReason) -> Step {
     let ctx = machine.ctx;
-    let fleet = ctx.fleet();
+    let Some(fleet) = ctx.fleet() else {
+        // Right after start-up: the holders are not known until the first list is in.
+        return Step::requeue(controller::Action::requeue(ctx.config.provisioning_poll))
+            .with_outcome(Outcome::Neutral);
+    };
     let limit = ctx
         .config
         .replacement_budget

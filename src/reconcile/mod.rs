@@ -180,7 +180,8 @@ pub struct Context {
     pub clock: Clock,
     /// Replacement budget slots granted by this process and not yet visible in the store.
     pub grants: budget::Grants,
-    /// Every Proxy, as the controller's store has them (set when the controller starts).
+    /// Every Proxy, as the controller's store has them: set once the store has its first
+    /// complete list, so the replacement budget never counts from a partial one.
     pub fleet: OnceLock<Store<Proxy>>,
     /// Counters of drains and their timeouts.
     pub metrics: FleetMetrics,
@@ -213,9 +214,10 @@ impl Context {
         }
     }
 
-    /// Every Proxy the controller knows now (none before it starts).
-    pub fn fleet(&self) -> Vec<Arc<Proxy>> {
-        self.fleet.get().map(Store::state).unwrap_or_default()
+    /// Every Proxy the controller knows now; `None` until the store has its first complete
+    /// list.
+    pub fn fleet(&self) -> Option<Vec<Arc<Proxy>>> {
+        self.fleet.get().map(Store::state)
     }
 }
 
@@ -320,11 +322,15 @@ fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controll
 /// How often health and retry memory of deleted Proxies is dropped.
 const FORGET_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Drops the health transitions and retry memory of Proxies no longer in `store`, every
-/// [`FORGET_PERIOD`], once the store has its first list.
-async fn forget_deleted(store: Store<Proxy>, ctx: Arc<Context>) {
+/// Once the store has its first list, publishes it as the fleet view (`Context::fleet`) and
+/// then drops the health transitions, retry memory and budget grants of Proxies no longer in
+/// it, every [`FORGET_PERIOD`].
+async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>) {
     if store.wait_until_ready().await.is_err() {
         return;
+    }
+    if ctx.fleet.set(store.clone()).is_err() {
+        log::warn!("the Proxy controller was started twice on one context");
     }
     let mut tick = tokio::time::interval(FORGET_PERIOD);
     loop {
@@ -364,10 +370,7 @@ pub async fn run_controller(
         ctx.install
     ));
     let pod_store = store.clone();
-    if ctx.fleet.set(store.clone()).is_err() {
-        log::warn!("the Proxy controller was started twice on one context");
-    }
-    let forget = forget_deleted(store.clone(), ctx.clone());
+    let tracking = track_fleet(store.clone(), ctx.clone());
     let controller = Controller::for_shared_stream(proxies, store.clone())
         .with_config(controller::Config::default().concurrency(ctx.config.concurrency));
     let secret_selector =
@@ -393,7 +396,7 @@ pub async fn run_controller(
         });
     tokio::select! {
         () = reconciling => {}
-        () = forget => {}
+        () = tracking => {}
     }
 }
 
