@@ -1,7 +1,8 @@
 //! `/metrics` as Prometheus scrapes it: a real metrics server over the registry the binary
 //! builds, fed by the real health engine probing through a real squid, checked by
 //! `promtool check metrics` (required when `CI` is set), and its size at 10,000 proxies; and
-//! the per-target cooldown gauge fed by reports through the real lease API.
+//! the per-target cooldown gauge fed by reports through the real lease API; and the
+//! reconciler's fleet-lifecycle counters and remediation gauge, also through promtool.
 
 mod support;
 
@@ -624,4 +625,96 @@ async fn sixty_targets_show_fifty_series_and_other() {
     let text = world.scrape().await;
     assert!(target_cooldowns(&text).is_empty(), "{text}");
     world.stop().await;
+}
+
+/// A Managed proxy of `provider` whose `Healthy` condition is `healthy`.
+fn managed(name: &str, provider: &str, healthy: bool) -> Proxy {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": name, "namespace": "crawl", "uid": format!("uid-{name}")},
+        "spec": {"mode": "Managed", "provider": provider},
+        "status": {"conditions": [{
+            "type": "Healthy", "status": if healthy { "True" } else { "False" },
+            "reason": "Probe", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }]},
+    }))
+    .unwrap()
+}
+
+#[test]
+fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() {
+    use kube::runtime::watcher::Event;
+    use proxy_operator::reconcile::metrics::RemediationGauge;
+    use proxy_operator::reconcile::{FleetMetrics, Share};
+
+    let (store, mut writer) = kube::runtime::reflector::store::<Proxy>();
+    writer.apply_watcher_event(&Event::Init);
+    for proxy in [
+        managed("a", "local", false),
+        managed("b", "local", false),
+        managed("c", "local", true),
+        managed("d", "gcp-eu", true),
+    ] {
+        writer.apply_watcher_event(&Event::InitApply(proxy));
+    }
+    writer.apply_watcher_event(&Event::InitDone);
+    let registry = Registry::new();
+    let fleet = FleetMetrics::register(&registry).unwrap();
+    RemediationGauge::register(
+        &registry,
+        store,
+        vec!["local".to_owned(), "gcp-eu".to_owned()],
+        Share::Percent(40),
+    )
+    .unwrap();
+    fleet.disruption_started("spec_change");
+    fleet.disruption_started("deleted");
+    fleet.drain_timed_out();
+    let scrape = || {
+        let mut buffer = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut buffer)
+            .unwrap();
+        let text = String::from_utf8(buffer).unwrap();
+        promtool_check(&text);
+        text
+    };
+
+    // 2 of 3 is more than 40 %: remediation of `local` is paused; `gcp-eu` is not.
+    let text = scrape();
+    let value = |series: &str| line_value(&text, series);
+    assert_eq!(
+        value(r#"proxy_operator_remediation_paused{provider="local"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_remediation_paused{provider="gcp-eu"}"#),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_disruptions_total{reason="spec_change"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_disruptions_total{reason="deleted"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_disruptions_total{reason="unhealthy"}"#),
+        Some(0.0),
+        "every reason is exported from the start"
+    );
+    assert_eq!(value("proxy_operator_drain_timeouts_total"), Some(1.0));
+
+    // One recovers: 1 of 3 is not more than 40 %, and the next scrape says so.
+    writer.apply_watcher_event(&Event::Apply(managed("b", "local", true)));
+    let text = scrape();
+    assert_eq!(
+        line_value(
+            &text,
+            r#"proxy_operator_remediation_paused{provider="local"}"#
+        ),
+        Some(0.0)
+    );
 }
