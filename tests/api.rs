@@ -2,6 +2,7 @@
 //! in a temp dir and an injected clock.
 
 use std::collections::BTreeMap;
+use std::convert::identity;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
@@ -641,8 +642,12 @@ fn cordoned(mut p: Proxy) -> Proxy {
     p
 }
 
-/// `(name, cordoned, healthy, activeLeases)` of every listed proxy.
-fn cordon_view(list: &Value) -> Vec<(String, bool, bool, u64)> {
+/// `(name, <first>, <second>, activeLeases)` of every listed proxy, for two of its boolean
+/// fields.
+type Listed = Vec<(String, bool, bool, u64)>;
+
+/// [`Listed`]: the proxies of `list` with the boolean fields `first` and `second`.
+fn listed_flags(list: &Value, first: &str, second: &str) -> Listed {
     list["proxies"]
         .as_array()
         .unwrap()
@@ -650,58 +655,87 @@ fn cordon_view(list: &Value) -> Vec<(String, bool, bool, u64)> {
         .map(|p| {
             (
                 p["name"].as_str().unwrap().to_owned(),
-                p["cordoned"].as_bool().expect("cordoned is always listed"),
-                p["healthy"].as_bool().unwrap(),
+                p[first].as_bool().expect("the field is always listed"),
+                p[second].as_bool().expect("the field is always listed"),
                 p["activeLeases"].as_u64().unwrap(),
             )
         })
         .collect()
 }
 
-#[tokio::test]
-async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
-    let h = Harness::start().await;
+/// `(name, cordoned, healthy, activeLeases)` of every listed proxy.
+fn cordon_view(list: &Value) -> Listed {
+    listed_flags(list, "cordoned", "healthy")
+}
+
+/// Loads the fast proxy `a` (5 ms) and the slow `b` (50 ms), both healthy in `geo: eu`, each
+/// as its `make_*` function leaves it (`identity`: as it is).
+fn load_a_and_b(h: &Harness, make_a: fn(Proxy) -> Proxy, make_b: fn(Proxy) -> Proxy) {
     let eu = [("geo", "eu")];
     h.load(vec![
-        (proxy("a", 3001, &eu, 5), Some(5)),
-        (proxy("b", 3002, &eu, 5), Some(50)),
+        (make_a(proxy("a", 3001, &eu, 5)), Some(5)),
+        (make_b(proxy("b", 3002, &eu, 5)), Some(50)),
     ]);
-    let (_, list) = h.get("/v1/proxies").await;
-    assert_eq!(
-        cordon_view(&list),
-        [
-            ("a".to_owned(), false, true, 0),
-            ("b".to_owned(), false, true, 0)
-        ]
-    );
-    // A lease on the fast proxy, granted before the cordon, with a request ID.
-    let before = json!({"selector": {"geo": "eu"}, "ttlSeconds": 100, "requestID": "pre-cordon"});
-    let (s, first) = h.acquire(before.clone()).await;
-    assert_eq!(s, StatusCode::CREATED, "{first}");
-    assert_eq!(first["proxy"]["name"], "a");
-    let id = first["leaseID"].as_str().unwrap().to_owned();
+}
 
-    // Cordon a (the inventory changes, as the watch or the file would make it).
-    h.load(vec![
-        (cordoned(proxy("a", 3001, &eu, 5)), Some(5)),
-        (proxy("b", 3002, &eu, 5), Some(50)),
-    ]);
-    let (_, list) = h.get("/v1/proxies?healthy=true").await;
+/// A lease granted for a request with a request ID, which a retried acquire replays.
+struct Granted {
+    request: Value,
+    lease: Value,
+    id: String,
+}
+
+/// Asserts `view` shows the proxies of `list` as `expected`.
+fn assert_listed(list: &Value, view: fn(&Value) -> Listed, expected: [(&str, bool, bool, u64); 2]) {
     assert_eq!(
-        cordon_view(&list),
-        [
-            ("a".to_owned(), true, true, 1),
-            ("b".to_owned(), false, true, 0)
-        ]
+        view(list),
+        expected.map(|(n, x, y, c)| (n.to_owned(), x, y, c))
     );
-    // Every new lease goes to b, though a is faster and (after the first) less loaded.
+}
+
+/// Loads `a` and `b` as they are (`view` shows them as `listed`, not leased yet) and takes the
+/// first lease on `geo: eu`, asked for with the request ID `request_id`: it goes to the fast
+/// proxy `a`.
+async fn lease_on_fast_a(
+    h: &Harness,
+    request_id: &str,
+    view: fn(&Value) -> Listed,
+    listed: [(&str, bool, bool, u64); 2],
+) -> Granted {
+    load_a_and_b(h, identity, identity);
+    let (_, list) = h.get("/v1/proxies").await;
+    assert_listed(&list, view, listed);
+    let request = json!({"selector": {"geo": "eu"}, "ttlSeconds": 100, "requestID": request_id});
+    let (s, lease) = h.acquire(request.clone()).await;
+    assert_eq!(s, StatusCode::CREATED, "{lease}");
+    assert_eq!(lease["proxy"]["name"], "a");
+    let id = lease["leaseID"].as_str().unwrap().to_owned();
+    Granted { request, lease, id }
+}
+
+/// Makes `a`, which holds the lease `granted`, unleasable with `make_unleasable` (the inventory
+/// changes, as the watch or the file would make it); then `view` shows the healthy proxies as
+/// `listed`, every new lease goes to `b` though `a` is faster, the granted request replays its
+/// lease (still active on `a`), and 50 s later a renewal of it for 100 s answers
+/// `renew_status`. Returns the renewal's answer.
+async fn make_a_unleasable(
+    h: &Harness,
+    granted: &Granted,
+    make_unleasable: fn(Proxy) -> Proxy,
+    view: fn(&Value) -> Listed,
+    listed: [(&str, bool, bool, u64); 2],
+    renew_status: StatusCode,
+) -> Value {
+    load_a_and_b(h, make_unleasable, identity);
+    let (_, list) = h.get("/v1/proxies?healthy=true").await;
+    assert_listed(&list, view, listed);
     for _ in 0..3 {
         let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
         assert_eq!(s, StatusCode::CREATED, "{lease}");
         assert_eq!(lease["proxy"]["name"], "b", "{lease}");
     }
-    // The lease granted before the cordon replays, renews, takes reports.
-    let (s, replay) = h.acquire(before.clone()).await;
+    let id = &granted.id;
+    let (s, replay) = h.acquire(granted.request.clone()).await;
     assert_eq!(s, StatusCode::OK, "{replay}");
     assert_eq!(
         lease_summary(&replay),
@@ -714,7 +748,78 @@ async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
             json!({"ttlSeconds": 100}),
         )
         .await;
-    assert_eq!(s, StatusCode::OK, "{renewed}");
+    assert_eq!(s, renew_status, "{renewed}");
+    renewed
+}
+
+/// Asserts an acquire on `geo: eu` is refused as `no_match` with these `counts` of the
+/// proxies it considered, with no hint to retry (body or header), and a message that contains
+/// `summary`.
+async fn assert_no_match_without_retry(h: &Harness, counts: &[(&str, u64)], summary: &str) {
+    let (s, headers, body) = h
+        .send(
+            reqwest::Method::POST,
+            "/v1/leases",
+            Some(json!({"selector": {"geo": "eu"}})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    assert_error(&body, "no_match");
+    for (field, count) in counts {
+        assert_eq!(body[*field], *count, "{field}: {body}");
+    }
+    assert!(body.get("retryAfterSeconds").is_none(), "{body}");
+    assert!(headers.get("retry-after").is_none(), "{headers:?}");
+    assert!(
+        body["message"].as_str().unwrap().contains(summary),
+        "{body}"
+    );
+}
+
+/// Releases the lease `id`, asserting the answer is 204.
+async fn release(h: &Harness, id: &str) {
+    let (s, _, body) = h
+        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{body}");
+}
+
+/// Asserts the OpenAPI document `doc` says `field` is always sent: a required integer of a
+/// 409's body and a required boolean of a listed proxy.
+fn assert_always_sent(doc: &Value, field: &str) {
+    for (schema, kind) in [("NoMatchBody", "integer"), ("ProxyView", "boolean")] {
+        let schema = &doc["components"]["schemas"][schema];
+        assert_eq!(schema["properties"][field]["type"], kind, "{schema}");
+        let required = schema["required"].as_array().unwrap();
+        assert!(required.contains(&json!(field)), "{schema}");
+    }
+}
+
+#[tokio::test]
+async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
+    let h = Harness::start().await;
+    let eu = [("geo", "eu")];
+    // A lease on the fast proxy, granted before the cordon, with a request ID.
+    let granted = lease_on_fast_a(
+        &h,
+        "pre-cordon",
+        cordon_view,
+        [("a", false, true, 0), ("b", false, true, 0)],
+    )
+    .await;
+    let id = &granted.id;
+
+    // Cordon a: new leases go to b (also once a is less loaded, after the first), while the
+    // lease granted before the cordon replays, renews and takes reports.
+    let renewed = make_a_unleasable(
+        &h,
+        &granted,
+        cordoned,
+        cordon_view,
+        [("a", true, true, 1), ("b", false, true, 0)],
+        StatusCode::OK,
+    )
+    .await;
     assert!(
         renewed["expiresAt"]
             .as_str()
@@ -735,48 +840,29 @@ async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
         (proxy("c", 3003, &eu, 5), None),
         (cordoned(proxy("d", 3004, &eu, 5)), None),
     ]);
-    let (s, headers, body) = h
-        .send(
-            reqwest::Method::POST,
-            "/v1/leases",
-            Some(json!({"selector": {"geo": "eu"}})),
-        )
-        .await;
-    assert_eq!(s, StatusCode::CONFLICT, "{body}");
-    assert_error(&body, "no_match");
-    assert_eq!(body["considered"], 4, "{body}");
-    assert_eq!(body["cordoned"], 3, "{body}");
-    assert_eq!(body["unhealthy"], 1, "{body}");
-    assert_eq!(body["atCapacity"], 0, "{body}");
-    assert_eq!(body["inCooldown"], 0, "{body}");
-    assert!(body.get("retryAfterSeconds").is_none(), "{body}");
-    assert!(headers.get("retry-after").is_none(), "{headers:?}");
-    assert!(
-        body["message"].as_str().unwrap().contains("3 cordoned"),
-        "{body}"
-    );
+    assert_no_match_without_retry(
+        &h,
+        &[
+            ("considered", 4),
+            ("cordoned", 3),
+            ("unhealthy", 1),
+            ("atCapacity", 0),
+            ("inCooldown", 0),
+        ],
+        "3 cordoned",
+    )
+    .await;
 
     // Releasing works on a cordoned proxy; uncordoning makes it leasable again.
-    let (s, _, _) = h
-        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(s, StatusCode::NO_CONTENT);
-    h.load(vec![
-        (proxy("a", 3001, &eu, 5), Some(5)),
-        (cordoned(proxy("b", 3002, &eu, 5)), Some(50)),
-    ]);
+    release(&h, id).await;
+    load_a_and_b(&h, identity, cordoned);
     let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
     assert_eq!(s, StatusCode::CREATED, "{lease}");
     assert_eq!(lease["proxy"]["name"], "a");
 
     // The document says so: both fields are always sent.
     let (_, doc) = h.get("/v1/openapi.json").await;
-    for (schema, kind) in [("NoMatchBody", "integer"), ("ProxyView", "boolean")] {
-        let schema = &doc["components"]["schemas"][schema];
-        assert_eq!(schema["properties"]["cordoned"]["type"], kind, "{schema}");
-        let required = schema["required"].as_array().unwrap();
-        assert!(required.contains(&json!("cordoned")), "{schema}");
-    }
+    assert_always_sent(&doc, "cordoned");
     h.stop().await;
 }
 
@@ -804,92 +890,48 @@ fn deleted(mut p: Proxy) -> Proxy {
 }
 
 /// `(name, draining, cordoned, activeLeases)` of every listed proxy.
-fn drain_view(list: &Value) -> Vec<(String, bool, bool, u64)> {
-    list["proxies"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            (
-                p["name"].as_str().unwrap().to_owned(),
-                p["draining"].as_bool().expect("draining is always listed"),
-                p["cordoned"].as_bool().unwrap(),
-                p["activeLeases"].as_u64().unwrap(),
-            )
-        })
-        .collect()
+fn drain_view(list: &Value) -> Listed {
+    listed_flags(list, "draining", "cordoned")
 }
 
 #[tokio::test]
 async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
     let h = Harness::start().await;
     let eu = [("geo", "eu")];
-    h.load(vec![
-        (proxy("a", 3001, &eu, 5), Some(5)),
-        (proxy("b", 3002, &eu, 5), Some(50)),
-    ]);
-    let (_, list) = h.get("/v1/proxies").await;
-    assert_eq!(
-        drain_view(&list),
-        [
-            ("a".to_owned(), false, false, 0),
-            ("b".to_owned(), false, false, 0)
-        ]
-    );
     // A lease on the fast proxy, granted before the drain, with a request ID; one on b.
-    let before = json!({"selector": {"geo": "eu"}, "ttlSeconds": 100, "requestID": "pre-drain"});
-    let (s, first) = h.acquire(before.clone()).await;
-    assert_eq!(s, StatusCode::CREATED, "{first}");
-    assert_eq!(first["proxy"]["name"], "a");
-    let id = first["leaseID"].as_str().unwrap().to_owned();
+    let granted = lease_on_fast_a(
+        &h,
+        "pre-drain",
+        drain_view,
+        [("a", false, false, 0), ("b", false, false, 0)],
+    )
+    .await;
+    let id = &granted.id;
     let (s, on_b) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
     assert_eq!(s, StatusCode::CREATED, "{on_b}");
     assert_eq!(on_b["proxy"]["name"], "b");
     let on_b = on_b["leaseID"].as_str().unwrap().to_owned();
 
     // a starts draining for a replacement (the reconciler's condition, as the watch delivers
-    // it): listed as draining, still healthy and holding its lease.
-    h.load(vec![
-        (replacing(proxy("a", 3001, &eu, 5)), Some(5)),
-        (proxy("b", 3002, &eu, 5), Some(50)),
-    ]);
-    let (_, list) = h.get("/v1/proxies?healthy=true").await;
-    assert_eq!(
-        drain_view(&list),
-        [
-            ("a".to_owned(), true, false, 1),
-            ("b".to_owned(), false, false, 1)
-        ]
-    );
-    // Every new lease goes to b, though a is faster and as loaded.
-    for _ in 0..3 {
-        let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
-        assert_eq!(s, StatusCode::CREATED, "{lease}");
-        assert_eq!(lease["proxy"]["name"], "b", "{lease}");
-    }
-    // The lease granted before the drain replays and can be read, but is not renewed: the
-    // crawler is told to release it and acquire another proxy.
-    let (s, replay) = h.acquire(before.clone()).await;
-    assert_eq!(s, StatusCode::OK, "{replay}");
-    assert_eq!(
-        lease_summary(&replay),
-        (id.clone(), "a".into(), "active".into())
-    );
-    h.clock.advance(Duration::from_secs(50));
-    let (s, refused) = h
-        .post(
-            &format!("/v1/leases/{id}/renew"),
-            json!({"ttlSeconds": 100}),
-        )
-        .await;
-    assert_eq!(s, StatusCode::CONFLICT, "{refused}");
+    // it): listed as draining, still healthy and holding its lease. New leases go to b (a is
+    // as loaded); the lease granted before the drain replays and can be read, but is not
+    // renewed: the crawler is told to release it and acquire another proxy.
+    let refused = make_a_unleasable(
+        &h,
+        &granted,
+        replacing,
+        drain_view,
+        [("a", true, false, 1), ("b", false, false, 1)],
+        StatusCode::CONFLICT,
+    )
+    .await;
     assert_error(&refused, "proxy_draining");
     let message = refused["message"].as_str().unwrap();
     for part in [
         "crawl/a is draining",
         "release",
         "acquire another proxy",
-        &id,
+        id,
     ] {
         assert!(message.contains(part), "{part:?} not in {message:?}");
     }
@@ -897,7 +939,7 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
     // Nothing was renewed.
     let (s, got) = h.get(&format!("/v1/leases/{id}")).await;
     assert_eq!(s, StatusCode::OK);
-    assert_eq!(got["expiresAt"], first["expiresAt"], "{got}");
+    assert_eq!(got["expiresAt"], granted.lease["expiresAt"], "{got}");
     assert_eq!(got["state"], "active", "{got}");
     // Leases on other proxies renew as before, and unknown leases are still unknown.
     let (s, renewed) = h.post(&format!("/v1/leases/{on_b}/renew"), json!({})).await;
@@ -913,16 +955,13 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
         )
         .await;
     assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
-    let (s, _, body) = h
-        .send(reqwest::Method::DELETE, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(s, StatusCode::NO_CONTENT, "{body}");
+    release(&h, id).await;
     // Once released, a renew gets today's answer for a lease that is over.
     let (s, v) = h.post(&format!("/v1/leases/{id}/renew"), json!({})).await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     assert_error(&v, "lease_not_active");
     // The replay still answers, with the lease as it is now.
-    let (s, replay) = h.acquire(before.clone()).await;
+    let (s, replay) = h.acquire(granted.request.clone()).await;
     assert_eq!(s, StatusCode::OK, "{replay}");
     assert_eq!(
         lease_summary(&replay),
@@ -933,10 +972,7 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
     // and deleted at once (c) and unhealthy (d): the 409 counts each proxy in one bucket, in
     // the order cordoned, draining, unhealthy; the draining proxies' lease expiries are no
     // reason to retry. (First a takes a lease while it is not draining.)
-    h.load(vec![
-        (proxy("a", 3001, &eu, 5), Some(5)),
-        (proxy("b", 3002, &eu, 5), Some(50)),
-    ]);
+    load_a_and_b(&h, identity, identity);
     let (s, on_a) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
     assert_eq!(s, StatusCode::CREATED, "{on_a}");
     assert_eq!(on_a["proxy"]["name"], "a", "{on_a}");
@@ -946,30 +982,19 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
         (deleted(cordoned(proxy("c", 3003, &eu, 5))), Some(1)),
         (proxy("d", 3004, &eu, 5), None),
     ]);
-    let (s, headers, body) = h
-        .send(
-            reqwest::Method::POST,
-            "/v1/leases",
-            Some(json!({"selector": {"geo": "eu"}})),
-        )
-        .await;
-    assert_eq!(s, StatusCode::CONFLICT, "{body}");
-    assert_error(&body, "no_match");
-    assert_eq!(body["considered"], 4, "{body}");
-    assert_eq!(body["cordoned"], 1, "{body}");
-    assert_eq!(body["draining"], 2, "{body}");
-    assert_eq!(body["unhealthy"], 1, "{body}");
-    assert_eq!(body["atCapacity"], 0, "{body}");
-    assert_eq!(body["inCooldown"], 0, "{body}");
-    assert!(body.get("retryAfterSeconds").is_none(), "{body}");
-    assert!(headers.get("retry-after").is_none(), "{headers:?}");
-    assert!(
-        body["message"]
-            .as_str()
-            .unwrap()
-            .contains("1 cordoned, 2 draining, 1 unhealthy"),
-        "{body}"
-    );
+    assert_no_match_without_retry(
+        &h,
+        &[
+            ("considered", 4),
+            ("cordoned", 1),
+            ("draining", 2),
+            ("unhealthy", 1),
+            ("atCapacity", 0),
+            ("inCooldown", 0),
+        ],
+        "1 cordoned, 2 draining, 1 unhealthy",
+    )
+    .await;
     let (_, list) = h.get("/v1/proxies").await;
     assert_eq!(
         drain_view(&list),
@@ -985,18 +1010,12 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     assert_error(&v, "proxy_draining");
     assert!(v["message"].as_str().unwrap().contains("crawl/b"), "{v}");
-    let (s, _, _) = h
-        .send(reqwest::Method::DELETE, &format!("/v1/leases/{on_b}"), None)
-        .await;
-    assert_eq!(s, StatusCode::NO_CONTENT);
+    release(&h, &on_b).await;
 
     // A proxy that is back (its new machine runs, the condition no longer says Draining)
     // renews and takes leases again.
     let on_a = on_a["leaseID"].as_str().unwrap().to_owned();
-    h.load(vec![
-        (proxy("a", 3001, &eu, 5), Some(5)),
-        (deleted(proxy("b", 3002, &eu, 5)), Some(50)),
-    ]);
+    load_a_and_b(&h, identity, deleted);
     let (s, renewed) = h.post(&format!("/v1/leases/{on_a}/renew"), json!({})).await;
     assert_eq!(s, StatusCode::OK, "{renewed}");
     let (s, lease) = h.acquire(json!({"selector": {"geo": "eu"}})).await;
@@ -1005,12 +1024,7 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
 
     // The document says so: the fields are always sent, and renew documents the code.
     let (_, doc) = h.get("/v1/openapi.json").await;
-    for (schema, kind) in [("NoMatchBody", "integer"), ("ProxyView", "boolean")] {
-        let schema = &doc["components"]["schemas"][schema];
-        assert_eq!(schema["properties"]["draining"]["type"], kind, "{schema}");
-        let required = schema["required"].as_array().unwrap();
-        assert!(required.contains(&json!("draining")), "{schema}");
-    }
+    assert_always_sent(&doc, "draining");
     let conflict = &doc["paths"]["/v1/leases/{id}/renew"]["post"]["responses"]["409"];
     assert!(
         conflict["description"]

@@ -196,22 +196,14 @@ async fn external_and_managed_proxies_reach_ready_and_are_leased() {
         .await;
     assert_eq!(status, StatusCode::CREATED, "{lease}");
     let id = lease["leaseID"].as_str().expect("a lease ID").to_owned();
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/report"),
-            Some(json!({"result": "rate_limited", "target": "example.com"})),
+    operator
+        .report(
+            &id,
+            json!({"result": "rate_limited", "target": "example.com"}),
         )
         .await;
-    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
-    let (status, _) = operator
-        .call(Method::DELETE, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(status, StatusCode::NO_CONTENT);
-    let (status, released) = operator
-        .call(Method::GET, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(status, StatusCode::OK, "{released}");
+    operator.release(&id).await;
+    let released = operator.lease(&id).await;
     assert_eq!(released["state"], "released", "{released}");
 
     // Creation is on record as an Event.

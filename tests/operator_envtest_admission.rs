@@ -297,7 +297,7 @@ async fn assert_refused_and_retried(
     })
     .await;
     eventually(&format!("a Warning Event {REFUSED}"), || async {
-        let events = events_about(world, name).await;
+        let events = world.events_about(name).await;
         events
             .iter()
             .any(|e| e.reason.as_deref() == Some(REFUSED))
@@ -305,7 +305,8 @@ async fn assert_refused_and_retried(
     })
     .await;
     // Published once although the create was refused twice or more: one Event, no series.
-    let refused: Vec<Event> = events_about(world, name)
+    let refused: Vec<Event> = world
+        .events_about(name)
         .await
         .into_iter()
         .filter(|e| e.reason.as_deref() == Some(REFUSED))
@@ -350,18 +351,6 @@ async fn current_status(world: &World, name: &str) -> Value {
 /// The operator's count of refused Pod creates.
 async fn refused_creates(operator: &OperatorProcess) -> f64 {
     metric_sum(&operator.metrics().await, PROVIDER_REQUESTS, REFUSED_CREATE)
-}
-
-/// Events (events.k8s.io/v1) about the object `name`.
-async fn events_about(world: &World, name: &str) -> Vec<Event> {
-    Api::<Event>::namespaced(world.client.clone(), &world.ns)
-        .list(&ListParams::default())
-        .await
-        .expect("list Events")
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .collect()
 }
 
 /// Every `status.phase` a Proxy had, as seen by a watch from before its creation: sampling

@@ -12,103 +12,24 @@
 mod support;
 
 use std::path::Path;
-use std::process::Command;
 
 use kube::ResourceExt;
-use kube::api::{Patch, PatchParams, PostParams};
 use proxy_operator::proxy::SPEC_HASH_ANNOTATION;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::Squid;
 use support::operator::OperatorProcess;
-use support::world::{World, eventually};
-
-/// Creates a Proxy labelled `pool: <pool>`, so each proxy of this test has a selector of its
-/// own.
-async fn create_in_pool(world: &World, name: &str, pool: &str, spec: Value) {
-    let object = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "labels": {"pool": pool}},
-        "spec": spec,
-    }))
-    .expect("a Proxy object");
-    world
-        .raw_proxies()
-        .create(&PostParams::default(), &object)
-        .await
-        .unwrap_or_else(|e| panic!("create Proxy {name}: {e}"));
-}
-
-/// Runs `kubectl` with the admin kubeconfig in the world's namespace; `None` when kubectl is
-/// not installed.
-fn kubectl(kubeconfig: &Path, ns: &str, args: &[&str]) -> Option<String> {
-    let output = match Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(["-n", ns])
-        .args(args)
-        .output()
-    {
-        Ok(output) => output,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => panic!("run kubectl: {e}"),
-    };
-    assert!(
-        output.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Some(String::from_utf8_lossy(&output.stdout).into_owned())
-}
+use support::world::World;
 
 /// `kubectl patch px <name> --type merge -p '{"spec":{"cordoned":<value>}}'` (through the
 /// client when kubectl is missing); returns the Proxy's new generation.
 async fn set_cordoned(world: &World, kubeconfig: &Path, name: &str, value: bool) -> i64 {
-    let patch = json!({"spec": {"cordoned": value}});
-    let by_kubectl = kubectl(
-        kubeconfig,
-        &world.ns,
-        &[
-            "patch",
-            "px",
-            name,
-            "--type",
-            "merge",
-            "-p",
-            &patch.to_string(),
-        ],
-    );
-    if by_kubectl.is_none() {
-        world
-            .proxies()
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .expect("patch spec.cordoned");
-    }
+    world
+        .patch_proxy(kubeconfig, name, &json!({"spec": {"cordoned": value}}))
+        .await;
     let proxy = world.proxies().get(name).await.expect("read the Proxy");
     assert_eq!(proxy.spec.cordoned, value);
     proxy.metadata.generation.expect("a generation")
-}
-
-/// The listed proxy `name` of `pool`, once it shows `cordoned: <value>`.
-async fn wait_listed(operator: &OperatorProcess, pool: &str, name: &str, value: bool) -> Value {
-    eventually(&format!("{name} listed with cordoned: {value}"), || async {
-        let (status, list) = operator
-            .call(
-                Method::GET,
-                &format!("/v1/proxies?selector=pool={pool}"),
-                None,
-            )
-            .await;
-        assert_eq!(status, StatusCode::OK, "{list}");
-        list["proxies"]
-            .as_array()?
-            .iter()
-            .find(|p| p["name"] == name && p["cordoned"] == value)
-            .cloned()
-    })
-    .await
 }
 
 /// Asserts an acquire on `pool` is refused with every proxy counted as cordoned.
@@ -135,24 +56,20 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
     let Some(world) = World::new("cordon").await else {
         return;
     };
-    let kubeconfig = world.dir.path().join("admin.kubeconfig");
-    world.cp.write_admin_kubeconfig(&kubeconfig);
+    let kubeconfig = world.admin_kubeconfig();
     let mut squid = Squid::start();
     let operator = world.operator(&[]).await;
-    create_in_pool(
-        &world,
-        "ext",
-        "cordon-ext",
-        world.external_spec(&squid, "500ms"),
-    )
-    .await;
-    create_in_pool(
-        &world,
-        "managed",
-        "cordon-managed",
-        world.managed_spec(3128),
-    )
-    .await;
+    world
+        .create_in_pool(
+            "ext",
+            "cordon-ext",
+            &[],
+            world.external_spec(&squid, "500ms"),
+        )
+        .await;
+    world
+        .create_in_pool("managed", "cordon-managed", &[], world.managed_spec(3128))
+        .await;
     let ext = world.wait_ready("ext").await;
     assert_eq!(ext["spec"]["cordoned"], false, "the server defaults it");
     let managed = world.wait_ready("managed").await;
@@ -169,11 +86,15 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
     assert_eq!(status, StatusCode::CREATED, "{lease}");
     assert_eq!(lease["proxy"]["name"], "ext");
     let id = lease["leaseID"].as_str().expect("a lease ID").to_owned();
-    let listed = wait_listed(&operator, "cordon-ext", "ext", false).await;
+    let listed = operator
+        .wait_listed("cordon-ext", "ext", "cordoned", false)
+        .await;
     assert_eq!(listed["activeLeases"], 1, "{listed}");
 
     set_cordoned(&world, &kubeconfig, "ext", true).await;
-    let listed = wait_listed(&operator, "cordon-ext", "ext", true).await;
+    let listed = operator
+        .wait_listed("cordon-ext", "ext", "cordoned", true)
+        .await;
     assert_eq!(listed["healthy"], true, "{listed}");
     assert_eq!(listed["activeLeases"], 1, "{listed}");
     assert_refused_as_cordoned(&operator, "cordon-ext").await;
@@ -184,24 +105,11 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
         .await;
     assert_eq!(status, StatusCode::OK, "{replay}");
     assert_eq!(replay["leaseID"], id.as_str(), "{replay}");
-    let (status, renewed) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"ttlSeconds": 120})),
-        )
-        .await;
+    let (status, renewed) = operator.renew(&id, 120).await;
     assert_eq!(status, StatusCode::OK, "{renewed}");
     assert_eq!(renewed["state"], "active", "{renewed}");
     assert_eq!(renewed["ttlSeconds"], 120, "{renewed}");
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/report"),
-            Some(json!({"result": "ok"})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    operator.report(&id, json!({"result": "ok"})).await;
 
     // Health checks go on and the status follows them: down, then Ready again.
     let ready = world
@@ -236,7 +144,9 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
     let same = world.pod_of(&after).await.expect("the managed Pod");
     assert_eq!(same.uid(), pod.uid(), "the Pod was not replaced");
     assert_eq!(after["status"]["ip"], managed["status"]["ip"]);
-    wait_listed(&operator, "cordon-managed", "managed", true).await;
+    operator
+        .wait_listed("cordon-managed", "managed", "cordoned", true)
+        .await;
     assert_refused_as_cordoned(&operator, "cordon-managed").await;
     let reasons = world.event_reasons("managed").await;
     assert!(!reasons.iter().any(|r| r == "Replacing"), "{reasons:?}");
@@ -281,7 +191,9 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
 
     // Uncordoned, the External proxy takes new leases again.
     set_cordoned(&world, &kubeconfig, "ext", false).await;
-    wait_listed(&operator, "cordon-ext", "ext", false).await;
+    operator
+        .wait_listed("cordon-ext", "ext", "cordoned", false)
+        .await;
     let (status, lease) = operator
         .call(
             Method::POST,
@@ -292,7 +204,7 @@ async fn cordoning_stops_new_leases_and_nothing_else() {
     assert_eq!(status, StatusCode::CREATED, "{lease}");
 
     // And kubectl shows it (when installed): ext false, managed true.
-    if let Some(out) = kubectl(&kubeconfig, &world.ns, &["get", "px"]) {
+    if let Some(out) = world.kubectl(&kubeconfig, &["get", "px"]) {
         // Cells are aligned under their header (an empty cell would break a split).
         let mut lines = out.lines();
         let header = lines.next().unwrap_or_default();

@@ -17,24 +17,23 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
 use proxy_operator::naming::machine_name;
 use proxy_operator::proxy::{ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
-use support::operator::{OperatorProcess, metric_sum};
+use support::operator::{OperatorProcess, lease_id, metric_sum};
 use support::world::{SLOW, World, eventually, within};
 
 /// Lease TTL in these tests: far longer than any of them, so only a release, the operator or a
@@ -45,6 +44,17 @@ const LEASE_TTL: u64 = 600;
 /// fleet-wide image upgrade. The test kubelet runs the Pod's squid configuration whatever the
 /// image, so only the Pod shows it.
 const NEW_IMAGE: &str = "ubuntu/squid:6.10-24.10_edge";
+
+/// Operator flags for one replacement at a time, with a drain timeout longer than any test:
+/// only the end of its leases ends a drain.
+const ONE_AT_A_TIME: &[&str] = &["--replacement-budget", "1", "--drain-timeout", "10m"];
+
+/// Operator flags for a budget of 0: replacements wait, repairs do not.
+const NO_REPLACEMENTS: &[&str] = &["--replacement-budget", "0"];
+
+/// Operator flags for remediation 3 s after a machine turns unhealthy, unless more than half of
+/// a provider's proxies are.
+const REMEDIATION: &[&str] = &["--remediate-after", "3s", "--max-unhealthy", "50%"];
 
 /// The image of a Pod's first container.
 fn image_of(pod: &Pod) -> Option<String> {
@@ -72,51 +82,43 @@ fn timestamp(value: &Value) -> Option<jiff::Timestamp> {
     value.as_str()?.parse().ok()
 }
 
+/// `status.machineCreatedAt` of a Proxy.
+fn machine_created_at(proxy: &Value) -> jiff::Timestamp {
+    timestamp(&proxy["status"]["machineCreatedAt"])
+        .unwrap_or_else(|| panic!("no status.machineCreatedAt: {}", proxy["status"]))
+}
+
 /// `b - a` in milliseconds.
 fn millis_between(a: jiff::Timestamp, b: jiff::Timestamp) -> i64 {
     b.as_millisecond() - a.as_millisecond()
 }
 
-/// Writes the admin kubeconfig for `kubectl` into the world's directory.
-fn admin_kubeconfig(world: &World) -> PathBuf {
-    let path = world.dir.path().join("admin.kubeconfig");
-    world.cp.write_admin_kubeconfig(&path);
-    path
+/// A test's world (`None`: no control plane, the test is skipped), its admin kubeconfig for
+/// `kubectl`, and the operator started with `flags`.
+async fn start(prefix: &str, flags: &[&str]) -> Option<(World, PathBuf, OperatorProcess)> {
+    let world = World::new(prefix).await?;
+    let kubeconfig = world.admin_kubeconfig();
+    let operator = world.operator(flags).await;
+    Some((world, kubeconfig, operator))
 }
 
-/// Runs `kubectl` with the admin kubeconfig in the world's namespace; `None` when kubectl is
-/// not installed.
-fn kubectl(kubeconfig: &Path, ns: &str, args: &[&str]) -> Option<String> {
-    let output = match Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(["-n", ns])
-        .args(args)
-        .output()
-    {
-        Ok(output) => output,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => panic!("run kubectl: {e}"),
-    };
-    assert!(
-        output.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Some(String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
-/// `kubectl patch px <name> --type merge -p <patch>` (through the client without kubectl).
-async fn patch_proxy(world: &World, kubeconfig: &Path, name: &str, patch: Value) {
-    let text = patch.to_string();
-    let args = ["patch", "px", name, "--type", "merge", "-p", text.as_str()];
-    if kubectl(kubeconfig, &world.ns, &args).is_none() {
-        world
-            .raw_proxies()
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .unwrap_or_else(|e| panic!("patch Proxy {name} with {patch}: {e}"));
+/// Runs `check` every 250 ms for `period`.
+async fn throughout<F, Fut>(period: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let until = Instant::now() + period;
+    while Instant::now() < until {
+        check().await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Gives the Proxy `name` [`NEW_IMAGE`]: a spec change that replaces its machine.
+async fn set_new_image(world: &World, kubeconfig: &Path, name: &str) {
+    let patch = json!({"spec": {"placement": {"image": NEW_IMAGE}}});
+    world.patch_proxy(kubeconfig, name, &patch).await;
 }
 
 /// `kubectl annotate --overwrite px <name> k=v...` (through the client without kubectl).
@@ -129,7 +131,7 @@ async fn annotate(world: &World, kubeconfig: &Path, name: &str, pairs: &[(&str, 
     ];
     args.extend(pairs.iter().map(|(k, v)| format!("{k}={v}")));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    if kubectl(kubeconfig, &world.ns, &args).is_none() {
+    if world.kubectl(kubeconfig, &args).is_none() {
         let annotations: serde_json::Map<String, Value> = pairs
             .iter()
             .map(|(k, v)| ((*k).to_owned(), json!(v)))
@@ -148,13 +150,8 @@ async fn annotate(world: &World, kubeconfig: &Path, name: &str, pairs: &[(&str, 
 
 /// `kubectl delete px <name> --wait=false` (through the client without kubectl).
 async fn delete_proxy(world: &World, kubeconfig: &Path, name: &str) {
-    if kubectl(
-        kubeconfig,
-        &world.ns,
-        &["delete", "px", name, "--wait=false"],
-    )
-    .is_none()
-    {
+    let args = ["delete", "px", name, "--wait=false"];
+    if world.kubectl(kubeconfig, &args).is_none() {
         world
             .proxies()
             .delete(name, &DeleteParams::default())
@@ -163,28 +160,97 @@ async fn delete_proxy(world: &World, kubeconfig: &Path, name: &str) {
     }
 }
 
-/// Creates a Proxy labelled `pool: <pool>` (each proxy of a test a selector of its own), with
-/// extra `annotations`.
-async fn create_in_pool(
+/// A Managed proxy Ready on its first machine.
+struct FirstMachine {
+    /// The Proxy once Ready.
+    ready: Value,
+    pod_name: String,
+    uid: String,
+}
+
+/// Creates the Managed proxy `name` (port 3128) in `pool` with `annotations` and waits until it
+/// is Ready on its first machine.
+async fn ready_managed(
     world: &World,
     name: &str,
     pool: &str,
-    annotations: Value,
-    spec: Value,
-) -> String {
-    let object = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "labels": {"pool": pool}, "annotations": annotations},
-        "spec": spec,
-    }))
-    .expect("a Proxy object");
-    let created = world
-        .raw_proxies()
-        .create(&PostParams::default(), &object)
-        .await
-        .unwrap_or_else(|e| panic!("create Proxy {name}: {e}"));
-    created.metadata.uid.expect("the server sets a UID")
+    annotations: &[(&str, &str)],
+) -> FirstMachine {
+    world
+        .create_in_pool(name, pool, annotations, world.managed_spec(3128))
+        .await;
+    let ready = world.wait_ready(name).await;
+    let pod = world.pod_of(&ready).await.expect("the machine Pod");
+    FirstMachine {
+        pod_name: pod.name_any(),
+        uid: pod.uid().expect("a Pod UID"),
+        ready,
+    }
+}
+
+/// Creates `names` (each in a pool of its name) and waits until all are Ready; returns each
+/// name's Pod name and UID.
+async fn ready_fleet(world: &World, names: &[&str]) -> BTreeMap<String, (String, String)> {
+    for name in names {
+        world
+            .create_in_pool(name, name, &[], world.managed_spec(3128))
+            .await;
+    }
+    let mut pods = BTreeMap::new();
+    for name in names {
+        let ready = world.wait_ready(name).await;
+        let pod = world.pod_of(&ready).await.expect("the machine Pod");
+        pods.insert(
+            (*name).to_owned(),
+            (pod.name_any(), pod.uid().expect("a Pod UID")),
+        );
+    }
+    pods
+}
+
+/// Proxies Ready on their first machines, each holding one lease.
+struct LeasedFleet {
+    /// Each name's first Pod: name and UID.
+    pods: BTreeMap<String, (String, String)>,
+    /// Each name's lease ID.
+    leases: BTreeMap<String, String>,
+}
+
+/// [`ready_fleet`], then a lease on each proxy (through its pool).
+async fn leased_fleet(world: &World, operator: &OperatorProcess, names: &[&str]) -> LeasedFleet {
+    let pods = ready_fleet(world, names).await;
+    let mut leases = BTreeMap::new();
+    for name in names {
+        leases.insert((*name).to_owned(), lease_id(&acquire(operator, name).await));
+    }
+    LeasedFleet { pods, leases }
+}
+
+/// With a budget of 1, gives `a` and then `b` (both leased) the new image; returns `a`'s Proxy
+/// once it drains, when `b` waits for the budget.
+async fn replace_a_while_b_waits(world: &World, kubeconfig: &Path) -> Value {
+    set_new_image(world, kubeconfig, "a").await;
+    let draining = wait_provisioned_reason(world, "a", "Draining", "a draining").await;
+    set_new_image(world, kubeconfig, "b").await;
+    wait_provisioned_reason(world, "b", "ReplacementPending", "b waiting for the budget").await;
+    draining
+}
+
+/// Waits until `name` drains (`what`), ends its lease and waits until its replacement is done:
+/// Ready on a new Pod, `status.disruption` cleared.
+async fn drain_and_replace(
+    world: &World,
+    operator: &OperatorProcess,
+    fleet: &LeasedFleet,
+    name: &str,
+    what: &str,
+) {
+    wait_provisioned_reason(world, name, "Draining", what).await;
+    operator.release(&fleet.leases[name]).await;
+    world
+        .wait_ready_on_new_pod(name, &fleet.pods[name].1, SLOW)
+        .await;
+    wait_disruption_cleared(world, name).await;
 }
 
 /// The Proxy `name` as JSON, if it exists.
@@ -195,6 +261,39 @@ async fn proxy_value(world: &World, name: &str) -> Option<Value> {
         .await
         .unwrap_or_else(|e| panic!("read Proxy {name}: {e}"))?;
     Some(serde_json::to_value(&object).expect("a Proxy as JSON"))
+}
+
+/// Waits until the Proxy's Provisioned condition has `reason`; returns the Proxy.
+async fn wait_provisioned_reason(world: &World, name: &str, reason: &str, what: &str) -> Value {
+    world
+        .wait_proxy(name, what, |s| provisioned(s)["reason"] == reason)
+        .await
+}
+
+/// Waits until the Proxy is Provisioned=True with no replacement pending any more.
+async fn wait_nothing_pending(world: &World, name: &str) -> Value {
+    world
+        .wait_proxy(name, "Provisioned=True, nothing pending", |s| {
+            provisioned(s)["status"] == "True" && provisioned(s)["reason"] != "ReplacementPending"
+        })
+        .await
+}
+
+/// Waits until the Proxy drains its machine (Provisioned=False/Draining) for 1 active lease.
+async fn wait_draining_one_lease(world: &World, name: &str) -> Value {
+    world
+        .wait_proxy(
+            name,
+            "Provisioned=False/Draining with 1 active lease",
+            |s| {
+                let p = provisioned(s);
+                p["reason"] == "Draining"
+                    && p["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("1 active lease"))
+            },
+        )
+        .await
 }
 
 /// The UID of the Pod of this name now, and whether it is being deleted.
@@ -208,6 +307,24 @@ async fn pod_now(world: &World, pod_name: &str) -> Option<(String, bool)> {
         pod.uid().unwrap_or_default(),
         pod.metadata.deletion_timestamp.is_some(),
     ))
+}
+
+/// Waits (up to `deadline`, failing with `what`) until the Pod `pod_name` is no longer `uid`
+/// running (it is being deleted, gone or another); returns when that was seen.
+async fn wait_pod_deleted(
+    world: &World,
+    pod_name: &str,
+    uid: &str,
+    deadline: Duration,
+    what: &str,
+) -> jiff::Timestamp {
+    within(deadline, what, || async {
+        match pod_now(world, pod_name).await {
+            Some((now, false)) if now == uid => None,
+            _ => Some(jiff::Timestamp::now()),
+        }
+    })
+    .await
 }
 
 /// Asserts that the Pod `pod_name` is still the one with UID `uid`, running, not deleted.
@@ -226,8 +343,7 @@ async fn assert_same_pod(world: &World, pod_name: &str, uid: &str, when: &str) {
 
 /// Asserts, for `period`, that each `(proxy, pod UID)` keeps its Pod and no disruption.
 async fn assert_not_replaced_for(world: &World, proxies: &[(&str, &str)], period: Duration) {
-    let until = Instant::now() + period;
-    while Instant::now() < until {
+    throughout(period, || async {
         for (name, uid) in proxies {
             let proxy = proxy_value(world, name).await.expect("the Proxy");
             assert!(
@@ -238,38 +354,15 @@ async fn assert_not_replaced_for(world: &World, proxies: &[(&str, &str)], period
             let pod_name = machine_name(proxy["metadata"]["uid"].as_str().expect("a UID"));
             assert_same_pod(world, &pod_name, uid, &format!("{name} left alone")).await;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
 }
 
-/// Waits (up to `deadline`) until the Proxy `name` is Ready on a Pod other than `old_uid`, with
-/// the IP the kubelet published for that Pod; returns the Proxy and the new Pod.
-async fn wait_ready_on_new_pod(
-    world: &World,
-    name: &str,
-    old_uid: &str,
-    deadline: Duration,
-) -> (Value, Pod) {
-    within(
-        deadline,
-        &format!("Proxy {name} Ready again on a Pod other than {old_uid}"),
-        || async {
-            let proxy = proxy_value(world, name).await?;
-            let status = &proxy["status"];
-            if status["phase"] != "Ready" {
-                return None;
-            }
-            let pod = world.pod_of(&proxy).await?;
-            if pod.metadata.uid.as_deref() == Some(old_uid)
-                || pod.metadata.deletion_timestamp.is_some()
-            {
-                return None;
-            }
-            let address = world.kubelet.address(&world.ns, &pod.name_any())?;
-            (status["ip"] == address.to_string()).then_some((proxy, pod))
-        },
-    )
-    .await
+/// Waits until the Proxy `name` is Ready on a Pod other than `old_uid` that runs
+/// [`NEW_IMAGE`].
+async fn wait_ready_on_new_image(world: &World, name: &str, old_uid: &str) {
+    let (_, new_pod) = world.wait_ready_on_new_pod(name, old_uid, SLOW).await;
+    assert_eq!(image_of(&new_pod).as_deref(), Some(NEW_IMAGE));
 }
 
 /// Waits until the Proxy's `status.disruption` is gone (the replacement finished), returning
@@ -286,84 +379,42 @@ async fn wait_disruption_cleared(world: &World, name: &str) -> Value {
 async fn acquire(operator: &OperatorProcess, pool: &str) -> Value {
     acquire_with(
         operator,
-        json!({"selector": {"pool": pool}, "ttlSeconds": LEASE_TTL}),
+        &json!({"selector": {"pool": pool}, "ttlSeconds": LEASE_TTL}),
     )
     .await
 }
 
 /// Acquires a lease with the request `body`, retrying while the answer is 409.
-async fn acquire_with(operator: &OperatorProcess, body: Value) -> Value {
-    within(SLOW, &format!("a lease for {body}"), || async {
-        let (status, lease) = operator
-            .call(Method::POST, "/v1/leases", Some(body.clone()))
-            .await;
-        match status {
-            StatusCode::CREATED => Some(lease),
-            StatusCode::CONFLICT => None,
-            other => panic!("acquire {body} answered {other}: {lease}"),
-        }
-    })
-    .await
-}
-
-fn lease_id(lease: &Value) -> String {
-    lease["leaseID"].as_str().expect("a lease ID").to_owned()
-}
-
-async fn release(operator: &OperatorProcess, id: &str) {
-    let (status, body) = operator
-        .call(Method::DELETE, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(status, StatusCode::NO_CONTENT, "release {id}: {body}");
-}
-
-/// The listed proxy `name` of `pool`, once it shows `draining: <value>`.
-async fn wait_listed_draining(
-    operator: &OperatorProcess,
-    pool: &str,
-    name: &str,
-    value: bool,
-) -> Value {
-    eventually(
-        &format!("{name} listed by the API with draining: {value}"),
-        || async {
-            let (status, list) = operator
-                .call(
-                    Method::GET,
-                    &format!("/v1/proxies?selector=pool={pool}"),
-                    None,
-                )
-                .await;
-            assert_eq!(status, StatusCode::OK, "{list}");
-            list["proxies"]
-                .as_array()?
-                .iter()
-                .find(|p| p["name"] == name && p["draining"] == value)
-                .cloned()
-        },
-    )
-    .await
-}
-
-/// `(type, note)` of every Event about the object `name` with this `reason`.
-async fn events_with_reason(world: &World, name: &str, reason: &str) -> Vec<(String, String)> {
-    let events: Api<Event> = Api::namespaced(world.client.clone(), &world.ns);
-    events
-        .list(&ListParams::default())
+async fn acquire_with(operator: &OperatorProcess, body: &Value) -> Value {
+    operator
+        .acquire_retrying(body, &format!("a lease for {body}"))
         .await
-        .expect("list events")
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .map(|e| (e.type_.unwrap_or_default(), e.note.unwrap_or_default()))
-        .collect()
+}
+
+/// Asserts a renewal of the lease `id` is refused: 409 with the error code `error`.
+async fn assert_renew_refused(operator: &OperatorProcess, id: &str, error: &str) {
+    let (status, body) = operator.renew(id, 60).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"], error, "{body}");
+}
+
+/// Waits until the ledger shows the lease `id` ended by the drain timeout.
+async fn wait_ended_by_drain_timeout(operator: &OperatorProcess, id: &str) {
+    let ledger = operator.ledger();
+    eventually("the lease ended by the drain timeout", || async {
+        let row = support::sqlite3(
+            &ledger,
+            &format!("SELECT state, release_reason FROM leases WHERE id = '{id}'"),
+        );
+        (row == "released|drain_timeout").then_some(())
+    })
+    .await;
 }
 
 /// Waits for at least one Event `reason` about `name`; returns them all.
 async fn wait_event(world: &World, name: &str, reason: &str) -> Vec<(String, String)> {
     eventually(&format!("an Event {reason} about {name}"), || async {
-        let events = events_with_reason(world, name, reason).await;
+        let events = world.events_with_reason(name, reason).await;
         (!events.is_empty()).then_some(events)
     })
     .await
@@ -391,6 +442,56 @@ async fn wait_metric(operator: &OperatorProcess, metric: &str, labels: &[&str], 
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+const DISRUPTIONS: &str = "proxy_operator_disruptions_total";
+
+/// The operator's count of disruptions now, of one `reason` (its metric label) or of all.
+async fn disruptions(operator: &OperatorProcess, reason: Option<&str>) -> f64 {
+    let label = reason.map(|r| format!("reason=\"{r}\""));
+    let labels: Vec<&str> = label.iter().map(String::as_str).collect();
+    metric_sum(&operator.metrics().await, DISRUPTIONS, &labels)
+}
+
+/// Waits until the operator counts `value` disruptions of `reason` (its metric label).
+async fn wait_disruptions(operator: &OperatorProcess, reason: &str, value: f64) {
+    wait_metric(
+        operator,
+        DISRUPTIONS,
+        &[&format!("reason=\"{reason}\"")],
+        value,
+    )
+    .await;
+}
+
+/// Waits until the operator's remediation of the `local` provider is paused (1) or not (0).
+async fn wait_remediation_paused(operator: &OperatorProcess, value: f64) {
+    let labels = ["provider=\"local\""];
+    wait_metric(
+        operator,
+        "proxy_operator_remediation_paused",
+        &labels,
+        value,
+    )
+    .await;
+}
+
+/// Waits (up to `deadline`) until the Proxy `name` is gone.
+async fn wait_gone_within(world: &World, name: &str, deadline: Duration) {
+    let proxies = world.proxies();
+    within(deadline, &format!("Proxy {name} to be gone"), || async {
+        proxies.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+}
+
+/// Waits until the Proxy's Healthy condition is `value` ("True"/"False").
+async fn wait_healthy(world: &World, name: &str, value: &str) -> Value {
+    world
+        .wait_proxy(name, &format!("{name}: Healthy={value}"), |s| {
+            condition(s, "Healthy")["status"] == value
+        })
+        .await
 }
 
 /// Every version of every Proxy of a namespace, in the order the API server wrote them (one
@@ -492,6 +593,36 @@ impl Recorder {
             .map(|s| s.object)
             .collect()
     }
+
+    /// The status changes of each of `names`, for failure messages.
+    fn describe_all(&self, names: &[&str]) -> String {
+        names
+            .iter()
+            .map(|n| format!("{n}:\n  {}", describe(&self.versions(n))))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Asserts that no version written shows two of `names` disrupted at once (a budget of 1).
+    fn assert_one_disruption_at_a_time(&self, names: &[&str]) {
+        let mut disrupted: BTreeMap<String, bool> = BTreeMap::new();
+        for seen in self.history() {
+            let Some(object) = &seen.object else {
+                continue;
+            };
+            disrupted.insert(seen.name.clone(), !object["status"]["disruption"].is_null());
+            let now: Vec<&String> = disrupted
+                .iter()
+                .filter(|(_, d)| **d)
+                .map(|(n, _)| n)
+                .collect();
+            assert!(
+                now.len() <= 1,
+                "{now:?} disrupted at once with a budget of 1; versions:\n{}",
+                self.describe_all(names)
+            );
+        }
+    }
 }
 
 impl Drop for Recorder {
@@ -534,20 +665,15 @@ fn describe(versions: &[Option<Value>]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
-    let Some(world) = World::new("fleet-spec").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-spec", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
-    create_in_pool(&world, "px", "spec", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let old_pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = old_pod.name_any();
-    let old_uid = old_pod.uid().expect("a Pod UID");
-    let created_before = timestamp(&ready["status"]["machineCreatedAt"])
-        .unwrap_or_else(|| panic!("no status.machineCreatedAt: {}", ready["status"]));
+    let FirstMachine {
+        ready,
+        pod_name,
+        uid: old_uid,
+    } = ready_managed(&world, "px", "spec", &[]).await;
+    let created_before = machine_created_at(&ready);
     assert!(
         ready["status"]["disruption"].is_null(),
         "{}",
@@ -558,27 +684,17 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
 
     let first =
         json!({"selector": {"pool": "spec"}, "ttlSeconds": LEASE_TTL, "requestID": "spec-1"});
-    let lease = acquire_with(&operator, first.clone()).await;
+    let lease = acquire_with(&operator, &first).await;
     assert_eq!(lease["proxy"]["name"], "px", "{lease}");
     assert_eq!(lease["proxy"]["port"], 3128, "{lease}");
     let id = lease_id(&lease);
 
     // A new port is a new spec hash: the machine must be replaced, but it holds a lease.
-    patch_proxy(&world, &kubeconfig, "px", json!({"spec": {"port": 3129}})).await;
-    let changed = Instant::now();
-    let draining = world
-        .wait_proxy(
-            "px",
-            "Provisioned=False/Draining with 1 active lease",
-            |s| {
-                let p = provisioned(s);
-                p["reason"] == "Draining"
-                    && p["message"]
-                        .as_str()
-                        .is_some_and(|m| m.contains("1 active lease"))
-            },
-        )
+    world
+        .patch_proxy(&kubeconfig, "px", &json!({"spec": {"port": 3129}}))
         .await;
+    let changed = Instant::now();
+    let draining = wait_draining_one_lease(&world, "px").await;
     eprintln!(
         "spec change: Draining {:?} after the patch",
         changed.elapsed()
@@ -598,19 +714,18 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
     assert_same_pod(&world, &pod_name, &old_uid, "while draining").await;
 
     // The lease API: no new lease, no renewal, but reports and the lease itself go on.
-    let listed = wait_listed_draining(&operator, "spec", "px", true).await;
+    let listed = operator.wait_listed("spec", "px", "draining", true).await;
     assert_eq!(listed["activeLeases"], 1, "{listed}");
     // The draining machine still listens on the port it was made with, and is probed there.
     assert_eq!(listed["port"], 3128, "{listed}");
-    let settled = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < settled {
-        let listed = wait_listed_draining(&operator, "spec", "px", true).await;
+    throughout(Duration::from_secs(3), || async {
+        let listed = operator.wait_listed("spec", "px", "draining", true).await;
         assert_eq!(
             listed["healthy"], true,
             "the draining machine serves: {listed}"
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
     let (status, body) = operator
         .call(
             Method::POST,
@@ -624,27 +739,11 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
     assert_eq!(body["draining"], 1, "{body}");
     assert_eq!(body["unhealthy"], 0, "{body}");
     assert_eq!(body["atCapacity"], 0, "{body}");
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"ttlSeconds": 120})),
-        )
+    assert_renew_refused(&operator, &id, "proxy_draining").await;
+    operator
+        .report(&id, json!({"result": "ok", "target": "example.com"}))
         .await;
-    assert_eq!(status, StatusCode::CONFLICT, "{body}");
-    assert_eq!(body["error"], "proxy_draining", "{body}");
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/report"),
-            Some(json!({"result": "ok", "target": "example.com"})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
-    let (status, view) = operator
-        .call(Method::GET, &format!("/v1/leases/{id}"), None)
-        .await;
-    assert_eq!(status, StatusCode::OK, "{view}");
+    let view = operator.lease(&id).await;
     assert_eq!(view["state"], "active", "{view}");
     // A retried acquire (same requestID) still answers with the lease it got.
     let (status, replay) = operator
@@ -655,13 +754,7 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
 
     let events = wait_event(&world, "px", "Draining").await;
     assert!(events.iter().any(|(t, _)| t == "Normal"), "{events:?}");
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"spec_change\""],
-        1.0,
-    )
-    .await;
+    wait_disruptions(&operator, "spec_change", 1.0).await;
     let metrics = operator.metrics().await;
     assert!(
         metric_sum(
@@ -677,12 +770,15 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
             .join("\n")
     );
     // The lease keeps the old machine: a few drift polls (2 s) later it is still there.
-    assert_not_replaced_for_draining(&world, &pod_name, &old_uid, Duration::from_secs(4)).await;
+    throughout(Duration::from_secs(4), || {
+        assert_same_pod(&world, &pod_name, &old_uid, "while a lease holds the drain")
+    })
+    .await;
 
     // The last lease ends: the machine goes and a new one on the new port takes its place.
-    release(&operator, &id).await;
+    operator.release(&id).await;
     let released = Instant::now();
-    let (proxy, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, SLOW).await;
+    let (proxy, new_pod) = world.wait_ready_on_new_pod("px", &old_uid, SLOW).await;
     eprintln!(
         "spec change: Ready on a new Pod {:?} after the release",
         released.elapsed()
@@ -699,8 +795,7 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
     let done = wait_disruption_cleared(&world, "px").await;
     let status = &done["status"];
     assert_eq!(provisioned(status)["status"], "True", "{status}");
-    let created_after = timestamp(&status["machineCreatedAt"])
-        .unwrap_or_else(|| panic!("no status.machineCreatedAt: {status}"));
+    let created_after = machine_created_at(&done);
     assert!(
         created_after > created_before,
         "machineCreatedAt {created_after} not newer than {created_before}"
@@ -718,85 +813,41 @@ async fn a_spec_change_drains_leases_before_the_machine_is_replaced() {
         row, "released|-",
         "released by its client, not by the operator"
     );
-    let metrics = operator.metrics().await;
     assert_eq!(
-        metric_sum(
-            &metrics,
-            "proxy_operator_disruptions_total",
-            &["reason=\"spec_change\""]
-        ),
+        disruptions(&operator, Some("spec_change")).await,
         1.0,
         "one disruption for one spec change"
     );
-}
-
-/// Asserts, for `period`, that the draining proxy's Pod `uid` is still there and running.
-async fn assert_not_replaced_for_draining(
-    world: &World,
-    pod_name: &str,
-    uid: &str,
-    period: Duration,
-) {
-    let until = Instant::now() + period;
-    while Instant::now() < until {
-        assert_same_pod(world, pod_name, uid, "while a lease holds the drain").await;
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 /// Crawlers whose renewals are refused let their leases run out: the drain ends when the last
 /// one expires, long before the drain timeout, and nothing is ended by the operator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_ends_when_the_last_lease_expires() {
-    let Some(world) = World::new("fleet-expiry").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-expiry", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
-    create_in_pool(&world, "px", "expiry", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = pod.name_any();
-    let old_uid = pod.uid().expect("a Pod UID");
+    let FirstMachine {
+        pod_name,
+        uid: old_uid,
+        ..
+    } = ready_managed(&world, "px", "expiry", &[]).await;
     let lease = acquire_with(
         &operator,
-        json!({"selector": {"pool": "expiry"}, "ttlSeconds": 10}),
+        &json!({"selector": {"pool": "expiry"}, "ttlSeconds": 10}),
     )
     .await;
     let id = lease_id(&lease);
     let expires_at = timestamp(&lease["expiresAt"]).expect("expiresAt");
 
-    patch_proxy(
+    set_new_image(&world, &kubeconfig, "px").await;
+    wait_draining_one_lease(&world, "px").await;
+    let pod_deleted_at = wait_pod_deleted(
         &world,
-        &kubeconfig,
-        "px",
-        json!({"spec": {"placement": {"image": NEW_IMAGE}}}),
-    )
-    .await;
-    world
-        .wait_proxy(
-            "px",
-            "Provisioned=False/Draining with 1 active lease",
-            |s| {
-                let p = provisioned(s);
-                p["reason"] == "Draining"
-                    && p["message"]
-                        .as_str()
-                        .is_some_and(|m| m.contains("1 active lease"))
-            },
-        )
-        .await;
-    let pod_deleted_at = within(
+        &pod_name,
+        &old_uid,
         Duration::from_secs(120),
         "the machine Pod to be deleted once the lease expired",
-        || async {
-            match pod_now(&world, &pod_name).await {
-                Some((uid, false)) if uid == old_uid => None,
-                _ => Some(jiff::Timestamp::now()),
-            }
-        },
     )
     .await;
     let after_expiry = millis_between(expires_at, pod_deleted_at);
@@ -806,8 +857,7 @@ async fn a_drain_ends_when_the_last_lease_expires() {
         "the machine was deleted {} ms before its lease expired",
         -after_expiry
     );
-    let (_, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, SLOW).await;
-    assert_eq!(image_of(&new_pod).as_deref(), Some(NEW_IMAGE));
+    wait_ready_on_new_image(&world, "px", &old_uid).await;
     wait_disruption_cleared(&world, "px").await;
     let reason = support::sqlite3(
         &operator.ledger(),
@@ -825,37 +875,29 @@ async fn a_drain_ends_when_the_last_lease_expires() {
 /// held, and the lease is ended as `drain_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_drain_ends_at_the_drain_timeout() {
-    let Some(world) = World::new("fleet-timeout").await else {
+    let Some((world, kubeconfig, operator)) = start(
+        "fleet-timeout",
+        &["--replacement-budget", "1", "--drain-timeout", "3s"],
+    )
+    .await
+    else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "3s"])
-        .await;
-    create_in_pool(&world, "px", "timeout", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = pod.name_any();
-    let old_uid = pod.uid().expect("a Pod UID");
+    let FirstMachine {
+        pod_name,
+        uid: old_uid,
+        ..
+    } = ready_managed(&world, "px", "timeout", &[]).await;
     let id = lease_id(&acquire(&operator, "timeout").await);
     let recorder = Recorder::start(&world).await;
 
-    patch_proxy(
+    set_new_image(&world, &kubeconfig, "px").await;
+    let pod_deleted_at = wait_pod_deleted(
         &world,
-        &kubeconfig,
-        "px",
-        json!({"spec": {"placement": {"image": NEW_IMAGE}}}),
-    )
-    .await;
-    let pod_deleted_at = within(
+        &pod_name,
+        &old_uid,
         Duration::from_secs(60),
         "the machine Pod to be deleted at the drain timeout",
-        || async {
-            match pod_now(&world, &pod_name).await {
-                Some((uid, false)) if uid == old_uid => None,
-                _ => Some(jiff::Timestamp::now()),
-            }
-        },
     )
     .await;
     let draining = recorder
@@ -878,28 +920,11 @@ async fn a_replacement_drain_ends_at_the_drain_timeout() {
         "the machine was deleted {waited} ms into a 3 s drain with a lease held; versions:\n  {}",
         describe(&recorder.versions("px"))
     );
-    let (_, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, SLOW).await;
-    assert_eq!(image_of(&new_pod).as_deref(), Some(NEW_IMAGE));
+    wait_ready_on_new_image(&world, "px", &old_uid).await;
     wait_disruption_cleared(&world, "px").await;
 
-    let ledger = operator.ledger();
-    eventually("the lease ended by the drain timeout", || async {
-        let row = support::sqlite3(
-            &ledger,
-            &format!("SELECT state, release_reason FROM leases WHERE id = '{id}'"),
-        );
-        (row == "released|drain_timeout").then_some(())
-    })
-    .await;
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"ttlSeconds": 60})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CONFLICT, "{body}");
-    assert_eq!(body["error"], "lease_not_active", "{body}");
+    wait_ended_by_drain_timeout(&operator, &id).await;
+    assert_renew_refused(&operator, &id, "lease_not_active").await;
     let events = wait_event(&world, "px", "DrainTimedOut").await;
     assert!(events.iter().any(|(t, _)| t == "Warning"), "{events:?}");
     wait_metric(&operator, "proxy_operator_drain_timeouts_total", &[], 1.0).await;
@@ -909,46 +934,20 @@ async fn a_replacement_drain_ends_at_the_drain_timeout() {
 /// the drain goes on (same start, the lease still holds it) and the waiting proxy still waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_keeps_the_drain_and_the_budget() {
-    let Some(world) = World::new("fleet-restart").await else {
+    let Some((world, kubeconfig, mut operator)) = start("fleet-restart", ONE_AT_A_TIME).await
+    else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let mut operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
     let names = ["a", "b"];
-    let mut uids = BTreeMap::new();
-    let mut leases = BTreeMap::new();
-    for name in names {
-        create_in_pool(&world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    for name in names {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        uids.insert(name, pod.uid().expect("a Pod UID"));
-        leases.insert(name, lease_id(&acquire(&operator, name).await));
-    }
+    let fleet = leased_fleet(&world, &operator, &names).await;
     let recorder = Recorder::start(&world).await;
-    let image = json!({"spec": {"placement": {"image": NEW_IMAGE}}});
-    patch_proxy(&world, &kubeconfig, "a", image.clone()).await;
-    let draining = world
-        .wait_proxy("a", "a draining", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
+    let draining = replace_a_while_b_waits(&world, &kubeconfig).await;
     let since = draining["status"]["disruption"]["since"].clone();
-    patch_proxy(&world, &kubeconfig, "b", image).await;
-    world
-        .wait_proxy("b", "b waiting for the budget", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
-        .await;
 
     operator.restart();
     operator.wait_ready(Duration::from_secs(90)).await;
-    let restarted = Instant::now();
     // Several drift polls after the restart: a still drains from the same start, b waits.
-    while restarted.elapsed() < Duration::from_secs(6) {
+    throughout(Duration::from_secs(6), || async {
         let a = proxy_value(&world, "a").await.expect("a");
         assert_eq!(
             provisioned(&a["status"])["reason"],
@@ -964,60 +963,33 @@ async fn a_restart_keeps_the_drain_and_the_budget() {
             b["status"]
         );
         for name in names {
-            let pod_name = machine_name(if name == "a" {
-                a["metadata"]["uid"].as_str().expect("a UID")
-            } else {
-                b["metadata"]["uid"].as_str().expect("a UID")
-            });
-            assert_same_pod(&world, &pod_name, &uids[name], "after the restart").await;
+            let (pod_name, uid) = &fleet.pods[name];
+            assert_same_pod(&world, pod_name, uid, "after the restart").await;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
     // The restarted API knows a is draining.
-    wait_listed_draining(&operator, "a", "a", true).await;
-    let (status, body) = operator
-        .call(
-            Method::POST,
-            &format!("/v1/leases/{}/renew", leases["a"]),
-            Some(json!({"ttlSeconds": 60})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CONFLICT, "{body}");
-    assert_eq!(body["error"], "proxy_draining", "{body}");
+    operator.wait_listed("a", "a", "draining", true).await;
+    assert_renew_refused(&operator, &fleet.leases["a"], "proxy_draining").await;
 
     // a's lease ends: a is replaced, then b drains and is replaced, one at a time.
-    release(&operator, &leases["a"]).await;
-    wait_ready_on_new_pod(&world, "a", &uids["a"], SLOW).await;
+    operator.release(&fleet.leases["a"]).await;
     world
-        .wait_proxy("b", "b draining after a finished", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
+        .wait_ready_on_new_pod("a", &fleet.pods["a"].1, SLOW)
         .await;
-    release(&operator, &leases["b"]).await;
-    wait_ready_on_new_pod(&world, "b", &uids["b"], SLOW).await;
-    wait_disruption_cleared(&world, "b").await;
+    drain_and_replace(
+        &world,
+        &operator,
+        &fleet,
+        "b",
+        "b draining after a finished",
+    )
+    .await;
 
-    let mut disrupted: BTreeMap<String, bool> = BTreeMap::new();
-    for seen in recorder.history() {
-        let Some(object) = &seen.object else {
-            continue;
-        };
-        disrupted.insert(seen.name.clone(), !object["status"]["disruption"].is_null());
-        assert!(
-            disrupted.values().filter(|d| **d).count() <= 1,
-            "a and b disrupted at once with a budget of 1; versions:\na:\n  {}\nb:\n  {}",
-            describe(&recorder.versions("a")),
-            describe(&recorder.versions("b"))
-        );
-    }
+    recorder.assert_one_disruption_at_a_time(&names);
     // This process started one drain (b's); a's was started by the one before.
-    let metrics = operator.metrics().await;
     assert_eq!(
-        metric_sum(
-            &metrics,
-            "proxy_operator_disruptions_total",
-            &["reason=\"spec_change\""]
-        ),
+        disruptions(&operator, Some("spec_change")).await,
         1.0,
         "a drain carried over a restart is not a new disruption"
     );
@@ -1027,63 +999,30 @@ async fn a_restart_keeps_the_drain_and_the_budget() {
 /// leases), and the replacement it was draining for is thereby done: the slot is freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_lost_during_its_drain_is_repaired_at_once() {
-    let Some(world) = World::new("fleet-lost").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-lost", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
-    for name in ["a", "b"] {
-        create_in_pool(&world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    let mut uids = BTreeMap::new();
-    for name in ["a", "b"] {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        uids.insert(name, (pod.name_any(), pod.uid().expect("a Pod UID")));
-    }
-    let lease_a = lease_id(&acquire(&operator, "a").await);
-    let lease_b = lease_id(&acquire(&operator, "b").await);
-    let image = json!({"spec": {"placement": {"image": NEW_IMAGE}}});
-    patch_proxy(&world, &kubeconfig, "a", image.clone()).await;
-    world
-        .wait_proxy("a", "a draining", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    patch_proxy(&world, &kubeconfig, "b", image).await;
-    world
-        .wait_proxy("b", "b waiting for the budget", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
-        .await;
+    let fleet = leased_fleet(&world, &operator, &["a", "b"]).await;
+    replace_a_while_b_waits(&world, &kubeconfig).await;
 
     // a's machine is deleted by hand while its lease still holds the drain.
-    let (a_pod, a_uid) = uids["a"].clone();
+    let (a_pod, a_uid) = &fleet.pods["a"];
     world
         .pods()
-        .delete(&a_pod, &DeleteParams::default())
+        .delete(a_pod, &DeleteParams::default())
         .await
         .expect("delete a's Pod by hand");
     let deleted = Instant::now();
-    let (_, new_pod) = wait_ready_on_new_pod(&world, "a", &a_uid, SLOW).await;
+    wait_ready_on_new_image(&world, "a", a_uid).await;
     eprintln!(
         "lost during drain: a Ready on a new Pod {:?} after its Pod was deleted",
         deleted.elapsed()
     );
-    assert_eq!(image_of(&new_pod).as_deref(), Some(NEW_IMAGE));
     wait_disruption_cleared(&world, "a").await;
     // The slot is free: b drains now, and its replacement completes once its lease ends.
-    world
-        .wait_proxy("b", "b draining once a is done", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    release(&operator, &lease_b).await;
-    wait_ready_on_new_pod(&world, "b", &uids["b"].1, SLOW).await;
-    wait_disruption_cleared(&world, "b").await;
+    drain_and_replace(&world, &operator, &fleet, "b", "b draining once a is done").await;
     // a's lease on the machine that vanished: not active any more (ended, with a reason).
+    let lease_a = &fleet.leases["a"];
     let row = eventually("a's lease ended", || async {
         let row = support::sqlite3(
             &operator.ledger(),
@@ -1101,37 +1040,11 @@ async fn a_machine_lost_during_its_drain_is_repaired_at_once() {
 /// still holds it), and its budget slot goes with it, so the next proxy waiting is admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_proxy_mid_replacement_frees_its_budget_slot() {
-    let Some(world) = World::new("fleet-delmid").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-delmid", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
-    for name in ["a", "b"] {
-        create_in_pool(&world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    let mut uids = BTreeMap::new();
-    for name in ["a", "b"] {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        uids.insert(name, (pod.name_any(), pod.uid().expect("a Pod UID")));
-    }
-    let lease_a = lease_id(&acquire(&operator, "a").await);
-    let lease_b = lease_id(&acquire(&operator, "b").await);
-    let image = json!({"spec": {"placement": {"image": NEW_IMAGE}}});
-    patch_proxy(&world, &kubeconfig, "a", image.clone()).await;
-    world
-        .wait_proxy("a", "a draining", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    patch_proxy(&world, &kubeconfig, "b", image).await;
-    world
-        .wait_proxy("b", "b waiting for the budget", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
-        .await;
+    let fleet = leased_fleet(&world, &operator, &["a", "b"]).await;
+    replace_a_while_b_waits(&world, &kubeconfig).await;
 
     delete_proxy(&world, &kubeconfig, "a").await;
     let deleting = world
@@ -1140,9 +1053,9 @@ async fn deleting_a_proxy_mid_replacement_frees_its_budget_slot() {
         })
         .await;
     assert!(!deleting["metadata"]["deletionTimestamp"].is_null());
-    let (a_pod, a_uid) = &uids["a"];
+    let (a_pod, a_uid) = &fleet.pods["a"];
     assert_same_pod(&world, a_pod, a_uid, "a's lease holds the delete").await;
-    release(&operator, &lease_a).await;
+    operator.release(&fleet.leases["a"]).await;
     let released = Instant::now();
     wait_gone_within(&world, "a", SLOW).await;
     eprintln!(
@@ -1154,23 +1067,7 @@ async fn deleting_a_proxy_mid_replacement_frees_its_budget_slot() {
         "a's Pod outlived it"
     );
 
-    world
-        .wait_proxy("b", "b draining once a is gone", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    release(&operator, &lease_b).await;
-    wait_ready_on_new_pod(&world, "b", &uids["b"].1, SLOW).await;
-    wait_disruption_cleared(&world, "b").await;
-}
-
-/// Waits (up to `deadline`) until the Proxy `name` is gone.
-async fn wait_gone_within(world: &World, name: &str, deadline: Duration) {
-    let proxies = world.proxies();
-    within(deadline, &format!("Proxy {name} to be gone"), || async {
-        proxies.get_opt(name).await.ok()?.is_none().then_some(())
-    })
-    .await;
+    drain_and_replace(&world, &operator, &fleet, "b", "b draining once a is gone").await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1178,20 +1075,21 @@ async fn wait_gone_within(world: &World, name: &str, deadline: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_proxy_drains_until_the_drain_timeout() {
-    let Some(world) = World::new("fleet-delete").await else {
-        return;
-    };
-    let kubeconfig = admin_kubeconfig(&world);
     let drain_timeout = Duration::from_secs(3);
     // A delete takes no slot of the budget: with a budget of 0 it still drains and completes.
-    let operator = world
-        .operator(&["--drain-timeout", "3s", "--replacement-budget", "0"])
-        .await;
-    create_in_pool(&world, "px", "delete", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = pod.name_any();
-    let pod_uid = pod.uid().expect("a Pod UID");
+    let Some((world, kubeconfig, operator)) = start(
+        "fleet-delete",
+        &["--drain-timeout", "3s", "--replacement-budget", "0"],
+    )
+    .await
+    else {
+        return;
+    };
+    let FirstMachine {
+        pod_name,
+        uid: pod_uid,
+        ..
+    } = ready_managed(&world, "px", "delete", &[]).await;
     let lease = acquire(&operator, "delete").await;
     let id = lease_id(&lease);
     let recorder = Recorder::start(&world).await;
@@ -1200,15 +1098,12 @@ async fn deleting_a_proxy_drains_until_the_drain_timeout() {
     let deleted = Instant::now();
 
     // The Pod must outlive the drain: watch it until it is deleted (or gone), noting when.
-    let pod_deleted_at = within(
+    let pod_deleted_at = wait_pod_deleted(
+        &world,
+        &pod_name,
+        &pod_uid,
         Duration::from_secs(60),
         "the machine Pod to be deleted after the drain",
-        || async {
-            match pod_now(&world, &pod_name).await {
-                Some((uid, false)) if uid == pod_uid => None,
-                _ => Some(jiff::Timestamp::now()),
-            }
-        },
     )
     .await;
     let draining = recorder
@@ -1244,11 +1139,7 @@ async fn deleting_a_proxy_drains_until_the_drain_timeout() {
     );
 
     // Then the Proxy goes, within a deadline.
-    let proxies = world.proxies();
-    within(Duration::from_secs(60), "the Proxy to be gone", || async {
-        proxies.get_opt("px").await.ok()?.is_none().then_some(())
-    })
-    .await;
+    wait_gone_within(&world, "px", Duration::from_secs(60)).await;
     eprintln!(
         "delete: Proxy gone {:?} after the delete",
         deleted.elapsed()
@@ -1259,18 +1150,9 @@ async fn deleting_a_proxy_drains_until_the_drain_timeout() {
     );
 
     // The lease was ended by the timeout, on record in the ledger, and an Event says so.
-    let ledger = operator.ledger();
-    let row = eventually("the lease ended by the drain timeout", || async {
-        let row = support::sqlite3(
-            &ledger,
-            &format!("SELECT state, release_reason FROM leases WHERE id = '{id}'"),
-        );
-        (row == "released|drain_timeout").then_some(row)
-    })
-    .await;
-    assert_eq!(row, "released|drain_timeout");
+    wait_ended_by_drain_timeout(&operator, &id).await;
     let history = support::sqlite3(
-        &ledger,
+        &operator.ledger(),
         &format!(
             "SELECT kind, reason FROM lease_history WHERE lease_id = '{id}' AND kind = 'released'"
         ),
@@ -1279,13 +1161,7 @@ async fn deleting_a_proxy_drains_until_the_drain_timeout() {
     let events = wait_event(&world, "px", "DrainTimedOut").await;
     assert!(events.iter().any(|(t, _)| t == "Warning"), "{events:?}");
     wait_metric(&operator, "proxy_operator_drain_timeouts_total", &[], 1.0).await;
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"deleted\""],
-        1.0,
-    )
-    .await;
+    wait_disruptions(&operator, "deleted", 1.0).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1293,37 +1169,17 @@ async fn deleting_a_proxy_drains_until_the_drain_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
-    let Some(world) = World::new("fleet-budget").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-budget", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
     let names = ["a", "b", "c"];
-    for name in names {
-        create_in_pool(&world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    let mut old_uids = BTreeMap::new();
-    let mut leases = BTreeMap::new();
-    for name in names {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        old_uids.insert(name, pod.uid().expect("a Pod UID"));
-        leases.insert(name, lease_id(&acquire(&operator, name).await));
-    }
+    let fleet = leased_fleet(&world, &operator, &names).await;
     let recorder = Recorder::start(&world).await;
 
     // All three specs change at once: a new image for the fleet.
     let start = Instant::now();
     for name in names {
-        patch_proxy(
-            &world,
-            &kubeconfig,
-            name,
-            json!({"spec": {"placement": {"image": NEW_IMAGE}}}),
-        )
-        .await;
+        set_new_image(&world, &kubeconfig, name).await;
     }
 
     // Drive: each proxy admitted to drain keeps its lease for 3 s (the others must stay
@@ -1343,13 +1199,13 @@ async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
                 && at.elapsed() >= Duration::from_secs(3)
                 && released.insert(name)
             {
-                release(&operator, &leases[name]).await;
+                operator.release(&fleet.leases[name]).await;
             }
             if status["phase"] == "Ready" && status["disruption"].is_null() {
                 let pod = world.pod_of(&proxy).await;
                 if pod.is_some_and(|p| {
                     p.metadata.deletion_timestamp.is_none()
-                        && p.uid() != Some(old_uids[name].clone())
+                        && p.uid() != Some(fleet.pods[name].1.clone())
                 }) && proxy["metadata"]["generation"] == status["observedGeneration"]
                 {
                     done += 1;
@@ -1364,11 +1220,7 @@ async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
             "not all three replaced after {deadline:?}; admitted {:?}; released {released:?}; \
              versions:\n{}",
             admitted.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
-            names
-                .iter()
-                .map(|n| format!("{n}:\n  {}", describe(&recorder.versions(n))))
-                .collect::<Vec<_>>()
-                .join("\n")
+            recorder.describe_all(&names)
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -1389,28 +1241,13 @@ async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
 
     // Replay every version the API server wrote: never two disruptions at once, and the ones
     // waiting showed ReplacementPending while their machine kept serving.
-    let mut disrupted: BTreeMap<String, bool> = BTreeMap::new();
+    recorder.assert_one_disruption_at_a_time(&names);
     let mut pending_seen: BTreeSet<String> = BTreeSet::new();
     for seen in recorder.history() {
         let Some(object) = &seen.object else {
             continue;
         };
         let status = &object["status"];
-        disrupted.insert(seen.name.clone(), !status["disruption"].is_null());
-        let now: Vec<&String> = disrupted
-            .iter()
-            .filter(|(_, d)| **d)
-            .map(|(n, _)| n)
-            .collect();
-        assert!(
-            now.len() <= 1,
-            "{now:?} disrupted at once with a budget of 1; versions:\n{}",
-            names
-                .iter()
-                .map(|n| format!("{n}:\n  {}", describe(&recorder.versions(n))))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
         let p = provisioned(status);
         if p["reason"] == "ReplacementPending" {
             pending_seen.insert(seen.name.clone());
@@ -1429,15 +1266,7 @@ async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
             describe(&recorder.versions(name))
         );
     }
-    let metrics = operator.metrics().await;
-    assert_eq!(
-        metric_sum(
-            &metrics,
-            "proxy_operator_disruptions_total",
-            &["reason=\"spec_change\""]
-        ),
-        3.0
-    );
+    assert_eq!(disruptions(&operator, Some("spec_change")).await, 3.0);
     for name in names {
         let proxy = proxy_value(&world, name).await.expect("the Proxy");
         let pod = world.pod_of(&proxy).await.expect("the new Pod");
@@ -1449,30 +1278,24 @@ async fn spec_changes_are_replaced_one_at_a_time_within_the_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zero_budget_pauses_replacements_but_not_repairs() {
-    let Some(world) = World::new("fleet-budget0").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-budget0", NO_REPLACEMENTS).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world.operator(&["--replacement-budget", "0"]).await;
-    create_in_pool(&world, "px", "zero", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = pod.name_any();
-    let old_uid = pod.uid().expect("a Pod UID");
+    let FirstMachine {
+        ready,
+        pod_name,
+        uid: old_uid,
+    } = ready_managed(&world, "px", "zero", &[]).await;
     let old_hash = ready["metadata"]["annotations"][SPEC_HASH_ANNOTATION].clone();
 
-    patch_proxy(
+    set_new_image(&world, &kubeconfig, "px").await;
+    let pending = wait_provisioned_reason(
         &world,
-        &kubeconfig,
         "px",
-        json!({"spec": {"placement": {"image": NEW_IMAGE}}}),
+        "ReplacementPending",
+        "Provisioned=True/ReplacementPending",
     )
     .await;
-    let pending = world
-        .wait_proxy("px", "Provisioned=True/ReplacementPending", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
-        .await;
     let status = &pending["status"];
     assert_eq!(provisioned(status)["status"], "True", "{status}");
     assert_eq!(status["phase"], "Ready", "the machine serves: {status}");
@@ -1506,7 +1329,7 @@ async fn a_zero_budget_pauses_replacements_but_not_repairs() {
         .await
         .expect("delete the Pod by hand");
     let deleted = Instant::now();
-    let (proxy, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, SLOW).await;
+    let (proxy, new_pod) = world.wait_ready_on_new_pod("px", &old_uid, SLOW).await;
     eprintln!(
         "budget 0: repaired, Ready on a new Pod {:?} after the Pod's delete",
         deleted.elapsed()
@@ -1517,17 +1340,12 @@ async fn a_zero_budget_pauses_replacements_but_not_repairs() {
         proxy["metadata"]["annotations"][SPEC_HASH_ANNOTATION], old_hash,
         "the repair made the new spec"
     );
-    let settled = world
-        .wait_proxy("px", "Provisioned=True, nothing pending", |s| {
-            provisioned(s)["status"] == "True" && provisioned(s)["reason"] != "ReplacementPending"
-        })
-        .await;
+    let settled = wait_nothing_pending(&world, "px").await;
     assert!(settled["status"]["disruption"].is_null(), "{status}");
     let lease = acquire(&operator, "zero").await;
     assert_eq!(lease["proxy"]["host"], settled["status"]["ip"], "{lease}");
-    let metrics = operator.metrics().await;
     assert_eq!(
-        metric_sum(&metrics, "proxy_operator_disruptions_total", &[]),
+        disruptions(&operator, None).await,
         0.0,
         "a repair is no disruption"
     );
@@ -1538,35 +1356,37 @@ async fn a_zero_budget_pauses_replacements_but_not_repairs() {
 /// stays Ready/Unhealthy (the machine serves)").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_port_change_keeps_serving_on_the_running_port() {
-    let Some(world) = World::new("fleet-port").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-port", NO_REPLACEMENTS).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world.operator(&["--replacement-budget", "0"]).await;
-    create_in_pool(&world, "px", "port", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let old_uid = pod.uid().expect("a Pod UID");
+    let FirstMachine {
+        ready,
+        pod_name,
+        uid: old_uid,
+    } = ready_managed(&world, "px", "port", &[]).await;
     let ip = ready["status"]["ip"].as_str().expect("an IP").to_owned();
 
-    patch_proxy(&world, &kubeconfig, "px", json!({"spec": {"port": 3129}})).await;
     world
-        .wait_proxy("px", "Provisioned=True/ReplacementPending", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
+        .patch_proxy(&kubeconfig, "px", &json!({"spec": {"port": 3129}}))
         .await;
+    wait_provisioned_reason(
+        &world,
+        "px",
+        "ReplacementPending",
+        "Provisioned=True/ReplacementPending",
+    )
+    .await;
     // Several probe intervals (0.5 s, failure threshold 2): still Ready, still healthy.
-    let until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < until {
+    throughout(Duration::from_secs(5), || async {
         let proxy = proxy_value(&world, "px").await.expect("the Proxy");
         let status = &proxy["status"];
         assert_eq!(
             status["phase"], "Ready",
             "the machine still serves on 3128 while its replacement waits: {status}"
         );
-        assert_same_pod(&world, &pod.name_any(), &old_uid, "pending").await;
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        assert_same_pod(&world, &pod_name, &old_uid, "pending").await;
+    })
+    .await;
     let lease = acquire(&operator, "port").await;
     assert_eq!(lease["proxy"]["host"], ip.as_str(), "{lease}");
     assert_eq!(
@@ -1580,49 +1400,23 @@ async fn a_pending_port_change_keeps_serving_on_the_running_port() {
 /// runs: a fleet roll must not outrun machines that come up broken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_slot_is_held_until_the_new_machine_is_healthy() {
-    let Some(world) = World::new("fleet-slot").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-slot", ONE_AT_A_TIME).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world
-        .operator(&["--replacement-budget", "1", "--drain-timeout", "10m"])
-        .await;
-    for name in ["a", "b"] {
-        create_in_pool(&world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    let mut uids = BTreeMap::new();
-    for name in ["a", "b"] {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        uids.insert(name, pod.uid().expect("a Pod UID"));
-    }
-    let lease_a = lease_id(&acquire(&operator, "a").await);
-    let lease_b = lease_id(&acquire(&operator, "b").await);
-    let image = json!({"spec": {"placement": {"image": NEW_IMAGE}}});
-    patch_proxy(&world, &kubeconfig, "a", image.clone()).await;
-    world
-        .wait_proxy("a", "a draining", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    patch_proxy(&world, &kubeconfig, "b", image).await;
-    world
-        .wait_proxy("b", "b waiting for the budget", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
-        .await;
+    let fleet = leased_fleet(&world, &operator, &["a", "b"]).await;
+    replace_a_while_b_waits(&world, &kubeconfig).await;
 
     // Every probe fails from now on (the probe target answers 500).
     world.target.set_status(500);
     wait_healthy(&world, "a", "False").await;
-    release(&operator, &lease_a).await;
+    operator.release(&fleet.leases["a"]).await;
     // a's new machine runs (its squid started, its IP published) but fails its probes.
     let new_uid = eventually("a's new machine running", || async {
         let proxy = proxy_value(&world, "a").await?;
         let pod = world.pod_of(&proxy).await?;
         let uid = pod.uid()?;
         let address = world.kubelet.address(&world.ns, &pod.name_any())?;
-        (uid != uids["a"]
+        (uid != fleet.pods["a"].1
             && pod.metadata.deletion_timestamp.is_none()
             && world
                 .kubelet
@@ -1632,8 +1426,7 @@ async fn the_budget_slot_is_held_until_the_new_machine_is_healthy() {
         .then_some(uid)
     })
     .await;
-    let until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < until {
+    throughout(Duration::from_secs(5), || async {
         let a = proxy_value(&world, "a").await.expect("a");
         assert!(
             !a["status"]["disruption"].is_null(),
@@ -1646,8 +1439,8 @@ async fn the_budget_slot_is_held_until_the_new_machine_is_healthy() {
             "b admitted while a's new machine is unhealthy: {}",
             b["status"]
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
 
     // Probes pass again: a is done, b's turn.
     world.target.set_status(204);
@@ -1657,53 +1450,30 @@ async fn the_budget_slot_is_held_until_the_new_machine_is_healthy() {
         Some(new_uid),
         "a kept the machine it was given"
     );
-    world
-        .wait_proxy("b", "b draining once a is healthy", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
-    release(&operator, &lease_b).await;
-    wait_ready_on_new_pod(&world, "b", &uids["b"], SLOW).await;
-    wait_disruption_cleared(&world, "b").await;
+    drain_and_replace(
+        &world,
+        &operator,
+        &fleet,
+        "b",
+        "b draining once a is healthy",
+    )
+    .await;
 }
 
 /// A spec change reverted while it waits for the budget is no change: nothing is replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_change_reverted_while_pending_replaces_nothing() {
-    let Some(world) = World::new("fleet-revert").await else {
+    let Some((world, kubeconfig, _operator)) = start("fleet-revert", NO_REPLACEMENTS).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let _operator = world.operator(&["--replacement-budget", "0"]).await;
-    create_in_pool(&world, "px", "revert", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let uid = pod.uid().expect("a Pod UID");
+    let FirstMachine { ready, uid, .. } = ready_managed(&world, "px", "revert", &[]).await;
     let hash = ready["metadata"]["annotations"][SPEC_HASH_ANNOTATION].clone();
-    patch_proxy(
-        &world,
-        &kubeconfig,
-        "px",
-        json!({"spec": {"placement": {"image": NEW_IMAGE}}}),
-    )
-    .await;
+    set_new_image(&world, &kubeconfig, "px").await;
+    wait_provisioned_reason(&world, "px", "ReplacementPending", "ReplacementPending").await;
     world
-        .wait_proxy("px", "ReplacementPending", |s| {
-            provisioned(s)["reason"] == "ReplacementPending"
-        })
+        .patch_proxy(&kubeconfig, "px", &json!({"spec": {"placement": null}}))
         .await;
-    patch_proxy(
-        &world,
-        &kubeconfig,
-        "px",
-        json!({"spec": {"placement": null}}),
-    )
-    .await;
-    let settled = world
-        .wait_proxy("px", "Provisioned=True, nothing pending", |s| {
-            provisioned(s)["status"] == "True" && provisioned(s)["reason"] != "ReplacementPending"
-        })
-        .await;
+    let settled = wait_nothing_pending(&world, "px").await;
     assert_eq!(settled["status"]["phase"], "Ready", "{}", settled["status"]);
     assert_eq!(
         settled["metadata"]["annotations"][SPEC_HASH_ANNOTATION],
@@ -1715,41 +1485,11 @@ async fn a_spec_change_reverted_while_pending_replaces_nothing() {
 // ---------------------------------------------------------------------------------------------
 // 4. Remediation of unhealthy machines, and its short-circuit.
 
-/// Creates `names` (each in a pool of its name) and waits until all are Ready; returns each
-/// name's Pod name and UID.
-async fn ready_fleet(world: &World, names: &[&str]) -> BTreeMap<String, (String, String)> {
-    for name in names {
-        create_in_pool(world, name, name, json!({}), world.managed_spec(3128)).await;
-    }
-    let mut pods = BTreeMap::new();
-    for name in names {
-        let ready = world.wait_ready(name).await;
-        let pod = world.pod_of(&ready).await.expect("the machine Pod");
-        pods.insert(
-            (*name).to_owned(),
-            (pod.name_any(), pod.uid().expect("a Pod UID")),
-        );
-    }
-    pods
-}
-
-/// Waits until the Proxy's Healthy condition is `value` ("True"/"False").
-async fn wait_healthy(world: &World, name: &str, value: &str) -> Value {
-    world
-        .wait_proxy(name, &format!("{name}: Healthy={value}"), |s| {
-            condition(s, "Healthy")["status"] == value
-        })
-        .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unhealthy_machine_is_replaced_after_remediate_after() {
-    let Some(world) = World::new("fleet-remedy").await else {
+    let Some((world, _, operator)) = start("fleet-remedy", REMEDIATION).await else {
         return;
     };
-    let operator = world
-        .operator(&["--remediate-after", "3s", "--max-unhealthy", "50%"])
-        .await;
     let names = ["a", "b", "c"];
     let pods = ready_fleet(&world, &names).await;
 
@@ -1773,7 +1513,7 @@ async fn an_unhealthy_machine_is_replaced_after_remediate_after() {
         unhealthy["status"]
     );
 
-    let (proxy, new_pod) = wait_ready_on_new_pod(&world, "b", &b_uid, SLOW).await;
+    let (proxy, new_pod) = world.wait_ready_on_new_pod("b", &b_uid, SLOW).await;
     let replaced_after = seen_unhealthy.elapsed();
     eprintln!("remediation: b Ready on a new Pod {replaced_after:?} after it was seen unhealthy");
     assert_ne!(new_pod.uid(), Some(b_uid.clone()));
@@ -1785,20 +1525,8 @@ async fn an_unhealthy_machine_is_replaced_after_remediate_after() {
     wait_disruption_cleared(&world, "b").await;
     let events = wait_event(&world, "b", "Draining").await;
     assert!(!events.is_empty());
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"unhealthy\""],
-        1.0,
-    )
-    .await;
-    wait_metric(
-        &operator,
-        "proxy_operator_remediation_paused",
-        &["provider=\"local\""],
-        0.0,
-    )
-    .await;
+    wait_disruptions(&operator, "unhealthy", 1.0).await;
+    wait_remediation_paused(&operator, 0.0).await;
     // The healthy ones were left alone.
     for name in ["a", "c"] {
         let (pod_name, uid) = &pods[name];
@@ -1813,12 +1541,9 @@ async fn an_unhealthy_machine_is_replaced_after_remediate_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remediation_pauses_when_too_many_are_unhealthy() {
-    let Some(world) = World::new("fleet-pause").await else {
+    let Some((world, _, operator)) = start("fleet-pause", REMEDIATION).await else {
         return;
     };
-    let operator = world
-        .operator(&["--remediate-after", "3s", "--max-unhealthy", "50%"])
-        .await;
     let names = ["a", "b", "c"];
     let pods = ready_fleet(&world, &names).await;
 
@@ -1836,8 +1561,8 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
     let both_unhealthy = Instant::now();
 
     let paused = eventually("a RemediationPaused Event on a or b", || async {
-        let mut events = events_with_reason(&world, "a", "RemediationPaused").await;
-        events.extend(events_with_reason(&world, "b", "RemediationPaused").await);
+        let mut events = world.events_with_reason("a", "RemediationPaused").await;
+        events.extend(world.events_with_reason("b", "RemediationPaused").await);
         (!events.is_empty()).then_some(events)
     })
     .await;
@@ -1846,13 +1571,7 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
         "remediation paused: Event {:?} after both were unhealthy: {paused:?}",
         both_unhealthy.elapsed()
     );
-    wait_metric(
-        &operator,
-        "proxy_operator_remediation_paused",
-        &["provider=\"local\""],
-        1.0,
-    )
-    .await;
+    wait_remediation_paused(&operator, 1.0).await;
     // Well past --remediate-after (3 s): nothing replaced.
     assert_not_replaced_for(
         &world,
@@ -1864,15 +1583,14 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
         Duration::from_secs(8),
     )
     .await;
-    let metrics = operator.metrics().await;
     assert_eq!(
-        metric_sum(&metrics, "proxy_operator_disruptions_total", &[]),
+        disruptions(&operator, None).await,
         0.0,
         "nothing may be disrupted while remediation is paused"
     );
     // Once per wait: one Event per proxy, not one per reconcile.
     for name in ["a", "b"] {
-        let events = events_with_reason(&world, name, "RemediationPaused").await;
+        let events = world.events_with_reason(name, "RemediationPaused").await;
         assert!(events.len() <= 1, "{name}: {events:?}");
     }
 
@@ -1884,26 +1602,14 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
         .expect("a's squid still runs");
     let thawed = Instant::now();
     wait_healthy(&world, "a", "True").await;
-    let (_, _) = wait_ready_on_new_pod(&world, "b", &pods["b"].1, SLOW).await;
+    let (_, _) = world.wait_ready_on_new_pod("b", &pods["b"].1, SLOW).await;
     eprintln!(
         "remediation resumed: b Ready on a new Pod {:?} after a recovered",
         thawed.elapsed()
     );
     assert_same_pod(&world, a_pod, a_uid, "a recovered").await;
-    wait_metric(
-        &operator,
-        "proxy_operator_remediation_paused",
-        &["provider=\"local\""],
-        0.0,
-    )
-    .await;
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"unhealthy\""],
-        1.0,
-    )
-    .await;
+    wait_remediation_paused(&operator, 0.0).await;
+    wait_disruptions(&operator, "unhealthy", 1.0).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1911,45 +1617,33 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rotate_annotation_replaces_the_machine_once_per_value() {
-    let Some(world) = World::new("fleet-rotate").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-rotate", &[]).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world.operator(&[]).await;
     // Created with a rotate value: the first machine records it, nothing rotates.
-    create_in_pool(
-        &world,
-        "px",
-        "rotate",
-        json!({ROTATE_ANNOTATION: "r0"}),
-        world.managed_spec(3128),
-    )
-    .await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let first_uid = pod.uid().expect("a Pod UID");
+    let FirstMachine {
+        ready,
+        uid: first_uid,
+        ..
+    } = ready_managed(&world, "px", "rotate", &[(ROTATE_ANNOTATION, "r0")]).await;
     let annotations = &ready["metadata"]["annotations"];
     assert_eq!(annotations[ROTATED_ANNOTATION], "r0", "{annotations}");
     assert_not_replaced_for(&world, &[("px", &first_uid)], Duration::from_secs(3)).await;
-    let created_before =
-        timestamp(&ready["status"]["machineCreatedAt"]).expect("status.machineCreatedAt");
+    let created_before = machine_created_at(&ready);
 
     // A new value rotates now, through a drain (a lease shows it).
     let lease = acquire(&operator, "rotate").await;
     annotate(&world, &kubeconfig, "px", &[(ROTATE_ANNOTATION, "r1")]).await;
     let annotated = Instant::now();
-    let draining = world
-        .wait_proxy("px", "a drain for the rotation", |s| {
-            provisioned(s)["reason"] == "Draining"
-        })
-        .await;
+    let draining =
+        wait_provisioned_reason(&world, "px", "Draining", "a drain for the rotation").await;
     assert_eq!(
         draining["status"]["disruption"]["reason"], "RotateRequested",
         "{}",
         draining["status"]
     );
-    release(&operator, &lease_id(&lease)).await;
-    let (proxy, _) = wait_ready_on_new_pod(&world, "px", &first_uid, SLOW).await;
+    operator.release(&lease_id(&lease)).await;
+    let (proxy, _) = world.wait_ready_on_new_pod("px", &first_uid, SLOW).await;
     eprintln!(
         "rotate: Ready on a new Pod {:?} after the annotation",
         annotated.elapsed()
@@ -1960,8 +1654,7 @@ async fn the_rotate_annotation_replaces_the_machine_once_per_value() {
         proxy["metadata"]
     );
     let done = wait_disruption_cleared(&world, "px").await;
-    let created_after =
-        timestamp(&done["status"]["machineCreatedAt"]).expect("status.machineCreatedAt");
+    let created_after = machine_created_at(&done);
     assert!(
         created_after > created_before,
         "{created_after} vs {created_before}"
@@ -1972,13 +1665,7 @@ async fn the_rotate_annotation_replaces_the_machine_once_per_value() {
         .expect("the new Pod")
         .uid()
         .expect("a UID");
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"rotate_requested\""],
-        1.0,
-    )
-    .await;
+    wait_disruptions(&operator, "rotate_requested", 1.0).await;
 
     // The same value again (with another annotation, so the object does change) rotates
     // nothing.
@@ -1992,7 +1679,10 @@ async fn the_rotate_annotation_replaces_the_machine_once_per_value() {
     assert_not_replaced_for(&world, &[("px", &second_uid)], Duration::from_secs(6)).await;
     // Removing the annotation (a GitOps revert) asks for nothing either.
     let removed = format!("{ROTATE_ANNOTATION}-");
-    if kubectl(&kubeconfig, &world.ns, &["annotate", "px", "px", &removed]).is_none() {
+    if world
+        .kubectl(&kubeconfig, &["annotate", "px", "px", &removed])
+        .is_none()
+    {
         world
             .raw_proxies()
             .patch(
@@ -2004,24 +1694,14 @@ async fn the_rotate_annotation_replaces_the_machine_once_per_value() {
             .expect("remove the rotate annotation");
     }
     assert_not_replaced_for(&world, &[("px", &second_uid)], Duration::from_secs(6)).await;
-    let metrics = operator.metrics().await;
-    assert_eq!(
-        metric_sum(
-            &metrics,
-            "proxy_operator_disruptions_total",
-            &["reason=\"rotate_requested\""]
-        ),
-        1.0
-    );
+    assert_eq!(disruptions(&operator, Some("rotate_requested")).await, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_lifetime_rotates_the_machine_at_its_age() {
-    let Some(world) = World::new("fleet-lifetime").await else {
+    let Some((world, kubeconfig, operator)) = start("fleet-lifetime", &[]).await else {
         return;
     };
-    let kubeconfig = admin_kubeconfig(&world);
-    let operator = world.operator(&[]).await;
 
     // The server refuses a life shorter than a minute.
     let mut short = world.managed_spec(3128);
@@ -2030,22 +1710,18 @@ async fn max_lifetime_rotates_the_machine_at_its_age() {
     let message = support::world::refusal(refused);
     assert!(message.contains("at least 1m"), "{message}");
 
-    create_in_pool(&world, "px", "life", json!({}), world.managed_spec(3128)).await;
-    let ready = world.wait_ready("px").await;
-    let pod = world.pod_of(&ready).await.expect("the machine Pod");
-    let pod_name = pod.name_any();
-    let old_uid = pod.uid().expect("a Pod UID");
-    let created = timestamp(&ready["status"]["machineCreatedAt"]).expect("status.machineCreatedAt");
+    let FirstMachine {
+        ready,
+        pod_name,
+        uid: old_uid,
+    } = ready_managed(&world, "px", "life", &[]).await;
+    let created = machine_created_at(&ready);
     let lease = acquire(&operator, "life").await;
 
     // maxLifetime is not in the spec hash: setting it replaces nothing by itself.
-    patch_proxy(
-        &world,
-        &kubeconfig,
-        "px",
-        json!({"spec": {"maxLifetime": "1m"}}),
-    )
-    .await;
+    world
+        .patch_proxy(&kubeconfig, "px", &json!({"spec": {"maxLifetime": "1m"}}))
+        .await;
     let hash = ready["metadata"]["annotations"][SPEC_HASH_ANNOTATION].clone();
     assert_not_replaced_for(&world, &[("px", &old_uid)], Duration::from_secs(3)).await;
     let after = proxy_value(&world, "px").await.expect("the Proxy");
@@ -2079,18 +1755,11 @@ async fn max_lifetime_rotates_the_machine_at_its_age() {
     );
     assert_same_pod(&world, &pod_name, &old_uid, "draining").await;
 
-    release(&operator, &lease_id(&lease)).await;
-    let (_, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, SLOW).await;
+    operator.release(&lease_id(&lease)).await;
+    let (_, new_pod) = world.wait_ready_on_new_pod("px", &old_uid, SLOW).await;
     assert_ne!(new_pod.uid(), Some(old_uid));
     let done = wait_disruption_cleared(&world, "px").await;
-    let created_after =
-        timestamp(&done["status"]["machineCreatedAt"]).expect("status.machineCreatedAt");
+    let created_after = machine_created_at(&done);
     assert!(created_after > created, "{created_after} vs {created}");
-    wait_metric(
-        &operator,
-        "proxy_operator_disruptions_total",
-        &["reason=\"max_lifetime\""],
-        1.0,
-    )
-    .await;
+    wait_disruptions(&operator, "max_lifetime", 1.0).await;
 }

@@ -11,10 +11,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, EvictParams, Patch, PatchParams, PostParams};
 use proxy_operator::naming::machine_name;
 use proxy_operator::proxy::FINALIZER;
 use reqwest::{Method, StatusCode};
@@ -66,71 +64,15 @@ fn uid_of(object: &kube::api::DynamicObject) -> String {
     object.metadata.uid.clone().expect("the server sets a UID")
 }
 
-/// `(type, note)` of every Event about the object `name` with this `reason`.
-async fn events_with_reason(world: &World, name: &str, reason: &str) -> Vec<(String, String)> {
-    let events: Api<Event> = Api::namespaced(world.client.clone(), &world.ns);
-    events
-        .list(&ListParams::default())
-        .await
-        .expect("list events")
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .map(|e| (e.type_.unwrap_or_default(), e.note.unwrap_or_default()))
-        .collect()
-}
-
-/// Waits (up to `deadline`) until the Proxy `name` is Ready on a Pod other than `old_uid`, with
-/// the IP the kubelet published for that Pod; returns the Proxy and the new Pod.
-async fn wait_ready_on_new_pod(
-    world: &World,
-    name: &str,
-    old_uid: &str,
-    deadline: Duration,
-) -> (Value, Pod) {
-    let api = world.raw_proxies();
-    within(
-        deadline,
-        &format!("Proxy {name} Ready again on a Pod other than {old_uid}"),
-        || async {
-            let object = api.get_opt(name).await.ok()??;
-            let proxy = serde_json::to_value(&object).ok()?;
-            let status = &proxy["status"];
-            if status["phase"] != "Ready" {
-                return None;
-            }
-            let pod = world.pod_of(&proxy).await?;
-            if pod.metadata.uid.as_deref() == Some(old_uid)
-                || pod.metadata.deletion_timestamp.is_some()
-            {
-                return None;
-            }
-            let address = world.kubelet.address(&world.ns, &pod.name_any())?;
-            (status["ip"] == address.to_string()).then_some((proxy, pod))
-        },
-    )
-    .await
-}
-
 /// Acquires a lease on the only Proxy of the world (selector `pool=envtest`), retrying while
 /// the answer is 409 (no healthy proxy yet); returns the lease.
 async fn acquire(operator: &OperatorProcess, what: &str) -> Value {
-    within(SLOW, what, || async {
-        let (status, lease) = operator
-            .call(
-                Method::POST,
-                "/v1/leases",
-                Some(json!({"selector": {"pool": "envtest"}, "ttlSeconds": 600})),
-            )
-            .await;
-        match status {
-            StatusCode::CREATED => Some(lease),
-            StatusCode::CONFLICT => None,
-            other => panic!("{what}: acquire answered {other}: {lease}"),
-        }
-    })
-    .await
+    operator
+        .acquire_retrying(
+            &json!({"selector": {"pool": "envtest"}, "ttlSeconds": 600}),
+            what,
+        )
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,7 +135,9 @@ async fn evicted_pod_on_a_lost_node_is_force_deleted_and_replaced() {
     );
 
     // Force-deleted past its grace period plus the margin, then replaced and Ready again.
-    let (proxy, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, LOST_NODE_DEADLINE).await;
+    let (proxy, new_pod) = world
+        .wait_ready_on_new_pod("px", &old_uid, LOST_NODE_DEADLINE)
+        .await;
     let took = evicted.elapsed();
     eprintln!("lost node: Ready again on a new Pod {took:?} after the eviction");
     assert_eq!(new_pod.name_any(), pod_name, "same deterministic name");
@@ -216,7 +160,7 @@ async fn evicted_pod_on_a_lost_node_is_force_deleted_and_replaced() {
     assert_eq!(proxy["status"]["phase"], "Ready");
 
     // On record: an Event, a log line, and the lease ended in the ledger.
-    let force_deleted = events_with_reason(&world, "px", "ForceDeleted").await;
+    let force_deleted = world.events_with_reason("px", "ForceDeleted").await;
     assert!(
         !force_deleted.is_empty(),
         "no ForceDeleted Event; reasons: {:?}",
@@ -362,7 +306,7 @@ async fn waiting_reasons_show_in_the_condition() {
             proxy["status"]
         );
         let events = eventually(&format!("{name}: a {reason} Event"), || async {
-            let events = events_with_reason(&world, name, reason).await;
+            let events = world.events_with_reason(name, reason).await;
             (!events.is_empty()).then_some(events)
         })
         .await;
@@ -487,7 +431,9 @@ async fn a_deleted_pod_is_noticed_at_once() {
         .await
         .expect("delete the Pod by hand");
     let deleted = Instant::now();
-    let (_, new_pod) = wait_ready_on_new_pod(&world, "px", &old_uid, Duration::from_secs(30)).await;
+    let (_, new_pod) = world
+        .wait_ready_on_new_pod("px", &old_uid, Duration::from_secs(30))
+        .await;
     eprintln!(
         "deleted Pod: Ready again on a new Pod {:?} after the delete",
         deleted.elapsed()

@@ -10,6 +10,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
 use super::envtest::ControlPlane;
+use super::world::{SLOW, eventually, within};
 use super::{Target, free_port};
 
 /// How long a start-up may take on a loaded machine.
@@ -273,6 +274,82 @@ impl OperatorProcess {
         (status, value)
     }
 
+    /// Acquires a lease with the request `body`, retrying while the answer is 409 (no proxy
+    /// leasable yet) and panicking with `what` after [`SLOW`]; returns the lease.
+    pub async fn acquire_retrying(&self, body: &Value, what: &str) -> Value {
+        within(SLOW, what, || async {
+            let (status, lease) = self
+                .call(Method::POST, "/v1/leases", Some(body.clone()))
+                .await;
+            match status {
+                StatusCode::CREATED => Some(lease),
+                StatusCode::CONFLICT => None,
+                other => panic!("{what}: acquire {body} answered {other}: {lease}"),
+            }
+        })
+        .await
+    }
+
+    /// Asks to renew the lease `id` for `ttl_seconds`; returns the status and the answer.
+    pub async fn renew(&self, id: &str, ttl_seconds: u64) -> (StatusCode, Value) {
+        let body = serde_json::json!({ "ttlSeconds": ttl_seconds });
+        self.call(Method::POST, &format!("/v1/leases/{id}/renew"), Some(body))
+            .await
+    }
+
+    /// Releases the lease `id`, asserting the API answers 204.
+    pub async fn release(&self, id: &str) {
+        let (status, body) = self
+            .call(Method::DELETE, &format!("/v1/leases/{id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT, "release {id}: {body}");
+    }
+
+    /// Reports `report` on the lease `id`, asserting the API answers 204.
+    pub async fn report(&self, id: &str, report: Value) {
+        let (status, body) = self
+            .call(
+                Method::POST,
+                &format!("/v1/leases/{id}/report"),
+                Some(report),
+            )
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT, "report on {id}: {body}");
+    }
+
+    /// The lease `id` as the API shows it, asserting it answers 200.
+    pub async fn lease(&self, id: &str) -> Value {
+        let (status, view) = self
+            .call(Method::GET, &format!("/v1/leases/{id}"), None)
+            .await;
+        assert_eq!(status, StatusCode::OK, "{view}");
+        view
+    }
+
+    /// The proxy `name` as `GET /v1/proxies?selector=pool=<pool>` lists it, once its boolean
+    /// `field` (`cordoned`, `draining`) shows `value`.
+    pub async fn wait_listed(&self, pool: &str, name: &str, field: &str, value: bool) -> Value {
+        eventually(
+            &format!("{name} listed by the API with {field}: {value}"),
+            || async {
+                let (status, list) = self
+                    .call(
+                        Method::GET,
+                        &format!("/v1/proxies?selector=pool={pool}"),
+                        None,
+                    )
+                    .await;
+                assert_eq!(status, StatusCode::OK, "{list}");
+                list["proxies"]
+                    .as_array()?
+                    .iter()
+                    .find(|p| p["name"] == name && p[field] == value)
+                    .cloned()
+            },
+        )
+        .await
+    }
+
     /// The `/metrics` text.
     pub async fn metrics(&self) -> String {
         self.http
@@ -303,6 +380,11 @@ impl Drop for OperatorProcess {
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The `leaseID` of a lease the API answered with.
+pub fn lease_id(lease: &Value) -> String {
+    lease["leaseID"].as_str().expect("a lease ID").to_owned()
 }
 
 /// The sum of the samples of `metric` whose labels contain every `label="value"` pair given.

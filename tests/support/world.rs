@@ -3,12 +3,14 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use kube::Client;
-use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
 use proxy_operator::naming::machine_name;
 use proxy_operator::provider::CreateRequest;
 use proxy_operator::provider::kubernetes::build_pod;
@@ -173,6 +175,133 @@ impl World {
             "ubuntu/squid",
             &self.ns,
         )
+    }
+
+    /// Creates a Proxy labelled `pool: <pool>` (so each proxy of a test can have a selector of
+    /// its own) with `annotations` (none when empty); returns its UID.
+    pub async fn create_in_pool(
+        &self,
+        name: &str,
+        pool: &str,
+        annotations: &[(&str, &str)],
+        spec: Value,
+    ) -> String {
+        let mut metadata = json!({"name": name, "labels": {"pool": pool}});
+        if !annotations.is_empty() {
+            let annotations: serde_json::Map<String, Value> = annotations
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), json!(v)))
+                .collect();
+            metadata["annotations"] = Value::Object(annotations);
+        }
+        let object = serde_json::from_value(json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": metadata,
+            "spec": spec,
+        }))
+        .expect("a Proxy object");
+        let created = self
+            .raw_proxies()
+            .create(&PostParams::default(), &object)
+            .await
+            .unwrap_or_else(|e| panic!("create Proxy {name}: {e}"));
+        created.metadata.uid.expect("the server sets a UID")
+    }
+
+    /// Writes the admin kubeconfig (for `kubectl`) into the world's directory; returns its path.
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        let path = self.dir.path().join("admin.kubeconfig");
+        self.cp.write_admin_kubeconfig(&path);
+        path
+    }
+
+    /// Runs `kubectl` with `kubeconfig` in the world's namespace, asserting it succeeds; returns
+    /// its output, or `None` when kubectl is not installed.
+    pub fn kubectl(&self, kubeconfig: &Path, args: &[&str]) -> Option<String> {
+        let output = match Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["-n", &self.ns])
+            .args(args)
+            .output()
+        {
+            Ok(output) => output,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => panic!("run kubectl: {e}"),
+        };
+        assert!(
+            output.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Some(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// `kubectl patch px <name> --type merge -p <patch>` (through the client without kubectl).
+    pub async fn patch_proxy(&self, kubeconfig: &Path, name: &str, patch: &Value) {
+        let text = patch.to_string();
+        let args = ["patch", "px", name, "--type", "merge", "-p", text.as_str()];
+        if self.kubectl(kubeconfig, &args).is_none() {
+            self.raw_proxies()
+                .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .unwrap_or_else(|e| panic!("patch Proxy {name} with {patch}: {e}"));
+        }
+    }
+
+    /// Waits (up to `deadline`) until the Proxy `name` is Ready on a Pod other than `old_uid`,
+    /// with the IP the kubelet published for that Pod; returns the Proxy and the new Pod.
+    pub async fn wait_ready_on_new_pod(
+        &self,
+        name: &str,
+        old_uid: &str,
+        deadline: Duration,
+    ) -> (Value, Pod) {
+        let api = self.raw_proxies();
+        within(
+            deadline,
+            &format!("Proxy {name} Ready again on a Pod other than {old_uid}"),
+            || async {
+                let object = api.get_opt(name).await.ok()??;
+                let proxy = serde_json::to_value(&object).ok()?;
+                let status = &proxy["status"];
+                if status["phase"] != "Ready" {
+                    return None;
+                }
+                let pod = self.pod_of(&proxy).await?;
+                if pod.metadata.uid.as_deref() == Some(old_uid)
+                    || pod.metadata.deletion_timestamp.is_some()
+                {
+                    return None;
+                }
+                let address = self.kubelet.address(&self.ns, &pod.name_any())?;
+                (status["ip"] == address.to_string()).then_some((proxy, pod))
+            },
+        )
+        .await
+    }
+
+    /// Events (events.k8s.io/v1) about the object `name`.
+    pub async fn events_about(&self, name: &str) -> Vec<Event> {
+        Api::<Event>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default())
+            .await
+            .expect("list Events")
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .collect()
+    }
+
+    /// `(type, note)` of every Event about the object `name` with this `reason`.
+    pub async fn events_with_reason(&self, name: &str, reason: &str) -> Vec<(String, String)> {
+        self.events_about(name)
+            .await
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .map(|e| (e.type_.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
     }
 
     /// Events about the object `name` (events.k8s.io/v1), as `reason` values.
