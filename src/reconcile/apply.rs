@@ -461,6 +461,14 @@ fn requeue_at(until: Timestamp, now: Timestamp) -> controller::Action {
     controller::Action::requeue(wait)
 }
 
+/// A requeue after `poll`, or at `deadline` if that comes first.
+fn poll_or_at(poll: Duration, deadline: Option<Timestamp>, now: Timestamp) -> controller::Action {
+    match deadline {
+        Some(deadline) if after(now, poll) > deadline => requeue_at(deadline, now),
+        _ => controller::Action::requeue(poll),
+    }
+}
+
 /// The condition message of a hold: what happened and when the next try is.
 fn hold_message(hold: &Hold) -> String {
     let next = hold.until.round(jiff::Unit::Second).unwrap_or(hold.until);
@@ -544,13 +552,7 @@ async fn execute(
             Step::new(status, requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
         }
         Action::AwaitProvisioning { waiting, deadline } => {
-            let poll = controller::Action::requeue(config.provisioning_poll);
-            let requeue = match deadline {
-                Some(deadline) if after(machine.now, config.provisioning_poll) > deadline => {
-                    requeue_at(deadline, machine.now)
-                }
-                _ => poll,
-            };
+            let requeue = poll_or_at(config.provisioning_poll, deadline, machine.now);
             await_provisioning(machine, current, waiting, requeue)
         }
         Action::ReplaceStuck { waiting } => {
@@ -609,13 +611,7 @@ async fn execute(
             }))
         }
         Action::DeleteDead { force_at } => {
-            let poll = controller::Action::requeue(config.deletion_poll);
-            let requeue = match force_at {
-                Some(at) if after(machine.now, config.deletion_poll) > at => {
-                    requeue_at(at, machine.now)
-                }
-                _ => poll,
-            };
+            let requeue = poll_or_at(config.deletion_poll, force_at, machine.now);
             let mut step = if current.phase == Some(Phase::Replacing) {
                 // Already being replaced (its deletion shows as Terminated): keep the reason
                 // given when the replacement started, ask again, wait.
@@ -742,17 +738,10 @@ fn running(
     remediation_paused: Option<(usize, usize)>,
 ) -> Step {
     let config = &machine.ctx.config;
-    let mut requeue = config.drift_poll;
-    if let Some(at) = recheck {
-        let wait = at
-            .duration_since(machine.now)
-            .try_into()
-            .unwrap_or(Duration::ZERO);
-        requeue = requeue.min(wait);
-    }
+    let mut poll = config.drift_poll;
     let (reason, message, event) = match remediation_paused {
         Some((unhealthy, managed)) => {
-            requeue = requeue.min(config.provisioning_poll);
+            poll = config.provisioning_poll;
             let provider = machine.proxy.spec.provider.as_deref().unwrap_or_default();
             let message = format!(
                 "machine is running but failing health checks for longer than {}; not replaced \
@@ -784,7 +773,7 @@ fn running(
             reason: reason.to_owned(),
             message,
         }),
-        controller::Action::requeue(requeue),
+        poll_or_at(poll, recheck, machine.now),
     )
     .with_event(event)
     .with_outcome(Outcome::Running);
@@ -818,7 +807,6 @@ fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReaso
         .replacement_budget
         .budget(budget::managed(fleet.iter().map(AsRef::as_ref)));
     let holders = budget::holders(fleet.iter().map(AsRef::as_ref));
-    drop(fleet);
     let why = why(reason);
     match ctx.grants.try_admit(&machine.uid(), holders, limit) {
         Admission::Granted | Admission::AlreadyHeld => {
@@ -889,12 +877,11 @@ fn draining(
     deleting: bool,
 ) -> Step {
     let at = deadline.round(jiff::Unit::Second).unwrap_or(deadline);
-    let poll = controller::Action::requeue(machine.ctx.config.deletion_poll);
-    let requeue = if after(machine.now, machine.ctx.config.deletion_poll) > deadline {
-        requeue_at(deadline, machine.now)
-    } else {
-        poll
-    };
+    let requeue = poll_or_at(
+        machine.ctx.config.deletion_poll,
+        Some(deadline),
+        machine.now,
+    );
     Step::new(
         Some(StatusChange {
             provisioning: if deleting {
