@@ -179,6 +179,17 @@ async fn run(
     health: Option<HealthSignal>,
     script: Vec<Expect>,
 ) -> Requeue {
+    run_in(proxy, stub, health, script, true).await
+}
+
+/// [`run`], with the controller's first list of Proxies in (`listed`) or not yet.
+async fn run_in(
+    proxy: Value,
+    stub: Option<Arc<Stub>>,
+    health: Option<HealthSignal>,
+    script: Vec<Expect>,
+    listed: bool,
+) -> Requeue {
     let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
     let stored = serde_json::to_vec(&proxy).unwrap();
@@ -200,8 +211,14 @@ async fn run(
         ..ReconcilerConfig::default()
     };
     let (ctx, _ledger_dir) = context(client, providers, config);
+    let fleet = if listed {
+        ctx.fleet
+    } else {
+        std::sync::OnceLock::new()
+    };
     let ctx = Arc::new(Context {
         health: states,
+        fleet,
         ..ctx
     });
     let verifier = tokio::spawn(async move {
@@ -587,6 +604,26 @@ async fn spec_change_drains_replaces_and_waits_for_not_found() {
         "{:?}",
         stub.calls()
     );
+}
+
+#[tokio::test]
+async fn no_drain_starts_before_the_first_list_of_proxies() {
+    // Right after start-up the budget's holders are unknown: the spec change waits, writing
+    // nothing, and is looked at again after the provisioning poll.
+    let stub = Arc::new(Stub::default());
+    *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
+    let metadata =
+        json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded("old-hash")});
+    let requeue = run_in(
+        managed(metadata, running_status()),
+        Some(stub.clone()),
+        None,
+        vec![],
+        false,
+    )
+    .await;
+    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(1)));
+    assert_eq!(stub.calls(), ["get crawl/proxy-abc"]);
 }
 
 #[tokio::test]
