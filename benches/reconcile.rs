@@ -19,12 +19,12 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use jiff::Timestamp;
 use proxy_operator::provider::{Instance, InstanceState, Waiting};
 use proxy_operator::proxy::{
-    ConditionStatus, Disruption, DisruptionReason, Mode, Phase, ProxyStatus,
+    ConditionStatus, Disruption, DisruptionReason, Mode, Phase, ProxySpec, ProxyStatus,
 };
 use proxy_operator::reconcile::phase::Provisioning;
 use proxy_operator::reconcile::remediation::Gate;
 use proxy_operator::reconcile::status::{FieldChange, StatusChange, desired_status};
-use proxy_operator::reconcile::{Inputs, Limits, Observation, decide};
+use proxy_operator::reconcile::{HealthSignal, Inputs, Limits, Observation, decide};
 use proxy_operator::spec_hash::SPEC_HASH_VERSION;
 
 const HASH: &str = "7f3c2a9b5e1d4c8a0b6e2f9d3a7c1e5b8d0f4a2c6e9b3d7f1a5c8e0b2d4f6a8c";
@@ -134,11 +134,29 @@ fn bench(c: &mut Criterion) {
         reason: "Running".to_owned(),
         message: "machine is running".to_owned(),
     };
-    let settled = desired_status(&ProxyStatus::default(), &change, None, Some(3), now());
+    let spec: ProxySpec = serde_json::from_value(serde_json::json!({
+        "mode": "Managed", "provider": "kubernetes", "port": 3128
+    }))
+    .unwrap_or_else(|e| panic!("a Managed spec: {e}"));
+    let healthy = HealthSignal {
+        healthy: true,
+        latency: Duration::from_millis(12),
+        at: now(),
+        message: "probe answered 204 in 12 ms".to_owned(),
+        proxy_url: "http://10.0.3.17:3128".to_owned(),
+    };
+    let settled = desired_status(
+        &ProxyStatus::default(),
+        &change,
+        &spec,
+        Some(&healthy),
+        Some(3),
+        now(),
+    );
     group.bench_function("running + status", |b| {
         b.iter(|| {
             let action = decide(black_box(&inputs(&running)));
-            let desired = desired_status(&settled, &change, None, Some(3), now());
+            let desired = desired_status(&settled, &change, &spec, Some(&healthy), Some(3), now());
             (action, desired == settled)
         })
     });

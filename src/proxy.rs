@@ -558,6 +558,15 @@ fn default_expected_status_codes() -> Vec<i32> {
     DEFAULT_EXPECTED_STATUS_CODES.to_vec()
 }
 
+/// `http://host:port`, with brackets around an IPv6 host that has none yet.
+pub fn proxy_url(host: &str, port: i32) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    }
+}
+
 impl ProxySpec {
     /// The port crawlers connect to: `endpoint.port` for External; for Managed the port its
     /// current machine was created with (`status.port`), so a port change waiting for its
@@ -577,6 +586,13 @@ impl ProxySpec {
             Mode::External => self.endpoint.as_ref().map(|e| e.host.as_str()),
             Mode::Managed => status.and_then(|s| s.ip.as_deref()),
         }
+    }
+
+    /// `http://host:port` crawlers and probes go through, or `None` while there is no host
+    /// (a Managed proxy without a running machine).
+    pub fn proxy_url(&self, status: Option<&ProxyStatus>) -> Option<String> {
+        let host = self.effective_host(status).filter(|h| !h.is_empty())?;
+        Some(proxy_url(host, self.effective_port(status)))
     }
 
     /// Lease capacity with the default applied; 0 means unleasable.

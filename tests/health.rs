@@ -314,6 +314,7 @@ async fn a_healthy_proxy_turns_healthy_after_the_success_threshold() {
     assert_eq!(transition.id, id("a", "uid-a"));
     assert!(transition.healthy, "{transition:?}");
     assert!(transition.message.contains("204"), "{}", transition.message);
+    assert_eq!(transition.proxy_url, squid.url(), "the address probed");
     assert!(engine.probes("ok") >= 3, "three successes before the flip");
     let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
     assert_eq!(health.healthy, Some(true));
@@ -574,6 +575,7 @@ async fn a_full_transition_channel_never_stalls_probing_and_the_transition_stays
         latency: Duration::ZERO,
         at: jiff::Timestamp::UNIX_EPOCH,
         message: "fills the channel".into(),
+        proxy_url: "http://127.0.0.1:1".into(),
     };
     engine.sender.try_send(filler.clone()).unwrap();
     wait_until("five probes with the channel full", || {

@@ -1323,6 +1323,7 @@ async fn a_zero_budget_pauses_replacements_but_not_repairs() {
 
     // A repair does not wait for the budget: the Pod deleted by hand comes back at once, with
     // the new spec, and nothing is pending any more.
+    let recorder = Recorder::start(&world).await;
     world
         .pods()
         .delete(&pod_name, &DeleteParams::default())
@@ -1342,6 +1343,23 @@ async fn a_zero_budget_pauses_replacements_but_not_repairs() {
     );
     let settled = wait_nothing_pending(&world, "px").await;
     assert!(settled["status"]["disruption"].is_null(), "{status}");
+    // The new machine was not shown healthy on the old one's verdict: its first version with
+    // the new IP is Healthy=Unknown until a probe at that address, so Ready means the operator
+    // probes (and leases) that address.
+    let new_ip = &status["ip"];
+    let first_on_new_ip = recorder
+        .versions("px")
+        .into_iter()
+        .flatten()
+        .find(|v| v["status"]["ip"] == *new_ip)
+        .expect("a version with the new IP");
+    let healthy = condition(&first_on_new_ip["status"], "Healthy");
+    assert_eq!(healthy["status"], "Unknown", "{first_on_new_ip}");
+    assert_eq!(healthy["reason"], "NotProbed", "{first_on_new_ip}");
+    assert_eq!(
+        first_on_new_ip["status"]["phase"], "Provisioning",
+        "{first_on_new_ip}"
+    );
     let lease = acquire(&operator, "zero").await;
     assert_eq!(lease["proxy"]["host"], settled["status"]["ip"], "{lease}");
     assert_eq!(

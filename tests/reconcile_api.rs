@@ -420,6 +420,7 @@ async fn running_sets_the_ip_once_and_then_writes_nothing() {
         latency: Duration::from_millis(37),
         at: now(),
         message: "HTTP 204".into(),
+        proxy_url: "http://10.1.2.3:3128".into(),
     };
     let expected_status = json!({
         "phase": "Ready",
@@ -525,11 +526,11 @@ async fn spec_change_drains_replaces_and_waits_for_not_found() {
         assert_eq!(s["conditions"][0]["reason"], "Replacing");
         assert_eq!(s["conditions"][0]["status"], "False");
         assert_eq!(s["conditions"][0]["lastTransitionTime"], NOW);
-        // Healthy did not change: its transition time stays.
-        assert_eq!(
-            s["conditions"][1]["lastTransitionTime"],
-            "2023-01-01T00:00:00Z"
-        );
+        // The old machine's verdict goes with it: nothing to probe until the new one runs.
+        assert_eq!(s["conditions"][1]["status"], "Unknown");
+        assert_eq!(s["conditions"][1]["reason"], "NotProbed");
+        assert_eq!(s["conditions"][1]["message"], "no address to probe");
+        assert_eq!(s["conditions"][1]["lastTransitionTime"], NOW);
     };
     let requeue = run(
         managed(metadata.clone(), draining.clone()),

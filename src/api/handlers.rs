@@ -11,7 +11,7 @@ use actix_web::{HttpResponse, ResponseError, web};
 use super::body::{ApiJson, OptionalApiJson};
 use super::error::{ApiError, ErrorBody, NoMatchBody};
 use super::idempotency::{fingerprint, parse_request_id};
-use super::list::{Dynamic, ListBody, address, proxy_url};
+use super::list::{Dynamic, ListBody, address};
 use super::selector::Selector;
 use super::state::ApiState;
 use super::types::{
@@ -21,6 +21,7 @@ use super::types::{
 use crate::ledger::{
     self, AcquireOutcome, Lease, LeaseState, LedgerError, NoMatch, ReportResult, RequestKey,
 };
+use crate::proxy::proxy_url;
 
 /// Runs a blocking ledger read on the blocking pool.
 async fn ledger_read<T: Send + 'static>(

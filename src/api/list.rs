@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use super::types::ProxyView;
 use crate::health::{LastFailure, ProxyHealth};
 use crate::inventory::InventorySnapshot;
-use crate::proxy::{Proxy, ProxyId};
+use crate::proxy::{Proxy, ProxyId, proxy_url};
 
 /// What a [`ProxyView`] with placeholder values for the changing fields serialises to between
 /// its static head and tail. Every string before it is escaped, so its first occurrence is
@@ -21,15 +21,6 @@ const PLACEHOLDER: &str = r#","healthy":false,"activeLeases":0,"#;
 pub fn address(proxy: &Proxy) -> Option<(&str, i32)> {
     let host = proxy.spec.effective_host(proxy.status.as_ref())?;
     Some((host, proxy.spec.effective_port(proxy.status.as_ref())))
-}
-
-/// `http://host:port`, with brackets around an IPv6 host.
-pub fn proxy_url(host: &str, port: i32) -> String {
-    if host.contains(':') {
-        format!("http://[{host}]:{port}")
-    } else {
-        format!("http://{host}:{port}")
-    }
 }
 
 /// The fields of a listed proxy that change between requests.

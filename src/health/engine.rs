@@ -70,6 +70,9 @@ pub struct HealthTransition {
     pub at: jiff::Timestamp,
     /// Human-readable outcome of that probe (the failure, or the status and latency).
     pub message: String,
+    /// `http://host:port` the probe went through: a verdict is about one address, not about
+    /// whichever machine the proxy has by the time it is written.
+    pub proxy_url: String,
 }
 
 /// The engine task; build it with [`HealthEngine::new`] and drive it with [`HealthEngine::run`].
@@ -401,6 +404,7 @@ impl Scheduler {
             latency: result.latency,
             at,
             message,
+            proxy_url: tracked.client.settings().proxy_url.clone(),
         };
         match self.transitions.try_send(transition) {
             Ok(()) => tracked.state.mark_reported(result.latency, now),

@@ -139,19 +139,10 @@ impl ProbeSettings {
     /// Settings for a proxy, or `None` when it has no address yet (a Managed proxy without an
     /// IP is not probed).
     pub fn for_proxy(proxy: &Proxy) -> Option<ProbeSettings> {
-        let host = proxy.spec.effective_host(proxy.status.as_ref())?;
-        if host.is_empty() {
-            return None;
-        }
-        let port = proxy.spec.effective_port(proxy.status.as_ref());
-        let host = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]")
-        } else {
-            host.to_owned()
-        };
+        let proxy_url = proxy.spec.proxy_url(proxy.status.as_ref())?;
         let check = proxy.spec.health_check();
         Some(ProbeSettings {
-            proxy_url: format!("http://{host}:{port}"),
+            proxy_url,
             probe_url: check.probe_url.clone(),
             timeout: check.timeout(),
             expected_status_codes: check

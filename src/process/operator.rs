@@ -201,6 +201,7 @@ async fn relay_transitions(
             latency: t.latency,
             at: t.at,
             message: t.message,
+            proxy_url: t.proxy_url,
         };
         signals
             .send((t.id, signal))

@@ -467,6 +467,7 @@ mod tests {
             latency: Duration::from_millis(1),
             at: jiff::Timestamp::UNIX_EPOCH,
             message: String::new(),
+            proxy_url: "http://10.0.0.1:3128".into(),
         };
         let id = |uid: &str| ProxyId {
             namespace: "crawl".into(),
@@ -496,6 +497,7 @@ mod tests {
             latency: Duration::from_millis(5),
             at: jiff::Timestamp::UNIX_EPOCH,
             message: "refused".into(),
+            proxy_url: "http://10.0.0.1:3128".into(),
         };
         tx.send((id.clone(), signal.clone())).await.unwrap();
         drop(tx);

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::phase::{Provisioning, compute_phase};
 use crate::proxy::{
-    CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, ProxyStatus,
+    CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, ProxySpec, ProxyStatus,
 };
 
 /// `Provisioned` reason: the machine runs with an address.
@@ -76,6 +76,9 @@ pub struct HealthSignal {
     pub at: jiff::Timestamp,
     /// Why (the probe error, or a short success note).
     pub message: String,
+    /// `http://host:port` that probe went through; the verdict holds only while the proxy is
+    /// still at that address.
+    pub proxy_url: String,
 }
 
 /// A change to one optional status field.
@@ -137,11 +140,16 @@ pub fn set_condition(conditions: &mut Vec<Condition>, new: Condition) {
 
 /// The whole desired status: `current` with `change` and `health` applied.
 ///
-/// Without a health signal the current Healthy condition is kept (no flap to Unknown after a
-/// restart); a proxy never probed gets `Healthy=Unknown/NotProbed`.
+/// A health signal counts only for the address it was probed at (`spec` and the new status
+/// say where the proxy is now). When the address changes — a new machine, a moved endpoint —
+/// or the last signal is about another address, Healthy goes back to `Unknown/NotProbed`, so a
+/// machine nobody has probed is never shown (nor, after a restart, seeded) as healthy.
+/// Otherwise, without a signal the current Healthy condition is kept (no flap to Unknown after
+/// a restart); a proxy never probed gets `Healthy=Unknown/NotProbed`.
 pub fn desired_status(
     current: &ProxyStatus,
     change: &StatusChange,
+    spec: &ProxySpec,
     health: Option<&HealthSignal>,
     generation: Option<i64>,
     now: jiff::Timestamp,
@@ -161,7 +169,10 @@ pub fn desired_status(
             observed_generation: generation,
         },
     );
-    match health {
+    let address = spec.proxy_url(Some(&status));
+    let signal = health.filter(|s| address.as_ref() == Some(&s.proxy_url));
+    let stale = (health.is_some() && signal.is_none()) || address != spec.proxy_url(Some(current));
+    match signal {
         Some(signal) => {
             let (value, reason) = if signal.healthy {
                 (ConditionStatus::True, REASON_PROBE_SUCCEEDED)
@@ -182,15 +193,23 @@ pub fn desired_status(
             status.latency_ms = Some(i64::try_from(signal.latency.as_millis()).unwrap_or(i64::MAX));
             status.last_health_check_time = Some(signal.at);
         }
-        None if status.condition(CONDITION_HEALTHY).is_none() => {
-            status.conditions.push(Condition {
-                type_: CONDITION_HEALTHY.to_owned(),
-                status: ConditionStatus::Unknown,
-                reason: REASON_NOT_PROBED.to_owned(),
-                message: "no probe result yet".to_owned(),
-                last_transition_time: now,
-                observed_generation: generation,
-            });
+        None if stale || status.condition(CONDITION_HEALTHY).is_none() => {
+            let message = match (&address, stale) {
+                (Some(url), true) => format!("no probe result yet at its new address {url}"),
+                (None, true) => "no address to probe".to_owned(),
+                (_, false) => "no probe result yet".to_owned(),
+            };
+            set_condition(
+                &mut status.conditions,
+                Condition {
+                    type_: CONDITION_HEALTHY.to_owned(),
+                    status: ConditionStatus::Unknown,
+                    reason: REASON_NOT_PROBED.to_owned(),
+                    message,
+                    last_transition_time: now,
+                    observed_generation: generation,
+                },
+            );
         }
         None => {}
     }
@@ -248,6 +267,23 @@ mod tests {
         jiff::Timestamp::from_second(seconds).unwrap()
     }
 
+    /// A Managed proxy listening on 3128.
+    fn managed() -> ProxySpec {
+        serde_json::from_value(json!({"mode": "Managed", "provider": "local", "port": 3128}))
+            .unwrap()
+    }
+
+    /// A health signal probed through `proxy_url`, finished at `at`.
+    fn signal(healthy: bool, proxy_url: &str, at: i64) -> HealthSignal {
+        HealthSignal {
+            healthy,
+            latency: Duration::from_millis(42),
+            at: ts(at),
+            message: "204".into(),
+            proxy_url: proxy_url.into(),
+        }
+    }
+
     fn running(ip: &str) -> StatusChange {
         StatusChange {
             provisioning: Provisioning::Done,
@@ -291,9 +327,11 @@ mod tests {
 
     #[test]
     fn desired_status_is_stable_when_nothing_changed() {
+        let spec = managed();
         let first = desired_status(
             &ProxyStatus::default(),
             &running("10.0.0.1"),
+            &spec,
             None,
             Some(3),
             ts(100),
@@ -302,22 +340,19 @@ mod tests {
         assert_eq!(first.ip.as_deref(), Some("10.0.0.1"));
         assert_eq!(first.observed_generation, Some(3));
         assert_eq!(first.healthy(), None);
-        let second = desired_status(&first, &running("10.0.0.1"), None, Some(3), ts(200));
+        let second = desired_status(&first, &running("10.0.0.1"), &spec, None, Some(3), ts(200));
         assert_eq!(first, second, "a later pass with no change must not differ");
     }
 
     #[test]
     fn health_signal_drives_phase_latency_and_check_time() {
-        let signal = HealthSignal {
-            healthy: true,
-            latency: Duration::from_millis(42),
-            at: ts(150),
-            message: "204".into(),
-        };
+        let spec = managed();
+        let up = signal(true, "http://10.0.0.1:3128", 150);
         let status = desired_status(
             &ProxyStatus::default(),
             &running("10.0.0.1"),
-            Some(&signal),
+            &spec,
+            Some(&up),
             Some(1),
             ts(160),
         );
@@ -328,22 +363,161 @@ mod tests {
         assert_eq!(healthy.reason, REASON_PROBE_SUCCEEDED);
         assert_eq!(healthy.last_transition_time, ts(150));
         // Without a new signal the seeded condition is kept, not reset to Unknown.
-        let later = desired_status(&status, &running("10.0.0.1"), None, Some(1), ts(500));
+        let later = desired_status(&status, &running("10.0.0.1"), &spec, None, Some(1), ts(500));
         assert_eq!(later, status);
-        let down = HealthSignal {
-            healthy: false,
-            ..signal
-        };
-        let unhealthy =
-            desired_status(&status, &running("10.0.0.1"), Some(&down), Some(1), ts(600));
+        let down = signal(false, "http://10.0.0.1:3128", 550);
+        let unhealthy = desired_status(
+            &status,
+            &running("10.0.0.1"),
+            &spec,
+            Some(&down),
+            Some(1),
+            ts(600),
+        );
         assert_eq!(unhealthy.phase, Some(Phase::Unhealthy));
+    }
+
+    /// A verdict is about the address it was probed at: a new machine (a repair, a replacement)
+    /// or a moved endpoint starts `Unknown` until probed there, whatever the last signal says.
+    #[test]
+    fn health_holds_only_for_the_address_it_was_probed_at() {
+        let spec = managed();
+        let gone = StatusChange {
+            provisioning: Provisioning::InProgress,
+            provider_id: FieldChange::Clear,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_MACHINE_GONE.into(),
+            message: String::new(),
+        };
+        let ready = desired_status(
+            &ProxyStatus::default(),
+            &running("10.0.0.1"),
+            &spec,
+            Some(&signal(true, "http://10.0.0.1:3128", 10)),
+            Some(1),
+            ts(10),
+        );
+        assert_eq!(ready.phase, Some(Phase::Ready));
+        let old_up = signal(true, "http://10.0.0.1:3128", 20);
+        let old_down = signal(false, "http://10.0.0.1:3128", 20);
+        let new_up = signal(true, "http://10.0.0.2:3128", 30);
+        // (case, change, last signal, phase, Healthy status, message contains)
+        let cases = [
+            (
+                "same machine, no signal: kept",
+                &running("10.0.0.1"),
+                None,
+                Phase::Ready,
+                ConditionStatus::True,
+                "204",
+            ),
+            (
+                "same machine, its signal",
+                &running("10.0.0.1"),
+                Some(&old_down),
+                Phase::Unhealthy,
+                ConditionStatus::False,
+                "204",
+            ),
+            (
+                "new machine, no signal",
+                &running("10.0.0.2"),
+                None,
+                Phase::Provisioning,
+                ConditionStatus::Unknown,
+                "new address http://10.0.0.2:3128",
+            ),
+            (
+                "new machine, the old one's signal",
+                &running("10.0.0.2"),
+                Some(&old_up),
+                Phase::Provisioning,
+                ConditionStatus::Unknown,
+                "new address http://10.0.0.2:3128",
+            ),
+            (
+                "new machine, probed",
+                &running("10.0.0.2"),
+                Some(&new_up),
+                Phase::Ready,
+                ConditionStatus::True,
+                "204",
+            ),
+            (
+                "machine gone",
+                &gone,
+                Some(&old_up),
+                Phase::Provisioning,
+                ConditionStatus::Unknown,
+                "no address to probe",
+            ),
+        ];
+        for (case, change, health, phase, healthy, message) in cases {
+            let status = desired_status(&ready, change, &spec, health, Some(1), ts(40));
+            assert_eq!(status.phase, Some(phase), "{case}");
+            let condition = status.condition(CONDITION_HEALTHY).unwrap();
+            assert_eq!(condition.status, healthy, "{case}");
+            assert!(condition.message.contains(message), "{case}: {condition:?}");
+            let again = desired_status(&status, change, &spec, health, Some(1), ts(50));
+            assert_eq!(again, status, "{case}: stable on the next pass");
+        }
+        // Stored signal about another address on a later pass (the address changed before):
+        // still Unknown, not the old verdict.
+        let moved = desired_status(&ready, &running("10.0.0.2"), &spec, None, Some(1), ts(40));
+        let later = desired_status(
+            &moved,
+            &running("10.0.0.2"),
+            &spec,
+            Some(&old_up),
+            Some(1),
+            ts(50),
+        );
+        assert_eq!(later.healthy(), None);
+        // An External endpoint edited: the old endpoint's verdict no longer counts.
+        let external = |host: &str| -> ProxySpec {
+            serde_json::from_value(
+                json!({"mode": "External", "endpoint": {"host": host, "port": 8080}}),
+            )
+            .unwrap()
+        };
+        let listed = StatusChange {
+            provisioning: Provisioning::Done,
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Keep,
+            provisioned: ConditionStatus::True,
+            reason: REASON_EXTERNAL.into(),
+            message: String::new(),
+        };
+        let old_endpoint = signal(true, "http://proxy-a:8080", 10);
+        let external_ready = desired_status(
+            &ProxyStatus::default(),
+            &listed,
+            &external("proxy-a"),
+            Some(&old_endpoint),
+            Some(1),
+            ts(10),
+        );
+        assert_eq!(external_ready.phase, Some(Phase::Ready));
+        let edited = desired_status(
+            &external_ready,
+            &listed,
+            &external("proxy-b"),
+            Some(&old_endpoint),
+            Some(2),
+            ts(20),
+        );
+        assert_eq!(edited.healthy(), None);
+        assert_eq!(edited.phase, Some(Phase::Provisioning));
     }
 
     #[test]
     fn clearing_fields_sends_explicit_nulls() {
+        let spec = managed();
         let current = desired_status(
             &ProxyStatus::default(),
             &running("10.0.0.1"),
+            &spec,
             None,
             Some(1),
             ts(1),
@@ -356,7 +530,7 @@ mod tests {
             reason: REASON_MACHINE_GONE.into(),
             message: String::new(),
         };
-        let status = desired_status(&current, &gone, None, Some(1), ts(2));
+        let status = desired_status(&current, &gone, &spec, None, Some(1), ts(2));
         let patch = status_patch(&status, Some("42"));
         assert_eq!(patch["metadata"]["resourceVersion"], "42");
         assert!(status_patch(&status, None).get("metadata").is_none());
