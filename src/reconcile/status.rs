@@ -169,9 +169,11 @@ pub fn desired_status(
             observed_generation: generation,
         },
     );
+    let host_and_port = |s| (spec.effective_host(Some(s)), spec.effective_port(Some(s)));
+    let moved = host_and_port(current) != host_and_port(&status);
     let address = spec.proxy_url(Some(&status));
     let signal = health.filter(|s| address.as_ref() == Some(&s.proxy_url));
-    let stale = (health.is_some() && signal.is_none()) || address != spec.proxy_url(Some(current));
+    let stale = moved || (health.is_some() && signal.is_none());
     match signal {
         Some(signal) => {
             let (value, reason) = if signal.healthy {
@@ -284,6 +286,18 @@ mod tests {
         }
     }
 
+    /// The machine disappeared: address and provider ID cleared.
+    fn gone() -> StatusChange {
+        StatusChange {
+            provisioning: Provisioning::InProgress,
+            provider_id: FieldChange::Clear,
+            ip: FieldChange::Clear,
+            provisioned: ConditionStatus::False,
+            reason: REASON_MACHINE_GONE.into(),
+            message: String::new(),
+        }
+    }
+
     fn running(ip: &str) -> StatusChange {
         StatusChange {
             provisioning: Provisioning::Done,
@@ -382,14 +396,6 @@ mod tests {
     #[test]
     fn health_holds_only_for_the_address_it_was_probed_at() {
         let spec = managed();
-        let gone = StatusChange {
-            provisioning: Provisioning::InProgress,
-            provider_id: FieldChange::Clear,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_MACHINE_GONE.into(),
-            message: String::new(),
-        };
         let ready = desired_status(
             &ProxyStatus::default(),
             &running("10.0.0.1"),
@@ -446,7 +452,7 @@ mod tests {
             ),
             (
                 "machine gone",
-                &gone,
+                &gone(),
                 Some(&old_up),
                 Phase::Provisioning,
                 ConditionStatus::Unknown,
@@ -522,15 +528,7 @@ mod tests {
             Some(1),
             ts(1),
         );
-        let gone = StatusChange {
-            provisioning: Provisioning::InProgress,
-            provider_id: FieldChange::Clear,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_MACHINE_GONE.into(),
-            message: String::new(),
-        };
-        let status = desired_status(&current, &gone, &spec, None, Some(1), ts(2));
+        let status = desired_status(&current, &gone(), &spec, None, Some(1), ts(2));
         let patch = status_patch(&status, Some("42"));
         assert_eq!(patch["metadata"]["resourceVersion"], "42");
         assert!(status_patch(&status, None).get("metadata").is_none());
