@@ -277,11 +277,9 @@ async fn step(
         .condition(CONDITION_HEALTHY)
         .filter(|c| c.status == ConditionStatus::False)
         .map(|c| c.last_transition_time);
-    let address = spec.proxy_url(Some(current));
     let health = ctx
         .health
         .get(&proxy.id())
-        .filter(|signal| address.as_ref() == Some(&signal.proxy_url))
         .map(|signal| (signal.healthy, signal.at))
         .or_else(|| current.healthy().zip(current.last_health_check_time));
     let remediation = match (&spec.provider, unhealthy_since) {
