@@ -1,6 +1,6 @@
 //! The OpenAPI 3 document served at `/v1/openapi.json`, generated from the handlers' and
 //! bodies' types so it cannot drift from what the server answers. It is the API's contract:
-//! schemathesis (`--checks all`, `tests/schemathesis.rs`) holds the server to it.
+//! schemathesis (`--checks all`, the `schemathesis` integration test) holds the server to it.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;

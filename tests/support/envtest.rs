@@ -1,8 +1,10 @@
 //! A real Kubernetes control plane for tests: etcd + kube-apiserver from `KUBEBUILDER_ASSETS`
 //! (see `../shared/envtest/README.md` for the flags and what this control plane lacks).
 //!
-//! One control plane per test binary ([`ControlPlane::shared`]), started on first use and
-//! shared by its tests, each in its own namespace ([`ControlPlane::new_namespace`]).
+//! One control plane per test process ([`ControlPlane::shared`]), started on first use and
+//! shared by its tests, each in its own namespace ([`ControlPlane::new_namespace`]); tests that
+//! need other API server flags or change cluster-wide objects name a control plane of their own
+//! ([`ControlPlane::dedicated`]).
 //!
 //! Lifetime: the control plane lives in a static, which is never dropped. etcd and the API
 //! server are therefore spawned with `PR_SET_PDEATHSIG = SIGKILL` from one thread that lives
@@ -12,7 +14,7 @@
 //! so each start removes the roots whose owner pid is dead. The last run's root therefore stays
 //! until the next run.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
@@ -83,35 +85,47 @@ pub struct ControlPlane {
     _children: Mutex<Vec<Child>>,
 }
 
-/// The first call's outcome: skipped (no assets), started, or failed (remembered, so every
-/// test of the binary fails fast with the same message).
-enum Shared {
+/// A control plane's start: skipped (no assets), started, or failed (remembered, so every
+/// test asking for it fails fast with the same message).
+enum Started {
     Skipped,
-    Started(Box<ControlPlane>),
+    Running(Box<ControlPlane>),
     Failed(String),
 }
 
-static SHARED: OnceLock<Shared> = OnceLock::new();
+/// The control planes of this test process by name, each started on first use and kept (and
+/// leaked: it lives as long as the process) for every later test asking for that name.
+static PLANES: Mutex<BTreeMap<String, &'static OnceLock<Started>>> = Mutex::new(BTreeMap::new());
+
+/// Name of the control plane most tests share.
+const SHARED: &str = "shared";
 
 impl ControlPlane {
-    /// The control plane of this test binary, started on first use with the default flags;
-    /// `None` (after printing how to get the binaries) when `KUBEBUILDER_ASSETS` is unset and
-    /// `CI` is not: the caller then returns early, as skipped. Panics when `CI` is set and the
-    /// binaries are missing, or when the control plane does not start.
+    /// The control plane shared by the tests of this process, started on first use with the
+    /// default flags; `None` (after printing how to get the binaries) when `KUBEBUILDER_ASSETS`
+    /// is unset and `CI` is not: the caller then returns early, as skipped. Panics when `CI` is
+    /// set and the binaries are missing, or when the control plane does not start.
     pub fn shared() -> Option<&'static ControlPlane> {
-        ControlPlane::shared_with(&[])
+        ControlPlane::dedicated(SHARED, &[])
     }
 
-    /// [`ControlPlane::shared`] with extra kube-apiserver flags, appended to the defaults (e.g.
+    /// A control plane of its own for the tests that name it, beside the shared one: for tests
+    /// that need other kube-apiserver flags, appended to the defaults (e.g.
     /// `--enable-admission-plugins=ServiceAccount`; any `--enable-admission-plugins` or
-    /// `--disable-admission-plugins` drops the default `--disable-admission-plugins=ServiceAccount`).
-    /// The first call in a binary starts the control plane; a later call asking for other flags
-    /// panics, because it would silently run against flags it did not ask for.
-    pub fn shared_with(extra_apiserver_args: &[&str]) -> Option<&'static ControlPlane> {
-        let shared = SHARED.get_or_init(|| {
+    /// `--disable-admission-plugins` drops the default `--disable-admission-plugins=ServiceAccount`),
+    /// or that change what is cluster-wide (the CRD). Every test naming it gets the same
+    /// control plane; asking for it with other flags panics, because that test would silently
+    /// run against flags it did not ask for. Skips and fails like [`ControlPlane::shared`].
+    pub fn dedicated(name: &str, extra_apiserver_args: &[&str]) -> Option<&'static ControlPlane> {
+        let cell: &'static OnceLock<Started> = PLANES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_owned())
+            .or_insert_with(|| Box::leak(Box::new(OnceLock::new())));
+        let started = cell.get_or_init(|| {
             let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS").filter(|a| !a.is_empty())
             else {
-                return Shared::Skipped;
+                return Started::Skipped;
             };
             let assets = PathBuf::from(assets);
             let extra: Vec<String> = extra_apiserver_args
@@ -121,38 +135,40 @@ impl ControlPlane {
             // Started on a plain thread: the caller is usually inside a tokio runtime, where
             // the readiness poll could not block on a runtime of its own.
             let started = std::thread::Builder::new()
-                .name("envtest-start".to_owned())
+                .name(format!("envtest-start-{name}"))
                 .spawn(move || start(&assets, extra))
                 .expect("spawn the envtest start-up thread")
                 .join();
             match started {
-                Ok(Ok(plane)) => Shared::Started(Box::new(plane)),
-                Ok(Err(message)) => Shared::Failed(message),
-                Err(panic) => Shared::Failed(panic_message(&panic)),
+                Ok(Ok(plane)) => Started::Running(Box::new(plane)),
+                Ok(Err(message)) => Started::Failed(message),
+                Err(panic) => Started::Failed(panic_message(&panic)),
             }
         });
-        match shared {
-            Shared::Skipped if std::env::var_os("CI").is_some() => {
+        match started {
+            Started::Skipped if std::env::var_os("CI").is_some() => {
                 panic!(
                     "KUBEBUILDER_ASSETS is not set, and with CI set a missing control plane fails \
                  the test instead of skipping it. {HOW_TO}"
                 )
             }
-            Shared::Skipped => {
+            Started::Skipped => {
                 eprintln!(
                     "skipped: KUBEBUILDER_ASSETS is not set (and CI is not, so this test \
                      passes without running). {HOW_TO}"
                 );
                 None
             }
-            Shared::Failed(message) => panic!("the envtest control plane did not start: {message}"),
-            Shared::Started(plane) => {
+            Started::Failed(message) => {
+                panic!("the envtest control plane {name:?} did not start: {message}")
+            }
+            Started::Running(plane) => {
                 let asked: Vec<&str> = extra_apiserver_args.to_vec();
                 let running: Vec<&str> = plane.extra_args.iter().map(String::as_str).collect();
                 assert_eq!(
                     asked, running,
-                    "this test binary's control plane was started with other extra kube-apiserver \
-                     flags; every test of one binary must ask for the same flags"
+                    "the control plane {name:?} was started with other extra kube-apiserver \
+                     flags; every test naming it must ask for the same flags"
                 );
                 Some(plane)
             }
@@ -275,7 +291,7 @@ impl ControlPlane {
 
     /// Server-side applies one CustomResourceDefinition and waits until it is Established, its
     /// names are accepted and every served version answers a list. For tests that swap the CRD
-    /// (keep those in a test binary of their own: the CRD is cluster-wide).
+    /// (run those on a [`ControlPlane::dedicated`] one: the CRD is cluster-wide).
     pub async fn apply_crd_yaml(&self, yaml: &str) {
         let mut applied = self.crd.lock().await;
         if applied.as_deref() == Some(yaml) {
@@ -324,7 +340,7 @@ impl ControlPlane {
     /// A ServiceAccount token (1 h) of the operator's identity: the ServiceAccount of
     /// `manifests/serviceaccount.yaml` (`proxy-operator/proxy-operator`), bound by exactly the
     /// objects of `manifests/rbac.yaml` and nothing else, so RBAC is the server's verdict.
-    /// The manifests are applied once per test binary.
+    /// The manifests are applied once per control plane.
     pub async fn operator_token(&self) -> String {
         let (namespace, name) = self.ensure_operator_identity().await;
         let accounts: Api<ServiceAccount> = Api::namespaced(self.admin_client(), &namespace);

@@ -2,7 +2,7 @@
 //! every CONNECT), a loopback HTTPS probe target, a real ledger file — driven only through
 //! the API, the metrics endpoint, signals and the `sqlite3` CLI, as an operator would.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

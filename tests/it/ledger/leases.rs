@@ -1,6 +1,6 @@
 //! The lease ledger against real SQLite files in temporary directories.
 
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -144,8 +144,11 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
     {
         // The file as the previous release left it: schema version 1, one lease held.
         let conn = rusqlite::Connection::open(&path).unwrap();
-        conn.execute_batch(include_str!("../migrations/0001_lease_ledger.sql"))
-            .unwrap();
+        conn.execute_batch(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/migrations/0001_lease_ledger.sql"
+        )))
+        .unwrap();
         conn.pragma_update(None, "user_version", 1).unwrap();
         conn.execute(
             "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \

@@ -4,12 +4,12 @@
 //! the server's text, published once as a Warning Event, retried with backoff (never hammered),
 //! never latched into `Failed`, and the Proxy becomes Ready once the cause is fixed.
 //!
-//! Every test of this binary runs on one control plane started with
+//! Every test here runs on a control plane of its own, started with
 //! `--enable-admission-plugins=ServiceAccount` (the harness's default disables that plugin);
 //! LimitRanger is on by default either way. Needs `KUBEBUILDER_ASSETS` (kube-apiserver +
 //! etcd); without it every test here passes as skipped, unless `CI` is set.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use support::ControlPlane;
 use support::operator::{OperatorProcess, metric_sum};
 use support::world::{World, eventually};
 
-/// The API server flags of this binary's one control plane: ServiceAccount admission on.
+/// The API server flags of that control plane: ServiceAccount admission on.
 const APISERVER_ARGS: &[&str] = &["--enable-admission-plugins=ServiceAccount"];
 /// The provider-call counter and the labels of a refused create.
 const PROVIDER_REQUESTS: &str = "proxy_operator_provider_requests_total";
@@ -36,10 +36,16 @@ const LIMIT_RANGE_REFUSAL: &str = "maximum cpu usage per Container is 100m, but 
 /// `reason` of the `Provisioned` condition and of the Warning Event for an admission refusal.
 const REFUSED: &str = "Refused";
 
-/// A fresh namespace on this binary's control plane (ServiceAccount admission on), or `None`
+/// A fresh namespace on the admission tests' own control plane (ServiceAccount admission on), or `None`
 /// when there is no control plane (skipped). The namespace has its `default` ServiceAccount.
 async fn world(prefix: &str) -> Option<World> {
-    Some(World::on(ControlPlane::shared_with(APISERVER_ARGS)?, prefix).await)
+    Some(
+        World::on(
+            ControlPlane::dedicated("service-account-admission", APISERVER_ARGS)?,
+            prefix,
+        )
+        .await,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@
 //! holding up the others. Every request must be granted by the install's RBAC
 //! (`rbac::API_CALLS`).
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,11 +1,11 @@
 //! A Proxy the operator cannot decode (stored before the CRD validated its durations) must not
 //! take the fleet down: on a real API server, the bad object is stored under a looser CRD, the
-//! real CRD is applied, and the `proxy-operator run` binary starts. Its own test binary: it
-//! swaps the cluster-wide CRD.
+//! real CRD is applied, and the `proxy-operator run` binary starts. On a control plane of its
+//! own: it swaps the cluster-wide CRD.
 //!
-//! Needs `KUBEBUILDER_ASSETS`, like `tests/operator_envtest.rs`.
+//! Needs `KUBEBUILDER_ASSETS`, like `operator::lifecycle`.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 
@@ -96,7 +96,8 @@ async fn served_names(operator: &OperatorProcess) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undecodable_proxy_is_skipped_and_named_while_the_rest_is_served() {
-    let Some(cp) = ControlPlane::shared() else {
+    // It swaps the cluster-wide CRD: a control plane of its own.
+    let Some(cp) = ControlPlane::dedicated("crd-swap", &[]) else {
         return;
     };
     let squid = Squid::start();

@@ -14,7 +14,7 @@
 //! Without schemathesis the test prints how to install it and passes as skipped, except when
 //! `CI` is set: then it fails.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::io::Write as _;

@@ -9,7 +9,7 @@
 //! by polling their futures once, so what is queued, and in which order, is decided by the
 //! test, and time only moves through the ledger's `ManualClock`.
 
-mod support;
+use crate::support;
 
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
@@ -38,7 +38,8 @@ impl Fixture {
         }
     }
 
-    fn acquire(
+    /// An acquire of one of the pool for `target`, not yet polled.
+    fn pending_acquire(
         &self,
         target: &str,
     ) -> Pin<Box<impl Future<Output = Result<AcquireOutcome, LedgerError>> + '_>> {
@@ -70,7 +71,7 @@ fn overloaded<T: std::fmt::Debug>(answer: Result<T, LedgerError>) {
 async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
     let f = Fixture::new(LedgerConfig::default());
     let lock = f.lock_file();
-    let mut writes: Vec<_> = (0..21).map(|_| f.acquire("t.example")).collect();
+    let mut writes: Vec<_> = (0..21).map(|_| f.pending_acquire("t.example")).collect();
     assert!(queue(&mut writes[0]).await.is_none());
     f.writer_took_everything().await;
     for write in &mut writes[1..] {
@@ -103,16 +104,18 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
         ..LedgerConfig::default()
     });
     let lock = f.lock_file();
-    let mut first = f.acquire("t.example");
+    let mut first = f.pending_acquire("t.example");
     assert!(queue(&mut first).await.is_none());
     f.writer_took_everything().await;
-    let mut queued: Vec<_> = (0..CAPACITY).map(|_| f.acquire("t.example")).collect();
+    let mut queued: Vec<_> = (0..CAPACITY)
+        .map(|_| f.pending_acquire("t.example"))
+        .collect();
     for write in &mut queued {
         assert!(queue(write).await.is_none(), "the queue has room");
     }
     // The excess is answered on its first poll, while the writer is still stuck.
     for _ in 0..5 {
-        let mut excess = f.acquire("t.example");
+        let mut excess = f.pending_acquire("t.example");
         overloaded(queue(&mut excess).await.expect("refused at once"));
     }
     let mut release = Box::pin(f.ledger.release("any"));
@@ -137,7 +140,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
 
     // A write just inside its deadline is decided.
     let lock = f.lock_file();
-    let mut late = f.acquire("t.example");
+    let mut late = f.pending_acquire("t.example");
     assert!(queue(&mut late).await.is_none());
     f.writer_took_everything().await;
     f.clock.advance(Duration::from_millis(1999));
@@ -150,7 +153,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
 async fn an_acquire_whose_caller_left_before_its_turn_is_not_granted() {
     let f = Fixture::new(LedgerConfig::default());
     let lock = f.lock_file();
-    let mut kept = f.acquire("t.example");
+    let mut kept = f.pending_acquire("t.example");
     assert!(queue(&mut kept).await.is_none());
     f.writer_took_everything().await;
     for _ in 0..3 {
@@ -230,7 +233,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
             .unwrap();
 
         let lock = f.lock_file();
-        let mut first = f.acquire("t.example");
+        let mut first = f.pending_acquire("t.example");
         assert!(queue(&mut first).await.is_none());
         f.writer_took_everything().await;
         let mut release = Box::pin(f.ledger.release(&held.id));
@@ -241,7 +244,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
             Some("new.example"),
         ));
         let mut with_id = Box::pin(f.ledger.acquire(f.request("t.example", Some("fresh"))));
-        let mut poisoned = f.acquire("poison.example");
+        let mut poisoned = f.pending_acquire("poison.example");
         let mut after = Box::pin(f.ledger.acquire(f.request("t.example", Some("after"))));
         assert!(queue(&mut release).await.is_none());
         assert!(queue(&mut renew).await.is_none());
@@ -297,10 +300,10 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
 async fn shutdown_commits_what_was_queued_and_refuses_the_rest() {
     let f = Fixture::new(LedgerConfig::default());
     let lock = f.lock_file();
-    let mut first = f.acquire("t.example");
+    let mut first = f.pending_acquire("t.example");
     assert!(queue(&mut first).await.is_none());
     f.writer_took_everything().await;
-    let mut second = f.acquire("t.example");
+    let mut second = f.pending_acquire("t.example");
     assert!(queue(&mut second).await.is_none());
     let stopping = {
         let ledger = f.ledger.clone();

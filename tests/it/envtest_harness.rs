@@ -4,7 +4,7 @@
 //! Every test is skipped (passes, printing how to get the binaries) when `KUBEBUILDER_ASSETS`
 //! is unset and `CI` is not; with `CI` set, a missing control plane fails them.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};

@@ -5,7 +5,7 @@
 //! the API and by the `sqlite3` CLI), every release answered 204 is released, and no proxy
 //! ever held more leases than its `maxLeases`, neither at any grant in the history nor now.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

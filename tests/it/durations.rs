@@ -6,7 +6,7 @@
 //! for `spec.maxLifetime` (the same syntax, at least `1m`, Managed only), which needs
 //! `KUBEBUILDER_ASSETS` (skipped without it unless `CI` is set).
 
-mod support;
+use crate::support;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -8,7 +8,7 @@
 //! kind create cluster --name proxy-operator
 //! docker build -t proxy-operator:dev .
 //! kind load docker-image proxy-operator:dev --name proxy-operator
-//! cargo test --test quickstart_kind -- --ignored --test-threads=1
+//! cargo test --test it quickstart_kind -- --ignored --test-threads=1
 //! kind delete cluster --name proxy-operator
 //! ```
 //!

@@ -1,6 +1,6 @@
 //! The probe and the health engine against a real squid and a real loopback target.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

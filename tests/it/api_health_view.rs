@@ -1,7 +1,7 @@
 //! `GET /v1/proxies` says why an unhealthy proxy is unhealthy: the real health engine probes
 //! through real squids to a real loopback target, and the real API serves its snapshot.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! with the real `sqlite3` shell, as an engineer would) says why the leases ended. Time only
 //! moves through the ledger's `ManualClock`.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -472,10 +472,16 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         // The file as the previous release left it: schema version 2, a lease a crawler
         // released (with its history) and one still held.
         let conn = rusqlite::Connection::open(&path).unwrap();
-        conn.execute_batch(include_str!("../migrations/0001_lease_ledger.sql"))
-            .unwrap();
-        conn.execute_batch(include_str!("../migrations/0002_acquire_request_ids.sql"))
-            .unwrap();
+        conn.execute_batch(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/migrations/0001_lease_ledger.sql"
+        )))
+        .unwrap();
+        conn.execute_batch(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/migrations/0002_acquire_request_ids.sql"
+        )))
+        .unwrap();
         conn.pragma_update(None, "user_version", 2).unwrap();
         conn.execute_batch(&format!(
             "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \

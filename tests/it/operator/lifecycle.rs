@@ -5,7 +5,7 @@
 //! Needs `KUBEBUILDER_ASSETS` (kube-apiserver + etcd); without it every test here passes as
 //! skipped and says how to get the binaries, unless `CI` is set.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

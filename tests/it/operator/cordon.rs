@@ -9,7 +9,7 @@
 //! patch goes through the client and the server-side table (what `kubectl get` prints) is
 //! still checked.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 //! to the file, loses nothing acknowledged, and takes writes again by itself once there is
 //! room. The API side runs a real actix server on loopback.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

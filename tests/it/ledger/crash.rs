@@ -105,9 +105,12 @@ fn acknowledged_leases_survive_sigkill() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
+    // The harness names a test by its module path without the crate's name.
+    let (_, module) = module_path!().split_once("::").unwrap();
+    let this_test = format!("{module}::acknowledged_leases_survive_sigkill");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
-            "acknowledged_leases_survive_sigkill",
+            this_test.as_str(),
             "--exact",
             "--nocapture",
             "--test-threads=1",

@@ -3,9 +3,9 @@
 //! Proxy (the watch cache lags a write), and an Event whose note is longer than the Events API
 //! takes.
 //!
-//! Needs `KUBEBUILDER_ASSETS`, like `tests/operator_envtest.rs`.
+//! Needs `KUBEBUILDER_ASSETS`, like `operator::lifecycle`.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -14,7 +14,7 @@
 //! skipped, unless `CI` is set. `kubectl` is used when it is on the PATH; without it the same
 //! requests go through the client.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

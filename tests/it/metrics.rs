@@ -4,7 +4,7 @@
 //! the per-target cooldown gauge fed by reports through the real lease API; and the
 //! reconciler's fleet-lifecycle counters and remediation gauge, also through promtool.
 
-mod support;
+use crate::support;
 
 use std::io::Write as _;
 use std::net::TcpListener;

@@ -1,0 +1,11 @@
+//! The `proxy-operator run` binary end to end on a real Kubernetes API server (and, in `run`,
+//! in process against a mock one).
+
+mod admission;
+mod cordon;
+mod fleet;
+mod lifecycle;
+mod pod_security;
+mod run;
+mod self_healing;
+mod undecodable;
