@@ -22,7 +22,7 @@ use proxy_operator::api::{CandidateIndex, Selector};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
 };
 use proxy_operator::proxy::{Proxy, ProxySpec};
 
@@ -125,7 +125,7 @@ fn bench(c: &mut Criterion) {
         .build()
         .expect("runtime");
     let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = Ledger::open(
+    let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
         LedgerConfig::default(),
         Arc::new(SystemClock),

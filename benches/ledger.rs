@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SystemClock, WriterStats,
+    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
+    WriterStats,
 };
 use proxy_operator::proxy::ProxyId;
 use tempfile::TempDir;
@@ -32,14 +33,14 @@ const ROUND_PAIRS: usize = 8_000;
 /// A ledger on a fresh file and the candidates its acquires choose from.
 struct LedgerSide {
     _dir: TempDir,
-    ledger: Ledger,
+    ledger: SqliteLedger,
     candidates: Arc<[Candidate]>,
 }
 
 impl LedgerSide {
     fn new(candidates: usize) -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
-        let ledger = Ledger::open(
+        let ledger = SqliteLedger::open(
             &dir.path().join("ledger.db"),
             LedgerConfig::default(),
             Arc::new(SystemClock),

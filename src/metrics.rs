@@ -5,7 +5,7 @@
 //! at scrape time from the inventory, the health snapshot and the ledger, so they can never
 //! drift or leak series the way incremented gauges do.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
@@ -204,13 +204,12 @@ pub struct FleetCollector {
     health: HealthSnapshot,
     /// Health-table positions of the inventory's proxies, kept until either changes.
     positions: CandidateIndex,
-    ledger: Ledger,
+    ledger: Arc<dyn Ledger>,
     proxies: IntGaugeVec,
     leases_active: IntGauge,
     proxy_leases_active: PerProxyGauge,
     cooldowns_active: IntGauge,
     target_cooldowns: TargetCooldownGauge,
-    ledger_bytes: IntGauge,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
 }
@@ -220,7 +219,7 @@ impl FleetCollector {
     pub fn new(
         inventory: Inventory,
         health: HealthSnapshot,
-        ledger: Ledger,
+        ledger: Arc<dyn Ledger>,
     ) -> Result<Self, prometheus::Error> {
         Ok(FleetCollector {
             inventory,
@@ -244,10 +243,6 @@ impl FleetCollector {
                 "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
             )?,
             target_cooldowns: TargetCooldownGauge::new()?,
-            ledger_bytes: IntGauge::new(
-                "proxy_operator_ledger_bytes",
-                "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
-            )?,
             scrape: Mutex::new(()),
         })
     }
@@ -260,7 +255,6 @@ impl Collector for FleetCollector {
         descs.push(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
         descs.push(&self.target_cooldowns.desc);
-        descs.extend(self.ledger_bytes.desc());
         descs
     }
 
@@ -297,7 +291,7 @@ impl Collector for FleetCollector {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
         }
         let mut families = self.proxies.collect();
-        // The writer's in-memory state: no query per scrape.
+        // The ledger's snapshot: no query per scrape.
         self.leases_active
             .set(i64::try_from(self.ledger.active_total()).unwrap_or(i64::MAX));
         self.cooldowns_active
@@ -312,10 +306,6 @@ impl Collector for FleetCollector {
         {
             families.push(family);
         }
-        // Two stat calls, no query.
-        self.ledger_bytes
-            .set(i64::try_from(self.ledger.disk_bytes()).unwrap_or(i64::MAX));
-        families.extend(self.ledger_bytes.collect());
         families
     }
 }

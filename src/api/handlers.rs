@@ -1,6 +1,6 @@
-//! The route handlers. Each one reads the inventory and health snapshot, hands writes to the
-//! ledger's writer (awaiting its answer) and reads on a blocking thread, and maps the outcome
-//! to the API's JSON shapes.
+//! The route handlers. Each one reads the inventory and health snapshot, hands writes and
+//! lease reads to the ledger (awaiting its answer), and maps the outcome to the API's JSON
+//! shapes.
 
 use std::time::Duration;
 
@@ -22,18 +22,6 @@ use crate::ledger::{
     self, AcquireOutcome, Lease, LeaseState, LedgerError, NoMatch, ReportResult, RequestKey,
 };
 use crate::proxy::proxy_url;
-
-/// Runs a blocking ledger read on the blocking pool.
-async fn ledger_read<T: Send + 'static>(
-    state: &ApiState,
-    context: &'static str,
-    call: impl FnOnce(&crate::ledger::Ledger) -> Result<T, LedgerError> + Send + 'static,
-) -> Result<Result<T, LedgerError>, ApiError> {
-    let ledger = state.ledger.clone();
-    web::block(move || call(&ledger))
-        .await
-        .map_err(|e| ApiError::internal(context, e))
-}
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
@@ -264,10 +252,10 @@ pub async fn get_lease(
     state: web::Data<ApiState>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let id = id.into_inner();
-    let lookup = id.clone();
-    let lease = ledger_read(&state, "reading a lease", move |l| l.get(&lookup))
-        .await?
+    let lease = state
+        .ledger
+        .get(&id)
+        .await
         .map_err(|e| ApiError::internal("reading a lease", e))?
         .ok_or_else(|| ApiError::unknown_lease(&id))?;
     Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
@@ -341,9 +329,10 @@ async fn refuse_renewal_if_draining(state: &ApiState, id: &str) -> Result<(), Ap
     if !state.inventory.snapshot().any_draining() {
         return Ok(());
     }
-    let lookup = id.to_owned();
-    let Some(lease) = ledger_read(state, "renewing a lease", move |l| l.get(&lookup))
-        .await?
+    let Some(lease) = state
+        .ledger
+        .get(id)
+        .await
         .map_err(|e| ApiError::internal("renewing a lease", e))?
     else {
         return Ok(());
@@ -437,12 +426,10 @@ pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError
     if !state.inventory.snapshot().is_synced() {
         return Err(not_ready("the proxy inventory has not synced yet".into()));
     }
-    if !state.ledger.is_running() {
-        return Err(not_ready("the ledger's writer is not running".into()));
-    }
-    // A read through the pool: the file is open and readable.
-    ledger_read(&state, "checking the ledger", |l| l.get("readyz"))
-        .await?
+    state
+        .ledger
+        .check()
+        .await
         .map_err(|e| not_ready(format!("the ledger does not answer: {e}")))?;
     Ok(HttpResponse::Ok().json(StatusBody {
         status: "ready".into(),

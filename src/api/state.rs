@@ -21,7 +21,7 @@ pub struct ApiState {
     /// Their health, as the engine last saw it.
     pub health: HealthSnapshot,
     /// The lease ledger.
-    pub ledger: Ledger,
+    pub ledger: Arc<dyn Ledger>,
     /// The ledger's clock (for `Retry-After`).
     pub clock: Arc<dyn Clock>,
     /// Lease counters.

@@ -2,8 +2,14 @@
 
 use std::time::Duration;
 
-use super::bound::{DEFAULT_MAX_SIZE, check_max_size};
 use super::error::LedgerError;
+
+/// Smallest size bound accepted (`max_size`): room for the schema, the WAL allowance and a
+/// few thousand leases.
+pub const MIN_MAX_SIZE: u64 = 1 << 20;
+/// Default size bound: half of the 1 GiB volume the manifests ship, leaving the other half for
+/// the `-shm` file, a temporary copy by an offline `VACUUM`, and slack.
+pub const DEFAULT_MAX_SIZE: u64 = 512 << 20;
 
 /// Upper bound of every configured duration, so timestamps stay in range.
 const MAX_CONFIG_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -112,6 +118,17 @@ impl LedgerConfig {
             ms => Ok(ms),
         }
     }
+}
+
+/// Refuses a bound too small to hold anything.
+pub(crate) fn check_max_size(max_size: u64) -> Result<(), String> {
+    if max_size < MIN_MAX_SIZE {
+        return Err(format!(
+            "max_size {max_size} bytes is too small for the ledger: at least {MIN_MAX_SIZE} \
+             bytes (1 MiB) hold the schema, the WAL and a few thousand leases"
+        ));
+    }
+    Ok(())
 }
 
 /// A duration in whole milliseconds (configured durations are bounded, so this never clips).

@@ -94,6 +94,9 @@ pub enum LedgerError {
     /// A query failed.
     #[error("ledger database error: {0}")]
     Database(#[from] rusqlite::Error),
+    /// A read could not run (its blocking thread panicked, or the runtime is shutting down).
+    #[error("the ledger read could not run: {0}")]
+    Read(String),
     /// No database connection could be had.
     #[error("ledger connection pool: {0}")]
     Pool(#[from] r2d2::Error),

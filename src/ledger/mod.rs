@@ -1,91 +1,130 @@
-//! The lease ledger: leases, cooldowns, reports and their history in one on-disk SQLite file
-//! (WAL, migrations from `migrations/`), so acknowledged leases survive restarts and an
-//! engineer can read what happened with `sqlite3`.
+//! The lease ledger: leases, cooldowns, reports and their history, kept where they survive a
+//! restart, so an acknowledged lease is never lost and an engineer can read what happened.
 //!
-//! # One writer
+//! This module holds what every backend shares: the [`Ledger`] trait the API, the metrics
+//! collector, the reconciler and the process wiring use; the values it takes and hands out
+//! (`lease`); the pure selection of a proxy for an acquire (`selection::select`); the ranking of cooldowns
+//! per target (`targets`); the clock, the configuration and the errors. A backend decides every
+//! write against its own record of the leases, and calls the same `select` so both backends
+//! choose alike. The one backend today is [`SqliteLedger`] (`sqlite/`): one file, one writer
+//! thread, group commit.
 //!
-//! Every write (acquire, renew, release, the end of a proxy's leases, report, sweep) is
-//! decided by one writer thread that owns the write connection and the lease state in memory
-//! (`state.rs`): the leases whose row says active with their expiry times (a lease counts
-//! while `expires_at > now`, so capacity is counted by time, not by a counter), the cooldowns
-//! per (proxy UID, target), and the request-ID index. The state is rebuilt from the file at
-//! open. Writes are decided one after the other in arrival order against that state, so
-//! concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans the leases
-//! table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
-//! block, the connection stays on one thread, the ledger works without (and never starves) an
-//! async runtime, and callers only enqueue and await a oneshot answer.
+//! # Rules every backend keeps
 //!
-//! # Group commit
-//!
-//! The writer takes the first queued write, begins a transaction (`BEGIN IMMEDIATE`, which
-//! also keeps another process off the file), then takes everything else queued at that moment
-//! (at most `max_batch`), decides each in order, and commits them in one transaction. Every
-//! caller is answered only after the COMMIT that holds its row, so an answered lease survives
-//! `kill -9`; the cost of a commit is shared by the batch instead of paid per call.
-//!
-//! # Rollback
-//!
-//! The state journals every change of the batch. If a statement or the COMMIT fails, the
-//! transaction is rolled back, the journal undoes the batch in memory, and every caller of the
-//! batch gets [`LedgerError::BatchFailed`] — memory matches the file again, and nothing of the
-//! batch was acknowledged; when the failure is SQLITE_FULL (the disk, or the file's page
-//! limit) they get [`LedgerError::Full`] instead, which says when to retry. Readers never see
-//! a batch before its commit: the counts they read ([`Ledger::active_counts`],
-//! [`Ledger::active_total`], [`Ledger::cooldowns_active`], [`Ledger::target_cooldowns`]) are
-//! a view the writer refreshes after each COMMIT (only for what the batch touched) and before
-//! answering; a lease is read through a pool of WAL readers. No read waits for a write.
-//!
-//! # Size bound
-//!
-//! The file and its WAL stay within `max_size` (`bound.rs` has the arithmetic): SQLite caps
-//! the file's pages (`max_page_count`), the writer prunes the oldest history between batches
-//! once the file nears the cap (`space.rs`), and housekeeping may use pages kept back from
-//! client writes, so the sweep can free space when writes no longer fit.
-//!
-//! # Bounded waiting
-//!
-//! actix-web does not cancel a handler whose client went away, so a write queued behind a
-//! slow writer would still be granted long after its client gave up, and a retrying client
-//! would hold two leases. The queue therefore has a size (`queue_capacity`): a write that
-//! does not fit is refused at once with [`LedgerError::Overloaded`]. Each write carries a
-//! deadline (`queue_deadline` on the clock's monotonic time): one whose deadline passed before
-//! the writer reached it is refused with `Overloaded` and not decided. An acquire whose caller
-//! dropped its future before its turn is skipped, never granted.
-//!
-//! # Idempotent acquire
-//!
-//! An acquire may carry a request ID and a fingerprint of the request (computed by the API).
-//! While the lease that ID got is within its window — until the lease's `expires_at`, which a
-//! renew moves and a release does not shorten — the same ID with the same fingerprint answers
-//! [`AcquireOutcome::Replayed`] with that lease as it is now (possibly released), and with a
-//! different fingerprint [`LedgerError::RequestIdReused`]. After the window the ID is free: a
-//! new acquire with it is decided afresh and the ID names the newer lease. The ID and
-//! fingerprint are columns of the lease row (kept as long as the row is retained), so replays
-//! work after a restart.
+//! - **Capacity**: an acquire never makes a proxy hold more than its `maxLeases` leases that
+//!   count (`expires_at > now`), however many acquires race; capacity is counted by time, so an
+//!   expired lease stops counting before any sweep marks it.
+//! - **Acknowledged means recorded**: a write is answered only once it is durable, so a lease a
+//!   caller was given survives a crash of the process.
+//! - **Retention**: a finished lease is kept for the cooldown window, so a late `rate_limited`
+//!   report still lands and a request ID still replays.
+//! - **Idempotent acquire**: an acquire may carry a request ID and a fingerprint of the request
+//!   (computed by the API). While the lease that ID got is within its window — until the lease's
+//!   `expires_at`, which a renew moves and a release does not shorten — the same ID with the
+//!   same fingerprint answers [`AcquireOutcome::Replayed`] with that lease as it is now (possibly
+//!   released), and with a different fingerprint [`LedgerError::RequestIdReused`]. After the
+//!   window the ID is free: a new acquire with it is decided afresh and the ID names the newer
+//!   lease.
+//! - **History**: every acquire, renew, release, expiry and report is appended to the history,
+//!   pruned after the retention period.
 
-mod bound;
 mod clock;
 mod config;
-mod counts;
 mod error;
-mod handle;
 mod lease;
-mod schema;
 mod selection;
-mod space;
-mod state;
-mod store;
-mod writer;
+mod sqlite;
+mod targets;
 
-pub use bound::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
+use std::collections::HashMap;
+use std::time::Duration;
+
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{Durability, LedgerConfig};
-pub use counts::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
+pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
 pub use error::LedgerError;
-pub use handle::Ledger;
 pub use lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState, NoMatch, ReportResult,
     RequestKey, SweepStats, UnknownValue,
 };
-pub use schema::SCHEMA_VERSION;
-pub use writer::WriterStats;
+pub use sqlite::{LedgerFileCollector, SCHEMA_VERSION, SqliteLedger, WriterStats};
+pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
+
+/// A lease ledger, whichever backend keeps it.
+///
+/// Writes and lease reads are `async`: a backend may wait for a writer, a disk or a database.
+/// The counts are synchronous snapshots, read on hot paths (every proxy list, every metrics
+/// scrape, every reconcile) without a round trip; each backend says how stale they may be.
+#[async_trait::async_trait]
+pub trait Ledger: std::fmt::Debug + Send + Sync {
+    /// Grants a lease on the best candidate (in the order of `selection::select`) or says why
+    /// none could be granted.
+    /// Concurrent acquires never exceed a proxy's `max_leases`. With a target, proxies cooling
+    /// down for it are skipped; the TTL is capped by `max_ttl`. With a request ID whose window
+    /// is open, answers with that lease as it is now, or refuses a different request.
+    /// [`LedgerError::Overloaded`] means nothing was decided: retry.
+    async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError>;
+
+    /// Extends an active lease to `ttl` from now (capped), for sticky sessions. Released and
+    /// expired leases cannot be renewed ([`LedgerError::NotActive`]).
+    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError>;
+
+    /// Gives a lease back. Idempotent: releasing a released, expired or unknown lease does
+    /// nothing and succeeds.
+    async fn release(&self, id: &str) -> Result<(), LedgerError>;
+
+    /// Ends at once every lease of the proxy with UID `proxy_uid` that counts towards its
+    /// capacity, because the operator lost, stopped or deleted its machine: each becomes
+    /// `released` now with `release_reason = reason` and one `released` history event carrying
+    /// `reason`, so the replacement starts with the proxy's full capacity and the history says
+    /// why the leases ended. Returns how many were ended; idempotent (again, 0).
+    ///
+    /// An active lease already past its expiry is not counted: it stopped counting when it
+    /// expired, and the sweep marks it `expired` as usual. For its crawler an ended lease is
+    /// like any released one: renew answers [`LedgerError::NotActive`], release succeeds,
+    /// reports still land, and its request ID replays it until the window closes.
+    ///
+    /// `reason` is a machine code (`machine_lost`, `machine_stopped`, `machine_gone`; 1-64 of
+    /// `a-z 0-9 _ - .`), else [`LedgerError::InvalidReason`].
+    async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError>;
+
+    /// Records what a crawler observed on a lease, in any state as long as it is retained.
+    /// `rate_limited` and `blocked` put (proxy, target) into cooldown; `target` defaults to
+    /// the lease's target, and without either no cooldown can be keyed, so only the report is
+    /// recorded. Returns the lease.
+    async fn report(
+        &self,
+        id: &str,
+        result: ReportResult,
+        target: Option<&str>,
+    ) -> Result<Lease, LedgerError>;
+
+    /// Marks leases past their expiry as expired (one `expired` event each, timed at the
+    /// expiry), deletes finished leases whose expiry is older than the cooldown window (their
+    /// request IDs go with them), ended cooldowns, and history older than the retention
+    /// period.
+    async fn sweep(&self) -> Result<SweepStats, LedgerError>;
+
+    /// The lease with this ID, if it is still retained, as recorded. A lease past its expiry
+    /// reads as expired even before the sweep marks it.
+    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError>;
+
+    /// Whether the ledger can serve: `Ok` when writes are taken and reads answer (readiness).
+    async fn check(&self) -> Result<(), LedgerError>;
+
+    /// Active leases per proxy UID (proxies without any are absent).
+    fn active_counts(&self) -> HashMap<String, u32>;
+
+    /// Active leases of one proxy.
+    fn active_count(&self, uid: &str) -> u32;
+
+    /// Number of active leases.
+    fn active_total(&self) -> u64;
+
+    /// Number of (proxy, target) pairs in cooldown.
+    fn cooldowns_active(&self) -> u64;
+
+    /// (proxy, target) cooldowns in force per target: the [`NAMED_TARGETS`] targets with the
+    /// most (ties by name) and the sum over the others ([`rank_targets`]); an ended cooldown
+    /// never counts.
+    fn target_cooldowns(&self) -> TargetCooldowns;
+}

@@ -1,5 +1,6 @@
-//! Which candidate an acquire grants, decided without I/O: the writer looks each proxy's load
-//! and the target's cooldowns up in its in-memory state and asks this module.
+//! Which candidate an acquire grants, decided without I/O: a backend looks each proxy's load
+//! and the target's cooldowns up in its record of the leases and asks this module, so every
+//! backend chooses in the same order.
 
 use jiff::Timestamp;
 

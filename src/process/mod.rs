@@ -23,7 +23,7 @@ use crate::api::{
 use crate::cli::CommonArgs;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
-use crate::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
+use crate::ledger::{Clock, Ledger, LedgerConfig, LedgerFileCollector, SqliteLedger, SystemClock};
 use crate::metrics::{self, FleetCollector, LeaseMetrics};
 
 /// How often expired leases are marked and old rows pruned.
@@ -58,7 +58,7 @@ pub struct Core {
     /// Health as the engine last saw it.
     pub health: HealthSnapshot,
     /// The lease ledger.
-    pub ledger: Ledger,
+    pub ledger: Arc<dyn Ledger>,
     /// The ledger's clock.
     pub clock: Arc<dyn Clock>,
     /// The metrics registry.
@@ -83,13 +83,16 @@ impl Core {
             queue_deadline: common.ledger_queue_deadline,
             ..LedgerConfig::default()
         };
-        let ledger = Ledger::open(&common.ledger, config, clock.clone())
+        let sqlite = SqliteLedger::open(&common.ledger, config, clock.clone())
             .map_err(|e| StartError::from_display("--ledger", e))?;
         let health = HealthSnapshot::new();
         let registry = Registry::new();
         let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
         let probe_metrics = ProbeMetrics::register(&registry).map_err(metric_error)?;
         let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
+        let file = LedgerFileCollector::new(sqlite.clone()).map_err(metric_error)?;
+        registry.register(Box::new(file)).map_err(metric_error)?;
+        let ledger: Arc<dyn Ledger> = Arc::new(sqlite);
         let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone())
             .map_err(metric_error)?;
         registry.register(Box::new(fleet)).map_err(metric_error)?;
@@ -333,7 +336,7 @@ fn probe_roots(common: &CommonArgs) -> Result<Vec<Vec<u8>>, StartError> {
 
 /// Marks expired leases and prunes old rows every [`LEDGER_SWEEP_INTERVAL`]. A failed sweep
 /// is logged and retried; it never stops the process.
-async fn sweep_ledger(ledger: Ledger, shutdown: CancellationToken) -> Result<(), String> {
+async fn sweep_ledger(ledger: Arc<dyn Ledger>, shutdown: CancellationToken) -> Result<(), String> {
     let mut ticker = tokio::time::interval(LEDGER_SWEEP_INTERVAL);
     loop {
         tokio::select! {

@@ -173,7 +173,7 @@ pub struct Context {
     /// Retry memory: failures in a row and holds on creates.
     pub pacing: Pacing,
     /// The lease ledger, to end the leases of machines that are gone.
-    pub ledger: Ledger,
+    pub ledger: Arc<dyn Ledger>,
     /// Publishes Kubernetes Events.
     pub recorder: Recorder,
     /// Current time.
@@ -195,7 +195,7 @@ impl Context {
         providers: HashMap<String, Arc<dyn Provider>>,
         install: String,
         config: ReconcilerConfig,
-        ledger: Ledger,
+        ledger: Arc<dyn Ledger>,
         metrics: FleetMetrics,
     ) -> Self {
         Context {

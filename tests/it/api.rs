@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
-use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock};
+use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock, SqliteLedger};
 use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxySpec, ProxyStatus,
@@ -29,7 +29,7 @@ struct Harness {
     inventory: Inventory,
     health: HealthSnapshot,
     clock: Arc<ManualClock>,
-    ledger: Ledger,
+    ledger: SqliteLedger,
     handle: ServerHandle,
     dir: tempfile::TempDir,
     token: ApiToken,
@@ -128,12 +128,12 @@ impl Harness {
             ..config
         };
         let ledger =
-            Ledger::open(&dir.path().join("ledger.db"), config, dyn_clock.clone()).unwrap();
+            SqliteLedger::open(&dir.path().join("ledger.db"), config, dyn_clock.clone()).unwrap();
         let registry = prometheus::Registry::new();
         let state = ApiState {
             inventory: inventory.clone(),
             health: health.clone(),
-            ledger: ledger.clone(),
+            ledger: Arc::new(ledger.clone()),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(120),

@@ -9,7 +9,7 @@ use std::time::Duration;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
-use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, SystemClock};
+use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::Proxy;
 use reqwest::StatusCode;
@@ -104,7 +104,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
 
     let dir = tempfile::tempdir().unwrap();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let ledger = Ledger::open(
+    let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
         LedgerConfig::default(),
         clock.clone(),
@@ -113,7 +113,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     let state = ApiState {
         inventory: inventory.clone(),
         health: health.clone(),
-        ledger: ledger.clone(),
+        ledger: Arc::new(ledger.clone()),
         clock,
         metrics: LeaseMetrics::register(&registry).unwrap(),
         default_ttl: Duration::from_secs(120),

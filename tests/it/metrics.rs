@@ -20,8 +20,8 @@ use proxy_operator::health::{
 };
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, ManualClock,
-    SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, LedgerFileCollector,
+    ManualClock, SqliteLedger, SystemClock,
 };
 use proxy_operator::metrics::{self, FleetCollector, LeaseMetrics};
 use proxy_operator::proxy::{Proxy, ProxyId};
@@ -47,17 +47,21 @@ fn proxy(name: &str, port: u16, probe_url: &str) -> Proxy {
     .unwrap()
 }
 
-/// The registry the process builds: probe, lease and fleet metrics plus the process collector.
+/// The registry the process builds: probe, lease, fleet and ledger-file metrics plus the
+/// process collector.
 fn registry(
     inventory: &Inventory,
     health: &HealthSnapshot,
-    ledger: &Ledger,
+    ledger: &SqliteLedger,
 ) -> (Registry, ProbeMetrics) {
     let registry = Registry::new();
     let probes = ProbeMetrics::register(&registry).unwrap();
     LeaseMetrics::register(&registry).unwrap();
-    let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone()).unwrap();
+    let fleet =
+        FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone())).unwrap();
     registry.register(Box::new(fleet)).unwrap();
+    let file = LedgerFileCollector::new(ledger.clone()).unwrap();
+    registry.register(Box::new(file)).unwrap();
     registry
         .register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
@@ -66,9 +70,9 @@ fn registry(
     (registry, probes)
 }
 
-fn open_ledger(dir: &tempfile::TempDir) -> Ledger {
+fn open_ledger(dir: &tempfile::TempDir) -> SqliteLedger {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    Ledger::open(
+    SqliteLedger::open(
         &dir.path().join("ledger.db"),
         LedgerConfig::default(),
         clock,
@@ -344,7 +348,7 @@ struct CooldownWorld {
     _dir: tempfile::TempDir,
     path: std::path::PathBuf,
     clock: Arc<ManualClock>,
-    ledger: Ledger,
+    ledger: SqliteLedger,
     api: String,
     api_server: actix_web::dev::ServerHandle,
     metrics: String,
@@ -361,7 +365,7 @@ impl CooldownWorld {
         let path = dir.path().join("ledger.db");
         let clock = Arc::new(ManualClock::new("2026-01-01T00:00:00Z".parse().unwrap()));
         let dyn_clock: Arc<dyn Clock> = clock.clone();
-        let ledger = Ledger::open(
+        let ledger = SqliteLedger::open(
             &path,
             LedgerConfig {
                 cooldown: COOLDOWN,
@@ -387,12 +391,14 @@ impl CooldownWorld {
         }
         inventory.replace(proxies);
         let registry = Registry::new();
-        let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone()).unwrap();
+        let fleet =
+            FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone()))
+                .unwrap();
         registry.register(Box::new(fleet)).unwrap();
         let state = ApiState {
             inventory,
             health,
-            ledger: ledger.clone(),
+            ledger: Arc::new(ledger.clone()),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(60),

@@ -12,7 +12,7 @@ use kube::runtime::controller::Action as Requeue;
 use serde_json::{Value, json};
 use tower_test::mock;
 
-use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
+use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
 };
@@ -146,7 +146,7 @@ fn context(
     config: ReconcilerConfig,
 ) -> (Context, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::open(
+    let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
         LedgerConfig::default(),
         Arc::new(SystemClock),
@@ -164,7 +164,7 @@ fn context(
             providers,
             "test-install".into(),
             config,
-            ledger,
+            Arc::new(ledger),
             FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
         )
     };

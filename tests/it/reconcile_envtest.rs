@@ -17,7 +17,7 @@ use kube::runtime::controller::Action as Requeue;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use proxy_operator::events::{NOTE_LIMIT, event};
-use proxy_operator::ledger::{Ledger, LedgerConfig, SystemClock};
+use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::proxy::{Proxy, ProxySpec};
 use proxy_operator::reconcile::{Context, FleetMetrics, ReconcilerConfig, reconcile};
 use serde_json::json;
@@ -33,7 +33,7 @@ async fn namespace(prefix: &str) -> Option<(String, Client)> {
 /// A reconcile context with no providers and a real ledger (kept by the returned guard).
 fn context(client: Client) -> (Arc<Context>, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = Ledger::open(
+    let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
         LedgerConfig::default(),
         Arc::new(SystemClock),
@@ -44,7 +44,7 @@ fn context(client: Client) -> (Arc<Context>, tempfile::TempDir) {
         HashMap::new(),
         "reconcile-envtest".to_owned(),
         ReconcilerConfig::default(),
-        ledger,
+        Arc::new(ledger),
         FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
     );
     (Arc::new(ctx), dir)

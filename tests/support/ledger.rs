@@ -11,7 +11,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, NoMatch,
+    ManualClock, NoMatch, SqliteLedger,
 };
 use proxy_operator::proxy::ProxyId;
 use tempfile::TempDir;
@@ -28,7 +28,7 @@ pub struct Fixture {
     _dir: TempDir,
     pub path: PathBuf,
     pub clock: Arc<ManualClock>,
-    pub ledger: Ledger,
+    pub ledger: SqliteLedger,
     config: LedgerConfig,
 }
 
@@ -38,7 +38,7 @@ impl Fixture {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.db");
         let clock = Arc::new(ManualClock::new(start()));
-        let ledger = Ledger::open(&path, config.clone(), clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(&path, config.clone(), clock.clone()).unwrap();
         Self {
             _dir: dir,
             path,
@@ -51,7 +51,8 @@ impl Fixture {
     /// Opens the file again with the config and clock it was opened with, as a restarted
     /// operator would, then drops the old handle (the last clone stops its writer).
     pub fn reopen(&mut self) {
-        self.ledger = Ledger::open(&self.path, self.config.clone(), self.clock.clone()).unwrap();
+        self.ledger =
+            SqliteLedger::open(&self.path, self.config.clone(), self.clock.clone()).unwrap();
     }
 
     /// The single number `sql` selects from the file.

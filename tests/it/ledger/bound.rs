@@ -20,7 +20,7 @@ use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, ReportResult, RequestKey,
+    ManualClock, ReportResult, RequestKey, SqliteLedger,
 };
 use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::{Proxy, ProxySpec};
@@ -62,7 +62,7 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
         cooldown: MINUTE,
         ..LedgerConfig::default()
     };
-    let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, config, clock.clone()).unwrap();
     let pool = candidates(8, 1_000);
     let next = Arc::new(AtomicU64::new(0));
     let largest = Arc::new(AtomicU64::new(0));
@@ -232,7 +232,7 @@ fn file_leases(path: &Path) -> Vec<(String, String, i64)> {
 struct Full {
     path: PathBuf,
     clock: Arc<ManualClock>,
-    ledger: Ledger,
+    ledger: SqliteLedger,
     pool: Arc<[Candidate]>,
     held: Lease,
     granted: Vec<Lease>,
@@ -243,7 +243,7 @@ impl Full {
     /// answers `Full` with the `Retry-After` of nothing freed: from then on no write fits.
     async fn open(path: PathBuf, config: LedgerConfig, fill: impl FnOnce()) -> Full {
         let clock = Arc::new(ManualClock::new(start()));
-        let ledger = Ledger::open(&path, config, clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(&path, config, clock.clone()).unwrap();
         let pool = candidates(4, 100_000);
         let held = granted(ledger.acquire(keyed(&pool, "held")).await);
         ledger
@@ -330,7 +330,7 @@ impl Full {
         assert_eq!(ledger.active_total(), total);
         assert_eq!(ledger.cooldowns_active(), 1, "the batch's cooldown is gone");
         assert_eq!(file_leases(&self.path), rows, "the file kept nothing of it");
-        let held = ledger.get(&self.held.id).unwrap().unwrap();
+        let held = ledger.get(&self.held.id).await.unwrap().unwrap();
         assert_eq!(held, self.held, "released and renewed in neither");
         ledger.self_check().await.unwrap();
     }
@@ -399,7 +399,7 @@ async fn a_full_disk_fails_the_commit_and_writes_resume_when_space_is_back() {
     .await;
     f.refuses_a_mixed_batch_whole().await;
     for lease in &f.granted {
-        assert_eq!(f.ledger.get(&lease.id).unwrap().as_ref(), Some(lease));
+        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
     }
     std::fs::remove_file(filler.unwrap()).unwrap();
     f.writes_again().await;
@@ -420,7 +420,7 @@ struct Api {
     base: String,
     http: reqwest::Client,
     clock: Arc<ManualClock>,
-    ledger: Ledger,
+    ledger: SqliteLedger,
     /// The registry the API's lease metrics are registered in.
     registry: prometheus::Registry,
     server: ServerHandle,
@@ -430,7 +430,7 @@ impl Api {
     fn start(path: &Path, config: LedgerConfig) -> Api {
         let clock = Arc::new(ManualClock::new(start()));
         let dyn_clock: Arc<dyn Clock> = clock.clone();
-        let ledger = Ledger::open(path, config, dyn_clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(path, config, dyn_clock.clone()).unwrap();
         let inventory = Inventory::new();
         let health = HealthSnapshot::new();
         let proxies: Vec<Proxy> = (0..4)
@@ -463,7 +463,7 @@ impl Api {
         let state = ApiState {
             inventory,
             health,
-            ledger: ledger.clone(),
+            ledger: Arc::new(ledger.clone()),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(300),
@@ -672,7 +672,7 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
         cooldown: MINUTE,
         ..LedgerConfig::default()
     };
-    let ledger = Ledger::open(&path, config(16 * MIB), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, config(16 * MIB), clock.clone()).unwrap();
     let pool = candidates(8, 1_000);
     let mut cycles = tokio::task::JoinSet::new();
     for caller in 0..64 {
@@ -700,7 +700,7 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
 
     // 4 MiB: 512 KiB of WAL, 896 pages for the file, pruned down to 672.
     let reopened = Instant::now();
-    let ledger = Ledger::open(&path, config(4 * MIB), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, config(4 * MIB), clock.clone()).unwrap();
     wait_until("the writer prunes the file down to the new bound", || {
         used_pages(&path) <= 672
     })
@@ -724,7 +724,7 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
             .acquire(request(pool.clone(), "t.example", MINUTE))
             .await,
     );
-    assert_eq!(ledger.get(&lease.id).unwrap().as_ref(), Some(&lease));
+    assert_eq!(ledger.get(&lease.id).await.unwrap().as_ref(), Some(&lease));
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, LeaseState, Ledger, LedgerConfig, RequestKey,
-    SystemClock,
+    SqliteLedger, SystemClock,
 };
 use proxy_operator::proxy::ProxyId;
 
@@ -47,8 +47,8 @@ fn candidates() -> Arc<[Candidate]> {
         .collect()
 }
 
-fn open(path: &Path) -> Ledger {
-    Ledger::open(path, LedgerConfig::default(), Arc::new(SystemClock)).unwrap()
+fn open(path: &Path) -> SqliteLedger {
+    SqliteLedger::open(path, LedgerConfig::default(), Arc::new(SystemClock)).unwrap()
 }
 
 fn acquire_request(request_id: &str) -> AcquireRequest {
@@ -161,8 +161,8 @@ fn acknowledged_leases_survive_sigkill() {
         .build()
         .unwrap();
     for (id, request_id) in &acknowledged {
-        let lease = ledger
-            .get(id)
+        let lease = runtime
+            .block_on(ledger.get(id))
             .unwrap()
             .unwrap_or_else(|| panic!("acknowledged lease {id} was lost"));
         assert_eq!(lease.state, LeaseState::Active, "{id}");

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseState, Ledger, LedgerConfig,
-    LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
+    LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION, SqliteLedger,
 };
 use support::ledger::{Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
@@ -47,7 +47,7 @@ impl Fixture {
         tokio::task::spawn_blocking(move || ledger.shutdown())
             .await
             .unwrap();
-        self.ledger = Ledger::open(&self.path, config(), self.clock.clone()).unwrap();
+        self.ledger = SqliteLedger::open(&self.path, config(), self.clock.clone()).unwrap();
     }
 
     fn sqlite3(&self, sql: &str) -> String {
@@ -79,7 +79,7 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
     assert_eq!(f.ledger.active_total(), 2);
     let now = f.clock.now();
     for lease in &on_a {
-        let read = f.ledger.get(&lease.id).unwrap().unwrap();
+        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
         assert_eq!(read.state, LeaseState::Released, "{}", lease.id);
         assert_eq!(read.released_at, Some(now));
         assert_eq!(read.release_reason.as_deref(), Some("machine_lost"));
@@ -90,7 +90,7 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
         );
     }
     for lease in &on_b {
-        assert_eq!(f.ledger.get(&lease.id).unwrap().as_ref(), Some(lease));
+        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
     }
     assert_eq!(
         f.count("SELECT COUNT(*) FROM leases WHERE proxy_uid = 'uid-b' AND state = 'active'"),
@@ -176,7 +176,7 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
         no_match(acquire.await);
     }
     for lease in &held {
-        let read = f.ledger.get(&lease.id).unwrap().unwrap();
+        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
         assert_eq!(read.state, LeaseState::Released);
     }
     assert_eq!(f.ledger.active_count("uid-a"), 2);
@@ -270,12 +270,12 @@ async fn leases_a_crawler_released_keep_a_null_reason() {
         1
     );
 
-    let crawler = f.ledger.get(&by_crawler.id).unwrap().unwrap();
+    let crawler = f.ledger.get(&by_crawler.id).await.unwrap().unwrap();
     assert_eq!(
         (crawler.state, crawler.release_reason),
         (LeaseState::Released, None)
     );
-    let operator = f.ledger.get(&by_operator.id).unwrap().unwrap();
+    let operator = f.ledger.get(&by_operator.id).await.unwrap().unwrap();
     assert_eq!(operator.release_reason.as_deref(), Some("machine_lost"));
 
     let rows = f.sqlite3(&format!(
@@ -348,7 +348,7 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
     };
     let lease = granted(f.ledger.acquire(keyed.clone()).await);
     f.ledger.end_leases("uid-a", "machine_lost").await.unwrap();
-    let ended = f.ledger.get(&lease.id).unwrap().unwrap();
+    let ended = f.ledger.get(&lease.id).await.unwrap().unwrap();
 
     // Renew: not active (the API's 409 lease_not_active), as for a released lease.
     match f.ledger.renew(&lease.id, MINUTE).await {
@@ -362,7 +362,10 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
     }
     // Release: idempotent success (the API's 204) that changes nothing.
     f.ledger.release(&lease.id).await.unwrap();
-    assert_eq!(f.ledger.get(&lease.id).unwrap().as_ref(), Some(&ended));
+    assert_eq!(
+        f.ledger.get(&lease.id).await.unwrap().as_ref(),
+        Some(&ended)
+    );
     // A late report still lands, and its cooldown with it.
     let reported = f
         .ledger
@@ -404,7 +407,7 @@ async fn a_lease_past_its_expiry_is_left_for_the_sweep() {
         1
     );
 
-    let read = f.ledger.get(&short.id).unwrap().unwrap();
+    let read = f.ledger.get(&short.id).await.unwrap().unwrap();
     assert_eq!(
         (read.state, read.release_reason),
         (LeaseState::Expired, None)
@@ -445,7 +448,7 @@ async fn ended_leases_and_their_reason_survive_reopening() {
     );
     assert_eq!(f.ledger.active_count("uid-b"), 1);
     for lease in &on_a {
-        let read = f.ledger.get(&lease.id).unwrap().unwrap();
+        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
         assert_eq!(read.state, LeaseState::Released);
         assert_eq!(read.release_reason.as_deref(), Some("machine_gone"));
     }
@@ -498,7 +501,7 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         .unwrap();
     }
     let clock = Arc::new(ManualClock::new(start()));
-    let ledger = Ledger::open(&path, config(), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
 
     assert_eq!(SCHEMA_VERSION, 3);
     assert_eq!(count(&path, "PRAGMA user_version"), 3);
@@ -523,7 +526,7 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         "old-released|acquired|NULL\nold-released|released|NULL\nold-held|acquired|NULL",
         "old history reads with a NULL reason"
     );
-    let old = ledger.get("old-released").unwrap().unwrap();
+    let old = ledger.get("old-released").await.unwrap().unwrap();
     assert_eq!(
         (old.state, old.release_reason),
         (LeaseState::Released, None)
@@ -665,7 +668,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
         assert_eq!(file_rows, rows, "{name}");
         for lease in &held {
             assert_eq!(
-                f.ledger.get(&lease.id).unwrap().as_ref(),
+                f.ledger.get(&lease.id).await.unwrap().as_ref(),
                 Some(lease),
                 "{name}"
             );
@@ -727,7 +730,7 @@ async fn a_full_ledger_refuses_the_end_whole() {
         f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(file_rows, rows, "the file kept nothing of it");
     for lease in &on_a {
-        assert_eq!(f.ledger.get(&lease.id).unwrap().as_ref(), Some(lease));
+        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
     }
     f.ledger.self_check().await.unwrap();
 

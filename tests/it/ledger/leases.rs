@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseState, Ledger, LedgerConfig,
-    LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION, SweepStats,
-    SystemClock,
+    LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION, SqliteLedger,
+    SweepStats, SystemClock,
 };
 use support::ledger::{Fixture, candidate, granted, no_match, start};
 
@@ -80,7 +80,7 @@ impl Fixture {
 
 /// An acquire without a request ID.
 async fn acquire(
-    ledger: &Ledger,
+    ledger: &SqliteLedger,
     candidates: &[Candidate],
     target: Option<&str>,
     ttl: Duration,
@@ -128,7 +128,7 @@ async fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
     let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
     f.reopen();
     f.reopen();
-    assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
+    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), Some(lease));
     let version: u32 = f
         .raw()
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -161,7 +161,7 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
         )
         .unwrap();
     }
-    let ledger = Ledger::open(&path, config(), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
     assert_eq!(ledger.active_total(), 1);
     let c = [candidate("a", 1)];
     no_match(acquire(&ledger, &c, None, MINUTE).await);
@@ -181,8 +181,8 @@ async fn full_durability_opens_and_keeps_leases_across_reopening() {
     });
     let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
     // Reopened with the default (Normal) durability of `config()`.
-    f.ledger = Ledger::open(&f.path, config(), f.clock.clone()).unwrap();
-    assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease));
+    f.ledger = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap();
+    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), Some(lease));
 }
 
 #[tokio::test]
@@ -191,7 +191,7 @@ async fn a_database_from_a_newer_binary_is_refused() {
     f.raw()
         .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
         .unwrap();
-    let err = Ledger::open(&f.path, config(), f.clock.clone()).unwrap_err();
+    let err = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap_err();
     match &err {
         LedgerError::Newer {
             path,
@@ -212,7 +212,7 @@ async fn a_database_from_a_newer_binary_is_refused() {
 async fn open_errors_name_the_file_and_bad_config_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("missing-dir").join("ledger.db");
-    let err = Ledger::open(&path, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap_err();
     assert!(matches!(err, LedgerError::Open { .. }), "{err:?}");
     assert!(err.to_string().contains("missing-dir"), "{err}");
 
@@ -222,7 +222,7 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
         "this is not a database, just some text ".repeat(200),
     )
     .unwrap();
-    let err = Ledger::open(&not_a_db, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(&not_a_db, config(), Arc::new(SystemClock)).unwrap_err();
     assert!(err.to_string().contains("notes.txt"), "{err}");
 
     for bad in [
@@ -235,7 +235,8 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
             ..config()
         },
     ] {
-        let err = Ledger::open(&dir.path().join("x.db"), bad, Arc::new(SystemClock)).unwrap_err();
+        let err =
+            SqliteLedger::open(&dir.path().join("x.db"), bad, Arc::new(SystemClock)).unwrap_err();
         assert!(matches!(err, LedgerError::Config(_)), "{err:?}");
     }
 }
@@ -281,7 +282,7 @@ async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history() {
     assert_eq!(lease.expires_at, start() + MINUTE);
     assert_eq!(lease.ttl, MINUTE);
     assert_eq!(lease.released_at, None);
-    assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(lease.clone()));
+    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), Some(lease.clone()));
     assert_eq!(
         f.events(&lease.id),
         [("acquired".to_owned(), Some("example.com".to_owned()), None)]
@@ -358,7 +359,7 @@ async fn an_expired_lease_stops_counting_before_the_sweep() {
     let second = granted(f.acquire(&c, None, MINUTE).await);
     assert_ne!(first.id, second.id);
     assert_eq!(
-        f.ledger.get(&first.id).unwrap().unwrap().state,
+        f.ledger.get(&first.id).await.unwrap().unwrap().state,
         LeaseState::Expired
     );
     assert_eq!(f.ledger.active_total(), 1);
@@ -377,7 +378,10 @@ async fn renew_extends_active_leases_only() {
     );
     assert_eq!(renewed.ttl, 2 * MINUTE);
     assert_eq!(renewed.acquired_at, lease.acquired_at);
-    assert_eq!(f.ledger.get(&lease.id).unwrap(), Some(renewed.clone()));
+    assert_eq!(
+        f.ledger.get(&lease.id).await.unwrap(),
+        Some(renewed.clone())
+    );
     f.clock.advance(MINUTE);
     assert_eq!(f.ledger.active_total(), 1, "renewed lease still counts");
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
@@ -422,7 +426,7 @@ async fn release_is_idempotent_and_frees_the_slot() {
     f.ledger.release(&lease.id).await.unwrap();
     f.ledger.release(&lease.id).await.unwrap();
     f.ledger.release("never-issued").await.unwrap();
-    let released = f.ledger.get(&lease.id).unwrap().unwrap();
+    let released = f.ledger.get(&lease.id).await.unwrap().unwrap();
     assert_eq!(released.state, LeaseState::Released);
     assert_eq!(released.released_at, Some(start() + Duration::from_secs(5)));
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
@@ -434,7 +438,7 @@ async fn release_is_idempotent_and_frees_the_slot() {
     f.clock.advance(2 * MINUTE);
     f.ledger.release(&late.id).await.unwrap();
     assert_eq!(
-        f.ledger.get(&late.id).unwrap().unwrap().state,
+        f.ledger.get(&late.id).await.unwrap().unwrap().state,
         LeaseState::Expired
     );
     assert_eq!(f.events(&late.id).len(), 1);
@@ -577,7 +581,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
             .await,
         Err(LedgerError::UnknownLease(_))
     ));
-    assert_eq!(f.ledger.get(&lease.id).unwrap(), None);
+    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), None);
 }
 
 #[tokio::test]
@@ -630,7 +634,7 @@ async fn sweep_expires_prunes_cooldowns_and_old_history() {
     f.clock.set(start() + 41 * MINUTE);
     let stats = f.ledger.sweep().await.unwrap();
     assert_eq!((stats.expired, stats.leases_pruned), (1, 2));
-    assert_eq!(f.ledger.get(&long.id).unwrap(), None);
+    assert_eq!(f.ledger.get(&long.id).await.unwrap(), None);
     let history = f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(history, 7);
     f.clock
@@ -656,9 +660,9 @@ async fn leases_cooldowns_and_history_survive_reopening() {
     );
     let history = f.count("SELECT COUNT(*) FROM lease_events");
     f.reopen();
-    assert_eq!(f.ledger.get(&kept.id).unwrap(), Some(kept.clone()));
+    assert_eq!(f.ledger.get(&kept.id).await.unwrap(), Some(kept.clone()));
     assert_eq!(
-        f.ledger.get(&cooled.id).unwrap().unwrap().state,
+        f.ledger.get(&cooled.id).await.unwrap().unwrap().state,
         LeaseState::Released
     );
     assert_eq!(f.ledger.active_total(), 1);
@@ -865,7 +869,7 @@ fn sqlite3(path: &Path, sql: &str) -> String {
 async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
-    let ledger = Ledger::open(&path, config(), Arc::new(SystemClock)).unwrap();
+    let ledger = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap();
     let c = [candidate("a", 5), measured("b", 5, 3)];
     let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);

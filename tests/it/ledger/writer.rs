@@ -16,7 +16,8 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, LedgerConfig, LedgerError, ReportResult, RequestKey,
+    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, LedgerError, ReportResult,
+    RequestKey,
 };
 use support::ledger::{Fixture, candidates, granted, request};
 use support::{FileLock, queue, wait_until};

@@ -6,15 +6,20 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::bound::{Check, Usage};
+use rusqlite::Connection;
+
+use super::bound::{Check, SizeBound, Usage};
+use super::stats::Shared;
 use super::store;
-use super::writer::{BatchError, Queued, Writer};
+use crate::ledger::clock::Clock;
 
 /// The writer's view of the size bound between batches.
-#[derive(Debug, Default)]
-pub(crate) struct Space {
+#[derive(Debug)]
+pub(super) struct Space {
+    /// The page limits and marks of the size bound.
+    bound: SizeBound,
     /// A pruning episode is under way (from the high-water mark down to the low one).
-    pub(super) pruning: bool,
+    pruning: bool,
     /// Since when (monotonic) batches have been failing with SQLITE_FULL, and how many did.
     full_since: Option<(Duration, u64)>,
     /// What the current pruning episode (until the file is back within its marks) has
@@ -32,6 +37,14 @@ struct Logged {
     leases: bool,
 }
 
+/// What the size bound's checks need besides the bound: the writer's connection, the counters
+/// it shares with the handles (the queue depth, the prune figures) and its clock.
+pub(super) struct WriterParts<'a> {
+    pub conn: &'a Connection,
+    pub shared: &'a Shared,
+    pub clock: &'a dyn Clock,
+}
+
 /// How long a caller refused for a full ledger is told to wait when pruning just freed pages:
 /// the retry lands on them.
 const FULL_RETRY_AFTER_PRUNED: Duration = Duration::from_secs(1);
@@ -44,29 +57,48 @@ pub(crate) fn is_full(error: &rusqlite::Error) -> bool {
     error.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull)
 }
 
-impl Writer {
-    /// Runs a housekeeping job as a batch of its own that may use the whole page budget.
-    pub(super) fn housekeeping(&mut self, job: Queued) {
-        self.note_batch(1);
-        self.page_limit(self.bound.housekeeping_pages);
-        match self.conn.execute_batch("BEGIN IMMEDIATE") {
-            Ok(()) => self.run_batch(vec![job]),
-            Err(error) => self.fail(error, Vec::new(), vec![job]),
+impl Space {
+    pub fn new(bound: SizeBound) -> Self {
+        Space {
+            bound,
+            pruning: false,
+            full_since: None,
+            logged: Logged::default(),
         }
-        self.page_limit(self.bound.client_pages);
     }
 
-    /// Sets the file's page limit; if SQLite refuses, the previous limit stays (logged).
-    fn page_limit(&self, pages: u64) {
-        if let Err(error) = store::set_page_limit(&self.conn, pages) {
-            log::error!("ledger: cannot set max_page_count to {pages}: {error}");
-        }
+    /// Lets the writes that follow use the whole page budget, the pages kept back from client
+    /// writes included (housekeeping, which frees space).
+    pub fn housekeeping_pages(&self, conn: &Connection) {
+        page_limit(conn, self.bound.housekeeping_pages);
+    }
+
+    /// Limits the writes that follow to the client writes' pages again.
+    pub fn client_pages(&self, conn: &Connection) {
+        page_limit(conn, self.bound.client_pages);
+    }
+
+    /// After a batch: prunes one step of the oldest history when the size bound calls for it,
+    /// then goes on pruning, step by step, while a pruning episode is under way and no write
+    /// waits: idle time brings the file back within its marks, and a write arriving is served
+    /// after at most one step.
+    pub fn after_batch(&mut self, writer: &WriterParts<'_>) {
+        self.keep_in_bound(
+            writer,
+            Check::AfterBatch {
+                pruning: self.pruning,
+            },
+        );
+        while self.pruning
+            && writer.shared.depth.load(Ordering::Relaxed) == 0
+            && self.keep_in_bound(writer, Check::AfterBatch { pruning: true })
+        {}
     }
 
     /// Prunes one step of the oldest history when the size bound calls for it. Returns
     /// whether anything was deleted.
-    pub(super) fn keep_in_bound(&mut self, check: Check) -> bool {
-        let usage = match store::usage(&self.conn) {
+    fn keep_in_bound(&mut self, writer: &WriterParts<'_>, check: Check) -> bool {
+        let usage = match store::usage(writer.conn) {
             Ok(usage) => usage,
             Err(error) => {
                 log::error!("ledger: cannot read the file's page counts: {error}");
@@ -74,13 +106,13 @@ impl Writer {
             }
         };
         let Some(bytes) = self.bound.bytes_to_free(usage, check) else {
-            if std::mem::take(&mut self.space.logged).started {
+            if std::mem::take(&mut self.logged).started {
                 log::info!("ledger: pruned down to {} used pages", usage.used());
             }
-            self.space.pruning = false;
+            self.pruning = false;
             return false;
         };
-        if !std::mem::replace(&mut self.space.logged.started, true) {
+        if !std::mem::replace(&mut self.logged.started, true) {
             log::info!(
                 "ledger: {} of {} pages used: pruning the oldest history to stay within the \
                  size bound",
@@ -88,13 +120,13 @@ impl Writer {
                 self.bound.housekeeping_pages
             );
         }
-        self.space.pruning = true;
-        self.page_limit(self.bound.housekeeping_pages);
-        let pruned = self.prune_step(bytes, usage);
-        self.page_limit(self.bound.client_pages);
+        self.pruning = true;
+        self.housekeeping_pages(writer.conn);
+        let pruned = self.prune_step(writer, bytes, usage);
+        self.client_pages(writer.conn);
         match pruned {
             Ok(pruned) if pruned == store::Pruned::default() => {
-                if !std::mem::replace(&mut self.space.logged.exhausted, true) {
+                if !std::mem::replace(&mut self.logged.exhausted, true) {
                     log::warn!(
                         "ledger: {} of {} pages used and nothing left to prune (no history, \
                          no finished lease past its request window): what remains are \
@@ -103,16 +135,16 @@ impl Writer {
                         self.bound.housekeeping_pages
                     );
                 }
-                self.space.pruning = false;
+                self.pruning = false;
                 false
             }
             Ok(pruned) => {
-                self.count(|s| {
+                writer.shared.count(|s| {
                     s.prune_steps += 1;
                     s.pruned_events += pruned.events;
                     s.pruned_leases += pruned.leases;
                 });
-                if pruned.leases > 0 && !std::mem::replace(&mut self.space.logged.leases, true) {
+                if pruned.leases > 0 && !std::mem::replace(&mut self.logged.leases, true) {
                     log::warn!(
                         "ledger: no history left to prune; pruning finished leases, oldest \
                          first, to stay within the size bound (late reports on them answer \
@@ -133,72 +165,72 @@ impl Writer {
         }
     }
 
-    /// Goes on pruning, step by step, while a pruning episode is under way and no write
-    /// waits: idle time brings the file back within its marks, and a write arriving is
-    /// served after at most one step.
-    pub(super) fn prune_while_idle(&mut self) {
-        while self.space.pruning
-            && self.shared.depth.load(Ordering::Relaxed) == 0
-            && self.keep_in_bound(Check::AfterBatch { pruning: true })
-        {}
-    }
-
     /// One prune transaction of at most a step's worth of rows.
-    fn prune_step(&mut self, bytes: u64, usage: Usage) -> rusqlite::Result<store::Pruned> {
-        let now = self.clock.now().as_millisecond();
+    fn prune_step(
+        &self,
+        writer: &WriterParts<'_>,
+        bytes: u64,
+        usage: Usage,
+    ) -> rusqlite::Result<store::Pruned> {
+        let conn = writer.conn;
+        let now = writer.clock.now().as_millisecond();
         let result = (|| {
-            self.conn.execute_batch("BEGIN IMMEDIATE")?;
-            let history = store::history_rows(&self.conn)?;
+            conn.execute_batch("BEGIN IMMEDIATE")?;
+            let history = store::history_rows(conn)?;
             let rows = self.bound.rows_to_prune(bytes, usage, history);
-            let pruned = store::prune_oldest(&self.conn, rows, now)?;
-            self.conn.execute_batch("COMMIT")?;
+            let pruned = store::prune_oldest(conn, rows, now)?;
+            conn.execute_batch("COMMIT")?;
             Ok(pruned)
         })();
         if result.is_err()
-            && !self.conn.is_autocommit()
-            && let Err(rollback) = self.conn.execute_batch("ROLLBACK")
+            && !conn.is_autocommit()
+            && let Err(rollback) = conn.execute_batch("ROLLBACK")
         {
             log::error!("ledger: rollback of a prune step failed: {rollback}");
         }
         result
     }
 
-    /// What a batch that failed with SQLITE_FULL answers: after one prune step, which may make
-    /// room for the retry, `Full` with a `Retry-After` that says whether it did. The episode
-    /// is logged when it starts and when it ends, not per batch.
-    pub(super) fn full(&mut self, error: &rusqlite::Error) -> BatchError {
-        self.count(|s| {
+    /// How long the writes of a batch that failed with SQLITE_FULL are told to wait: after one
+    /// prune step, which may make room for the retry, a `Retry-After` that says whether it
+    /// did. The episode is logged when it starts and when it ends, not per batch.
+    pub fn full(&mut self, writer: &WriterParts<'_>, error: &rusqlite::Error) -> Duration {
+        writer.shared.count(|s| {
             s.failed_batches += 1;
             s.full_batches += 1;
         });
-        let now = self.clock.monotonic();
-        let episode = self.space.full_since.get_or_insert((now, 0));
+        let now = writer.clock.monotonic();
+        let episode = self.full_since.get_or_insert((now, 0));
         episode.1 += 1;
         if episode.1 == 1 {
             log::error!(
                 "ledger {}: full ({error}): writes are answered 503 ledger_full until pruning or \
                  the sweep frees pages, or the disk has room again",
-                self.conn.path().unwrap_or("?")
+                writer.conn.path().unwrap_or("?")
             );
         }
-        let freed = self.keep_in_bound(Check::AfterFull);
-        BatchError::Full {
-            retry_after: if freed {
-                FULL_RETRY_AFTER_PRUNED
-            } else {
-                FULL_RETRY_AFTER
-            },
+        if self.keep_in_bound(writer, Check::AfterFull) {
+            FULL_RETRY_AFTER_PRUNED
+        } else {
+            FULL_RETRY_AFTER
         }
     }
 
     /// Ends a full episode (logged) once a batch commits again.
-    pub(super) fn writable_again(&mut self) {
-        if let Some((since, refused)) = self.space.full_since.take() {
+    pub fn writable_again(&mut self, clock: &dyn Clock) {
+        if let Some((since, refused)) = self.full_since.take() {
             log::warn!(
                 "ledger: writes are recorded again after {refused} batches refused as full over \
                  {:.1?}",
-                self.clock.monotonic().saturating_sub(since)
+                clock.monotonic().saturating_sub(since)
             );
         }
+    }
+}
+
+/// Sets the file's page limit; if SQLite refuses, the previous limit stays (logged).
+fn page_limit(conn: &Connection, pages: u64) {
+    if let Err(error) = store::set_page_limit(conn, pages) {
+        log::error!("ledger: cannot set max_page_count to {pages}: {error}");
     }
 }

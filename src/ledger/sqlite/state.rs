@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use jiff::Timestamp;
 
-use super::lease::{Candidate, NoMatch, RequestKey};
-use super::selection::{ProxyLoad, Selection, select};
+use crate::ledger::lease::{Candidate, NoMatch, RequestKey};
+use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::proxy::ProxyId;
 
 /// The maps of the state. An acquire looks every candidate's UID up, so the hasher matters:

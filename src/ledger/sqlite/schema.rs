@@ -5,7 +5,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, TransactionBehavior};
 
-use super::error::LedgerError;
+use crate::ledger::error::LedgerError;
 
 /// One numbered SQL file from `migrations/`.
 pub(crate) struct Migration {
@@ -19,15 +19,15 @@ pub(crate) struct Migration {
 pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         name: "0001_lease_ledger.sql",
-        sql: include_str!("../../migrations/0001_lease_ledger.sql"),
+        sql: include_str!("../../../migrations/0001_lease_ledger.sql"),
     },
     Migration {
         name: "0002_acquire_request_ids.sql",
-        sql: include_str!("../../migrations/0002_acquire_request_ids.sql"),
+        sql: include_str!("../../../migrations/0002_acquire_request_ids.sql"),
     },
     Migration {
         name: "0003_release_reasons.sql",
-        sql: include_str!("../../migrations/0003_release_reasons.sql"),
+        sql: include_str!("../../../migrations/0003_release_reasons.sql"),
     },
 ];
 

@@ -2,25 +2,25 @@
 //! writes from a bounded queue in arrival order, and commits everything queued at that moment
 //! in one transaction (group commit), answering each caller only after that COMMIT.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-use super::bound::{Check, SizeBound};
-use super::clock::Clock;
-use super::config::{LedgerConfig, millis};
 use super::counts::Counts;
-use super::error::LedgerError;
-use super::lease::{
+use super::space::{self, Space, is_full};
+use super::state::{AcquireDecision, ActiveLease, LedgerState, RenewOutcome};
+use super::stats::Shared;
+use super::store;
+use crate::ledger::clock::Clock;
+use crate::ledger::config::{LedgerConfig, millis};
+use crate::ledger::error::LedgerError;
+use crate::ledger::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseState, ReportResult, SweepStats, new_lease_id,
 };
-use super::space::{Space, is_full};
-use super::state::{AcquireDecision, ActiveLease, LedgerState, RenewOutcome};
-use super::store;
 
 /// Where a write's answer goes.
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LedgerError>>;
@@ -74,65 +74,6 @@ pub(crate) enum Message {
     },
     /// Finish what is queued before this, then stop.
     Stop,
-}
-
-/// How the writer has been doing since open.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct WriterStats {
-    /// Transactions the writer ran (one per batch).
-    pub batches: u64,
-    /// Batches whose transaction failed; every write in them got the error.
-    pub failed_batches: u64,
-    /// `batch_sizes[n]` is the number of batches that held `n` writes.
-    pub batch_sizes: Vec<u64>,
-    /// Writes refused because the queue was full.
-    pub refused_full: u64,
-    /// Writes refused because their queue deadline passed before their turn.
-    pub refused_deadline: u64,
-    /// Acquires skipped because their caller had gone before their turn.
-    pub abandoned: u64,
-    /// Failed batches that found the ledger full (SQLITE_FULL); also in `failed_batches`.
-    pub full_batches: u64,
-    /// Transactions that pruned the oldest rows to keep the file within its size bound.
-    pub prune_steps: u64,
-    /// History rows those deleted.
-    pub pruned_events: u64,
-    /// Finished leases those deleted once the history had run out.
-    pub pruned_leases: u64,
-}
-
-impl WriterStats {
-    /// Writes per batch, on average (0 before the first batch).
-    pub fn mean_batch_size(&self) -> f64 {
-        let writes: u64 = (0u64..).zip(&self.batch_sizes).map(|(n, b)| n * b).sum();
-        match self.batches {
-            0 => 0.0,
-            batches => writes as f64 / batches as f64,
-        }
-    }
-}
-
-/// What the writer and the handles share besides the queue.
-#[derive(Debug, Default)]
-pub(crate) struct Shared {
-    /// Writes in the queue (not yet taken by the writer).
-    pub depth: AtomicUsize,
-    /// Writes refused because the queue was full (counted by the handles).
-    pub refused_full: AtomicU64,
-    /// Everything else, updated once per batch.
-    pub stats: Mutex<WriterStats>,
-}
-
-impl Shared {
-    pub fn stats(&self) -> WriterStats {
-        let mut stats = self
-            .stats
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        stats.refused_full = self.refused_full.load(Ordering::Relaxed);
-        stats
-    }
 }
 
 /// Why a batch's transaction failed; every write of the batch is answered with it.
@@ -216,8 +157,6 @@ pub(crate) struct Writer {
     pub config: LedgerConfig,
     pub queue: Receiver<Message>,
     pub shared: Arc<Shared>,
-    /// The page limits and marks of the size bound.
-    pub bound: SizeBound,
     /// Where the writer stands with the size bound.
     pub space: Space,
 }
@@ -230,8 +169,7 @@ impl Writer {
     /// Serves batches until told to stop or every handle is gone.
     pub fn run(mut self) {
         // A file over a lowered bound is pruned while no write waits.
-        self.keep_in_bound(Check::AfterBatch { pruning: false });
-        self.prune_while_idle();
+        self.after_batch();
         let mut stopping = false;
         // A housekeeping job met while collecting a batch; it runs next, on its own.
         let mut next: Option<Queued> = None;
@@ -249,10 +187,7 @@ impl Writer {
             };
             if first.0.is_housekeeping() {
                 self.housekeeping(first);
-                self.keep_in_bound(Check::AfterBatch {
-                    pruning: self.space.pruning,
-                });
-                self.prune_while_idle();
+                self.after_batch();
                 continue;
             }
             // Begin before collecting the batch: whatever queues while the transaction waits
@@ -276,15 +211,12 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            self.note_batch(batch.len());
+            self.shared.note_batch(batch.len());
             match begun {
                 Ok(()) => self.run_batch(batch),
                 Err(error) => self.fail(error, Vec::new(), batch),
             }
-            self.keep_in_bound(Check::AfterBatch {
-                pruning: self.space.pruning,
-            });
-            self.prune_while_idle();
+            self.after_batch();
         }
         log::debug!("ledger writer stopped");
     }
@@ -295,7 +227,7 @@ impl Writer {
         let mut jobs = batch.into_iter();
         while let Some((job, deadline)) = jobs.next() {
             if deadline.is_some_and(|d| self.clock.monotonic() >= d) {
-                self.count(|s| s.refused_deadline += 1);
+                self.shared.count(|s| s.refused_deadline += 1);
                 job.refuse(|| LedgerError::Overloaded {
                     retry_after: OVERLOADED_RETRY_AFTER,
                 });
@@ -312,7 +244,7 @@ impl Writer {
             self.fail(error, settled, Vec::new());
             return;
         }
-        self.writable_again();
+        self.space.writable_again(self.clock.as_ref());
         let touched = self.state.commit();
         if !touched.proxies.is_empty() || !touched.cooldowns.is_empty() {
             let now = self.clock.now().as_millisecond();
@@ -342,10 +274,17 @@ impl Writer {
         }
         self.state.rollback();
         let error = if is_full(&error) {
-            self.full(&error)
+            let parts = space::WriterParts {
+                conn: &self.conn,
+                shared: &self.shared,
+                clock: self.clock.as_ref(),
+            };
+            BatchError::Full {
+                retry_after: self.space.full(&parts, &error),
+            }
         } else {
             log::error!("ledger batch failed, rolled back: {error}");
-            self.count(|s| s.failed_batches += 1);
+            self.shared.count(|s| s.failed_batches += 1);
             BatchError::Failed(Arc::new(error))
         };
         for settle in settled {
@@ -368,7 +307,7 @@ impl Writer {
                 reply,
             } => {
                 if reply.is_closed() {
-                    self.count(|s| s.abandoned += 1);
+                    self.shared.count(|s| s.abandoned += 1);
                     return (None, None);
                 }
                 answer(reply, self.acquire(&request, ttl_ms, now))
@@ -564,23 +503,24 @@ impl Writer {
         }
     }
 
-    pub(super) fn note_batch(&self, size: usize) {
-        self.count(|s| {
-            s.batches += 1;
-            if s.batch_sizes.len() <= size {
-                s.batch_sizes.resize(size + 1, 0);
-            }
-            s.batch_sizes[size] += 1;
-        });
+    /// Runs a housekeeping job as a batch of its own that may use the whole page budget.
+    fn housekeeping(&mut self, job: Queued) {
+        self.shared.note_batch(1);
+        self.space.housekeeping_pages(&self.conn);
+        match self.conn.execute_batch("BEGIN IMMEDIATE") {
+            Ok(()) => self.run_batch(vec![job]),
+            Err(error) => self.fail(error, Vec::new(), vec![job]),
+        }
+        self.space.client_pages(&self.conn);
     }
 
-    pub(super) fn count(&self, update: impl FnOnce(&mut WriterStats)) {
-        update(
-            &mut self
-                .shared
-                .stats
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
+    /// Keeps the file within its size bound between batches.
+    fn after_batch(&mut self) {
+        let parts = space::WriterParts {
+            conn: &self.conn,
+            shared: &self.shared,
+            clock: self.clock.as_ref(),
+        };
+        self.space.after_batch(&parts);
     }
 }

@@ -17,11 +17,8 @@
 //!   kept for housekeeping (the sweep and pruning), which frees space and so must still run
 //!   when client writes no longer can.
 
-/// Smallest bound accepted: room for the schema, the WAL allowance and a few thousand leases.
-pub const MIN_MAX_SIZE: u64 = 1 << 20;
-/// Default bound: half of the 1 GiB volume the manifests ship, leaving the other half for
-/// the `-shm` file, a temporary copy by an offline `VACUUM`, and slack.
-pub const DEFAULT_MAX_SIZE: u64 = 512 << 20;
+use crate::ledger::config::check_max_size;
+
 /// Largest WAL allowance: enough for SQLite's usual checkpoint interval (about 1000 pages)
 /// twice over; a longer WAL only slows readers down.
 const MAX_WAL_ALLOWANCE: u64 = 8 << 20;
@@ -131,17 +128,6 @@ impl SizeBound {
     }
 }
 
-/// Refuses a bound too small to hold anything.
-pub(crate) fn check_max_size(max_size: u64) -> Result<(), String> {
-    if max_size < MIN_MAX_SIZE {
-        return Err(format!(
-            "max_size {max_size} bytes is too small for the ledger: at least {MIN_MAX_SIZE} \
-             bytes (1 MiB) hold the schema, the WAL and a few thousand leases"
-        ));
-    }
-    Ok(())
-}
-
 /// The WAL's share of a bound of `max_size` bytes.
 pub(crate) fn wal_allowance(max_size: u64) -> u64 {
     (max_size / 8).min(MAX_WAL_ALLOWANCE)
@@ -150,6 +136,7 @@ pub(crate) fn wal_allowance(max_size: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::config::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
 
     const MIB: u64 = 1 << 20;
 

@@ -13,11 +13,11 @@ use rusqlite::types::Type;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
-use super::config::Durability;
-use super::error::LedgerError;
-use super::lease::{Lease, LeaseState, ReportResult, SweepStats};
 use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
+use crate::ledger::config::Durability;
+use crate::ledger::error::LedgerError;
+use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
 use crate::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.

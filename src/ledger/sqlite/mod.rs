@@ -1,0 +1,431 @@
+//! The SQLite backend of the lease ledger: one on-disk file (WAL, migrations from
+//! `migrations/`), so an engineer can read what happened with `sqlite3`.
+//!
+//! # One writer
+//!
+//! Every write (acquire, renew, release, the end of a proxy's leases, report, sweep) is
+//! decided by one writer thread that owns the write connection and the lease state in memory
+//! (`state.rs`): the leases whose row says active with their expiry times (a lease counts
+//! while `expires_at > now`, so capacity is counted by time, not by a counter), the cooldowns
+//! per (proxy UID, target), and the request-ID index. The state is rebuilt from the file at
+//! open. Writes are decided one after the other in arrival order against that state, so
+//! concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans the leases
+//! table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
+//! block, the connection stays on one thread, the ledger works without (and never starves) an
+//! async runtime, and callers only enqueue and await a oneshot answer.
+//!
+//! # Group commit
+//!
+//! The writer takes the first queued write, begins a transaction (`BEGIN IMMEDIATE`, which
+//! also keeps another process off the file), then takes everything else queued at that moment
+//! (at most `max_batch`), decides each in order, and commits them in one transaction. Every
+//! caller is answered only after the COMMIT that holds its row, so an answered lease survives
+//! `kill -9`; the cost of a commit is shared by the batch instead of paid per call.
+//!
+//! # Rollback
+//!
+//! The state journals every change of the batch. If a statement or the COMMIT fails, the
+//! transaction is rolled back, the journal undoes the batch in memory, and every caller of the
+//! batch gets [`LedgerError::BatchFailed`] — memory matches the file again, and nothing of the
+//! batch was acknowledged; when the failure is SQLITE_FULL (the disk, or the file's page
+//! limit) they get [`LedgerError::Full`] instead, which says when to retry.
+//!
+//! # Staleness of the counts
+//!
+//! Readers never see a batch before its commit: the counts they read (active leases, cooldowns,
+//! targets) are a view the writer refreshes after each COMMIT (only for what the batch touched)
+//! and before answering, so a caller that got its answer reads its own write, and no count is
+//! older than the last commit. A lease is read through a pool of WAL readers. No read waits for
+//! a write.
+//!
+//! # Size bound
+//!
+//! The file and its WAL stay within `max_size` (`bound.rs` has the arithmetic): SQLite caps
+//! the file's pages (`max_page_count`), the writer prunes the oldest history between batches
+//! once the file nears the cap (`space.rs`), and housekeeping may use pages kept back from
+//! client writes, so the sweep can free space when writes no longer fit.
+//!
+//! # Bounded waiting
+//!
+//! actix-web does not cancel a handler whose client went away, so a write queued behind a
+//! slow writer would still be granted long after its client gave up, and a retrying client
+//! would hold two leases. The queue therefore has a size (`queue_capacity`): a write that
+//! does not fit is refused at once with [`LedgerError::Overloaded`]. Each write carries a
+//! deadline (`queue_deadline` on the clock's monotonic time): one whose deadline passed before
+//! the writer reached it is refused with `Overloaded` and not decided. An acquire whose caller
+//! dropped its future before its turn is skipped, never granted.
+//!
+//! # Request IDs
+//!
+//! The request ID and fingerprint of an acquire are columns of the lease row (kept as long as
+//! the row is retained), so replays work after a restart.
+
+mod bound;
+mod counts;
+mod metrics;
+mod schema;
+mod space;
+mod state;
+mod stats;
+mod store;
+mod writer;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use counts::Counts;
+use space::Space;
+use stats::Shared;
+use store::ReaderPool;
+use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
+
+use super::{
+    AcquireOutcome, AcquireRequest, Clock, Lease, Ledger, LedgerConfig, LedgerError, ReportResult,
+    SweepStats, TargetCooldowns,
+};
+use crate::ledger::lease::is_release_reason;
+
+pub use metrics::LedgerFileCollector;
+pub use schema::SCHEMA_VERSION;
+pub use stats::WriterStats;
+
+/// The lease ledger in one SQLite file. Cheap to clone; every clone talks to the same writer.
+/// The writer stops when [`shutdown`](SqliteLedger::shutdown) is called or the last clone is
+/// dropped, after finishing the writes queued before.
+#[derive(Clone)]
+pub struct SqliteLedger {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    config: LedgerConfig,
+    clock: Arc<dyn Clock>,
+    pool: ReaderPool,
+    counts: Arc<RwLock<Counts>>,
+    queue: SyncSender<Message>,
+    shared: Arc<Shared>,
+    closed: AtomicBool,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for SqliteLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteLedger")
+            .field("path", &self.inner.path)
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteLedger {
+    /// Opens (creating if needed) the ledger file at `path`, switches it to WAL, applies
+    /// pending migrations, loads the lease state into memory and starts the writer thread.
+    /// Refuses a file written by a newer binary. Blocks on SQLite: call it before serving, or
+    /// from a blocking thread.
+    pub fn open(
+        path: &Path,
+        config: LedgerConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<SqliteLedger, LedgerError> {
+        config.validate()?;
+        let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
+        let now = clock.now().as_millisecond();
+        let state = store::load_state(&conn, now).map_err(|source| LedgerError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
+        let pool = store::reader_pool(path, config.durability)?;
+        let (queue, receiver) = sync_channel(config.queue_capacity);
+        let shared = Arc::new(Shared::default());
+        let writer = Writer {
+            conn,
+            state,
+            counts: counts.clone(),
+            clock: clock.clone(),
+            config: config.clone(),
+            queue: receiver,
+            shared: shared.clone(),
+            space: Space::new(bound),
+        };
+        let thread = std::thread::Builder::new()
+            .name("ledger-writer".into())
+            .spawn(move || writer.run())
+            .map_err(LedgerError::Writer)?;
+        Ok(SqliteLedger {
+            inner: Arc::new(Inner {
+                path: path.to_owned(),
+                config,
+                clock,
+                pool,
+                counts,
+                queue,
+                shared,
+                closed: AtomicBool::new(false),
+                writer: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The ledger file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Bytes the ledger takes on disk now: the database file plus its write-ahead log (what
+    /// the size bound covers). A file that cannot be read counts as empty.
+    pub fn disk_bytes(&self) -> u64 {
+        let mut wal = self.inner.path.clone().into_os_string();
+        wal.push("-wal");
+        [self.inner.path.as_os_str(), wal.as_os_str()]
+            .into_iter()
+            .filter_map(|file| std::fs::metadata(file).ok())
+            .map(|metadata| metadata.len())
+            .sum()
+    }
+
+    /// Compares the writer's in-memory state with what the file holds (for tests, and for
+    /// investigating a suspected divergence); [`LedgerError::Inconsistent`] says how they
+    /// differ.
+    pub async fn self_check(&self) -> Result<(), LedgerError> {
+        self.submit_and_wait(|reply| Job::SelfCheck { reply }, false)
+            .await
+    }
+
+    /// Writes waiting in the queue.
+    pub fn queue_depth(&self) -> usize {
+        self.inner.shared.depth.load(Ordering::Relaxed)
+    }
+
+    /// Batches, their sizes, and refused or abandoned writes since open.
+    pub fn writer_stats(&self) -> WriterStats {
+        self.inner.shared.stats()
+    }
+
+    /// Whether the writer accepts writes (false after shutdown, or if its thread died).
+    pub fn is_running(&self) -> bool {
+        !self.inner.closed.load(Ordering::Acquire)
+            && self
+                .inner
+                .writer
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .is_some_and(|thread| !thread.is_finished())
+    }
+
+    /// Stops the writer: writes already queued are decided and committed, later ones are
+    /// refused with [`LedgerError::Closed`]. Blocks until the writer has stopped (at most the
+    /// queued batches). Dropping the last clone does the same.
+    pub fn shutdown(&self) {
+        self.inner.stop();
+    }
+
+    /// The lease with this ID on a pooled read connection; blocks.
+    fn read(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
+        let now = self.now_ms();
+        let conn = self.inner.pool.get()?;
+        Ok(store::lease_by_id(&conn, id, now)?)
+    }
+
+    async fn call<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, LedgerError> {
+        self.submit_and_wait(job, true).await
+    }
+
+    /// Queues a write (refusing it at once when the queue is full) and waits for its answer.
+    async fn submit_and_wait<T>(
+        &self,
+        job: impl FnOnce(Reply<T>) -> Job,
+        with_deadline: bool,
+    ) -> Result<T, LedgerError> {
+        let inner = &self.inner;
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(LedgerError::Closed);
+        }
+        let (reply, answer) = oneshot::channel();
+        let deadline = with_deadline.then(|| {
+            inner
+                .clock
+                .monotonic()
+                .saturating_add(inner.config.queue_deadline)
+        });
+        inner.shared.depth.fetch_add(1, Ordering::Relaxed);
+        let message = Message::Job {
+            job: job(reply),
+            deadline,
+        };
+        if let Err(refused) = inner.queue.try_send(message) {
+            inner.shared.depth.fetch_sub(1, Ordering::Relaxed);
+            return Err(match refused {
+                TrySendError::Full(_) => {
+                    inner.shared.refused_full.fetch_add(1, Ordering::Relaxed);
+                    LedgerError::Overloaded {
+                        retry_after: OVERLOADED_RETRY_AFTER,
+                    }
+                }
+                TrySendError::Disconnected(_) => LedgerError::Closed,
+            });
+        }
+        // A dropped sender means the writer stopped without answering.
+        answer.await.unwrap_or(Err(LedgerError::Closed))
+    }
+
+    fn counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
+        self.inner
+            .counts
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.inner.clock.now().as_millisecond()
+    }
+}
+
+#[async_trait::async_trait]
+impl Ledger for SqliteLedger {
+    /// Decided by the writer in arrival order against the leases in memory; answered after the
+    /// COMMIT holding the lease. Refused with [`LedgerError::Overloaded`] (nothing decided) when
+    /// the queue is full or the write's queue deadline passes; not granted at all when the
+    /// caller has gone (dropped this future) before its turn.
+    async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError> {
+        let ttl_ms = self.inner.config.capped_ttl_ms(request.ttl)?;
+        self.call(|reply| Job::Acquire {
+            request,
+            ttl_ms,
+            reply,
+        })
+        .await
+    }
+
+    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError> {
+        let ttl_ms = self.inner.config.capped_ttl_ms(ttl)?;
+        let id = id.to_owned();
+        self.call(|reply| Job::Renew { id, ttl_ms, reply }).await
+    }
+
+    async fn release(&self, id: &str) -> Result<(), LedgerError> {
+        let id = id.to_owned();
+        self.call(|reply| Job::Release { id, reply }).await
+    }
+
+    /// Decided by the writer in a batch like a release, with the same errors (`BatchFailed`,
+    /// `Full`: nothing recorded, retry); it has no queue deadline because deciding it late is
+    /// harmless, but is refused with [`LedgerError::Overloaded`] when the queue is full.
+    async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError> {
+        if !is_release_reason(reason) {
+            return Err(LedgerError::InvalidReason(reason.to_owned()));
+        }
+        let proxy_uid = proxy_uid.to_owned();
+        let reason = reason.to_owned();
+        self.submit_and_wait(
+            |reply| Job::EndLeases {
+                proxy_uid,
+                reason,
+                reply,
+            },
+            false,
+        )
+        .await
+    }
+
+    async fn report(
+        &self,
+        id: &str,
+        result: ReportResult,
+        target: Option<&str>,
+    ) -> Result<Lease, LedgerError> {
+        let id = id.to_owned();
+        let target = target.map(str::to_owned);
+        self.call(|reply| Job::Report {
+            id,
+            result,
+            target,
+            reply,
+        })
+        .await
+    }
+
+    /// Housekeeping has no queue deadline: it waits for its turn.
+    async fn sweep(&self) -> Result<SweepStats, LedgerError> {
+        self.submit_and_wait(|reply| Job::Sweep { reply }, false)
+            .await
+    }
+
+    /// As committed, on a pooled read connection (never waiting for the writer), on a blocking
+    /// thread.
+    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
+        let ledger = self.clone();
+        let id = id.to_owned();
+        tokio::task::spawn_blocking(move || ledger.read(&id))
+            .await
+            .map_err(|e| LedgerError::Read(e.to_string()))?
+    }
+
+    /// The writer runs and a pooled read of the file answers.
+    async fn check(&self) -> Result<(), LedgerError> {
+        if !self.is_running() {
+            return Err(LedgerError::Closed);
+        }
+        self.get("readyz").await.map(drop)
+    }
+
+    /// From memory, as of the last commit.
+    fn active_counts(&self) -> HashMap<String, u32> {
+        self.counts().active_counts(self.now_ms())
+    }
+
+    /// From memory, as of the last commit.
+    fn active_count(&self, uid: &str) -> u32 {
+        self.counts().active_count(uid, self.now_ms())
+    }
+
+    /// From memory, as of the last commit.
+    fn active_total(&self) -> u64 {
+        self.counts().active_total(self.now_ms())
+    }
+
+    /// From memory, as of the last commit.
+    fn cooldowns_active(&self) -> u64 {
+        self.counts().cooldowns_active(self.now_ms())
+    }
+
+    /// From memory: a scrape copies the ranking the writer made at its last commit that
+    /// changed a cooldown, or ranks the targets itself once a cooldown counted there has ended.
+    fn target_cooldowns(&self) -> TargetCooldowns {
+        self.counts().target_cooldowns(self.now_ms())
+    }
+}
+
+impl Inner {
+    fn stop(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            // Blocks while the queue is full; fails only if the writer is already gone.
+            let _ = self.queue.send(Message::Stop);
+        }
+        let thread = self
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread
+            && thread.join().is_err()
+        {
+            log::error!("ledger {}: the writer thread panicked", self.path.display());
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
