@@ -17,68 +17,30 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use jiff::Timestamp;
+use proxy_operator::fixtures;
 use proxy_operator::provider::{Instance, InstanceState, Waiting};
 use proxy_operator::proxy::{
-    ConditionStatus, Disruption, DisruptionReason, Mode, Phase, ProxySpec, ProxyStatus,
+    ConditionStatus, Disruption, DisruptionReason, ProxySpec, ProxyStatus,
 };
 use proxy_operator::reconcile::phase::Provisioning;
-use proxy_operator::reconcile::remediation::Gate;
 use proxy_operator::reconcile::status::{FieldChange, StatusChange, desired_status};
-use proxy_operator::reconcile::{HealthSignal, Inputs, Limits, Observation, decide};
-use proxy_operator::spec_hash::SPEC_HASH_VERSION;
-
-const HASH: &str = "7f3c2a9b5e1d4c8a0b6e2f9d3a7c1e5b8d0f4a2c6e9b3d7f1a5c8e0b2d4f6a8c";
+use proxy_operator::reconcile::{Inputs, Observation, decide};
 
 fn now() -> Timestamp {
     Timestamp::from_second(1_800_000_000).unwrap_or(Timestamp::UNIX_EPOCH)
 }
 
 fn machine(state: InstanceState) -> Instance {
-    Instance {
-        provider_id: "crawl/proxy-abcdefghijklmnop".to_owned(),
-        name: "proxy-abcdefghijklmnop".to_owned(),
-        state,
-        ip: (state == InstanceState::Running).then(|| "10.0.3.17".to_owned()),
-        uid: Some("0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234".to_owned()),
-        created_at: Some(Timestamp::from_second(1_799_999_000).unwrap_or(Timestamp::UNIX_EPOCH)),
-        waiting: None,
-        deletion_deadline: None,
-    }
+    fixtures::instance(state, now())
 }
 
+/// A settled machine with two leases and a `maxLifetime`, healthy.
 fn inputs(observation: &Observation) -> Inputs<'_> {
     Inputs {
-        mode: Mode::Managed,
-        deleting: false,
-        finalizer_present: true,
-        provider_id: Some("crawl/proxy-abcdefghijklmnop"),
-        recorded_hash: Some(HASH),
-        recorded_hash_version: Some(SPEC_HASH_VERSION),
-        create_pending: None,
-        desired_hash: Some(HASH),
-        cloud_init_problem: None,
-        failed_this_generation: false,
-        phase: Some(Phase::Ready),
-        had_ip: true,
-        not_provisioned_since: None,
-        hold_until: None,
-        now: now(),
-        limits: Limits {
-            startup_timeout: Duration::from_secs(600),
-            force_delete_margin: Duration::from_secs(30),
-            drain_timeout: Duration::from_secs(900),
-            remediate_after: Duration::from_secs(600),
-        },
-        observation,
-        deletion_requested: None,
-        disruption: None,
         active_leases: 2,
-        uid: "0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234",
         max_lifetime: Some(Duration::from_secs(86_400)),
-        rotate_requested: false,
-        unhealthy_since: None,
         health: Some((true, now())),
-        remediation: Gate::Allowed,
+        ..fixtures::settled(observation, now())
     }
 }
 
@@ -126,25 +88,18 @@ fn bench(c: &mut Criterion) {
         })
     });
 
-    let change = StatusChange {
-        provisioning: Provisioning::Done,
-        provider_id: FieldChange::Keep,
-        ip: FieldChange::Set("10.0.3.17".to_owned()),
-        provisioned: ConditionStatus::True,
-        reason: "Running".to_owned(),
-        message: "machine is running".to_owned(),
-    };
+    let change = StatusChange::new(
+        Provisioning::Done,
+        ConditionStatus::True,
+        "Running",
+        "machine is running",
+    )
+    .ip(FieldChange::Set("10.0.0.9".to_owned()));
     let spec: ProxySpec = serde_json::from_value(serde_json::json!({
         "mode": "Managed", "provider": "kubernetes", "port": 3128
     }))
     .unwrap_or_else(|e| panic!("a Managed spec: {e}"));
-    let healthy = HealthSignal {
-        healthy: true,
-        latency: Duration::from_millis(12),
-        at: now(),
-        message: "probe answered 204 in 12 ms".to_owned(),
-        proxy_url: "http://10.0.3.17:3128".to_owned(),
-    };
+    let healthy = fixtures::transition(true, "http://10.0.0.9:3128", now());
     let settled = desired_status(
         &ProxyStatus::default(),
         &change,

@@ -6,6 +6,8 @@ pub mod cli;
 pub mod crd;
 pub mod duration;
 pub mod events;
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 pub mod gc;
 pub mod health;
 pub mod inventory;

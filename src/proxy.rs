@@ -16,6 +16,9 @@ pub const FINALIZER: &str = "crawl.example.com/finalizer";
 pub const SPEC_HASH_ANNOTATION: &str = "crawl.example.com/spec-hash";
 /// Annotation holding the version of the hash inputs used for [`SPEC_HASH_ANNOTATION`].
 pub const SPEC_HASH_VERSION_ANNOTATION: &str = "crawl.example.com/spec-hash-version";
+/// Annotation written before a provider `create` and cleared once the machine's ID is recorded.
+/// Its value is the spec hash the create was started with.
+pub const CREATE_PENDING_ANNOTATION: &str = "crawl.example.com/create-pending";
 /// Label set on every machine the operator creates.
 pub const MANAGED_LABEL: &str = "crawl.example.com/managed";
 /// Label carrying the UID of the Proxy a machine belongs to (used by orphan GC).

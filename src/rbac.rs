@@ -47,7 +47,7 @@ pub const API_CALLS: &[ApiCall] = &[
         resource: "proxies/status",
         verbs: &["patch"],
         scope: Scope::Cluster,
-        made_by: "reconcile::apply",
+        made_by: "reconcile::write",
     },
     // Reading a `cloudInit.secretRef`, and the watch of Secrets labelled
     // `crawl.example.com/cloud-init=true` that re-triggers the Proxies using them.
@@ -65,7 +65,7 @@ pub const API_CALLS: &[ApiCall] = &[
         resource: "events",
         verbs: &["create", "patch"],
         scope: Scope::Cluster,
-        made_by: "reconcile::apply, proxy_watch",
+        made_by: "reconcile::write, proxy_watch",
     },
     // The kubernetes provider: one squid Pod per Proxy in the Proxy's namespace, listed by label
     // across namespaces; the reconciler watches them by label so a dead or evicted Pod is seen

@@ -13,15 +13,14 @@ use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::api::LoadedTokens;
 use crate::cli::RunArgs;
 use crate::gc::{self, GcConfig};
-use crate::health::HealthTransition;
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
 use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
-use crate::proxy::{Proxy, ProxyId};
+use crate::proxy::Proxy;
 use crate::proxy_watch::{self, WatchMetrics};
 use crate::reconcile::metrics::RemediationGauge;
-use crate::reconcile::{self, Context, FleetMetrics, HealthSignal};
+use crate::reconcile::{self, Context, ReconcilerMetrics};
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -106,7 +105,7 @@ async fn start(
         args.install_id.clone(),
         args.reconciler_config(),
         core.ledger.clone(),
-        FleetMetrics::register(&core.registry)
+        ReconcilerMetrics::register(&core.registry)
             .map_err(|e| StartError::from_display("metrics", e))?,
     ));
 
@@ -136,12 +135,7 @@ async fn start(
         ),
     );
 
-    let (signals_tx, signals_rx) = mpsc::channel(1024);
-    supervisor.spawn(
-        "health transition relay",
-        relay_transitions(transitions_rx, signals_tx),
-    );
-    let triggers = reconcile::health_triggers(signals_rx, ctx.health.clone());
+    let triggers = reconcile::health_triggers(transitions_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
     let (store, proxies) = reconciler_feed.into_parts();
@@ -188,25 +182,4 @@ async fn start(
         }
     });
     Ok(supervisor)
-}
-
-/// Hands the health engine's transitions to the reconciler's trigger stream.
-async fn relay_transitions(
-    mut transitions: mpsc::Receiver<HealthTransition>,
-    signals: mpsc::Sender<(ProxyId, HealthSignal)>,
-) -> Result<(), String> {
-    while let Some(t) = transitions.recv().await {
-        let signal = HealthSignal {
-            healthy: t.healthy,
-            latency: t.latency,
-            at: t.at,
-            message: t.message,
-            proxy_url: t.proxy_url,
-        };
-        signals
-            .send((t.id, signal))
-            .await
-            .map_err(|_| "the reconciler stopped taking health transitions".to_owned())?;
-    }
-    Ok(())
 }

@@ -1,30 +1,69 @@
-//! Metrics of the fleet's lifecycle: counters of drains (by why the machine goes) and of drains
-//! that timed out, and a scrape-time gauge of providers whose remediation is paused.
+//! Metrics of the reconciler: how long reconciles take, which actions they decide and which
+//! errors they meet (the three figures an SRE graphs first); counters of drains (by why the
+//! machine goes) and of drains that timed out; and a scrape-time gauge of providers whose
+//! remediation is paused.
 
 use std::sync::Arc;
 
 use kube::runtime::reflector::Store;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramTimer, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
+};
 
 use super::budget::Share;
+use super::controller::Error;
+use super::decide::Action;
 use super::remediation::{self, Gate};
 use crate::proxy::{DisruptionReason, Proxy};
 
 /// Label of drains before a Proxy's deletion (the others are [`DisruptionReason::label`]s).
 pub const DELETED: &str = "deleted";
 
-/// Counters the reconciler increments.
+/// Buckets of `proxy_operator_reconcile_duration_seconds`: a reconcile is one or two API round
+/// trips plus, sometimes, a provider call (a cloud API answers in hundreds of milliseconds).
+const RECONCILE_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Counters and the histogram the reconciler updates.
 #[derive(Clone, Debug)]
-pub struct FleetMetrics {
+pub struct ReconcilerMetrics {
+    reconcile_duration: Histogram,
+    reconcile_errors: IntCounterVec,
+    actions: IntCounterVec,
     disruptions: IntCounterVec,
     drain_timeouts: IntCounter,
 }
 
-impl FleetMetrics {
-    /// Creates the counters and registers them in `registry`.
+impl ReconcilerMetrics {
+    /// Creates the metrics and registers them in `registry`. Every label value is known up
+    /// front (error kinds, actions, drain reasons), so each series exists from the start.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let reconcile_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "proxy_operator_reconcile_duration_seconds",
+                "Time one reconcile of a Proxy took, its API and provider calls included.",
+            )
+            .buckets(RECONCILE_BUCKETS.to_vec()),
+        )?;
+        let reconcile_errors = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_reconcile_errors_total",
+                "Reconciles that failed and were retried with backoff, by kind: kube (a \
+                 Kubernetes API call), provider (a transient provider failure), missing_field.",
+            ),
+            &["kind"],
+        )?;
+        let actions = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_reconcile_actions_total",
+                "Reconciles by the action decided (create, running, replace, drain, ...).",
+            ),
+            &["action"],
+        )?;
         let disruptions = IntCounterVec::new(
             Opts::new(
                 "proxy_operator_disruptions_total",
@@ -37,16 +76,43 @@ impl FleetMetrics {
             "proxy_operator_drain_timeouts_total",
             "Drains that reached --drain-timeout with leases still active (the leases were ended).",
         )?;
+        registry.register(Box::new(reconcile_duration.clone()))?;
+        registry.register(Box::new(reconcile_errors.clone()))?;
+        registry.register(Box::new(actions.clone()))?;
         registry.register(Box::new(disruptions.clone()))?;
         registry.register(Box::new(drain_timeouts.clone()))?;
+        for kind in Error::KINDS {
+            reconcile_errors.with_label_values(&[kind]);
+        }
+        for action in Action::LABELS {
+            actions.with_label_values(&[action]);
+        }
         for reason in DisruptionReason::ALL {
             disruptions.with_label_values(&[reason.label()]);
         }
         disruptions.with_label_values(&[DELETED]);
-        Ok(FleetMetrics {
+        Ok(ReconcilerMetrics {
+            reconcile_duration,
+            reconcile_errors,
+            actions,
             disruptions,
             drain_timeouts,
         })
+    }
+
+    /// Times one reconcile: observed when the timer is dropped, however the reconcile ends.
+    pub fn reconcile_timer(&self) -> HistogramTimer {
+        self.reconcile_duration.start_timer()
+    }
+
+    /// Counts a failed reconcile by its error kind ([`Error::metric_label`]).
+    pub fn reconcile_failed(&self, kind: &str) {
+        self.reconcile_errors.with_label_values(&[kind]).inc();
+    }
+
+    /// Counts a decided action by its label ([`Action::label`]).
+    pub fn action_decided(&self, action: &str) {
+        self.actions.with_label_values(&[action]).inc();
     }
 
     /// Counts a drain that starts, by its label.

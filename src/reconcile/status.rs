@@ -5,13 +5,14 @@
 //! differs — as a JSON merge patch with explicit `null`s, because a merge patch that merely
 //! omits a field leaves the old value in place.
 
-use std::time::Duration;
-
+use jiff::Timestamp;
 use serde_json::{Value, json};
 
 use super::phase::{Provisioning, compute_phase};
+use crate::health::HealthTransition;
 use crate::proxy::{
-    CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, ProxySpec, ProxyStatus,
+    CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, Disruption, ProxySpec,
+    ProxyStatus,
 };
 
 /// `Provisioned` reason: the machine runs with an address.
@@ -65,44 +66,34 @@ pub const REASON_PROBE_FAILED: &str = "ProbeFailed";
 /// `Healthy` reason: no probe result yet.
 pub const REASON_NOT_PROBED: &str = "NotProbed";
 
-/// The last health transition the health engine reported for a proxy.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HealthSignal {
-    /// Healthy after the transition.
-    pub healthy: bool,
-    /// Latency of the probe that caused it.
-    pub latency: Duration,
-    /// When that probe finished.
-    pub at: jiff::Timestamp,
-    /// Why (the probe error, or a short success note).
-    pub message: String,
-    /// `http://host:port` that probe went through; the verdict holds only while the proxy is
-    /// still at that address.
-    pub proxy_url: String,
-}
-
 /// A change to one optional status field.
 #[derive(Debug, Clone, PartialEq)]
-pub enum FieldChange {
+pub enum FieldChange<T = String> {
     /// Leave the current value.
     Keep,
     /// Set this value.
-    Set(String),
+    Set(T),
     /// Remove the value.
     Clear,
 }
 
-impl FieldChange {
-    fn apply(&self, current: &Option<String>) -> Option<String> {
+impl<T: Clone> FieldChange<T> {
+    fn apply(&self, current: &Option<T>) -> Option<T> {
         match self {
             FieldChange::Keep => current.clone(),
             FieldChange::Set(value) => Some(value.clone()),
             FieldChange::Clear => None,
         }
     }
+
+    /// `Set` for a value, `Clear` for none.
+    pub fn to(value: Option<T>) -> Self {
+        value.map_or(FieldChange::Clear, FieldChange::Set)
+    }
 }
 
-/// What an executed action means for status.
+/// What an executed action means for status: every field the reconciler writes besides the
+/// health it takes from the health engine. [`desired_status`] applies it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StatusChange {
     /// Where the machine now is.
@@ -117,6 +108,48 @@ pub struct StatusChange {
     pub reason: String,
     /// The `Provisioned` condition's message.
     pub message: String,
+    /// `status.port`: the port the machine was created with.
+    pub port: FieldChange<i32>,
+    /// `status.machineCreatedAt`, from the provider's answer.
+    pub machine_created_at: FieldChange<Timestamp>,
+    /// `status.disruption`: the voluntary replacement under way.
+    pub disruption: FieldChange<Disruption>,
+}
+
+impl StatusChange {
+    /// `Provisioned=<provisioned>/<reason>` with `message` while the machine is where
+    /// `provisioning` says; every other field kept.
+    pub fn new(
+        provisioning: Provisioning,
+        provisioned: ConditionStatus,
+        reason: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        StatusChange {
+            provisioning,
+            provider_id: FieldChange::Keep,
+            ip: FieldChange::Keep,
+            provisioned,
+            reason: reason.into(),
+            message: message.into(),
+            port: FieldChange::Keep,
+            machine_created_at: FieldChange::Keep,
+            disruption: FieldChange::Keep,
+        }
+    }
+
+    /// With `status.providerID` changed.
+    pub fn provider_id(self, provider_id: FieldChange) -> Self {
+        StatusChange {
+            provider_id,
+            ..self
+        }
+    }
+
+    /// With `status.ip` changed.
+    pub fn ip(self, ip: FieldChange) -> Self {
+        StatusChange { ip, ..self }
+    }
 }
 
 /// Sets a condition in a list-map keyed by type. `lastTransitionTime` moves only when the
@@ -150,13 +183,16 @@ pub fn desired_status(
     current: &ProxyStatus,
     change: &StatusChange,
     spec: &ProxySpec,
-    health: Option<&HealthSignal>,
+    health: Option<&HealthTransition>,
     generation: Option<i64>,
     now: jiff::Timestamp,
 ) -> ProxyStatus {
     let mut status = current.clone();
     status.provider_id = change.provider_id.apply(&current.provider_id);
     status.ip = change.ip.apply(&current.ip);
+    status.port = change.port.apply(&current.port);
+    status.machine_created_at = change.machine_created_at.apply(&current.machine_created_at);
+    status.disruption = change.disruption.apply(&current.disruption);
     status.observed_generation = generation;
     set_condition(
         &mut status.conditions,
@@ -275,38 +311,34 @@ mod tests {
             .unwrap()
     }
 
-    /// A health signal probed through `proxy_url`, finished at `at`.
-    fn signal(healthy: bool, proxy_url: &str, at: i64) -> HealthSignal {
-        HealthSignal {
-            healthy,
-            latency: Duration::from_millis(42),
-            at: ts(at),
+    /// A health transition probed through `proxy_url`, finished at `at`.
+    fn signal(healthy: bool, proxy_url: &str, at: i64) -> HealthTransition {
+        HealthTransition {
             message: "204".into(),
-            proxy_url: proxy_url.into(),
+            ..crate::fixtures::transition(healthy, proxy_url, ts(at))
         }
     }
 
     /// The machine disappeared: address and provider ID cleared.
     fn gone() -> StatusChange {
-        StatusChange {
-            provisioning: Provisioning::InProgress,
-            provider_id: FieldChange::Clear,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_MACHINE_GONE.into(),
-            message: String::new(),
-        }
+        StatusChange::new(
+            Provisioning::InProgress,
+            ConditionStatus::False,
+            REASON_MACHINE_GONE,
+            "",
+        )
+        .provider_id(FieldChange::Clear)
+        .ip(FieldChange::Clear)
     }
 
     fn running(ip: &str) -> StatusChange {
-        StatusChange {
-            provisioning: Provisioning::Done,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Set(ip.into()),
-            provisioned: ConditionStatus::True,
-            reason: REASON_RUNNING.into(),
-            message: "machine is running".into(),
-        }
+        StatusChange::new(
+            Provisioning::Done,
+            ConditionStatus::True,
+            REASON_RUNNING,
+            "machine is running",
+        )
+        .ip(FieldChange::Set(ip.into()))
     }
 
     #[test]
@@ -487,14 +519,12 @@ mod tests {
             )
             .unwrap()
         };
-        let listed = StatusChange {
-            provisioning: Provisioning::Done,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Keep,
-            provisioned: ConditionStatus::True,
-            reason: REASON_EXTERNAL.into(),
-            message: String::new(),
-        };
+        let listed = StatusChange::new(
+            Provisioning::Done,
+            ConditionStatus::True,
+            REASON_EXTERNAL,
+            "",
+        );
         let old_endpoint = signal(true, "http://proxy-a:8080", 10);
         let external_ready = desired_status(
             &ProxyStatus::default(),

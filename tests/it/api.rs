@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::convert::identity;
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -140,7 +139,7 @@ impl Harness {
             proxy_list: ProxyListCache::default(),
             candidates: CandidateIndex::default(),
         };
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = crate::support::loopback_listener();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());
         let served = token.clone();

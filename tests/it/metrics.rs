@@ -7,7 +7,6 @@
 use crate::support;
 
 use std::io::Write as _;
-use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -176,7 +175,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         .unwrap();
     assert!(matches!(outcome, AcquireOutcome::Granted(_)));
 
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let listener = support::loopback_listener();
     let url = format!("http://{}/metrics", listener.local_addr().unwrap());
     let server = metrics::serve(listener, registry).unwrap();
     let handle = server.handle();
@@ -192,7 +191,9 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
             && line_value(
                 &text,
                 r#"proxy_operator_proxy_up{name="down",namespace="crawl"}"#,
-            ) == Some(0.0);
+            ) == Some(0.0)
+            // The engine observes a probe's metrics just before it publishes the verdict.
+            && line_value(&text, r#"proxy_operator_proxies{phase="Ready"}"#) == Some(1.0);
         if settled {
             break text;
         }
@@ -406,7 +407,7 @@ impl CooldownWorld {
             candidates: CandidateIndex::default(),
         };
         let (api, api_server) = support::serve_api(state, TOKEN);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = support::loopback_listener();
         let metrics = format!("http://{}/metrics", listener.local_addr().unwrap());
         let server = metrics::serve(listener, registry).unwrap();
         let metrics_server = server.handle();
@@ -652,7 +653,7 @@ fn managed(name: &str, provider: &str, healthy: bool) -> Proxy {
 fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() {
     use kube::runtime::watcher::Event;
     use proxy_operator::reconcile::metrics::RemediationGauge;
-    use proxy_operator::reconcile::{FleetMetrics, Share};
+    use proxy_operator::reconcile::{ReconcilerMetrics, Share};
 
     let (store, mut writer) = kube::runtime::reflector::store::<Proxy>();
     writer.apply_watcher_event(&Event::Init);
@@ -666,7 +667,7 @@ fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() 
     }
     writer.apply_watcher_event(&Event::InitDone);
     let registry = Registry::new();
-    let fleet = FleetMetrics::register(&registry).unwrap();
+    let fleet = ReconcilerMetrics::register(&registry).unwrap();
     RemediationGauge::register(
         &registry,
         store,

@@ -12,13 +12,14 @@ use kube::runtime::controller::Action as Requeue;
 use serde_json::{Value, json};
 use tower_test::mock;
 
+use proxy_operator::health::HealthTransition;
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
 };
-use proxy_operator::proxy::Proxy;
+use proxy_operator::proxy::{Proxy, ProxyId};
 use proxy_operator::reconcile::{
-    Context, FleetMetrics, HealthSignal, HealthStates, ReconcilerConfig, reconcile,
+    Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
 };
 use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
 
@@ -165,7 +166,7 @@ fn context(
             "test-install".into(),
             config,
             Arc::new(ledger),
-            FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
+            ReconcilerMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
         )
     };
     (ctx, dir)
@@ -176,7 +177,7 @@ fn context(
 async fn run(
     proxy: Value,
     stub: Option<Arc<Stub>>,
-    health: Option<HealthSignal>,
+    health: Option<HealthTransition>,
     script: Vec<Expect>,
 ) -> Requeue {
     run_in(proxy, stub, health, script, true).await
@@ -186,7 +187,7 @@ async fn run(
 async fn run_in(
     proxy: Value,
     stub: Option<Arc<Stub>>,
-    health: Option<HealthSignal>,
+    health: Option<HealthTransition>,
     script: Vec<Expect>,
     listed: bool,
 ) -> Requeue {
@@ -200,7 +201,7 @@ async fn run_in(
     }
     let states = HealthStates::default();
     if let Some(signal) = health {
-        states.record(proxy.id(), signal);
+        states.record(signal);
     }
     let config = ReconcilerConfig {
         provisioning_poll: Duration::from_secs(1),
@@ -415,7 +416,12 @@ async fn running_sets_the_ip_once_and_then_writes_nothing() {
     let hash = desired_hash();
     let metadata =
         json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded(&hash)});
-    let health = HealthSignal {
+    let health = HealthTransition {
+        id: ProxyId {
+            namespace: NS.into(),
+            name: NAME.into(),
+            uid: UID.into(),
+        },
         healthy: true,
         latency: Duration::from_millis(37),
         at: now(),

@@ -19,7 +19,7 @@ use kube::{Client, Resource, ResourceExt};
 use proxy_operator::events::{NOTE_LIMIT, event};
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::proxy::{Proxy, ProxySpec};
-use proxy_operator::reconcile::{Context, FleetMetrics, ReconcilerConfig, reconcile};
+use proxy_operator::reconcile::{Context, ReconcilerConfig, ReconcilerMetrics, reconcile};
 use serde_json::json;
 use support::envtest::ControlPlane;
 
@@ -45,7 +45,7 @@ fn context(client: Client) -> (Arc<Context>, tempfile::TempDir) {
         "reconcile-envtest".to_owned(),
         ReconcilerConfig::default(),
         Arc::new(ledger),
-        FleetMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
+        ReconcilerMetrics::register(&prometheus::Registry::new()).expect("fleet metrics"),
     );
     (Arc::new(ctx), dir)
 }

@@ -16,7 +16,7 @@ pub mod world;
 
 pub use envtest::ControlPlane;
 pub use kubelet::{Behaviour, Kubelet};
-pub use squid::{Squid, SquidOptions, free_port};
+pub use squid::{Squid, SquidOptions, free_port, loopback_listener};
 pub use target::Target;
 
 use std::time::{Duration, Instant};
@@ -86,7 +86,7 @@ pub fn serve_api(
     token: &str,
 ) -> (String, actix_web::dev::ServerHandle) {
     use proxy_operator::api::{self, ApiToken, TokenSet};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    let listener = loopback_listener();
     let base = format!("http://{}", listener.local_addr().expect("its address"));
     let tokens = TokenSet::single(token.as_bytes(), "TOKEN").expect("a valid test token");
     let server = api::serve(listener, state, ApiToken::new(tokens)).expect("the API serves");

@@ -165,12 +165,37 @@ fn binary() -> PathBuf {
     panic!("squid is required by the health tests; install squid: apt-get install -y squid");
 }
 
-/// A loopback port nothing listens on right now.
+/// Ports this process has handed out (see [`free_port`]).
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A listener on a loopback port this process has not used before: the tests run side by
+/// side, and a port a test has freed (a killed squid, meant to refuse connections) must not
+/// become another test's listener.
+pub fn loopback_listener() -> TcpListener {
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let port = listener
+            .local_addr()
+            .expect("a bound listener has an address")
+            .port();
+        if HANDED_OUT
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port)
+        {
+            return listener;
+        }
+    }
+}
+
+/// A loopback port nothing listens on right now, never handed out before in this process
+/// (see [`loopback_listener`]), for a server the caller starts on it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("find a free loopback port")
+    loopback_listener()
+        .local_addr()
+        .expect("a bound listener has an address")
+        .port()
 }
 
 fn make_world_writable(dir: &Path) {

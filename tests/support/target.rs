@@ -71,8 +71,8 @@ impl Target {
             connections: AtomicU64::new(0),
         });
         let shutdown = CancellationToken::new();
-        let std_http = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the HTTP target");
-        let std_https = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the HTTPS target");
+        let std_http = super::squid::loopback_listener();
+        let std_https = super::squid::loopback_listener();
         let http = std_http.local_addr().expect("HTTP target address");
         let https = std_https.local_addr().expect("HTTPS target address");
         for listener in [&std_http, &std_https] {

@@ -56,6 +56,15 @@ const NO_REPLACEMENTS: &[&str] = &["--replacement-budget", "0"];
 /// a provider's proxies are.
 const REMEDIATION: &[&str] = &["--remediate-after", "3s", "--max-unhealthy", "50%"];
 
+/// A Managed spec for the remediation tests: unhealthy only after 2 s of failed probes, so only
+/// a frozen squid turns a proxy unhealthy (and is replaced 3 s later), never a slow probe on a
+/// loaded machine.
+fn remediation_spec(world: &World) -> Value {
+    let mut spec = world.managed_spec(3128);
+    spec["healthCheck"]["failureThreshold"] = json!(4);
+    spec
+}
+
 /// The image of a Pod's first container.
 fn image_of(pod: &Pod) -> Option<String> {
     pod.spec.as_ref()?.containers.first()?.image.clone()
@@ -191,10 +200,17 @@ async fn ready_managed(
 /// Creates `names` (each in a pool of its name) and waits until all are Ready; returns each
 /// name's Pod name and UID.
 async fn ready_fleet(world: &World, names: &[&str]) -> BTreeMap<String, (String, String)> {
+    ready_fleet_of(world, names, world.managed_spec(3128)).await
+}
+
+/// [`ready_fleet`] with each Proxy's `spec`.
+async fn ready_fleet_of(
+    world: &World,
+    names: &[&str],
+    spec: Value,
+) -> BTreeMap<String, (String, String)> {
     for name in names {
-        world
-            .create_in_pool(name, name, &[], world.managed_spec(3128))
-            .await;
+        world.create_in_pool(name, name, &[], spec.clone()).await;
     }
     let mut pods = BTreeMap::new();
     for name in names {
@@ -1509,7 +1525,7 @@ async fn an_unhealthy_machine_is_replaced_after_remediate_after() {
         return;
     };
     let names = ["a", "b", "c"];
-    let pods = ready_fleet(&world, &names).await;
+    let pods = ready_fleet_of(&world, &names, remediation_spec(&world)).await;
 
     // b's squid hangs: its Pod still says Running and Ready, only probes can tell.
     let (b_pod, b_uid) = pods["b"].clone();
@@ -1563,7 +1579,7 @@ async fn remediation_pauses_when_too_many_are_unhealthy() {
         return;
     };
     let names = ["a", "b", "c"];
-    let pods = ready_fleet(&world, &names).await;
+    let pods = ready_fleet_of(&world, &names, remediation_spec(&world)).await;
 
     // Two of three hang at once: 67 % > 50 %, a sign of something wider than two machines.
     for name in ["a", "b"] {

@@ -1,46 +1,43 @@
 //! Executing a decision: the thin I/O layer between [`decide`] and the provider and Kubernetes
-//! APIs. Order of writes per reconcile: metadata needed *before* a provider call (finalizer,
-//! create-pending marker), the provider call, one status write if anything changed (guarded by
-//! the newest resourceVersion known), metadata recorded *after* (spec hash), then an Event.
+//! APIs. An action makes the metadata writes needed *before* a provider call (finalizer,
+//! create-pending marker) and the provider call itself, and returns a [`Step`]: the status
+//! change, the annotations to record *after* (spec hash), the Event and the requeue, which
+//! `write` carries out.
+//!
+//! [`decide`]: super::decide::decide
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller;
 use kube::runtime::events::{Event, EventType};
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 
 use super::budget::{self, Admission};
-use super::decide::{Action, Inputs, Limits, Loss, Observation, after, decide, on_provider_error};
+use super::controller::{Context, Error, ReconcilerConfig};
+use super::decide::{Action, Loss, Observation, after, on_provider_error};
 use super::metrics::DELETED;
 use super::pacing::{At, Hold, hold_for};
 use super::phase::Provisioning;
-use super::remediation::{self, Gate};
-use super::rotation;
 use super::status::{
     FieldChange, REASON_CLOUD_INIT, REASON_CREATE_FAILED, REASON_DELETING, REASON_EXTERNAL,
     REASON_FORCE_DELETED, REASON_MACHINE_GONE, REASON_MACHINE_LOST, REASON_MACHINE_STOPPED,
     REASON_MACHINE_TERMINATING, REASON_PROVIDER_FAILED, REASON_PROVISIONING, REASON_QUOTA,
     REASON_REFUSED, REASON_REMEDIATION_PAUSED, REASON_REPLACEMENT_PENDING, REASON_REPLACING,
     REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
-    annotations_patch, desired_status, status_patch,
+    annotations_patch,
 };
-use super::{CREATE_PENDING_ANNOTATION, Context, Error};
 use crate::events::event;
 use crate::naming::machine_name;
-use crate::provider::{CreateRequest, INSTALL_LABEL, Provider, ProviderError, Waiting};
+use crate::provider::{CreateRequest, Provider, ProviderError, Waiting, machine_labels};
 use crate::proxy::{
-    CONDITION_HEALTHY, CONDITION_PROVISIONED, ConditionStatus, Disruption, DisruptionReason,
-    FINALIZER, MANAGED_LABEL, Mode, PROXY_UID_LABEL, Phase, Proxy, ProxySpec, ProxyStatus,
-    REASON_DRAINING, ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION,
-    SPEC_HASH_VERSION_ANNOTATION, SecretKeyRef,
+    CONDITION_PROVISIONED, CREATE_PENDING_ANNOTATION, ConditionStatus, Disruption,
+    DisruptionReason, FINALIZER, Phase, Proxy, ProxySpec, ProxyStatus, REASON_DRAINING,
+    ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION, SPEC_HASH_VERSION_ANNOTATION,
 };
-use crate::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
+use crate::spec_hash::SPEC_HASH_VERSION;
 
 /// Ledger reason of leases ended because their machine was force-deleted.
 pub const LEASES_MACHINE_LOST: &str = "machine_lost";
@@ -55,7 +52,7 @@ pub const REASON_DRAIN_TIMED_OUT: &str = "DrainTimedOut";
 
 /// What a reconcile's outcome means for the retry memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
+pub(super) enum Outcome {
     /// It did what it set out to: failures in a row start over.
     Progress,
     /// The machine runs: machines that never ran are forgiven too.
@@ -65,25 +62,19 @@ enum Outcome {
 }
 
 /// What executing an action leaves to write.
-struct Step {
+pub(super) struct Step {
     /// Status change, or `None` to leave status alone.
-    status: Option<StatusChange>,
+    pub status: Option<StatusChange>,
     /// Annotation patch applied after the status write.
-    annotations: Option<Value>,
+    pub annotations: Option<Value>,
     /// Event to publish last.
-    event: Option<Event>,
+    pub event: Option<Event>,
     /// When to look again.
-    requeue: controller::Action,
+    pub requeue: controller::Action,
     /// What it means for the retry memory.
-    outcome: Outcome,
+    pub outcome: Outcome,
     /// The resourceVersion returned by a metadata patch made before the status write.
-    resource_version: Option<String>,
-    /// New `status.disruption` (`None`: keep), written with the status change.
-    disruption: Option<Option<Disruption>>,
-    /// New `status.machineCreatedAt` (`None`: keep), written with the status change.
-    machine_created_at: Option<Option<Timestamp>>,
-    /// New `status.port` (`None`: keep): the port of a machine just created.
-    port: Option<i32>,
+    pub resource_version: Option<String>,
 }
 
 impl Step {
@@ -95,9 +86,6 @@ impl Step {
             requeue,
             outcome: Outcome::Progress,
             resource_version: None,
-            disruption: None,
-            machine_created_at: None,
-            port: None,
         }
     }
 
@@ -120,252 +108,36 @@ impl Step {
         self
     }
 
+    /// Sets (`Some`) or clears (`None`) `status.disruption` with the status change.
     fn with_disruption(mut self, disruption: Option<Disruption>) -> Self {
-        self.disruption = Some(disruption);
+        if let Some(status) = &mut self.status {
+            status.disruption = FieldChange::to(disruption);
+        }
+        self
+    }
+
+    /// Records the port a machine was created with, with the status change.
+    fn with_port(mut self, port: i32) -> Self {
+        if let Some(status) = &mut self.status {
+            status.port = FieldChange::Set(port);
+        }
         self
     }
 }
 
-/// One reconcile of one Proxy.
-pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controller::Action, Error> {
-    let namespace = proxy
-        .namespace()
-        .ok_or(Error::MissingField("metadata.namespace"))?;
-    let api: Api<Proxy> = Api::namespaced(ctx.client.clone(), &namespace);
-    let current = proxy.status.clone().unwrap_or_default();
-    let step = step(&proxy, &current, &api, &ctx).await?;
-    let uid = proxy.uid().unwrap_or_default();
-    match step.outcome {
-        Outcome::Progress => ctx.pacing.succeeded(&uid, false),
-        Outcome::Running => ctx.pacing.succeeded(&uid, true),
-        Outcome::Neutral => {}
-    }
-
-    let mut conflict = false;
-    if let Some(change) = &step.status {
-        let health = ctx.health.get(&proxy.id());
-        let now = (ctx.clock)();
-        let mut desired = desired_status(
-            &current,
-            change,
-            &proxy.spec,
-            health.as_ref(),
-            proxy.metadata.generation,
-            now,
-        );
-        if let Some(disruption) = &step.disruption {
-            desired.disruption.clone_from(disruption);
-        }
-        if let Some(created) = step.machine_created_at {
-            desired.machine_created_at = created;
-        }
-        if let Some(port) = step.port {
-            desired.port = Some(port);
-        }
-        if desired != current {
-            let known = step
-                .resource_version
-                .clone()
-                .or_else(|| proxy.resource_version());
-            let patch = status_patch(&desired, known.as_deref());
-            match api
-                .patch_status(
-                    &proxy.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(patch),
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(status)) if status.code == 409 => {
-                    log::debug!(
-                        "Proxy {}: changed since this reconcile read it; reconciling again",
-                        proxy.key()
-                    );
-                    conflict = true;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-    if !conflict && let Some(annotations) = &step.annotations {
-        api.patch(
-            &proxy.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(annotations),
-        )
-        .await?;
-    }
-    // The Event tells of something already done (a provider call), so it goes out even when the
-    // status write lost a race.
-    if let Some(event) = &step.event {
-        let reference = proxy.object_ref(&());
-        if let Err(e) = ctx.recorder.publish(event, &reference).await {
-            log::warn!(
-                "cannot publish event {} for Proxy {}: {e}",
-                event.reason,
-                proxy.key()
-            );
-        }
-    }
-    if conflict {
-        return Ok(controller::Action::requeue(Duration::ZERO));
-    }
-    Ok(step.requeue)
-}
-
-/// Decides and executes everything up to (not including) the status write.
-async fn step(
-    proxy: &Proxy,
-    current: &ProxyStatus,
-    api: &Api<Proxy>,
-    ctx: &Context,
-) -> Result<Step, Error> {
-    let spec = &proxy.spec;
-    let deleting = proxy.metadata.deletion_timestamp.is_some();
-    let finalizer_present = proxy.finalizers().iter().any(|f| f == FINALIZER);
-    let provider_id = current.provider_id.as_deref().filter(|id| !id.is_empty());
-    let annotations = proxy.annotations();
-    let generation = proxy.metadata.generation;
-    let now = (ctx.clock)();
-
-    let provider = spec
-        .provider
-        .as_deref()
-        .and_then(|name| ctx.providers.get(name));
-    let needs_provider = spec.mode == crate::proxy::Mode::Managed
-        && if deleting {
-            provider_id.is_some() || annotations.contains_key(CREATE_PENDING_ANNOTATION)
-        } else {
-            finalizer_present
-        };
-    let provider = match provider {
-        Some(provider) => Some(provider.as_ref()),
-        None if needs_provider => return Ok(unknown_provider(spec, ctx)),
-        None => None,
-    };
-
-    let resolve = spec.mode == crate::proxy::Mode::Managed && !deleting && finalizer_present;
-    let cloud_init = if resolve {
-        resolve_cloud_init(ctx, proxy, spec).await?
-    } else {
-        Ok(None)
-    };
-    let desired_hash = cloud_init
-        .as_ref()
-        .ok()
-        .map(|content| SpecHashInput::new(spec, content.as_deref()).hash());
-
-    let provisioned = current.condition(CONDITION_PROVISIONED);
-    let failed_this_generation = provisioned
-        .is_some_and(|c| c.reason == REASON_PROVIDER_FAILED && c.observed_generation == generation);
-    let hold_until = ctx
-        .pacing
-        .hold_until(&proxy.uid().unwrap_or_default(), generation);
-    let retry_due = hold_until.is_none_or(|until| until <= now);
-    let observation = match (provider, provider_id) {
-        (Some(provider), Some(id))
-            if deleting || (finalizer_present && (!failed_this_generation || retry_due)) =>
-        {
-            observe(provider, id).await
-        }
-        _ => Observation::NotQueried,
-    };
-
-    let uid = proxy.uid().unwrap_or_default();
-    let unhealthy_since = current
-        .condition(CONDITION_HEALTHY)
-        .filter(|c| c.status == ConditionStatus::False)
-        .map(|c| c.last_transition_time);
-    let health = ctx
-        .health
-        .get(&proxy.id())
-        .map(|signal| (signal.healthy, signal.at))
-        .or_else(|| current.healthy().zip(current.last_health_check_time));
-    let remediation = match (&spec.provider, unhealthy_since) {
-        (Some(provider), Some(_)) if spec.mode == Mode::Managed => {
-            let fleet = ctx.fleet().unwrap_or_default();
-            remediation::gate(
-                remediation::provider_health(fleet.iter().map(AsRef::as_ref), provider),
-                ctx.config.max_unhealthy,
-            )
-        }
-        _ => Gate::Allowed,
-    };
-    let inputs = Inputs {
-        mode: spec.mode,
-        deleting,
-        deletion_requested: proxy.metadata.deletion_timestamp.as_ref().map(|t| t.0),
-        finalizer_present,
-        provider_id,
-        recorded_hash: annotations.get(SPEC_HASH_ANNOTATION).map(String::as_str),
-        recorded_hash_version: annotations
-            .get(SPEC_HASH_VERSION_ANNOTATION)
-            .map(String::as_str),
-        create_pending: annotations
-            .get(CREATE_PENDING_ANNOTATION)
-            .map(String::as_str),
-        desired_hash: desired_hash.as_deref(),
-        cloud_init_problem: cloud_init.as_ref().err().map(String::as_str),
-        failed_this_generation,
-        phase: current.phase,
-        had_ip: current.ip.is_some(),
-        not_provisioned_since: provisioned
-            .filter(|c| c.status == ConditionStatus::False)
-            .map(|c| c.last_transition_time),
-        hold_until,
-        now,
-        limits: Limits {
-            startup_timeout: ctx.config.startup_timeout,
-            force_delete_margin: ctx.config.force_delete_margin,
-            drain_timeout: ctx.config.drain_timeout,
-            remediate_after: ctx.config.remediate_after,
-        },
-        observation: &observation,
-        disruption: current.disruption.as_ref(),
-        active_leases: ctx.ledger.active_count(&uid),
-        uid: &uid,
-        max_lifetime: spec.max_lifetime(),
-        rotate_requested: rotation::requested(
-            annotations.get(ROTATE_ANNOTATION).map(String::as_str),
-            annotations.get(ROTATED_ANNOTATION).map(String::as_str),
-        ),
-        unhealthy_since,
-        health,
-        remediation,
-    };
-    let action = decide(&inputs);
-    log::debug!("Proxy {}: {action:?}", proxy.key());
-    // A slot granted by a Disrupt whose status write was lost, for a replacement no longer
-    // wanted, goes back to the budget.
-    if current.disruption.is_none() && !matches!(action, Action::Disrupt { .. }) {
-        ctx.grants.release(&uid);
-    }
-    let machine = Machine {
-        proxy,
-        provider,
-        provider_id,
-        cloud_init: cloud_init.ok().flatten(),
-        ctx,
-        now,
-    };
-    let mut step = execute(action, &machine, current, api, desired_hash.as_deref()).await?;
-    step.machine_created_at = match &observation {
-        Observation::Found(instance) => Some(instance.created_at),
-        Observation::NotFound => Some(None),
-        Observation::NotQueried | Observation::Error { .. } => None,
-    };
-    Ok(step)
-}
-
 /// What `execute` needs about the machine behind a proxy.
-struct Machine<'a> {
-    proxy: &'a Proxy,
-    provider: Option<&'a dyn Provider>,
-    provider_id: Option<&'a str>,
-    cloud_init: Option<String>,
-    ctx: &'a Context,
-    now: Timestamp,
+pub(super) struct Machine<'a> {
+    pub proxy: &'a Proxy,
+    pub provider: Option<&'a dyn Provider>,
+    pub provider_id: Option<&'a str>,
+    /// The resolved cloud-init content, if any.
+    pub cloud_init: Option<String>,
+    /// The spec hash of what the Proxy asks for, when its cloud-init could be read.
+    pub desired_hash: Option<&'a str>,
+    /// What the provider said about `provider_id`.
+    pub observation: &'a Observation,
+    pub ctx: &'a Context,
+    pub now: Timestamp,
 }
 
 impl Machine<'_> {
@@ -385,11 +157,7 @@ impl Machine<'_> {
 
     fn create_request(&self) -> CreateRequest {
         let id = self.proxy.id();
-        let labels = BTreeMap::from([
-            (MANAGED_LABEL.to_owned(), "true".to_owned()),
-            (PROXY_UID_LABEL.to_owned(), id.uid.clone()),
-            (INSTALL_LABEL.to_owned(), self.ctx.install.clone()),
-        ]);
+        let labels = machine_labels(&id.uid, &self.ctx.install);
         CreateRequest {
             machine_name: machine_name(&id.uid),
             namespace: id.namespace,
@@ -442,17 +210,6 @@ impl Machine<'_> {
     }
 }
 
-async fn observe(provider: &dyn Provider, id: &str) -> Observation {
-    match provider.get(id).await {
-        Ok(instance) => Observation::Found(instance),
-        Err(e) if e.is_not_found() => Observation::NotFound,
-        Err(e) => Observation::Error {
-            class: e.class,
-            message: e.to_string(),
-        },
-    }
-}
-
 /// A requeue after `until`, from `now`.
 fn requeue_at(until: Timestamp, now: Timestamp) -> controller::Action {
     let wait = until
@@ -492,13 +249,50 @@ fn condition_reason_is(current: &ProxyStatus, reason: &str) -> bool {
         .is_some_and(|c| c.reason == reason)
 }
 
-/// Carries out one action.
-async fn execute(
+/// The Event `reason` with `note`, unless the `Provisioned` condition already has that reason:
+/// its Event went out when the condition got it, and a reconcile that finds the same situation
+/// again does not repeat it.
+fn new_reason_event(
+    current: &ProxyStatus,
+    event_type: EventType,
+    reason: &str,
+    action: &str,
+    note: &str,
+) -> Option<Event> {
+    (!condition_reason_is(current, reason))
+        .then(|| event(event_type, reason, action, note.to_owned()))
+}
+
+/// Carries out one action; the status change it leaves carries the machine's creation time
+/// as the provider reported it.
+pub(super) async fn execute(
     action: Action,
     machine: &Machine<'_>,
     current: &ProxyStatus,
     api: &Api<Proxy>,
-    desired_hash: Option<&str>,
+) -> Result<Step, Error> {
+    // A slot granted by a Disrupt whose status write was lost, for a replacement no longer
+    // wanted, goes back to the budget.
+    if current.disruption.is_none() && !matches!(action, Action::Disrupt { .. }) {
+        machine.ctx.grants.release(&machine.uid());
+    }
+    let mut step = act(action, machine, current, api).await?;
+    if let Some(status) = &mut step.status {
+        status.machine_created_at = match machine.observation {
+            Observation::Found(instance) => FieldChange::to(instance.created_at),
+            Observation::NotFound => FieldChange::Clear,
+            Observation::NotQueried | Observation::Error { .. } => FieldChange::Keep,
+        };
+    }
+    Ok(step)
+}
+
+/// The I/O of one action.
+async fn act(
+    action: Action,
+    machine: &Machine<'_>,
+    current: &ProxyStatus,
+    api: &Api<Proxy>,
 ) -> Result<Step, Error> {
     let config = &machine.ctx.config;
     let proxy = machine.proxy;
@@ -520,15 +314,14 @@ async fn execute(
                         proxy.key(),
                         instance.provider_id
                     );
-                    let mut step = Step::new(
+                    Step::new(
                         Some(provisioning(FieldChange::Set(instance.provider_id))),
                         controller::Action::requeue(config.provisioning_poll),
                     )
-                    .with_annotations(Some(record_created(proxy, &hash)));
-                    step.port = Some(proxy.spec.port);
-                    step
+                    .with_annotations(Some(record_created(proxy, &hash)))
+                    .with_port(proxy.spec.port)
                 }
-                Ok(None) => match desired_hash {
+                Ok(None) => match machine.desired_hash {
                     Some(hash) => create(machine, current, api, hash).await?,
                     None => cloud_init_missing("cloud-init cannot be resolved", config),
                 },
@@ -542,13 +335,13 @@ async fn execute(
                 .get(&machine.uid())
                 .hold
                 .filter(|h| h.until == until);
-            let status = hold.map(|hold| StatusChange {
-                provisioning: Provisioning::Waiting,
-                provider_id: FieldChange::Keep,
-                ip: FieldChange::Keep,
-                provisioned: ConditionStatus::False,
-                reason: hold.reason.clone(),
-                message: hold_message(&hold),
+            let status = hold.map(|hold| {
+                StatusChange::new(
+                    Provisioning::Waiting,
+                    ConditionStatus::False,
+                    hold.reason.clone(),
+                    hold_message(&hold),
+                )
             });
             Step::new(status, requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
         }
@@ -702,18 +495,20 @@ async fn execute(
         Action::Adopt { hash } => Step::new(None, controller::Action::requeue(Duration::ZERO))
             .with_annotations(Some(record_hash(&hash))),
         Action::External => Step::new(
-            Some(StatusChange {
-                provisioning: Provisioning::Done,
-                provider_id: FieldChange::Clear,
-                ip: proxy
+            Some(
+                StatusChange::new(
+                    Provisioning::Done,
+                    ConditionStatus::True,
+                    REASON_EXTERNAL,
+                    "external endpoint",
+                )
+                .provider_id(FieldChange::Clear)
+                .ip(proxy
                     .spec
                     .endpoint
                     .as_ref()
-                    .map_or(FieldChange::Clear, |e| FieldChange::Set(e.host.clone())),
-                provisioned: ConditionStatus::True,
-                reason: REASON_EXTERNAL.to_owned(),
-                message: "external endpoint".to_owned(),
-            }),
+                    .map_or(FieldChange::Clear, |e| FieldChange::Set(e.host.clone()))),
+            ),
             controller::Action::await_change(),
         ),
         Action::StayFailed { until } => {
@@ -752,28 +547,25 @@ fn running(
                 humantime::format_duration(config.remediate_after),
                 config.max_unhealthy,
             );
-            let event = (!condition_reason_is(current, REASON_REMEDIATION_PAUSED)).then(|| {
+            let event = new_reason_event(
+                current,
+                EventType::Warning,
+                REASON_REMEDIATION_PAUSED,
+                "Remediate",
+                &message,
+            );
+            if event.is_some() {
                 log::warn!("Proxy {}: {message}", machine.proxy.key());
-                event(
-                    EventType::Warning,
-                    REASON_REMEDIATION_PAUSED,
-                    "Remediate",
-                    message.clone(),
-                )
-            });
+            }
             (REASON_REMEDIATION_PAUSED, message, event)
         }
         None => (REASON_RUNNING, "machine is running".to_owned(), None),
     };
     let mut step = Step::new(
-        Some(StatusChange {
-            provisioning: Provisioning::Done,
-            provider_id: FieldChange::Keep,
-            ip: ip.map_or(FieldChange::Clear, FieldChange::Set),
-            provisioned: ConditionStatus::True,
-            reason: reason.to_owned(),
-            message,
-        }),
+        Some(
+            StatusChange::new(Provisioning::Done, ConditionStatus::True, reason, message)
+                .ip(FieldChange::to(ip)),
+        ),
         poll_or_at(poll, recheck, machine.now),
     )
     .with_event(event)
@@ -781,7 +573,7 @@ fn running(
     // A machine from before `status.port` existed: its spec hash is current (or this would
     // be a replacement), so it listens on `spec.port`.
     if current.port.is_none() {
-        step.port = Some(machine.proxy.spec.port);
+        step = step.with_port(machine.proxy.spec.port);
     }
     if !replaced {
         return step;
@@ -843,23 +635,20 @@ fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReaso
                      --replacement-budget {budget})"
                 )
             };
-            let event = (!condition_reason_is(current, REASON_REPLACEMENT_PENDING)).then(|| {
-                event(
-                    EventType::Normal,
-                    REASON_REPLACEMENT_PENDING,
-                    "Replace",
-                    message.clone(),
-                )
-            });
+            let event = new_reason_event(
+                current,
+                EventType::Normal,
+                REASON_REPLACEMENT_PENDING,
+                "Replace",
+                &message,
+            );
             Step::new(
-                Some(StatusChange {
-                    provisioning: Provisioning::Done,
-                    provider_id: FieldChange::Keep,
-                    ip: FieldChange::Keep,
-                    provisioned: ConditionStatus::True,
-                    reason: REASON_REPLACEMENT_PENDING.to_owned(),
+                Some(StatusChange::new(
+                    Provisioning::Done,
+                    ConditionStatus::True,
+                    REASON_REPLACEMENT_PENDING,
                     message,
-                }),
+                )),
                 controller::Action::requeue(ctx.config.provisioning_poll),
             )
             .with_event(event)
@@ -884,22 +673,20 @@ fn draining(
         machine.now,
     );
     Step::new(
-        Some(StatusChange {
-            provisioning: if deleting {
+        Some(StatusChange::new(
+            if deleting {
                 Provisioning::Deleting
             } else {
                 Provisioning::Replacing
             },
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Keep,
-            provisioned: ConditionStatus::False,
-            reason: REASON_DRAINING.to_owned(),
-            message: format!(
+            ConditionStatus::False,
+            REASON_DRAINING,
+            format!(
                 "draining before {cause}: {}; no new leases or renewals; the machine is \
                  deleted when they end or at {at}",
                 leases_text(leases)
             ),
-        }),
+        )),
         requeue,
     )
 }
@@ -993,23 +780,23 @@ fn await_provisioning(
     };
     let id = machine.provider_id.unwrap_or_default();
     let message = format!("machine {id} is not running: {}", waiting_text(&waiting));
-    let event = (!condition_reason_is(current, &waiting.reason)).then(|| {
-        event(
-            EventType::Warning,
-            &waiting.reason,
-            "Provision",
-            message.clone(),
-        )
-    });
+    let event = new_reason_event(
+        current,
+        EventType::Warning,
+        &waiting.reason,
+        "Provision",
+        &message,
+    );
     Step::new(
-        Some(StatusChange {
-            provisioning: Provisioning::InProgress,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: waiting.reason,
-            message,
-        }),
+        Some(
+            StatusChange::new(
+                Provisioning::InProgress,
+                ConditionStatus::False,
+                waiting.reason,
+                message,
+            )
+            .ip(FieldChange::Clear),
+        ),
         requeue,
     )
     .with_event(event)
@@ -1054,8 +841,7 @@ async fn create(
             .with_annotations(Some(record_created(proxy, hash)))
             .with_event(Some(event(EventType::Normal, "Created", "Create", note)));
             step.resource_version = marked.resource_version();
-            step.port = Some(request.port);
-            Ok(step)
+            Ok(step.with_port(request.port))
         }
         Err(e) => {
             let mut step = failure(machine, current, e)?;
@@ -1088,14 +874,10 @@ async fn delete(
     };
     let first = current.phase != Some(phase) || condition_reason_is(current, REASON_DRAINING);
     Ok(Step::new(
-        Some(StatusChange {
-            provisioning: state,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: reason.to_owned(),
-            message: message.to_owned(),
-        }),
+        Some(
+            StatusChange::new(state, ConditionStatus::False, reason, message)
+                .ip(FieldChange::Clear),
+        ),
         controller::Action::requeue(machine.ctx.config.deletion_poll),
     )
     .with_event(first.then(|| {
@@ -1126,14 +908,16 @@ async fn delete_again(machine: &Machine<'_>, current: &ProxyStatus) -> Result<St
 /// passes follow the machine until it is gone.
 fn deleting(machine: &Machine<'_>, provider_id: FieldChange) -> Step {
     Step::new(
-        Some(StatusChange {
-            provisioning: Provisioning::Deleting,
-            provider_id,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_DELETING.to_owned(),
-            message: "Proxy is being deleted; deleting its machine".to_owned(),
-        }),
+        Some(
+            StatusChange::new(
+                Provisioning::Deleting,
+                ConditionStatus::False,
+                REASON_DELETING,
+                "Proxy is being deleted; deleting its machine",
+            )
+            .provider_id(provider_id)
+            .ip(FieldChange::Clear),
+        ),
         controller::Action::requeue(machine.ctx.config.deletion_poll),
     )
 }
@@ -1163,18 +947,19 @@ async fn force_delete(
     log::warn!("Proxy {}: {message}", proxy.key());
     let deleting_proxy = proxy.metadata.deletion_timestamp.is_some();
     Ok(Step::new(
-        Some(StatusChange {
-            provisioning: if deleting_proxy {
-                Provisioning::Deleting
-            } else {
-                Provisioning::Replacing
-            },
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_MACHINE_LOST.to_owned(),
-            message: message.clone(),
-        }),
+        Some(
+            StatusChange::new(
+                if deleting_proxy {
+                    Provisioning::Deleting
+                } else {
+                    Provisioning::Replacing
+                },
+                ConditionStatus::False,
+                REASON_MACHINE_LOST,
+                message.clone(),
+            )
+            .ip(FieldChange::Clear),
+        ),
         controller::Action::requeue(machine.ctx.config.deletion_poll),
     )
     .with_event(Some(event(
@@ -1211,14 +996,16 @@ async fn forget(
         });
     if loss != Loss::BeforeRunning {
         let step = Step::new(
-            Some(StatusChange {
-                provisioning: Provisioning::InProgress,
-                provider_id: FieldChange::Clear,
-                ip: FieldChange::Clear,
-                provisioned: ConditionStatus::False,
-                reason: REASON_MACHINE_GONE.to_owned(),
-                message: "machine is gone; creating a new one".to_owned(),
-            }),
+            Some(
+                StatusChange::new(
+                    Provisioning::InProgress,
+                    ConditionStatus::False,
+                    REASON_MACHINE_GONE,
+                    "machine is gone; creating a new one",
+                )
+                .provider_id(FieldChange::Clear)
+                .ip(FieldChange::Clear),
+            ),
             controller::Action::requeue(Duration::ZERO),
         )
         .with_annotations(annotations);
@@ -1238,23 +1025,24 @@ async fn forget(
         REASON_CREATE_FAILED,
         message,
     );
-    let event = (!condition_reason_is(current, REASON_CREATE_FAILED)).then(|| {
-        event(
-            EventType::Warning,
-            REASON_CREATE_FAILED,
-            "Provision",
-            hold_message(&hold),
-        )
-    });
+    let event = new_reason_event(
+        current,
+        EventType::Warning,
+        REASON_CREATE_FAILED,
+        "Provision",
+        &hold_message(&hold),
+    );
     Step::new(
-        Some(StatusChange {
-            provisioning: Provisioning::Waiting,
-            provider_id: FieldChange::Clear,
-            ip: FieldChange::Clear,
-            provisioned: ConditionStatus::False,
-            reason: REASON_CREATE_FAILED.to_owned(),
-            message: hold_message(&hold),
-        }),
+        Some(
+            StatusChange::new(
+                Provisioning::Waiting,
+                ConditionStatus::False,
+                REASON_CREATE_FAILED,
+                hold_message(&hold),
+            )
+            .provider_id(FieldChange::Clear)
+            .ip(FieldChange::Clear),
+        ),
         requeue_at(hold.until, machine.now),
     )
     .with_annotations(annotations)
@@ -1322,41 +1110,39 @@ fn failure_step(
     };
     let hold = hold_for(machine.at(), delay, reason, message);
     machine.ctx.pacing.hold(&uid, hold.clone());
-    let event = (!condition_reason_is(current, reason)).then(|| {
-        event(
-            EventType::Warning,
-            reason,
-            "Provision",
-            hold.message.clone(),
-        )
-    });
+    let event = new_reason_event(
+        current,
+        EventType::Warning,
+        reason,
+        "Provision",
+        &hold.message,
+    );
     Ok(Step::new(
-        Some(StatusChange {
+        Some(StatusChange::new(
             provisioning,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Keep,
-            provisioned: ConditionStatus::False,
-            reason: reason.to_owned(),
-            message: hold_message(&hold),
-        }),
+            ConditionStatus::False,
+            reason,
+            hold_message(&hold),
+        )),
         controller::Action::requeue(delay),
     )
     .with_event(event)
     .with_outcome(Outcome::Neutral))
 }
 
+/// The machine is being created.
 fn provisioning(provider_id: FieldChange) -> StatusChange {
-    StatusChange {
-        provisioning: Provisioning::InProgress,
-        provider_id,
-        ip: FieldChange::Clear,
-        provisioned: ConditionStatus::False,
-        reason: REASON_PROVISIONING.to_owned(),
-        message: "machine is being created".to_owned(),
-    }
+    StatusChange::new(
+        Provisioning::InProgress,
+        ConditionStatus::False,
+        REASON_PROVISIONING,
+        "machine is being created",
+    )
+    .provider_id(provider_id)
+    .ip(FieldChange::Clear)
 }
 
-fn cloud_init_missing(message: &str, config: &super::ReconcilerConfig) -> Step {
+fn cloud_init_missing(message: &str, config: &ReconcilerConfig) -> Step {
     waiting(
         REASON_CLOUD_INIT,
         message.to_owned(),
@@ -1364,7 +1150,9 @@ fn cloud_init_missing(message: &str, config: &super::ReconcilerConfig) -> Step {
     )
 }
 
-fn unknown_provider(spec: &ProxySpec, ctx: &Context) -> Step {
+/// `spec.provider` names no entry of the providers config: say so and look again at the drift
+/// poll (a config change restarts the operator).
+pub(super) fn unknown_provider(spec: &ProxySpec, ctx: &Context) -> Step {
     let message = format!(
         "provider {:?} is not in the operator's providers config",
         spec.provider.as_deref().unwrap_or_default()
@@ -1376,14 +1164,12 @@ fn unknown_provider(spec: &ProxySpec, ctx: &Context) -> Step {
 /// `Provisioned=False/<reason>`, machine fields untouched, a check again after `requeue`.
 fn waiting(reason: &'static str, message: String, requeue: Duration) -> Step {
     Step::new(
-        Some(StatusChange {
-            provisioning: Provisioning::Waiting,
-            provider_id: FieldChange::Keep,
-            ip: FieldChange::Keep,
-            provisioned: ConditionStatus::False,
-            reason: reason.to_owned(),
+        Some(StatusChange::new(
+            Provisioning::Waiting,
+            ConditionStatus::False,
+            reason,
             message,
-        }),
+        )),
         controller::Action::requeue(requeue),
     )
 }
@@ -1432,100 +1218,4 @@ async fn patch_finalizers(
     )
     .await?;
     Ok(())
-}
-
-/// The cloud-init content: `Ok(Ok(content))`, or `Ok(Err(why))` when the Secret or key is
-/// missing (a condition, not a failure). Other API errors are returned.
-async fn resolve_cloud_init(
-    ctx: &Context,
-    proxy: &Proxy,
-    spec: &ProxySpec,
-) -> Result<Result<Option<String>, String>, Error> {
-    let Some(cloud_init) = &spec.cloud_init else {
-        return Ok(Ok(None));
-    };
-    if let Some(inline) = &cloud_init.inline {
-        return Ok(Ok(Some(inline.clone())));
-    }
-    let Some(secret_ref) = &cloud_init.secret_ref else {
-        return Ok(Err("cloudInit has neither inline nor secretRef".to_owned()));
-    };
-    let namespace = proxy
-        .namespace()
-        .ok_or(Error::MissingField("metadata.namespace"))?;
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
-    let secret = secrets.get_opt(&secret_ref.name).await?;
-    Ok(cloud_init_from_secret(secret.as_ref(), &namespace, secret_ref).map(Some))
-}
-
-/// The cloud-init document in a Secret, or why it cannot be used.
-pub fn cloud_init_from_secret(
-    secret: Option<&Secret>,
-    namespace: &str,
-    secret_ref: &SecretKeyRef,
-) -> Result<String, String> {
-    let Some(secret) = secret else {
-        return Err(format!("Secret {namespace}/{} not found", secret_ref.name));
-    };
-    let bytes = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(&secret_ref.key))
-        .map(|b| b.0.clone())
-        .or_else(|| {
-            secret
-                .string_data
-                .as_ref()
-                .and_then(|d| d.get(&secret_ref.key))
-                .map(|s| s.clone().into_bytes())
-        })
-        .ok_or_else(|| {
-            format!(
-                "Secret {namespace}/{} has no key {:?}",
-                secret_ref.name, secret_ref.key
-            )
-        })?;
-    String::from_utf8(bytes).map_err(|_| {
-        format!(
-            "Secret {namespace}/{} key {:?} is not UTF-8 text",
-            secret_ref.name, secret_ref.key
-        )
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use k8s_openapi::ByteString;
-
-    fn secret(data: &[(&str, &[u8])]) -> Secret {
-        Secret {
-            data: Some(
-                data.iter()
-                    .map(|(k, v)| ((*k).to_owned(), ByteString(v.to_vec())))
-                    .collect(),
-            ),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn cloud_init_from_secret_explains_what_is_missing() {
-        let key = SecretKeyRef {
-            name: "ci".into(),
-            key: "user-data".into(),
-        };
-        let ok = secret(&[("user-data", b"#cloud-config\n")]);
-        assert_eq!(
-            cloud_init_from_secret(Some(&ok), "ns", &key).unwrap(),
-            "#cloud-config\n"
-        );
-        let missing = cloud_init_from_secret(None, "ns", &key).unwrap_err();
-        assert_eq!(missing, "Secret ns/ci not found");
-        let no_key = cloud_init_from_secret(Some(&secret(&[("other", b"x")])), "ns", &key);
-        assert!(no_key.unwrap_err().contains("has no key \"user-data\""));
-        let binary =
-            cloud_init_from_secret(Some(&secret(&[("user-data", &[0xff, 0xfe])])), "ns", &key);
-        assert!(binary.unwrap_err().contains("not UTF-8"));
-    }
 }
