@@ -1,5 +1,6 @@
-//! Prometheus metrics of the fleet and the lease API, in a registry passed around (never the
-//! global one), served on `--metrics-addr` at `/metrics`.
+//! Prometheus metrics of the fleet, in a registry passed around (never the global one), and the
+//! server that serves every registered metric on `--metrics-addr` at `/metrics`. The lease
+//! API, the health engine, the reconciler and the SQLite ledger register their own beside them.
 //!
 //! Gauges that describe state (proxies per phase, active leases, active cooldowns) are computed
 //! at scrape time from the inventory, the health snapshot and the ledger, so they can never
@@ -11,192 +12,14 @@ use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
-use prometheus::{
-    Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
-};
+use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::api::CandidateIndex;
 use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
-use crate::ledger::{Ledger, NAMED_TARGETS, NoMatch, OTHER_TARGETS, ReportResult, TargetCooldowns};
-use crate::proxy::{Phase, Proxy};
-
-/// Counters the lease API increments.
-#[derive(Clone, Debug)]
-pub struct LeaseMetrics {
-    granted: IntCounter,
-    replayed: IntCounter,
-    overloaded: IntCounter,
-    full: IntCounter,
-    rejections: IntCounterVec,
-    reports: IntCounterVec,
-}
-
-impl LeaseMetrics {
-    /// Creates the counters and registers them in `registry`.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let granted = IntCounter::new(
-            "proxy_operator_leases_granted_total",
-            "Leases granted by the API.",
-        )?;
-        let replayed = IntCounter::new(
-            "proxy_operator_leases_replayed_total",
-            "Acquires answered with the lease of an earlier acquire with the same requestID.",
-        )?;
-        let overloaded = IntCounter::new(
-            "proxy_operator_ledger_overloaded_total",
-            "Lease API writes answered 503 because the ledger's queue was full or the write \
-             waited past its deadline.",
-        )?;
-        let full = IntCounter::new(
-            "proxy_operator_ledger_full_total",
-            "Lease API writes answered 503 ledger_full because the ledger's disk or size bound \
-             was full.",
-        )?;
-        let rejections = IntCounterVec::new(
-            Opts::new(
-                "proxy_operator_lease_rejections_total",
-                "Lease requests answered 409, by the main reason nothing was free.",
-            ),
-            &["reason"],
-        )?;
-        let reports = IntCounterVec::new(
-            Opts::new(
-                "proxy_operator_lease_reports_total",
-                "Lease reports received, by result.",
-            ),
-            &["result"],
-        )?;
-        registry.register(Box::new(granted.clone()))?;
-        registry.register(Box::new(replayed.clone()))?;
-        registry.register(Box::new(overloaded.clone()))?;
-        registry.register(Box::new(full.clone()))?;
-        registry.register(Box::new(rejections.clone()))?;
-        registry.register(Box::new(reports.clone()))?;
-        for result in ReportResult::ALL {
-            reports.with_label_values(&[result.as_str()]);
-        }
-        for reason in RejectionReason::ALL {
-            rejections.with_label_values(&[reason.as_str()]);
-        }
-        Ok(LeaseMetrics {
-            granted,
-            replayed,
-            overloaded,
-            full,
-            rejections,
-            reports,
-        })
-    }
-
-    /// Counts a granted lease.
-    pub fn lease_granted(&self) {
-        self.granted.inc();
-    }
-
-    /// Counts an acquire answered with an earlier acquire's lease.
-    pub fn lease_replayed(&self) {
-        self.replayed.inc();
-    }
-
-    /// Counts a write refused because the ledger was overloaded.
-    pub fn write_overloaded(&self) {
-        self.overloaded.inc();
-    }
-
-    /// Counts a write refused because the ledger was full.
-    pub fn write_refused_full(&self) {
-        self.full.inc();
-    }
-
-    /// Counts a refused acquire.
-    pub fn lease_rejected(&self, no_match: &NoMatch) {
-        self.rejections
-            .with_label_values(&[RejectionReason::of(no_match).as_str()])
-            .inc();
-    }
-
-    /// Counts a report.
-    pub fn report_received(&self, result: ReportResult) {
-        self.reports.with_label_values(&[result.as_str()]).inc();
-    }
-}
-
-/// The main reason an acquire found nothing, as a metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RejectionReason {
-    /// No proxy matches the selector.
-    NoProxies,
-    /// Every matching proxy is cordoned.
-    Cordoned,
-    /// Every matching proxy is draining or cordoned, at least one draining.
-    Draining,
-    /// Every matching proxy that is neither cordoned nor draining is unhealthy.
-    Unhealthy,
-    /// Healthy proxies exist but every one is full.
-    Capacity,
-    /// Healthy proxies with free slots exist, but all are cooling down for the target.
-    Cooldown,
-}
-
-impl RejectionReason {
-    const ALL: [RejectionReason; 6] = [
-        RejectionReason::NoProxies,
-        RejectionReason::Cordoned,
-        RejectionReason::Draining,
-        RejectionReason::Unhealthy,
-        RejectionReason::Capacity,
-        RejectionReason::Cooldown,
-    ];
-
-    /// The reason for a refused acquire: the first that explains it wholly. Cordoned and
-    /// draining proxies are set aside on purpose, so they are the reason only when every
-    /// matching proxy is set aside (`cordoned` when all are cordoned, `draining` when some
-    /// drain: their replacements will come back by themselves); otherwise the reason is about
-    /// the others.
-    pub fn of(no_match: &NoMatch) -> Self {
-        let uncordoned = no_match.considered.saturating_sub(no_match.cordoned);
-        let available = uncordoned.saturating_sub(no_match.draining);
-        if no_match.considered == 0 {
-            RejectionReason::NoProxies
-        } else if uncordoned == 0 {
-            RejectionReason::Cordoned
-        } else if available == 0 {
-            RejectionReason::Draining
-        } else if no_match.unhealthy == available {
-            RejectionReason::Unhealthy
-        } else if no_match.at_capacity == 0 {
-            RejectionReason::Cooldown
-        } else {
-            RejectionReason::Capacity
-        }
-    }
-
-    /// Label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RejectionReason::NoProxies => "no_proxies",
-            RejectionReason::Cordoned => "cordoned",
-            RejectionReason::Draining => "draining",
-            RejectionReason::Unhealthy => "unhealthy",
-            RejectionReason::Capacity => "capacity",
-            RejectionReason::Cooldown => "cooldown",
-        }
-    }
-}
-
-/// The phase a proxy is reported in: its status phase when the reconciler wrote one, otherwise
-/// (standalone mode, or before the first reconcile) what its health says.
-pub fn reported_phase(proxy: &Proxy, healthy: Option<bool>) -> Phase {
-    if let Some(phase) = proxy.status.as_ref().and_then(|s| s.phase) {
-        return phase;
-    }
-    match healthy {
-        Some(true) => Phase::Ready,
-        Some(false) => Phase::Unhealthy,
-        None => Phase::Pending,
-    }
-}
+use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
+use crate::proxy::Phase;
+use crate::reconcile::phase::shown_phase;
 
 /// Scrape-time gauges over the inventory, health snapshot and ledger.
 pub struct FleetCollector {
@@ -269,7 +92,7 @@ impl Collector for FleetCollector {
             let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
             for (position, (id, proxy)) in snapshot.entries().enumerate() {
                 let healthy = health.at(position).and_then(|h| h.healthy);
-                let phase = reported_phase(proxy, healthy);
+                let phase = shown_phase(proxy, healthy);
                 if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
                     counts[i] += 1;
                 }
@@ -404,57 +227,6 @@ fn render(registry: &Registry) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_rejection_reason_is_the_first_that_explains_the_refusal_wholly() {
-        let no_match =
-            |considered, cordoned, draining, unhealthy, at_capacity, in_cooldown| NoMatch {
-                considered,
-                cordoned,
-                draining,
-                unhealthy,
-                at_capacity,
-                in_cooldown,
-                retry_after: None,
-            };
-        let cases = [
-            ("nothing matches", no_match(0, 0, 0, 0, 0, 0), "no_proxies"),
-            ("all cordoned", no_match(3, 3, 0, 0, 0, 0), "cordoned"),
-            ("all draining", no_match(2, 0, 2, 0, 0, 0), "draining"),
-            (
-                "cordoned or draining",
-                no_match(3, 2, 1, 0, 0, 0),
-                "draining",
-            ),
-            ("all unhealthy", no_match(2, 0, 0, 2, 0, 0), "unhealthy"),
-            (
-                "the uncordoned are unhealthy",
-                no_match(3, 1, 0, 2, 0, 0),
-                "unhealthy",
-            ),
-            (
-                "the others than the cordoned and draining are unhealthy",
-                no_match(4, 1, 1, 2, 0, 0),
-                "unhealthy",
-            ),
-            ("some full", no_match(4, 1, 0, 1, 1, 1), "capacity"),
-            (
-                "some full, some draining",
-                no_match(3, 0, 2, 0, 1, 0),
-                "capacity",
-            ),
-            ("all full", no_match(2, 0, 0, 0, 2, 0), "capacity"),
-            ("cooling down", no_match(3, 1, 0, 1, 0, 1), "cooldown"),
-            (
-                "cooling down, some draining",
-                no_match(2, 0, 1, 0, 0, 1),
-                "cooldown",
-            ),
-        ];
-        for (name, stats, reason) in cases {
-            assert_eq!(RejectionReason::of(&stats).as_str(), reason, "{name}");
-        }
-    }
 
     #[test]
     fn the_target_gauge_names_the_ranked_targets_then_other_and_nothing_when_none_cools_down() {

@@ -89,7 +89,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         }
     }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let path = e.path().to_string();
         let message = if path == "." {
             format!("invalid JSON body: {}", e.inner())
@@ -97,7 +97,12 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             format!("invalid JSON body at `{path}`: {}", e.inner())
         };
         ApiError::bad_request("invalid_body", message)
-    })
+    })?;
+    // Only whitespace may follow the object: `{}` and then anything else is not JSON.
+    deserializer
+        .end()
+        .map_err(|e| ApiError::bad_request("invalid_body", format!("invalid JSON body: {e}")))?;
+    Ok(value)
 }
 
 /// Reads the body (content type and size checked), up to [`MAX_BODY_BYTES`].
@@ -193,6 +198,9 @@ mod tests {
             ("[1]", "must be a JSON object"),
             (" null", "must be a JSON object"),
             ("1", "must be a JSON object"),
+            // An object and then anything but whitespace (schemathesis sent this one).
+            ("{\"ttlSeconds\":1}\u{13}l\u{1c}n", "trailing characters"),
+            ("{\"ttlSeconds\":1} {}", "trailing characters"),
         ];
         for (body, expected) in cases {
             let m = message(body);
@@ -231,6 +239,7 @@ mod tests {
             "null null",
             "\"\"",
             "0",
+            "{}\u{13}",
         ] {
             let m = parse_optional_json::<AllOptional>(body.as_bytes())
                 .unwrap_err()

@@ -73,7 +73,7 @@ pub enum ApiError {
 
 /// `retry_after` rounded up to whole seconds, at least 1 (a `Retry-After` of 0 would invite an
 /// immediate retry storm).
-fn retry_after_seconds(retry_after: std::time::Duration) -> u64 {
+pub(super) fn retry_after_seconds(retry_after: std::time::Duration) -> u64 {
     let whole = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
     whole.max(1)
 }

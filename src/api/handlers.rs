@@ -9,7 +9,7 @@ use actix_web::http::header::{self, ContentType, HeaderValue};
 use actix_web::{HttpResponse, ResponseError, web};
 
 use super::body::{ApiJson, OptionalApiJson};
-use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::error::{ApiError, ErrorBody, NoMatchBody, retry_after_seconds};
 use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address};
 use super::selector::Selector;
@@ -85,10 +85,7 @@ fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
 fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     let now = state.clock.now();
     let retry_after_seconds = no_match.retry_after.map(|at| {
-        let millis = at.duration_since(now).as_millis().max(0);
-        u64::try_from((millis + 999) / 1000)
-            .unwrap_or(u64::MAX)
-            .max(1)
+        retry_after_seconds(Duration::try_from(at.duration_since(now)).unwrap_or(Duration::ZERO))
     });
     NoMatchBody {
         error: "no_match".into(),

@@ -11,6 +11,7 @@ mod error;
 mod handlers;
 mod idempotency;
 mod list;
+mod metrics;
 mod observe;
 pub mod openapi;
 mod selector;
@@ -30,6 +31,7 @@ pub use candidates::{CandidateIndex, MAX_CACHED_LISTS, MAX_CACHED_SELECTORS, Pos
 pub use error::{ApiError, ErrorBody, NoMatchBody};
 pub use idempotency::{MAX_REQUEST_ID_LEN, REQUEST_ID_PATTERN, fingerprint, parse_request_id};
 pub use list::ProxyListCache;
+pub use metrics::LeaseMetrics;
 pub use observe::observe;
 pub use selector::{Selector, SelectorError};
 pub use state::{ApiState, DEFAULT_LEASE_TTL};

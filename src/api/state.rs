@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use super::candidates::CandidateIndex;
 use super::list::ProxyListCache;
+use super::metrics::LeaseMetrics;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
-use crate::metrics::LeaseMetrics;
 
 /// Default lifetime of a lease whose request names none.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);

@@ -251,6 +251,79 @@ pub struct NoMatch {
     pub retry_after: Option<Timestamp>,
 }
 
+/// The main reason an acquire found nothing: what the API's and the gateway's refusals and
+/// their metrics name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoMatchReason {
+    /// No proxy matches the selector.
+    NoProxies,
+    /// Every matching proxy is cordoned.
+    Cordoned,
+    /// Every matching proxy is draining or cordoned, at least one draining.
+    Draining,
+    /// Every matching proxy that is neither cordoned nor draining is unhealthy.
+    Unhealthy,
+    /// Healthy proxies exist but every one is full.
+    Capacity,
+    /// Healthy proxies with free slots exist, but all are cooling down for the target.
+    Cooldown,
+}
+
+impl NoMatchReason {
+    /// Every reason.
+    pub const ALL: [NoMatchReason; 6] = [
+        NoMatchReason::NoProxies,
+        NoMatchReason::Cordoned,
+        NoMatchReason::Draining,
+        NoMatchReason::Unhealthy,
+        NoMatchReason::Capacity,
+        NoMatchReason::Cooldown,
+    ];
+
+    /// The reason for a refused acquire: the first that explains it wholly (see
+    /// [`NoMatch::reason`]). Cordoned and
+    /// draining proxies are set aside on purpose, so they are the reason only when every
+    /// matching proxy is set aside (`cordoned` when all are cordoned, `draining` when some
+    /// drain: their replacements will come back by themselves); otherwise the reason is about
+    /// the others.
+    pub fn of(no_match: &NoMatch) -> Self {
+        let uncordoned = no_match.considered.saturating_sub(no_match.cordoned);
+        let available = uncordoned.saturating_sub(no_match.draining);
+        if no_match.considered == 0 {
+            NoMatchReason::NoProxies
+        } else if uncordoned == 0 {
+            NoMatchReason::Cordoned
+        } else if available == 0 {
+            NoMatchReason::Draining
+        } else if no_match.unhealthy == available {
+            NoMatchReason::Unhealthy
+        } else if no_match.at_capacity == 0 {
+            NoMatchReason::Cooldown
+        } else {
+            NoMatchReason::Capacity
+        }
+    }
+
+    /// The reason as a metric label and API value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NoMatchReason::NoProxies => "no_proxies",
+            NoMatchReason::Cordoned => "cordoned",
+            NoMatchReason::Draining => "draining",
+            NoMatchReason::Unhealthy => "unhealthy",
+            NoMatchReason::Capacity => "capacity",
+            NoMatchReason::Cooldown => "cooldown",
+        }
+    }
+}
+
+impl NoMatch {
+    /// The main reason nothing was granted.
+    pub fn reason(&self) -> NoMatchReason {
+        NoMatchReason::of(self)
+    }
+}
+
 /// What one sweep did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepStats {
@@ -332,6 +405,57 @@ mod tests {
         // Acquires over large fleets read these lists in place: more flags must not make
         // each entry bigger (they fit next to `max_leases` and `healthy`).
         assert_eq!(std::mem::size_of::<Candidate>(), 32);
+    }
+
+    #[test]
+    fn the_rejection_reason_is_the_first_that_explains_the_refusal_wholly() {
+        let no_match =
+            |considered, cordoned, draining, unhealthy, at_capacity, in_cooldown| NoMatch {
+                considered,
+                cordoned,
+                draining,
+                unhealthy,
+                at_capacity,
+                in_cooldown,
+                retry_after: None,
+            };
+        let cases = [
+            ("nothing matches", no_match(0, 0, 0, 0, 0, 0), "no_proxies"),
+            ("all cordoned", no_match(3, 3, 0, 0, 0, 0), "cordoned"),
+            ("all draining", no_match(2, 0, 2, 0, 0, 0), "draining"),
+            (
+                "cordoned or draining",
+                no_match(3, 2, 1, 0, 0, 0),
+                "draining",
+            ),
+            ("all unhealthy", no_match(2, 0, 0, 2, 0, 0), "unhealthy"),
+            (
+                "the uncordoned are unhealthy",
+                no_match(3, 1, 0, 2, 0, 0),
+                "unhealthy",
+            ),
+            (
+                "the others than the cordoned and draining are unhealthy",
+                no_match(4, 1, 1, 2, 0, 0),
+                "unhealthy",
+            ),
+            ("some full", no_match(4, 1, 0, 1, 1, 1), "capacity"),
+            (
+                "some full, some draining",
+                no_match(3, 0, 2, 0, 1, 0),
+                "capacity",
+            ),
+            ("all full", no_match(2, 0, 0, 0, 2, 0), "capacity"),
+            ("cooling down", no_match(3, 1, 0, 1, 0, 1), "cooldown"),
+            (
+                "cooling down, some draining",
+                no_match(2, 0, 1, 0, 0, 1),
+                "cooldown",
+            ),
+        ];
+        for (name, stats, reason) in cases {
+            assert_eq!(stats.reason().as_str(), reason, "{name}");
+        }
     }
 
     #[test]

@@ -43,8 +43,8 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
 pub use error::LedgerError;
 pub use lease::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState, NoMatch, ReportResult,
-    RequestKey, SweepStats, UnknownValue,
+    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState, NoMatch, NoMatchReason,
+    ReportResult, RequestKey, SweepStats, UnknownValue,
 };
 pub use sqlite::{LedgerFileCollector, SCHEMA_VERSION, SqliteLedger, WriterStats};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};

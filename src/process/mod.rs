@@ -18,13 +18,14 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{
-    self, ApiState, ApiToken, CandidateIndex, LoadedTokens, ProxyListCache, TokenSources,
+    self, ApiState, ApiToken, CandidateIndex, LeaseMetrics, LoadedTokens, ProxyListCache,
+    TokenSources,
 };
 use crate::cli::CommonArgs;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger, LedgerConfig, LedgerFileCollector, SqliteLedger, SystemClock};
-use crate::metrics::{self, FleetCollector, LeaseMetrics};
+use crate::metrics::{self, FleetCollector};
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);

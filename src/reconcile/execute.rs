@@ -1108,6 +1108,14 @@ fn failure_step(
             )));
         }
     };
+    // The hold this failure follows, if it was for the same reason, already had its Event: the
+    // condition may not show it yet when this reconcile read a copy older than that write.
+    let reported = machine
+        .ctx
+        .pacing
+        .get(&uid)
+        .hold
+        .is_some_and(|h| h.reason == reason && h.generation == proxy.metadata.generation);
     let hold = hold_for(machine.at(), delay, reason, message);
     machine.ctx.pacing.hold(&uid, hold.clone());
     let event = new_reason_event(
@@ -1116,7 +1124,8 @@ fn failure_step(
         reason,
         "Provision",
         &hold.message,
-    );
+    )
+    .filter(|_| !reported);
     Ok(Step::new(
         Some(StatusChange::new(
             provisioning,

@@ -1,7 +1,7 @@
 //! The phase shown in `status.phase`, derived from provisioning and health only, so that no
 //! code path sets a phase by hand and two paths can never disagree.
 
-use crate::proxy::Phase;
+use crate::proxy::{Mode, Phase, Proxy};
 
 /// Where the machine behind a proxy is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +35,21 @@ pub fn compute_phase(provisioning: Provisioning, healthy: Option<bool>) -> Phase
     }
 }
 
+/// The phase a proxy shows: its status phase once the reconciler wrote one, otherwise (in
+/// standalone mode, or before the first reconcile) [`compute_phase`] of it as it stands: an
+/// External endpoint is provisioned, a Managed proxy has no machine yet; `healthy` is the
+/// health engine's verdict.
+pub fn shown_phase(proxy: &Proxy, healthy: Option<bool>) -> Phase {
+    if let Some(phase) = proxy.status.as_ref().and_then(|s| s.phase) {
+        return phase;
+    }
+    let provisioning = match proxy.spec.mode {
+        Mode::External => Provisioning::Done,
+        Mode::Managed => Provisioning::Waiting,
+    };
+    compute_phase(provisioning, healthy)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,5 +79,33 @@ mod tests {
                 "{provisioning:?} {healthy:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_proxy_without_a_status_shows_the_phase_compute_phase_gives() {
+        use crate::fixtures;
+        let external = fixtures::external("e", "10.0.0.1", 3128).build();
+        let managed = fixtures::managed("m", "local").build();
+        let cases = [
+            (&external, None, Phase::Provisioning),
+            (&external, Some(true), Phase::Ready),
+            (&external, Some(false), Phase::Unhealthy),
+            (&managed, None, Phase::Pending),
+            (&managed, Some(true), Phase::Pending),
+        ];
+        for (proxy, healthy, expected) in cases {
+            assert_eq!(
+                shown_phase(proxy, healthy),
+                expected,
+                "{proxy:?} {healthy:?}"
+            );
+        }
+        let written = fixtures::managed("w", "local")
+            .status(crate::proxy::ProxyStatus {
+                phase: Some(Phase::Replacing),
+                ..Default::default()
+            })
+            .build();
+        assert_eq!(shown_phase(&written, Some(true)), Phase::Replacing);
     }
 }

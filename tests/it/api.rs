@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use actix_web::dev::ServerHandle;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock, SqliteLedger};
-use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxySpec, ProxyStatus,
     REASON_DRAINING,

@@ -6,11 +6,11 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SystemClock};
-use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::Proxy;
 use reqwest::StatusCode;
 use serde_json::{Value, json};

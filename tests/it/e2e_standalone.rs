@@ -386,9 +386,9 @@ async fn standalone_end_to_end() {
         metric(&text, r#"proxy_operator_proxies{phase="Ready"}"#),
         Some(1.0)
     );
-    // alpha and refusing are Pending (no verdict yet since the restart) or Unhealthy.
+    // alpha and refusing are Provisioning (no verdict yet since the restart) or Unhealthy.
     let not_ready = metric(&text, r#"proxy_operator_proxies{phase="Unhealthy"}"#).unwrap()
-        + metric(&text, r#"proxy_operator_proxies{phase="Pending"}"#).unwrap();
+        + metric(&text, r#"proxy_operator_proxies{phase="Provisioning"}"#).unwrap();
     assert_eq!(not_ready, 2.0);
     assert_eq!(
         metric(&text, "proxy_operator_leases_granted_total"),

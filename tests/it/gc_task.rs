@@ -1,60 +1,20 @@
 //! Orphan GC as a task: sweeps only while leader, lists live Proxies from the API (mock API
 //! server), survives a failing provider, and refuses a namespaced install.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Request, Response};
-use kube::client::Body;
-use kube::{Api, Client};
+use http::Method;
+use kube::Api;
 use serde_json::json;
 use tokio::sync::watch;
-use tower_test::mock;
+
+use crate::support::mock_api::{Call, mock_client};
+use crate::support::stub_provider::StubProvider;
 
 use proxy_operator::gc::{GcConfig, GcError, run_gc, sweep};
-use proxy_operator::provider::{
-    CreateRequest, ErrorClass, Instance, InstanceState, Provider, ProviderError,
-};
+use proxy_operator::provider::{Instance, InstanceState, Provider};
 use proxy_operator::proxy::Proxy;
-
-/// An in-test provider holding machines in memory.
-struct Stub {
-    name: &'static str,
-    machines: Mutex<Vec<Instance>>,
-    list_fails: bool,
-}
-
-#[async_trait::async_trait]
-impl Provider for Stub {
-    fn name(&self) -> &str {
-        self.name
-    }
-    async fn create(&self, _: &CreateRequest) -> Result<Instance, ProviderError> {
-        panic!("GC never creates")
-    }
-    async fn get(&self, _: &str) -> Result<Instance, ProviderError> {
-        panic!("GC never gets")
-    }
-    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
-        self.machines
-            .lock()
-            .unwrap()
-            .retain(|m| m.provider_id != id);
-        Ok(())
-    }
-    async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
-        if self.list_fails {
-            return Err(ProviderError::new(
-                ErrorClass::Transient,
-                "list",
-                self.name,
-                "",
-                "unreachable",
-            ));
-        }
-        Ok(self.machines.lock().unwrap().clone())
-    }
-}
 
 fn machine(id: &str, uid: &str) -> Instance {
     Instance {
@@ -69,21 +29,13 @@ fn machine(id: &str, uid: &str) -> Instance {
     }
 }
 
-fn stub(name: &'static str, machines: Vec<Instance>, list_fails: bool) -> Arc<Stub> {
-    Arc::new(Stub {
-        name,
-        machines: Mutex::new(machines),
-        list_fails,
+fn stub(name: &str, machines: Vec<Instance>, list_fails: bool) -> Arc<StubProvider> {
+    let stub = StubProvider::holding(name, machines);
+    Arc::new(if list_fails {
+        stub.failing_lists()
+    } else {
+        stub
     })
-}
-
-fn ids(stub: &Stub) -> Vec<String> {
-    stub.machines
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|m| m.provider_id.clone())
-        .collect()
 }
 
 #[tokio::test]
@@ -108,13 +60,13 @@ async fn one_failing_provider_does_not_stop_the_sweep() {
         report.deleted,
         vec![("local".to_owned(), "orphan".to_owned())]
     );
-    assert_eq!(ids(&local), ["kept"]);
+    assert_eq!(local.ids(), ["kept"]);
 }
 
 #[tokio::test]
 async fn sweeps_only_while_leader_and_keeps_proxies_being_deleted() {
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let api: Api<Proxy> = Api::all(Client::new(service, "default"));
+    let (client, mut handle) = mock_client();
+    let api: Api<Proxy> = Api::all(client);
     let local = stub(
         "local",
         vec![
@@ -138,23 +90,12 @@ async fn sweeps_only_while_leader_and_keeps_proxies_being_deleted() {
         early.is_err(),
         "GC called the API without holding the Lease"
     );
-    assert_eq!(ids(&local).len(), 3);
+    assert_eq!(local.ids().len(), 3);
 
     leader_tx.send(true).unwrap();
-    let (request, send) = tokio::time::timeout(Duration::from_secs(30), handle.next_request())
-        .await
-        .expect("no sweep after becoming leader")
-        .unwrap();
-    assert_eq!(request.method(), Method::GET);
-    let target = request.uri().path_and_query().unwrap().as_str();
-    assert!(
-        proxy_operator::rbac::permits("GET", target),
-        "GET {target} is not granted by rbac::API_CALLS"
-    );
-    assert_eq!(
-        request.uri().path(),
-        "/apis/crawl.example.com/v1alpha1/proxies"
-    );
+    let call = Call::next(&mut handle).await;
+    assert_eq!(call.method, Method::GET);
+    assert_eq!(call.path, "/apis/crawl.example.com/v1alpha1/proxies");
     let list = json!({
         "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
         "metadata": {"resourceVersion": "9"},
@@ -167,17 +108,13 @@ async fn sweeps_only_while_leader_and_keeps_proxies_being_deleted() {
                           "finalizers": ["crawl.example.com/finalizer"]}},
         ],
     });
-    send.send_response(
-        Response::builder()
-            .body(Body::from(serde_json::to_vec(&list).unwrap()))
-            .unwrap(),
-    );
+    call.respond(200, list);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while ids(&local).len() == 3 {
+    while local.ids().len() == 3 {
         assert!(tokio::time::Instant::now() < deadline, "orphan not deleted");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(ids(&local), ["live", "deleting"]);
+    assert_eq!(local.ids(), ["live", "deleting"]);
 
     // Losing the election ends the task (later sweeps fail fast on the closed API).
     drop(handle);
@@ -192,8 +129,8 @@ async fn sweeps_only_while_leader_and_keeps_proxies_being_deleted() {
 
 #[tokio::test]
 async fn refuses_a_namespaced_install_unless_allowed() {
-    let (service, _handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let api: Api<Proxy> = Api::namespaced(Client::new(service, "default"), "crawl");
+    let (client, _handle) = mock_client();
+    let api: Api<Proxy> = Api::namespaced(client, "crawl");
     let (_tx, rx) = watch::channel(true);
     let config = GcConfig {
         namespace: Some("crawl".into()),

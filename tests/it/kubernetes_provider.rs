@@ -2,11 +2,7 @@
 //! requests in order (method, path, query, body) and answers with canned objects or Status
 //! errors, the way an API server would.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
-use http::{Method, Request, Response};
-use kube::client::Body;
+use http::Method;
 use proxy_operator::provider::config::KubernetesConfig;
 use proxy_operator::provider::kubernetes::KubernetesProvider;
 use proxy_operator::provider::{
@@ -14,16 +10,13 @@ use proxy_operator::provider::{
 };
 use proxy_operator::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
 use serde_json::{Value, json};
-use tower_test::mock::{Handle, SendResponse};
+
+use crate::support::mock_api::{ApiHandle, Call, mock_client, status, with_server};
 
 const UID: &str = "6a1f4c9e-2b7d-4e8a-b1c3-d5e6f7a8b9c0";
-const DEADLINE: Duration = Duration::from_secs(30);
-
-type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
 fn provider() -> (KubernetesProvider, ApiHandle) {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "default");
+    let (client, handle) = mock_client();
     let config = KubernetesConfig {
         image: "ubuntu/squid".to_owned(),
         ..KubernetesConfig::default()
@@ -74,81 +67,6 @@ fn pod(namespace: &str, name: &str, phase: &str, ip: Option<&str>) -> Value {
         "spec": {"containers": [{"name": "squid", "image": "ubuntu/squid"}]},
         "status": status,
     })
-}
-
-fn status(code: u16, reason: &str, message: &str) -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Status",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    })
-}
-
-/// One request the provider made.
-struct Call {
-    method: Method,
-    path: String,
-    query: BTreeMap<String, String>,
-    body: Value,
-    reply: SendResponse<Response<Body>>,
-}
-
-impl Call {
-    async fn next(handle: &mut ApiHandle) -> Call {
-        let (request, reply) = tokio::time::timeout(DEADLINE, handle.next_request())
-            .await
-            .expect("no request within the deadline")
-            .expect("the provider made no request");
-        let method = request.method().clone();
-        let path = request.uri().path().to_owned();
-        let query = url::form_urlencoded::parse(request.uri().query().unwrap_or("").as_bytes())
-            .into_owned()
-            .collect();
-        let bytes = request.into_body().collect_bytes().await.unwrap();
-        let body = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes).unwrap()
-        };
-        Call {
-            method,
-            path,
-            query,
-            body,
-            reply,
-        }
-    }
-
-    fn respond(self, code: u16, body: Value) {
-        let response = Response::builder()
-            .status(code)
-            .header("content-type", "application/json")
-            .body(Body::from(serde_json::to_vec(&body).unwrap()))
-            .unwrap();
-        self.reply.send_response(response);
-    }
-}
-
-/// Runs `scenario` as the API server while the provider call `call` runs.
-async fn with_server<T, S, F, C>(handle: ApiHandle, scenario: S, call: C) -> T
-where
-    S: FnOnce(ApiHandle) -> F,
-    F: Future<Output = ()> + Send + 'static,
-    C: Future<Output = T>,
-{
-    let server = tokio::spawn(scenario(handle));
-    let result = tokio::time::timeout(DEADLINE, call)
-        .await
-        .expect("provider call timed out");
-    tokio::time::timeout(DEADLINE, server)
-        .await
-        .expect("scenario timed out")
-        .expect("scenario failed");
-    result
 }
 
 #[tokio::test]

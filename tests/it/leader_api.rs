@@ -5,12 +5,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use http::{Request, Response, StatusCode};
-use kube::Client;
-use kube::client::Body;
 use serde_json::{Value, json};
-use tower_test::mock;
 
+use crate::support::mock_api::{ApiHandle, Call, mock_client, status};
 use proxy_operator::leader::{LeaderConfig, watch_leadership};
 use proxy_operator::rbac::{self, API_CALLS};
 
@@ -18,51 +15,24 @@ const LEASE_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/proxy-operator
 
 /// Answers Lease requests like an API server holding at most one Lease: GET is 404 until a
 /// POST creates it, PATCH merges the sent `spec`. Returns the RBAC verbs seen.
-async fn serve_lease(
-    mut handle: mock::Handle<Request<Body>, Response<Body>>,
-) -> BTreeSet<&'static str> {
+async fn serve_lease(mut handle: ApiHandle) -> BTreeSet<&'static str> {
     let mut lease: Option<Value> = None;
     let mut verbs = BTreeSet::new();
     let mut revision = 0;
-    while let Some((request, send)) = handle.next_request().await {
-        let method = request.method().as_str().to_owned();
-        let target = request
-            .uri()
-            .path_and_query()
-            .map_or(String::new(), |p| p.as_str().to_owned());
-        assert!(
-            rbac::permits(&method, &target),
-            "{method} {target} is not granted by rbac::API_CALLS"
-        );
-        let attributes = rbac::request_attributes(&method, &target).unwrap();
+    while let Some(call) = Call::next_or_end(&mut handle).await {
+        let attributes = rbac::request_attributes(call.method.as_str(), &call.target).unwrap();
         assert_eq!(attributes.resource, "leases");
         verbs.insert(attributes.verb);
-        assert!(request.uri().path().starts_with(LEASE_PATH), "{target}");
-
-        let bytes = request.into_body().collect_bytes().await.unwrap();
-        let body: Value = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes).unwrap()
-        };
+        assert!(call.path.starts_with(LEASE_PATH), "{}", call.target);
         revision += 1;
-        let reply = match (method.as_str(), &mut lease) {
+        let reply = match (call.method.as_str(), &mut lease) {
             ("GET", None) => {
-                let status = json!({
-                    "apiVersion": "v1", "kind": "Status", "status": "Failure",
-                    "reason": "NotFound", "code": 404, "message": "leases not found",
-                });
-                send.send_response(
-                    Response::builder()
-                        .status(StatusCode::NOT_FOUND)
-                        .body(Body::from(serde_json::to_vec(&status).unwrap()))
-                        .unwrap(),
-                );
+                call.respond(404, status(404, "NotFound", "leases not found"));
                 continue;
             }
             ("GET", Some(current)) => current.clone(),
             ("POST", _) => {
-                let mut created = body;
+                let mut created = call.body.clone();
                 created["apiVersion"] = json!("coordination.k8s.io/v1");
                 created["kind"] = json!("Lease");
                 created["metadata"]["namespace"] = json!("proxy-operator");
@@ -74,7 +44,7 @@ async fn serve_lease(
                 if current["spec"].is_null() {
                     current["spec"] = json!({});
                 }
-                for (key, value) in body["spec"].as_object().unwrap() {
+                for (key, value) in call.body["spec"].as_object().unwrap() {
                     if value.is_null() {
                         current["spec"].as_object_mut().unwrap().remove(key);
                     } else {
@@ -84,21 +54,16 @@ async fn serve_lease(
                 current["metadata"]["resourceVersion"] = json!(revision.to_string());
                 current.clone()
             }
-            (other, _) => panic!("unexpected {other} {target}"),
+            (other, _) => panic!("unexpected {other} {}", call.target),
         };
-        send.send_response(
-            Response::builder()
-                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
-                .unwrap(),
-        );
+        call.respond(200, reply);
     }
     verbs
 }
 
 #[tokio::test]
 async fn takes_the_lease_with_exactly_the_granted_calls() {
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
+    let (client, handle) = mock_client();
     let server = tokio::spawn(serve_lease(handle));
 
     let config = LeaderConfig::new("proxy-operator", "proxy-operator-7d9f");

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{Encoder, Registry, TextEncoder};
+use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
@@ -22,7 +23,7 @@ use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, LedgerFileCollector,
     ManualClock, SqliteLedger, SystemClock,
 };
-use proxy_operator::metrics::{self, FleetCollector, LeaseMetrics};
+use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::proxy::{Proxy, ProxyId};
 use support::{DEADLINE, Squid, Target};
 use tokio_util::sync::CancellationToken;

@@ -3,10 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
-use http::{Request, Response};
-use kube::client::Body;
 use prometheus::Registry;
 use proxy_operator::provider::kubernetes::KubernetesProvider;
 use proxy_operator::provider::registry::{
@@ -14,27 +11,17 @@ use proxy_operator::provider::registry::{
 };
 use proxy_operator::provider::{ErrorClass, Provider, ProviderType, ProvidersConfig};
 use serde_json::json;
-use tower_test::mock::Handle;
 
-type ApiHandle = Handle<Request<Body>, Response<Body>>;
-
-const DEADLINE: Duration = Duration::from_secs(30);
+use crate::support::mock_api::{ApiHandle, Call, mock_client, status};
 
 fn config(text: &str) -> ProvidersConfig {
     ProvidersConfig::parse(text, Path::new("providers.yaml")).unwrap()
 }
 
-fn mock_client() -> (kube::Client, ApiHandle) {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    (kube::Client::new(service, "default"), handle)
-}
-
 /// Answers the next request with `code` and a Pod or Status body, returning the request path.
 async fn answer(handle: &mut ApiHandle, code: u16) -> String {
-    let (request, reply) = tokio::time::timeout(DEADLINE, handle.next_request())
-        .await
-        .unwrap()
-        .unwrap();
+    let call = Call::next(handle).await;
+    let path = call.path.clone();
     let body = if code < 300 {
         json!({
             "apiVersion": "v1", "kind": "Pod",
@@ -42,16 +29,10 @@ async fn answer(handle: &mut ApiHandle, code: u16) -> String {
             "status": {"phase": "Pending"},
         })
     } else {
-        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": code,
-               "reason": "Whatever", "message": "canned"})
+        status(code, "Whatever", "canned")
     };
-    reply.send_response(
-        Response::builder()
-            .status(code)
-            .body(Body::from(serde_json::to_vec(&body).unwrap()))
-            .unwrap(),
-    );
-    request.uri().path().to_owned()
+    call.respond(code, body);
+    path
 }
 
 fn counter(registry: &Registry, provider: &str, op: &str, result: &str) -> u64 {

@@ -2,21 +2,20 @@
 //! server (tower-test), with an in-test provider stub recording every provider call.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Request, Response};
+use http::Method;
 use kube::Client;
-use kube::client::Body;
 use kube::runtime::controller::Action as Requeue;
 use serde_json::{Value, json};
-use tower_test::mock;
+
+use crate::support::mock_api::{Call, mock_client, status};
+use crate::support::stub_provider::StubProvider;
 
 use proxy_operator::health::HealthTransition;
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
-use proxy_operator::provider::{
-    CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
-};
+use proxy_operator::provider::{ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider};
 use proxy_operator::proxy::{Proxy, ProxyId};
 use proxy_operator::reconcile::{
     Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
@@ -36,22 +35,6 @@ fn now() -> jiff::Timestamp {
     jiff::Timestamp::from_second(1_700_000_000).unwrap()
 }
 
-/// What the provider stub answers and every call it received.
-#[derive(Default)]
-struct Stub {
-    calls: Mutex<Vec<String>>,
-    get: Mutex<Option<Result<Instance, ErrorClass>>>,
-    create: Mutex<Option<Result<Instance, ErrorClass>>>,
-    created: Mutex<Option<CreateRequest>>,
-    listed: Mutex<Vec<Instance>>,
-}
-
-impl Stub {
-    fn calls(&self) -> Vec<String> {
-        self.calls.lock().unwrap().clone()
-    }
-}
-
 fn instance(state: InstanceState, ip: Option<&str>) -> Instance {
     Instance {
         provider_id: "crawl/proxy-abc".into(),
@@ -62,50 +45,6 @@ fn instance(state: InstanceState, ip: Option<&str>) -> Instance {
         created_at: None,
         waiting: None,
         deletion_deadline: None,
-    }
-}
-
-fn answer(
-    stored: &Mutex<Option<Result<Instance, ErrorClass>>>,
-    op: &'static str,
-) -> Result<Instance, ProviderError> {
-    match stored.lock().unwrap().clone() {
-        Some(Ok(instance)) => Ok(instance),
-        Some(Err(class)) => Err(ProviderError::new(
-            class,
-            op,
-            "local",
-            "proxy-abc",
-            "stub says no",
-        )),
-        None => panic!("unexpected provider {op}"),
-    }
-}
-
-#[async_trait::async_trait]
-impl Provider for Stub {
-    fn name(&self) -> &str {
-        "local"
-    }
-    async fn create(&self, request: &CreateRequest) -> Result<Instance, ProviderError> {
-        self.calls
-            .lock()
-            .unwrap()
-            .push(format!("create {}", request.machine_name));
-        *self.created.lock().unwrap() = Some(request.clone());
-        answer(&self.create, "create")
-    }
-    async fn get(&self, id: &str) -> Result<Instance, ProviderError> {
-        self.calls.lock().unwrap().push(format!("get {id}"));
-        answer(&self.get, "get")
-    }
-    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
-        self.calls.lock().unwrap().push(format!("delete {id}"));
-        Ok(())
-    }
-    async fn list_managed(&self) -> Result<Vec<Instance>, ProviderError> {
-        self.calls.lock().unwrap().push("list".into());
-        Ok(self.listed.lock().unwrap().clone())
     }
 }
 
@@ -126,17 +65,6 @@ fn expect(method: Method, path: &'static str, body: impl Fn(&Value) + Send + 'st
 
 fn body_eq(expected: Value) -> impl Fn(&Value) + Send + 'static {
     move |actual| assert_eq!(actual, &expected)
-}
-
-/// Fails when the install's RBAC (`rbac::API_CALLS`, which `manifests/` grants) would refuse
-/// `request`.
-fn assert_rbac_permits(request: &Request<Body>) {
-    let target = request.uri().path_and_query().map_or("", |p| p.as_str());
-    assert!(
-        proxy_operator::rbac::permits(request.method().as_str(), target),
-        "{} {target} is not granted by rbac::API_CALLS",
-        request.method()
-    );
 }
 
 /// A reconcile context on the test clock, with a real ledger in a temporary directory (kept
@@ -176,7 +104,7 @@ fn context(
 /// Fails on any request out of order, any extra request, and any expected request not made.
 async fn run(
     proxy: Value,
-    stub: Option<Arc<Stub>>,
+    stub: Option<Arc<StubProvider>>,
     health: Option<HealthTransition>,
     script: Vec<Expect>,
 ) -> Requeue {
@@ -186,14 +114,13 @@ async fn run(
 /// [`run`], with the controller's first list of Proxies in (`listed`) or not yet.
 async fn run_in(
     proxy: Value,
-    stub: Option<Arc<Stub>>,
+    stub: Option<Arc<StubProvider>>,
     health: Option<HealthTransition>,
     script: Vec<Expect>,
     listed: bool,
 ) -> Requeue {
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
-    let stored = serde_json::to_vec(&proxy).unwrap();
+    let (client, mut handle) = mock_client();
+    let stored = proxy.clone();
     let proxy: Proxy = serde_json::from_value(proxy).unwrap();
     let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
     if let Some(stub) = stub {
@@ -224,16 +151,10 @@ async fn run_in(
     });
     let verifier = tokio::spawn(async move {
         for (i, step) in script.into_iter().enumerate() {
-            let (request, send) = handle.next_request().await.expect("service not called");
-            assert_rbac_permits(&request);
-            assert_eq!(request.method(), step.method, "request {i}");
-            assert_eq!(request.uri().path(), step.path, "request {i}");
-            let bytes = request.into_body().collect_bytes().await.unwrap();
-            let mut body: Value = if bytes.is_empty() {
-                Value::Null
-            } else {
-                serde_json::from_slice(&bytes).unwrap()
-            };
+            let call = Call::next(&mut handle).await;
+            assert_eq!(call.method, step.method, "request {i}");
+            assert_eq!(call.path, step.path, "request {i}");
+            let mut body = call.body.clone();
             if step.path == STATUS_PATH {
                 // Every status write is guarded by the resourceVersion the reconcile knows.
                 let guard = body.as_object_mut().and_then(|b| b.remove("metadata"));
@@ -242,11 +163,11 @@ async fn run_in(
             (step.body)(&body);
             // Patches get the stored Proxy back; an Event is echoed.
             let reply = if step.path == EVENTS_PATH {
-                bytes.to_vec()
+                call.body.clone()
             } else {
                 stored.clone()
             };
-            send.send_response(Response::builder().body(Body::from(reply)).unwrap());
+            call.respond(200, reply);
         }
         // Dropping the handle makes any further request fail the reconcile.
     });
@@ -308,7 +229,7 @@ fn not_probed() -> Value {
 
 #[tokio::test]
 async fn first_reconcile_adds_the_finalizer_and_nothing_else() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     let requeue = run(
         managed(json!({}), json!(null)),
         Some(stub.clone()),
@@ -326,7 +247,7 @@ async fn first_reconcile_adds_the_finalizer_and_nothing_else() {
 
 #[tokio::test]
 async fn create_marks_pending_creates_records_status_then_hash() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.create.lock().unwrap() = Some(Ok(instance(InstanceState::Provisioning, None)));
     let hash = desired_hash();
     let requeue = run(
@@ -384,7 +305,7 @@ async fn create_marks_pending_creates_records_status_then_hash() {
 #[tokio::test]
 async fn interrupted_create_is_recovered_by_name_without_a_second_create() {
     // The stub lists nothing, so recovery falls through to create (idempotent by name).
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.create.lock().unwrap() = Some(Ok(instance(InstanceState::Provisioning, None)));
     let hash = desired_hash();
     let metadata = json!({
@@ -411,7 +332,7 @@ async fn interrupted_create_is_recovered_by_name_without_a_second_create() {
 
 #[tokio::test]
 async fn running_sets_the_ip_once_and_then_writes_nothing() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let hash = desired_hash();
     let metadata =
@@ -492,7 +413,7 @@ fn running_status() -> Value {
 
 #[tokio::test]
 async fn spec_change_drains_replaces_and_waits_for_not_found() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let metadata =
         json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded("old-hash")});
@@ -617,7 +538,7 @@ async fn spec_change_drains_replaces_and_waits_for_not_found() {
 async fn no_drain_starts_before_the_first_list_of_proxies() {
     // Right after start-up the budget's holders are unknown: the spec change waits, writing
     // nothing, and is looked at again after the provisioning poll.
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let metadata =
         json!({"finalizers": ["crawl.example.com/finalizer"], "annotations": recorded("old-hash")});
@@ -635,7 +556,7 @@ async fn no_drain_starts_before_the_first_list_of_proxies() {
 
 #[tokio::test]
 async fn empty_hash_annotation_is_adopted_not_replaced() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let hash = desired_hash();
     run(
@@ -661,7 +582,7 @@ async fn empty_hash_annotation_is_adopted_not_replaced() {
 
 #[tokio::test]
 async fn deletion_deletes_the_machine_then_removes_the_finalizer() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.get.lock().unwrap() = Some(Ok(instance(InstanceState::Running, Some("10.1.2.3"))));
     let metadata = json!({
         "finalizers": ["other.example.com/keep", "crawl.example.com/finalizer"],
@@ -738,7 +659,7 @@ async fn external_gets_status_without_finalizer_or_provider() {
 
 #[tokio::test]
 async fn permanent_failure_marks_failed_and_is_retried_on_a_slow_timer() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.create.lock().unwrap() = Some(Err(ErrorClass::Permanent));
     let metadata = json!({"finalizers": ["crawl.example.com/finalizer"]});
     let mut stored = Value::Null;
@@ -790,7 +711,7 @@ async fn permanent_failure_marks_failed_and_is_retried_on_a_slow_timer() {
 
 #[tokio::test]
 async fn quota_sets_the_condition_and_requeues_in_minutes() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     *stub.create.lock().unwrap() = Some(Err(ErrorClass::QuotaExceeded));
     let requeue = run(
         managed(
@@ -818,35 +739,26 @@ async fn quota_sets_the_condition_and_requeues_in_minutes() {
 
 #[tokio::test]
 async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     let mut proxy = managed(
         json!({"finalizers": ["crawl.example.com/finalizer"]}),
         json!(null),
     );
     proxy["spec"]["cloudInit"] = json!({"secretRef": {"name": "ci", "key": "user-data"}});
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
+    let (client, mut handle) = mock_client();
     let providers = HashMap::from([("local".to_owned(), stub.clone() as Arc<dyn Provider>)]);
     let (ctx, _ledger_dir) = context(client, providers, ReconcilerConfig::default());
     let ctx = Arc::new(ctx);
-    let stored = serde_json::to_vec(&proxy).unwrap();
+    let stored = proxy.clone();
     let proxy: Proxy = serde_json::from_value(proxy).unwrap();
     let task = tokio::spawn(reconcile(Arc::new(proxy), ctx));
-    let (request, send) = handle.next_request().await.unwrap();
-    assert_eq!(request.method(), Method::GET);
-    assert_eq!(request.uri().path(), "/api/v1/namespaces/crawl/secrets/ci");
-    let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-        "message": "secrets \"ci\" not found", "reason": "NotFound", "code": 404});
-    send.send_response(
-        Response::builder()
-            .status(404)
-            .body(Body::from(serde_json::to_vec(&not_found).unwrap()))
-            .unwrap(),
-    );
-    let (request, send) = handle.next_request().await.unwrap();
-    assert_eq!(request.uri().path(), STATUS_PATH);
-    let bytes = request.into_body().collect_bytes().await.unwrap();
-    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    let call = Call::next(&mut handle).await;
+    assert_eq!(call.method, Method::GET);
+    assert_eq!(call.path, "/api/v1/namespaces/crawl/secrets/ci");
+    call.respond(404, status(404, "NotFound", "secrets \"ci\" not found"));
+    let call = Call::next(&mut handle).await;
+    assert_eq!(call.path, STATUS_PATH);
+    let body = &call.body;
     assert_eq!(body["status"]["phase"], "Pending");
     assert_eq!(
         body["status"]["conditions"][0]["reason"],
@@ -856,7 +768,7 @@ async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
         body["status"]["conditions"][0]["message"],
         "Secret crawl/ci not found"
     );
-    send.send_response(Response::builder().body(Body::from(stored)).unwrap());
+    call.respond(200, stored);
     let requeue = task.await.unwrap().unwrap();
     assert_eq!(
         requeue,
@@ -867,12 +779,12 @@ async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
 
 #[tokio::test]
 async fn interrupted_create_finds_the_machine_by_name_and_records_the_pending_hash() {
-    let stub = Arc::new(Stub::default());
+    let stub = Arc::new(StubProvider::new("local"));
     let mut machine = instance(InstanceState::Provisioning, None);
     machine.name = proxy_operator::naming::machine_name(UID);
-    *stub.listed.lock().unwrap() = vec![instance(InstanceState::Running, None), machine];
-    stub.listed.lock().unwrap()[0].name = "proxy-someoneelse".into();
-    stub.listed.lock().unwrap()[0].provider_id = "crawl/proxy-someoneelse".into();
+    *stub.machines.lock().unwrap() = vec![instance(InstanceState::Running, None), machine];
+    stub.machines.lock().unwrap()[0].name = "proxy-someoneelse".into();
+    stub.machines.lock().unwrap()[0].provider_id = "crawl/proxy-someoneelse".into();
     let metadata = json!({
         "finalizers": ["crawl.example.com/finalizer"],
         "annotations": {"crawl.example.com/create-pending": "hash-at-create"},

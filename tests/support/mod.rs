@@ -8,9 +8,11 @@
 pub mod envtest;
 pub mod kubelet;
 pub mod ledger;
+pub mod mock_api;
 pub mod operator;
 pub mod squid;
 pub mod standalone;
+pub mod stub_provider;
 pub mod target;
 pub mod world;
 

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
+use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
@@ -22,7 +23,6 @@ use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
     ManualClock, ReportResult, RequestKey, SqliteLedger,
 };
-use proxy_operator::metrics::LeaseMetrics;
 use proxy_operator::proxy::{Proxy, ProxySpec};
 use reqwest::StatusCode;
 use serde_json::{Value, json};

@@ -11,15 +11,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use http::{Request, Response, StatusCode};
-use kube::Client;
-use kube::client::Body;
 use proxy_operator::cli::{Cli, Command};
 use proxy_operator::process::{Exit, operator};
-use proxy_operator::rbac;
 use serde_json::{Value, json};
+use support::mock_api::{ApiHandle, Call, mock_client, status};
 use support::{DEADLINE, Squid, Target, free_port};
-use tower_test::mock;
 
 type Requests = Arc<Mutex<Vec<(String, String, Value)>>>;
 
@@ -60,88 +56,51 @@ fn undecodable_proxy() -> Value {
     })
 }
 
-fn reply(status: StatusCode, body: &Value) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(Body::from(serde_json::to_vec(body).unwrap()))
-        .unwrap()
-}
-
 /// Answers like an API server holding these Proxies (status writes only for `ext`) and
 /// nothing else. Watches are held open without events, as a quiet cluster's are.
-async fn api_server(
-    mut handle: mock::Handle<Request<Body>, Response<Body>>,
-    proxies: Vec<Value>,
-    requests: Requests,
-) {
+async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Requests) {
     let proxy = proxies[0].clone();
     let mut open_watches = Vec::new();
-    while let Some((request, send)) = handle.next_request().await {
-        let method = request.method().as_str().to_owned();
-        let target = request
-            .uri()
-            .path_and_query()
-            .map_or(String::new(), |p| p.as_str().to_owned());
-        let path = request.uri().path().to_owned();
-        let watch = target.contains("watch=true");
-        let bytes = request.into_body().collect_bytes().await.unwrap();
-        let body: Value = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes).unwrap()
-        };
-        assert!(
-            rbac::permits(&method, &target),
-            "{method} {target} is not granted by the install's RBAC"
-        );
-        requests
-            .lock()
-            .unwrap()
-            .push((method.clone(), target.clone(), body.clone()));
-        if watch {
-            open_watches.push(send);
+    while let Some(call) = Call::next_or_end(&mut handle).await {
+        requests.lock().unwrap().push((
+            call.method.as_str().to_owned(),
+            call.target.clone(),
+            call.body.clone(),
+        ));
+        if call.is_watch() {
+            open_watches.push(call.hold());
             continue;
         }
-        let response = match (method.as_str(), path.as_str()) {
-            ("GET", "/apis/crawl.example.com/v1alpha1/proxies") => reply(
-                StatusCode::OK,
-                &json!({"apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyList",
+        let method = call.method.as_str().to_owned();
+        let (code, body) = match (method.as_str(), call.path.as_str()) {
+            ("GET", "/apis/crawl.example.com/v1alpha1/proxies") => (
+                200,
+                json!({"apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyList",
                         "metadata": {"resourceVersion": "7"}, "items": proxies}),
             ),
-            ("GET", "/api/v1/secrets") => reply(
-                StatusCode::OK,
-                &json!({"apiVersion": "v1", "kind": "SecretList", "metadata": {"resourceVersion": "7"}, "items": []}),
+            ("GET", "/api/v1/secrets") => (
+                200,
+                json!({"apiVersion": "v1", "kind": "SecretList", "metadata": {"resourceVersion": "7"}, "items": []}),
             ),
             // The reconciler's watch of this install's machine Pods (none: External only).
-            ("GET", "/api/v1/pods") => reply(
-                StatusCode::OK,
-                &json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": []}),
+            ("GET", "/api/v1/pods") => (
+                200,
+                json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": []}),
             ),
             ("PATCH", "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/ext/status") => {
                 let mut updated = proxy.clone();
-                updated["status"] = body["status"].clone();
-                reply(StatusCode::OK, &updated)
+                updated["status"] = call.body["status"].clone();
+                (200, updated)
             }
-            ("GET", p) if p.contains("/leases/") => reply(
-                StatusCode::NOT_FOUND,
-                &json!({"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}),
-            ),
+            ("GET", p) if p.contains("/leases/") => (404, status(404, "NotFound", "not found")),
             ("POST" | "PATCH" | "PUT", p) if p.contains("/leases") || p.contains("/events") => {
-                let mut created = body.clone();
+                let mut created = call.body.clone();
                 created["metadata"]["resourceVersion"] = json!("1");
-                reply(
-                    if method == "POST" {
-                        StatusCode::CREATED
-                    } else {
-                        StatusCode::OK
-                    },
-                    &created,
-                )
+                (if method == "POST" { 201 } else { 200 }, created)
             }
-            _ => panic!("unexpected request {method} {target}"),
+            _ => panic!("unexpected request {method} {}", call.target),
         };
-        send.send_response(response);
+        call.respond(code, body);
     }
 }
 
@@ -210,8 +169,7 @@ async fn start(others: Vec<Value>) -> Running {
         panic!("not run")
     };
 
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
+    let (client, handle) = mock_client();
     let requests: Requests = Arc::default();
     let mut proxies = vec![proxy(squid.port(), &target.https_url())];
     proxies.extend(others);

@@ -1,0 +1,107 @@
+//! The lease API's counters: leases granted and replayed, refusals by their main reason,
+//! reports by result, and writes the ledger could not take.
+
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+
+use crate::ledger::{NoMatch, NoMatchReason, ReportResult};
+
+/// Counters the lease API increments.
+#[derive(Clone, Debug)]
+pub struct LeaseMetrics {
+    granted: IntCounter,
+    replayed: IntCounter,
+    overloaded: IntCounter,
+    full: IntCounter,
+    rejections: IntCounterVec,
+    reports: IntCounterVec,
+}
+
+impl LeaseMetrics {
+    /// Creates the counters and registers them in `registry`.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let granted = IntCounter::new(
+            "proxy_operator_leases_granted_total",
+            "Leases granted by the API.",
+        )?;
+        let replayed = IntCounter::new(
+            "proxy_operator_leases_replayed_total",
+            "Acquires answered with the lease of an earlier acquire with the same requestID.",
+        )?;
+        let overloaded = IntCounter::new(
+            "proxy_operator_ledger_overloaded_total",
+            "Lease API writes answered 503 because the ledger's queue was full or the write \
+             waited past its deadline.",
+        )?;
+        let full = IntCounter::new(
+            "proxy_operator_ledger_full_total",
+            "Lease API writes answered 503 ledger_full because the ledger's disk or size bound \
+             was full.",
+        )?;
+        let rejections = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_lease_rejections_total",
+                "Lease requests answered 409, by the main reason nothing was free.",
+            ),
+            &["reason"],
+        )?;
+        let reports = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_lease_reports_total",
+                "Lease reports received, by result.",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(granted.clone()))?;
+        registry.register(Box::new(replayed.clone()))?;
+        registry.register(Box::new(overloaded.clone()))?;
+        registry.register(Box::new(full.clone()))?;
+        registry.register(Box::new(rejections.clone()))?;
+        registry.register(Box::new(reports.clone()))?;
+        for result in ReportResult::ALL {
+            reports.with_label_values(&[result.as_str()]);
+        }
+        for reason in NoMatchReason::ALL {
+            rejections.with_label_values(&[reason.as_str()]);
+        }
+        Ok(LeaseMetrics {
+            granted,
+            replayed,
+            overloaded,
+            full,
+            rejections,
+            reports,
+        })
+    }
+
+    /// Counts a granted lease.
+    pub fn lease_granted(&self) {
+        self.granted.inc();
+    }
+
+    /// Counts an acquire answered with an earlier acquire's lease.
+    pub fn lease_replayed(&self) {
+        self.replayed.inc();
+    }
+
+    /// Counts a write refused because the ledger was overloaded.
+    pub fn write_overloaded(&self) {
+        self.overloaded.inc();
+    }
+
+    /// Counts a write refused because the ledger was full.
+    pub fn write_refused_full(&self) {
+        self.full.inc();
+    }
+
+    /// Counts a refused acquire.
+    pub fn lease_rejected(&self, no_match: &NoMatch) {
+        self.rejections
+            .with_label_values(&[no_match.reason().as_str()])
+            .inc();
+    }
+
+    /// Counts a report.
+    pub fn report_received(&self, result: ReportResult) {
+        self.reports.with_label_values(&[result.as_str()]).inc();
+    }
+}
