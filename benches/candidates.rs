@@ -12,19 +12,19 @@
 //!
 //! Run with `cargo bench --bench candidates`.
 
-use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use proxy_operator::api::{CandidateIndex, Selector};
+use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
 };
-use proxy_operator::proxy::{Proxy, ProxySpec};
+use proxy_operator::proxy::Proxy;
 
 const PROXIES: usize = 10_000;
 
@@ -33,19 +33,12 @@ fn fleet() -> (Inventory, HealthSnapshot) {
     let health = HealthSnapshot::new();
     let proxies: Vec<Proxy> = (0..PROXIES)
         .map(|i| {
-            let spec: ProxySpec = serde_json::from_value(serde_json::json!({
-                "mode": "External",
-                "endpoint": {"host": "127.0.0.1", "port": 10_000 + i},
-                "maxLeases": 1_000_000,
-            }))
-            .expect("valid spec");
-            let mut p = Proxy::new(&format!("px-{i:05}"), spec);
-            p.metadata.namespace = Some("crawl".into());
-            p.metadata.uid = Some(format!("00000000-0000-4000-8000-{i:012}"));
-            p.metadata.labels = Some(BTreeMap::from([
-                ("pool".to_owned(), "scale".to_owned()),
-                ("geo".to_owned(), ["eu", "us", "ap"][i % 3].to_owned()),
-            ]));
+            let port = u16::try_from(10_000 + i).expect("a port");
+            let p = fixtures::external(&format!("px-{i:05}"), "127.0.0.1", port)
+                .uid(Some(&format!("00000000-0000-4000-8000-{i:012}")))
+                .max_leases(1_000_000)
+                .labels(&[("pool", "scale"), ("geo", ["eu", "us", "ap"][i % 3])])
+                .build();
             health.set(
                 p.id(),
                 ProxyHealth {

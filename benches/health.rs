@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus::Registry;
+use proxy_operator::fixtures;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeClient, ProbeMetrics, ProbeSettings, ProbeTls,
 };
@@ -80,17 +81,14 @@ fn main() {
 }
 
 fn proxy(i: usize, port: u16, probe_url: &str) -> Proxy {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": format!("p{i:04}"), "namespace": "bench", "uid": format!("uid-{i}")},
-        "spec": {
-            "mode": "External",
-            "endpoint": {"host": "127.0.0.1", "port": port},
-            "healthCheck": {"probeURL": probe_url, "interval": "2s", "timeout": "5s"},
-        },
-    }))
-    .expect("bench proxy")
+    fixtures::external(&format!("p{i:04}"), "127.0.0.1", port)
+        .namespace("bench")
+        .uid(Some(&format!("uid-{i}")))
+        .spec(
+            "healthCheck",
+            serde_json::json!({"probeURL": probe_url, "interval": "2s", "timeout": "5s"}),
+        )
+        .build()
 }
 
 /// Runs `f`, attributing CPU time to the runtime threads and to the whole process.

@@ -241,31 +241,25 @@ fn positioned<'a>(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
     use std::time::Duration;
 
     use super::*;
+    use crate::fixtures;
     use crate::health::ProxyHealth;
     use crate::inventory::Inventory;
-    use crate::proxy::{Proxy, ProxySpec};
+    use crate::proxy::Proxy;
 
     fn proxy(name: &str, geo: &str, max_leases: i32, external: bool) -> Proxy {
-        let spec: ProxySpec = if external {
-            serde_json::from_value(serde_json::json!({
-                "mode": "External",
-                "endpoint": {"host": "127.0.0.1", "port": 3128},
-                "maxLeases": max_leases,
-            }))
+        let proxy = if external {
+            fixtures::external(name, "127.0.0.1", 3128)
         } else {
-            serde_json::from_value(serde_json::json!({
-                "mode": "Managed", "provider": "local", "maxLeases": max_leases,
-            }))
-        }
-        .unwrap();
-        let mut p = Proxy::new(name, spec);
-        p.metadata.namespace = Some("crawl".into());
-        p.metadata.labels = Some(BTreeMap::from([("geo".to_owned(), geo.to_owned())]));
-        p
+            fixtures::managed(name, "local")
+        };
+        proxy
+            .uid(None)
+            .max_leases(max_leases)
+            .labels(&[("geo", geo)])
+            .build()
     }
 
     fn healthy(ms: u64) -> ProxyHealth {

@@ -190,7 +190,6 @@ impl ListBody {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use std::time::Duration;
 
@@ -198,31 +197,13 @@ mod tests {
     use crate::api::types::{LastFailureView, ProxyList};
     use crate::health::ProbeErrorKind;
     use crate::inventory::Inventory;
-    use crate::proxy::ProxySpec;
 
     fn proxy(name: &str, host: Option<&str>, labels: &[(&str, &str)]) -> Proxy {
-        let spec: ProxySpec = match host {
-            Some(host) => serde_json::from_value(serde_json::json!({
-                "mode": "External",
-                "endpoint": {"host": host, "port": 3128},
-                "maxLeases": 0,
-            })),
-            None => serde_json::from_value(serde_json::json!({
-                "mode": "Managed",
-                "provider": "local",
-            })),
-        }
-        .unwrap();
-        let mut p = Proxy::new(name, spec);
-        if !labels.is_empty() {
-            p.metadata.labels = Some(
-                labels
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect::<BTreeMap<_, _>>(),
-            );
-        }
-        p
+        let proxy = match host {
+            Some(host) => crate::fixtures::external(name, host, 3128).max_leases(0),
+            None => crate::fixtures::managed(name, "local"),
+        };
+        proxy.namespace("default").uid(None).labels(labels).build()
     }
 
     /// The body written from fragments equals serde's serialisation of the same list, for

@@ -209,13 +209,10 @@ mod tests {
     };
 
     fn proxy(ns: &str, name: &str) -> Proxy {
-        let spec: ProxySpec = serde_json::from_value(serde_json::json!({
-            "mode": "External", "endpoint": {"host": "127.0.0.1", "port": 3128}
-        }))
-        .unwrap();
-        let mut p = Proxy::new(name, spec);
-        p.metadata.namespace = Some(ns.into());
-        p
+        crate::fixtures::external(name, "127.0.0.1", 3128)
+            .namespace(ns)
+            .uid(None)
+            .build()
     }
 
     #[test]

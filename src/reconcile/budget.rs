@@ -215,8 +215,7 @@ pub fn managed<'a>(proxies: impl IntoIterator<Item = &'a Proxy>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{Disruption, Endpoint, ProxySpec, ProxyStatus};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use crate::proxy::{Disruption, ProxyStatus};
 
     #[test]
     fn parses_and_displays_the_accepted_forms() {
@@ -410,24 +409,14 @@ mod tests {
     }
 
     fn proxy(uid: &str, mode: Mode, disrupted: bool, deleting: bool) -> Proxy {
-        let spec: ProxySpec = match mode {
-            Mode::Managed => serde_json::from_value(serde_json::json!({
-                "mode": "Managed", "provider": "local"
-            })),
-            Mode::External => serde_json::from_value(serde_json::json!({"mode": "External"})),
+        let mut proxy = match mode {
+            Mode::Managed => crate::fixtures::managed(uid, "local"),
+            Mode::External => crate::fixtures::external(uid, "10.0.0.1", 3128),
         }
-        .unwrap_or_else(|e| panic!("spec: {e}"));
-        let mut proxy = Proxy::new(uid, spec);
-        if mode == Mode::External {
-            proxy.spec.endpoint = Some(Endpoint {
-                host: "10.0.0.1".into(),
-                port: 3128,
-            });
-        }
-        proxy.metadata.uid = Some(uid.to_owned());
-        proxy.metadata.namespace = Some("default".into());
+        .uid(Some(uid))
+        .namespace("default");
         if deleting {
-            proxy.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
+            proxy = proxy.deleting();
         }
         // From JSON, as the store holds it: the struct may gain optional fields.
         let disruption: Option<Disruption> = disrupted.then(|| {
@@ -436,11 +425,12 @@ mod tests {
             }))
             .unwrap_or_else(|e| panic!("disruption: {e}"))
         });
-        proxy.status = Some(ProxyStatus {
-            disruption,
-            ..ProxyStatus::default()
-        });
         proxy
+            .status(ProxyStatus {
+                disruption,
+                ..ProxyStatus::default()
+            })
+            .build()
     }
 
     #[test]

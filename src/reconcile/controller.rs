@@ -346,18 +346,17 @@ pub async fn run_controller(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::ProxySpec;
+    use crate::fixtures;
 
     fn proxy(ns: &str, name: &str, secret: Option<&str>) -> Proxy {
-        let mut spec = serde_json::json!({"mode": "Managed", "provider": "local"});
+        let mut proxy = fixtures::managed(name, "local").namespace(ns).uid(None);
         if let Some(secret) = secret {
-            spec["cloudInit"] =
-                serde_json::json!({"secretRef": {"name": secret, "key": "user-data"}});
+            proxy = proxy.spec(
+                "cloudInit",
+                serde_json::json!({"secretRef": {"name": secret, "key": "user-data"}}),
+            );
         }
-        let spec: ProxySpec = serde_json::from_value(spec).unwrap();
-        let mut p = Proxy::new(name, spec);
-        p.metadata.namespace = Some(ns.into());
-        p
+        proxy.build()
     }
 
     #[test]

@@ -85,9 +85,7 @@ pub fn due_at(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{
-        CONDITION_HEALTHY, Condition, ConditionStatus, Endpoint, ProxySpec, ProxyStatus,
-    };
+    use crate::proxy::{CONDITION_HEALTHY, Condition, ConditionStatus, ProxyStatus};
 
     fn proxy(
         name: &str,
@@ -95,24 +93,12 @@ mod tests {
         health: Option<ConditionStatus>,
         deleting: bool,
     ) -> Proxy {
-        let spec: ProxySpec = match provider {
-            Some(provider) => serde_json::from_value(serde_json::json!({
-                "mode": "Managed", "provider": provider
-            })),
-            None => serde_json::from_value(serde_json::json!({"mode": "External"})),
-        }
-        .unwrap_or_else(|e| panic!("spec: {e}"));
-        let mut proxy = Proxy::new(name, spec);
-        if provider.is_none() {
-            proxy.spec.endpoint = Some(Endpoint {
-                host: "10.0.0.1".into(),
-                port: 3128,
-            });
-        }
+        let mut proxy = match provider {
+            Some(provider) => crate::fixtures::managed(name, provider),
+            None => crate::fixtures::external(name, "10.0.0.1", 3128),
+        };
         if deleting {
-            proxy.metadata.deletion_timestamp = Some(
-                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
-            );
+            proxy = proxy.deleting();
         }
         let conditions = health
             .map(|status| {
@@ -127,11 +113,12 @@ mod tests {
             })
             .into_iter()
             .collect();
-        proxy.status = Some(ProxyStatus {
-            conditions,
-            ..ProxyStatus::default()
-        });
         proxy
+            .status(ProxyStatus {
+                conditions,
+                ..ProxyStatus::default()
+            })
+            .build()
     }
 
     #[test]

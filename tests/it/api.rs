@@ -10,12 +10,12 @@ use actix_web::dev::ServerHandle;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
+use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock, SqliteLedger};
 use proxy_operator::proxy::{
-    CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxySpec, ProxyStatus,
-    REASON_DRAINING,
+    CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -35,22 +35,11 @@ struct Harness {
 }
 
 fn proxy(name: &str, port: i32, labels: &[(&str, &str)], max_leases: i32) -> Proxy {
-    let spec: ProxySpec = serde_json::from_value(json!({
-        "mode": "External",
-        "endpoint": {"host": "127.0.0.1", "port": port},
-        "maxLeases": max_leases,
-    }))
-    .unwrap();
-    let mut p = Proxy::new(name, spec);
-    p.metadata.namespace = Some("crawl".into());
-    p.metadata.uid = Some(format!("uid-{name}"));
-    p.metadata.labels = Some(
-        labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect::<BTreeMap<_, _>>(),
-    );
-    p
+    let port = u16::try_from(port).expect("a port");
+    fixtures::external(name, "127.0.0.1", port)
+        .labels(labels)
+        .max_leases(max_leases)
+        .build()
 }
 
 impl Harness {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
+use proxy_operator::fixtures;
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SystemClock};
@@ -25,18 +26,10 @@ fn proxy(name: &str, port: u16, probe_url: &str, check: Value) -> Proxy {
     if let (Some(base), Some(overrides)) = (health_check.as_object_mut(), check.as_object()) {
         base.extend(overrides.clone());
     }
-    serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "namespace": "crawl", "uid": format!("uid-{name}")},
-        "spec": {
-            "mode": "External",
-            "endpoint": {"host": "127.0.0.1", "port": port},
-            "maxLeases": 2,
-            "healthCheck": health_check,
-        },
-    }))
-    .unwrap()
+    fixtures::external(name, "127.0.0.1", port)
+        .max_leases(2)
+        .spec("healthCheck", health_check)
+        .build()
 }
 
 async fn list(client: &reqwest::Client, base: &str, query: &str) -> Value {

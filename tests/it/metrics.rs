@@ -14,6 +14,7 @@ use std::time::Duration;
 use prometheus::{Encoder, Registry, TextEncoder};
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
+use proxy_operator::fixtures;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
     ProxyHealth,
@@ -30,21 +31,10 @@ use tokio_util::sync::CancellationToken;
 
 /// An External proxy `name` at `port` probing `probe_url`.
 fn proxy(name: &str, port: u16, probe_url: &str) -> Proxy {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "namespace": "crawl", "uid": format!("uid-{name}")},
-        "spec": {
-            "mode": "External",
-            "endpoint": {"host": "127.0.0.1", "port": port},
-            "maxLeases": 2,
-            "healthCheck": {
-                "probeURL": probe_url, "interval": "100ms", "timeout": "5s",
-                "successThreshold": 1, "failureThreshold": 1,
-            },
-        },
-    }))
-    .unwrap()
+    fixtures::external(name, "127.0.0.1", port)
+        .max_leases(2)
+        .probed(probe_url, "100ms")
+        .build()
 }
 
 /// The registry the process builds: probe, lease, fleet and ledger-file metrics plus the
@@ -637,17 +627,12 @@ async fn sixty_targets_show_fifty_series_and_other() {
 
 /// A Managed proxy of `provider` whose `Healthy` condition is `healthy`.
 fn managed(name: &str, provider: &str, healthy: bool) -> Proxy {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "Proxy",
-        "metadata": {"name": name, "namespace": "crawl", "uid": format!("uid-{name}")},
-        "spec": {"mode": "Managed", "provider": provider},
-        "status": {"conditions": [{
-            "type": "Healthy", "status": if healthy { "True" } else { "False" },
-            "reason": "Probe", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z",
-        }]},
-    }))
-    .unwrap()
+    let status = serde_json::from_value(serde_json::json!({"conditions": [{
+        "type": "Healthy", "status": if healthy { "True" } else { "False" },
+        "reason": "Probe", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }]}))
+    .unwrap();
+    fixtures::managed(name, provider).status(status).build()
 }
 
 #[test]
