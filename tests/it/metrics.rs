@@ -664,6 +664,9 @@ fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() 
     fleet.disruption_started("spec_change");
     fleet.disruption_started("deleted");
     fleet.drain_timed_out();
+    drop(fleet.reconcile_timer());
+    fleet.action_decided("running");
+    fleet.reconcile_failed("kube");
     let scrape = || {
         let mut buffer = Vec::new();
         TextEncoder::new()
@@ -699,6 +702,27 @@ fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() 
         "every reason is exported from the start"
     );
     assert_eq!(value("proxy_operator_drain_timeouts_total"), Some(1.0));
+    assert_eq!(
+        value("proxy_operator_reconcile_duration_seconds_count"),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_actions_total{action="running"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_actions_total{action="add_finalizer"}"#),
+        Some(0.0),
+        "every action is exported from the start"
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_errors_total{kind="kube"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_errors_total{kind="missing_field"}"#),
+        Some(0.0)
+    );
 
     // One recovers: 1 of 3 is not more than 40 %, and the next scrape says so.
     writer.apply_watcher_event(&Event::Apply(managed("b", "local", true)));

@@ -57,10 +57,13 @@ fn undecodable_proxy() -> Value {
 }
 
 /// Answers like an API server holding these Proxies (status writes only for `ext`) and
-/// nothing else. Watches are held open without events, as a quiet cluster's are.
+/// nothing else. Watches are held open without events, as a quiet cluster's are. The first
+/// status write fails (500), as one does when etcd changes leader: the reconcile fails, is
+/// counted, and is retried.
 async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Requests) {
     let proxy = proxies[0].clone();
     let mut open_watches = Vec::new();
+    let mut status_writes = 0;
     while let Some(call) = Call::next_or_end(&mut handle).await {
         requests.lock().unwrap().push((
             call.method.as_str().to_owned(),
@@ -88,9 +91,17 @@ async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Reques
                 json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": []}),
             ),
             ("PATCH", "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/ext/status") => {
-                let mut updated = proxy.clone();
-                updated["status"] = call.body["status"].clone();
-                (200, updated)
+                status_writes += 1;
+                if status_writes == 1 {
+                    (
+                        500,
+                        status(500, "InternalError", "etcdserver: leader changed"),
+                    )
+                } else {
+                    let mut updated = proxy.clone();
+                    updated["status"] = call.body["status"].clone();
+                    (200, updated)
+                }
             }
             ("GET", p) if p.contains("/leases/") => (404, status(404, "NotFound", "not found")),
             ("POST" | "PATCH" | "PUT", p) if p.contains("/leases") || p.contains("/events") => {
@@ -321,12 +332,42 @@ async fn run_reconciles_an_external_proxy_to_ready() {
     };
     assert_eq!(proxy_requests(false), 1, "Proxy lists");
     assert_eq!(proxy_requests(true), 1, "Proxy watches");
+    let metrics = running.metrics().await;
     assert!(
-        running
-            .metrics()
-            .await
-            .contains("\nproxy_operator_proxies_undecodable 0\n")
+        metrics.contains("\nproxy_operator_proxies_undecodable 0\n"),
+        "{metrics}"
     );
+    // The reconciler's own figures: the failed status write is one kube error, every reconcile
+    // of `ext` decided `external`, and each was timed.
+    let value = |series: &str| {
+        metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+    };
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_errors_total{kind="kube"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_errors_total{kind="provider"}"#),
+        0.0
+    );
+    let externals = value(r#"proxy_operator_reconcile_actions_total{action="external"}"#);
+    assert!(
+        externals >= 2.0,
+        "the failed reconcile and its retry: {externals}"
+    );
+    assert_eq!(
+        value(r#"proxy_operator_reconcile_actions_total{action="create"}"#),
+        0.0
+    );
+    assert!(value("proxy_operator_reconcile_duration_seconds_count") >= externals);
     running.stop().await;
 }
 
