@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use proxy_operator::api::{CandidateIndex, Selector};
+use proxy_operator::candidates::{CandidateIndex, Selector};
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
@@ -136,6 +136,7 @@ fn bench(c: &mut Criterion) {
                             target: None,
                             ttl: Duration::from_secs(300),
                             request: None,
+                            client: None,
                         })
                         .await
                         .expect("acquire");

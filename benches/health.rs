@@ -117,6 +117,7 @@ async fn engine_run(proxies: &[Proxy], target: &Target) -> (u64, u64) {
             workers: WORKERS,
             tick: Duration::from_secs(1),
             extra_root_certs: vec![target.ca_cert_der()],
+            ..EngineConfig::default()
         },
         inventory,
         HealthSnapshot::new(),
@@ -181,7 +182,7 @@ async fn bare_run(proxies: &[Proxy], target: &Target) -> (u64, u64) {
             let client = client.clone();
             let (probes, ok) = (probes.clone(), ok.clone());
             tokio::spawn(async move {
-                let result = client.probe().await;
+                let result = client.probe(None).await;
                 if tokio::time::Instant::now() < deadline {
                     probes.fetch_add(1, Ordering::Relaxed);
                     if result.is_success() {

@@ -90,6 +90,7 @@ impl LedgerSide {
                                 target: None,
                                 ttl: TTL,
                                 request: None,
+                                client: None,
                             };
                             let Ok(AcquireOutcome::Granted(lease)) = ledger.acquire(request).await
                             else {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::gateway::{BanRule, GatewayConfig};
 use crate::ledger::{Durability, MIN_MAX_SIZE};
 use crate::reconcile::{ReconcilerConfig, Share};
 
@@ -89,6 +90,23 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_LEASE_COOLDOWN", default_value = "10m", value_parser = humantime::parse_duration)]
     pub lease_cooldown: Duration,
 
+    /// Longest cooldown one report may ask for: a report's `retryAfterSeconds` (or a target's
+    /// `Retry-After` seen by the gateway) is cut to it. Reports that ask for none cool down
+    /// for `--lease-cooldown`.
+    #[arg(long, env = "PROXY_OPERATOR_MAX_LEASE_COOLDOWN", default_value = "1h", value_parser = positive_duration)]
+    pub max_lease_cooldown: Duration,
+
+    /// Most leases at once for one target across the whole fleet (acquires naming a target,
+    /// from the API and the gateway); one more is answered 409 (503 by the gateway) with
+    /// reason `target_limit`. Unset: no limit.
+    #[arg(long, env = "PROXY_OPERATOR_MAX_LEASES_PER_TARGET", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_leases_per_target: Option<u32>,
+
+    /// Most leases at once for one target on one proxy, below the proxy's `maxLeases` (how
+    /// many crawlers hit one site through one exit address). Unset: only `maxLeases`.
+    #[arg(long, env = "PROXY_OPERATOR_MAX_LEASES_PER_PROXY_TARGET", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_leases_per_proxy_target: Option<u32>,
+
     /// Longest lease TTL granted; longer requests are cut to it.
     #[arg(long, env = "PROXY_OPERATOR_MAX_LEASE_TTL", default_value = "1h", value_parser = humantime::parse_duration)]
     pub max_lease_ttl: Duration,
@@ -132,6 +150,95 @@ pub struct CommonArgs {
     /// size (the manifests ship half of the 1Gi volume).
     #[arg(long, env = "PROXY_OPERATOR_LEDGER_MAX_SIZE", value_name = "SIZE", default_value = DEFAULT_LEDGER_MAX_SIZE, value_parser = ledger_size)]
     pub ledger_max_size: u64,
+
+    /// Include the upstream proxy's credentials (`username`, `password`) in lease answers, so
+    /// crawlers using the lease API can authenticate to it. Off by default: crawlers that go
+    /// through the gateway never need them, and every token holder could read them.
+    #[arg(long, env = "PROXY_OPERATOR_LEASE_CREDENTIALS")]
+    pub lease_credentials: bool,
+
+    /// The crawler gateway.
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
+}
+
+/// Flags of the crawler gateway.
+#[derive(Args, Debug, Clone)]
+pub struct GatewayArgs {
+    /// Address of the crawler gateway, the forward proxy crawlers point at
+    /// (`http://crawler:TOKEN@host:8888`); `off` to serve none.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_ADDR", default_value = "0.0.0.0:8888", value_parser = gateway_addr)]
+    pub gateway_addr: Listen,
+
+    /// Target ports the gateway relays to (CONNECT and plain HTTP alike), comma-separated; any
+    /// other is refused 403, so a token holder cannot reach anything else through it.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_ALLOWED_PORTS", default_value = "80,443", value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..), required = false)]
+    pub gateway_allowed_ports: Vec<u16>,
+
+    /// Other proxies a gateway request is tried on after an upstream failed (refused, timed
+    /// out, answered the CONNECT with an error) before anything reached the crawler; then 502.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_RETRIES", default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=10))]
+    pub gateway_retries: u32,
+
+    /// Longest wait for an upstream proxy: connecting, its answer to a CONNECT, and the
+    /// response head of a plain request.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_UPSTREAM_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub gateway_upstream_timeout: Duration,
+
+    /// Target statuses on plain HTTP reported as bans for the (proxy, target), as
+    /// `status=result` pairs (results `rate_limited`, `blocked`, `error`); empty for none.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_BAN_STATUSES", default_value = "429=rate_limited,403=blocked", value_parser = BanRule::parse)]
+    pub gateway_ban_statuses: BanRule,
+
+    /// Idle lifetime of a sticky session whose proxy URL names no `sessionTTL`.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_SESSION_TTL", default_value = "5m", value_parser = session_ttl)]
+    pub gateway_session_ttl: Duration,
+}
+
+/// Where a server listens, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listen {
+    /// On this address.
+    On(SocketAddr),
+    /// Not at all.
+    Off,
+}
+
+fn gateway_addr(text: &str) -> Result<Listen, String> {
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(Listen::Off);
+    }
+    text.parse()
+        .map(Listen::On)
+        .map_err(|_| format!("{text:?} is neither host:port nor `off`"))
+}
+
+fn session_ttl(text: &str) -> Result<Duration, String> {
+    let ttl = positive_duration(text)?;
+    if ttl > crate::gateway::user::MAX_SESSION_TTL {
+        return Err("must be at most 24h".to_owned());
+    }
+    Ok(ttl)
+}
+
+impl GatewayArgs {
+    /// Where the gateway listens (if at all) and how it behaves.
+    pub fn config(&self) -> Option<(SocketAddr, GatewayConfig)> {
+        let Listen::On(addr) = self.gateway_addr else {
+            return None;
+        };
+        Some((
+            addr,
+            GatewayConfig {
+                allowed_ports: self.gateway_allowed_ports.clone(),
+                retries: self.gateway_retries,
+                upstream_timeout: self.gateway_upstream_timeout,
+                ban_rule: self.gateway_ban_statuses.clone(),
+                session_ttl: self.gateway_session_ttl,
+                ..GatewayConfig::default()
+            },
+        ))
+    }
 }
 
 /// Default of `--ledger-max-size`, as `--help` shows it.
@@ -372,6 +479,55 @@ mod tests {
             ledger_size(DEFAULT_LEDGER_MAX_SIZE),
             Ok(crate::ledger::DEFAULT_MAX_SIZE)
         );
+        assert!(!args.common.lease_credentials);
+        let (addr, gateway) = args.common.gateway.config().unwrap();
+        assert_eq!(addr.to_string(), "0.0.0.0:8888");
+        let defaults = GatewayConfig::default();
+        assert_eq!(gateway.allowed_ports, defaults.allowed_ports);
+        assert_eq!(gateway.retries, defaults.retries);
+        assert_eq!(gateway.upstream_timeout, defaults.upstream_timeout);
+        assert_eq!(gateway.ban_rule, defaults.ban_rule);
+        assert_eq!(gateway.session_ttl, defaults.session_ttl);
+    }
+
+    #[test]
+    fn the_gateway_takes_its_flags_or_is_off() {
+        let cli = Cli::try_parse_from([
+            "proxy-operator",
+            "standalone",
+            "--inventory",
+            "i",
+            "--gateway-addr",
+            "127.0.0.1:9999",
+            "--gateway-allowed-ports",
+            "443,8443",
+            "--gateway-ban-statuses",
+            "",
+            "--gateway-session-ttl",
+            "30s",
+        ])
+        .unwrap();
+        let Command::Standalone(args) = cli.command else {
+            panic!("not standalone");
+        };
+        let (addr, gateway) = args.common.gateway.config().unwrap();
+        assert_eq!(addr.to_string(), "127.0.0.1:9999");
+        assert_eq!(gateway.allowed_ports, vec![443, 8443]);
+        assert_eq!(gateway.ban_rule.of(429), None);
+        assert_eq!(gateway.session_ttl, Duration::from_secs(30));
+        let off = Cli::try_parse_from([
+            "proxy-operator",
+            "standalone",
+            "--inventory",
+            "i",
+            "--gateway-addr",
+            "off",
+        ])
+        .unwrap();
+        let Command::Standalone(args) = off.command else {
+            panic!("not standalone");
+        };
+        assert!(args.common.gateway.config().is_none());
     }
 
     #[test]
@@ -479,6 +635,38 @@ mod tests {
                 "i",
                 "--discovery-token-poll",
                 "0s",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-addr",
+                "everywhere",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-ban-statuses",
+                "429=banned",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-allowed-ports",
+                "0",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-session-ttl",
+                "2days",
             ],
         ] {
             let err = Cli::try_parse_from(&args).unwrap_err().to_string();

@@ -2,12 +2,15 @@
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
 pub mod api;
+pub mod candidates;
 pub mod cli;
 pub mod crd;
+pub mod credentials;
 pub mod duration;
 pub mod events;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
+pub mod gateway;
 pub mod gc;
 pub mod health;
 pub mod inventory;
@@ -21,5 +24,8 @@ pub mod proxy;
 pub mod proxy_watch;
 pub mod rbac;
 pub mod reconcile;
+pub mod retry_after;
+pub mod sessions;
 pub mod spec_hash;
+pub mod tokens;
 pub mod validation;

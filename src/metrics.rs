@@ -14,7 +14,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::api::CandidateIndex;
+use crate::candidates::CandidateIndex;
 use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};

@@ -191,6 +191,7 @@ pub enum Mode {
 /// A `host:port` an External proxy listens on.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
 #[schemars(transform = crate::crd::strip_nullable)]
+#[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// Hostname or IP address of the proxy.
     #[schemars(length(min = 1))]
@@ -198,6 +199,22 @@ pub struct Endpoint {
     /// TCP port of the proxy.
     #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
+    /// A Secret in the Proxy's namespace with the keys `username` and `password`, for a proxy
+    /// that asks for credentials: the health probe and the gateway send them upstream
+    /// (`Proxy-Authorization: Basic`); crawlers behind the gateway never see them. Label the
+    /// Secret `crawl.example.com/proxy-credentials=true`: the operator watches those, so an
+    /// edit takes effect without a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretRef>,
+}
+
+/// A Secret of the Proxy's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[schemars(transform = crate::crd::strip_nullable)]
+pub struct SecretRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1))]
+    pub name: String,
 }
 
 /// Provider-specific placement of a Managed machine. Every field is part of the spec hash.
@@ -810,6 +827,7 @@ mod tests {
             s.endpoint = endpoint.map(|(h, p)| Endpoint {
                 host: h.to_owned(),
                 port: p,
+                credentials_secret_ref: None,
             });
             let mut status = ProxyStatus {
                 ip: ip.map(str::to_owned),

@@ -50,13 +50,15 @@ pub const API_CALLS: &[ApiCall] = &[
         made_by: "reconcile::write",
     },
     // Reading a `cloudInit.secretRef`, and the watch of Secrets labelled
-    // `crawl.example.com/cloud-init=true` that re-triggers the Proxies using them.
+    // `crawl.example.com/cloud-init=true` that re-triggers the Proxies using them; the watch of
+    // Secrets labelled `crawl.example.com/proxy-credentials=true` (upstream credentials); and
+    // the credentials Secret the reconciler creates for a Managed proxy's machines.
     ApiCall {
         group: "",
         resource: "secrets",
-        verbs: &["get", "list", "watch"],
+        verbs: &["create", "get", "list", "watch"],
         scope: Scope::Cluster,
-        made_by: "reconcile",
+        made_by: "reconcile, credentials watch",
     },
     // kube-runtime's event `Recorder` writes `events.k8s.io/v1` Events (create, then patch to
     // count repeats): reconcile outcomes, and InvalidSpec on Proxies that do not decode.

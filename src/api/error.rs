@@ -34,6 +34,9 @@ pub struct NoMatchBody {
     pub draining: u32,
     /// Healthy proxies with every lease slot taken (or `maxLeases: 0`).
     pub at_capacity: u32,
+    /// Healthy proxies with a free slot that hold as many leases for the target as the
+    /// per-target limits allow (`--max-leases-per-target`, `--max-leases-per-proxy-target`).
+    pub at_target_limit: u32,
     /// Healthy proxies with a free slot that are cooling down for the target.
     pub in_cooldown: u32,
     /// Proxies neither cordoned nor draining that fail health checks (or are not yet checked).
@@ -71,13 +74,6 @@ pub enum ApiError {
     },
 }
 
-/// `retry_after` rounded up to whole seconds, at least 1 (a `Retry-After` of 0 would invite an
-/// immediate retry storm).
-pub(super) fn retry_after_seconds(retry_after: std::time::Duration) -> u64 {
-    let whole = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-    whole.max(1)
-}
-
 impl ApiError {
     /// An error with the given status, code and message.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
@@ -105,7 +101,7 @@ impl ApiError {
     /// 503 `overloaded` for a write the ledger could not take in time; `retry_after` is
     /// rounded up to whole seconds, at least 1.
     pub fn overloaded(retry_after: std::time::Duration) -> Self {
-        let retry_after_seconds = retry_after_seconds(retry_after);
+        let retry_after_seconds = crate::retry_after::seconds(retry_after);
         ApiError::Unavailable {
             code: "overloaded",
             retry_after_seconds,
@@ -118,7 +114,7 @@ impl ApiError {
     /// 503 `ledger_full` for a write the ledger could not record because its disk or its size
     /// bound is full; `retry_after` is rounded up to whole seconds, at least 1.
     pub fn ledger_full(retry_after: std::time::Duration) -> Self {
-        let retry_after_seconds = retry_after_seconds(retry_after);
+        let retry_after_seconds = crate::retry_after::seconds(retry_after);
         ApiError::Unavailable {
             code: "ledger_full",
             retry_after_seconds,

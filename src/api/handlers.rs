@@ -9,19 +9,22 @@ use actix_web::http::header::{self, ContentType, HeaderValue};
 use actix_web::{HttpResponse, ResponseError, web};
 
 use super::body::{ApiJson, OptionalApiJson};
-use super::error::{ApiError, ErrorBody, NoMatchBody, retry_after_seconds};
+use super::error::{ApiError, ErrorBody, NoMatchBody};
 use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address};
-use super::selector::Selector;
 use super::state::ApiState;
 use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
     StatusBody, parse_target,
 };
+use crate::candidates::Selector;
 use crate::ledger::{
-    self, AcquireOutcome, Lease, LeaseState, LedgerError, NoMatch, ReportResult, RequestKey,
+    self, AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, NoMatch, ReportResult,
+    RequestKey,
 };
 use crate::proxy::proxy_url;
+use crate::retry_after;
+use crate::tokens::TokenId;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
@@ -63,7 +66,14 @@ fn ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Duration {
 
 fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
     let snapshot = state.inventory.snapshot();
-    let address = snapshot.get(&lease.proxy).and_then(|p| address(p));
+    let object = snapshot.get(&lease.proxy);
+    let address = object.and_then(|p| address(p));
+    let credentials = state
+        .lease_credentials
+        .as_ref()
+        .zip(object)
+        .and_then(|(store, proxy)| store.for_proxy(proxy));
+    let (username, password) = credentials.map(|c| (c.username, c.password)).unzip();
     LeaseView {
         lease_id: lease.id.clone(),
         proxy: LeaseProxy {
@@ -72,6 +82,8 @@ fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
             url: address.map(|(h, p)| proxy_url(h, p)),
             host: address.map(|(h, _)| h.to_owned()),
             port: address.map(|(_, p)| p),
+            username,
+            password,
         },
         target: lease.target.clone(),
         state: lease.state.as_str().to_owned(),
@@ -84,24 +96,17 @@ fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
 
 fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
     let now = state.clock.now();
-    let retry_after_seconds = no_match.retry_after.map(|at| {
-        retry_after_seconds(Duration::try_from(at.duration_since(now)).unwrap_or(Duration::ZERO))
-    });
+    let retry_after_seconds = no_match
+        .retry_after
+        .map(|at| retry_after::seconds(retry_after::until(at, now)));
     NoMatchBody {
         error: "no_match".into(),
-        message: format!(
-            "no proxy can take a lease: {} match the selector, {} cordoned, {} draining, {} unhealthy, {} at capacity, {} cooling down for the target",
-            no_match.considered,
-            no_match.cordoned,
-            no_match.draining,
-            no_match.unhealthy,
-            no_match.at_capacity,
-            no_match.in_cooldown
-        ),
+        message: no_match.message(),
         considered: no_match.considered,
         cordoned: no_match.cordoned,
         draining: no_match.draining,
         at_capacity: no_match.at_capacity,
+        at_target_limit: no_match.at_target_limit,
         in_cooldown: no_match.in_cooldown,
         unhealthy: no_match.unhealthy,
         retry_after_seconds,
@@ -214,6 +219,7 @@ pub async fn acquire(
             target,
             ttl,
             request: key,
+            client: None,
         })
         .await
         .map_err(|e| ledger_error(&state, "acquiring a lease", e))?;
@@ -373,8 +379,12 @@ pub async fn report(
     id: web::Path<String>,
     body: ApiJson<ReportRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let id = id.into_inner();
-    let request = body.0;
+    let report = lease_report(body.0)?;
+    record_report(&state, &id.into_inner(), report).await
+}
+
+/// The report a request body asks for.
+fn lease_report(request: ReportRequest) -> Result<LeaseReport, ApiError> {
     let result: ReportResult = request.result.parse().map_err(|_| {
         let allowed: Vec<&str> = ReportResult::ALL.iter().map(|r| r.as_str()).collect();
         ApiError::bad_request(
@@ -386,14 +396,71 @@ pub async fn report(
             ),
         )
     })?;
-    let target = parse_target(request.target)?;
+    Ok(LeaseReport {
+        result,
+        target: parse_target(request.target)?,
+        cooldown: request.retry_after_seconds.map(Duration::from_secs),
+    })
+}
+
+/// Records `report` on lease `id`: 204.
+async fn record_report(
+    state: &ApiState,
+    id: &str,
+    report: LeaseReport,
+) -> Result<HttpResponse, ApiError> {
+    let result = report.result;
     state
         .ledger
-        .report(&id, result, target.as_deref())
+        .report(id, report)
         .await
-        .map_err(|e| ledger_error(&state, "recording a report", e))?;
+        .map_err(|e| ledger_error(state, "recording a report", e))?;
     state.metrics.report_received(result);
     Ok(HttpResponse::NoContent().finish())
+}
+
+/// Records what the crawler saw through the proxy of one of its gateway sessions (the
+/// session of this bearer token with that name): inside a TLS tunnel only the crawler sees
+/// the target's answers. A ban moves the session off the proxy for that target on its next
+/// request.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{name}/report",
+    params(("name" = String, Path, description = "Session name, as in the gateway's proxy URL (`session=`)")),
+    request_body = ReportRequest,
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "`unknown_result`, `invalid_target` or `invalid_body` (malformed body; the message names the field)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "`unknown_session`: this token has no gateway session of that name (never opened, idle past its sessionTTL, or opened on another replica)", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn report_session(
+    state: web::Data<ApiState>,
+    name: web::Path<String>,
+    token: Option<web::ReqData<TokenId>>,
+    body: ApiJson<ReportRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let name = name.into_inner();
+    let report = lease_report(body.0)?;
+    let session = token
+        .and_then(|token| state.sessions.find(&token, &name))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_session",
+                format!(
+                    "this token has no gateway session {name:?} (never opened, idle past its \
+                     sessionTTL, or served by another replica)"
+                ),
+            )
+        })?;
+    record_report(&state, &session.lease_id, report).await
 }
 
 /// Liveness: the process is serving.

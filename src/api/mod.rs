@@ -6,7 +6,6 @@
 
 mod auth;
 mod body;
-mod candidates;
 mod error;
 mod handlers;
 mod idempotency;
@@ -14,9 +13,7 @@ mod list;
 mod metrics;
 mod observe;
 pub mod openapi;
-mod selector;
 mod state;
-mod token;
 pub mod types;
 
 use std::net::TcpListener;
@@ -25,20 +22,15 @@ use actix_web::dev::Server;
 use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, Resource, web};
 
-pub use auth::ApiToken;
+use crate::tokens::ApiToken;
+
 pub use body::MAX_BODY_BYTES;
-pub use candidates::{CandidateIndex, MAX_CACHED_LISTS, MAX_CACHED_SELECTORS, PositionedHealth};
 pub use error::{ApiError, ErrorBody, NoMatchBody};
 pub use idempotency::{MAX_REQUEST_ID_LEN, REQUEST_ID_PATTERN, fingerprint, parse_request_id};
 pub use list::ProxyListCache;
 pub use metrics::LeaseMetrics;
 pub use observe::observe;
-pub use selector::{Selector, SelectorError};
 pub use state::{ApiState, DEFAULT_LEASE_TTL};
-pub use token::{
-    LoadedTokens, MIN_TOKEN_BYTES, TOKEN_ENV, TokenError, TokenSet, TokenSources,
-    load as load_tokens, watch_file as watch_token_file,
-};
 
 /// How long a stopping server lets in-flight requests finish.
 pub const SHUTDOWN_GRACE_SECS: u64 = 10;
@@ -70,6 +62,9 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
                     )
                     .service(resource("/v1", "/leases/{id}/renew").post(handlers::renew))
                     .service(resource("/v1", "/leases/{id}/report").post(handlers::report))
+                    .service(
+                        resource("/v1", "/sessions/{name}/report").post(handlers::report_session),
+                    )
                     .service(resource("/v1", "/openapi.json").get(handlers::openapi_document))
                     .default_service(web::to(handlers::not_found)),
             )

@@ -32,6 +32,7 @@ use super::types::{
         handlers::release,
         handlers::renew,
         handlers::report,
+        handlers::report_session,
         handlers::healthz,
         handlers::readyz,
         handlers::openapi_document,

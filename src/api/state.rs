@@ -3,12 +3,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::candidates::CandidateIndex;
 use super::list::ProxyListCache;
 use super::metrics::LeaseMetrics;
+use crate::candidates::CandidateIndex;
+use crate::credentials::CredentialStore;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
+use crate::sessions::Sessions;
 
 /// Default lifetime of a lease whose request names none.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
@@ -32,4 +34,9 @@ pub struct ApiState {
     pub proxy_list: ProxyListCache,
     /// Selector matches and health positions, kept per inventory snapshot.
     pub candidates: CandidateIndex,
+    /// The gateway's sticky sessions, for reports naming a session.
+    pub sessions: Sessions,
+    /// Upstream credentials given out in lease answers (`--lease-credentials`); `None`: not
+    /// given out.
+    pub lease_credentials: Option<CredentialStore>,
 }

@@ -15,7 +15,7 @@ use utoipa::openapi::schema::{KnownFormat, Object, ObjectBuilder, SchemaFormat, 
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use super::selector::selector_pattern;
+use crate::candidates::selector_pattern;
 use crate::health::ProbeErrorKind;
 use crate::ledger::ReportResult;
 
@@ -111,6 +111,23 @@ fn acquire_ttl_schema() -> Object {
 
 fn renew_ttl_schema() -> Object {
     ttl_schema("New lifetime from now")
+}
+
+fn retry_after_schema() -> Object {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::Integer, Type::Null]))
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+        .minimum(Some(1))
+        .maximum(Some(MAX_TTL_SECONDS))
+        .description(Some(
+            "How long the target asked to be left alone (its `Retry-After`), in whole seconds \
+             (`120.0` is read as 120): the length of the cooldown a `rate_limited` or \
+             `blocked` report starts, capped by the server's maximum \
+             (`--max-lease-cooldown`). Absent or null: the server's default \
+             (`--lease-cooldown`).",
+        ))
+        .examples([120])
+        .build()
 }
 
 fn report_result_schema() -> Object {
@@ -299,6 +316,14 @@ pub struct ReportRequest {
     /// The site the result is about; defaults to the lease's target.
     #[schema(schema_with = report_target_schema)]
     pub target: Option<String>,
+    /// How long the target asked to be left alone (its `Retry-After`), in seconds.
+    #[serde(
+        rename = "retryAfterSeconds",
+        default,
+        deserialize_with = "whole_seconds"
+    )]
+    #[schema(schema_with = retry_after_schema)]
+    pub retry_after_seconds: Option<u64>,
 }
 
 /// The leased proxy inside a lease answer.
@@ -317,6 +342,13 @@ pub struct LeaseProxy {
     /// `http://host:port`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// User name the proxy asks for; only where the install gives credentials out
+    /// (`--lease-credentials`) and the proxy has them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Password the proxy asks for, given out like `username`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
 }
 
 /// A lease.

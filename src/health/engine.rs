@@ -26,6 +26,7 @@ use super::metrics::ProbeMetrics;
 use super::probe::{ProbeClient, ProbeResult, ProbeSettings, ProbeTls};
 use super::snapshot::{HealthSnapshot, LastFailure, ProxyHealth};
 use super::thresholds::{HealthState, Thresholds};
+use crate::credentials::CredentialStore;
 use crate::inventory::{Inventory, InventorySnapshot};
 use crate::proxy::{Proxy, ProxyId};
 
@@ -45,6 +46,8 @@ pub struct EngineConfig {
     /// Extra trusted root certificates (DER) for `https://` probe URLs, on top of the system
     /// roots.
     pub extra_root_certs: Vec<Vec<u8>>,
+    /// The upstream credentials probes send to proxies that ask for them, read at each probe.
+    pub credentials: CredentialStore,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             workers: DEFAULT_WORKERS,
             tick: DEFAULT_TICK,
             extra_root_certs: Vec::new(),
+            credentials: CredentialStore::default(),
         }
     }
 }
@@ -100,6 +104,7 @@ impl HealthEngine {
             inventory,
             scheduler: Scheduler {
                 tls: ProbeTls::new(&config.extra_root_certs),
+                credentials: config.credentials,
                 tracked: HashMap::new(),
                 started: false,
                 ready: VecDeque::new(),
@@ -225,6 +230,7 @@ impl Tracked {
 #[derive(Debug)]
 struct Scheduler {
     tls: ProbeTls,
+    credentials: CredentialStore,
     tracked: HashMap<ProxyId, Tracked>,
     /// Whether a complete inventory has been synced: proxies tracked after that are new to the
     /// fleet and probed at once rather than jittered.
@@ -354,7 +360,13 @@ impl Scheduler {
                 tracked.next_due = now + tracked.interval;
             }
             let client = tracked.client.clone();
-            let handle = probes.spawn(async move { (id, client.probe().await) });
+            let credentials = client
+                .settings()
+                .credentials
+                .as_ref()
+                .and_then(|secret| self.credentials.get(&secret.namespace, &secret.name));
+            let handle =
+                probes.spawn(async move { (id, client.probe(credentials.as_ref()).await) });
             tracked.in_flight = Some(handle);
         }
     }
@@ -431,6 +443,7 @@ mod tests {
             probe_url: probe_url.into(),
             timeout: Duration::from_millis(timeout_ms),
             expected_status_codes: vec![204],
+            credentials: None,
         }
     }
 
@@ -505,6 +518,7 @@ mod tests {
     fn scheduler() -> Scheduler {
         let (transitions, _) = mpsc::channel(8);
         Scheduler {
+            credentials: Default::default(),
             tls: ProbeTls::new(&[]),
             tracked: HashMap::new(),
             started: true,

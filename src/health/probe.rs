@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::CertificateDer;
 
+use crate::credentials::{self, Credentials, SecretName};
 use crate::proxy::Proxy;
 
 /// Why a probe failed. The names are the `result` label of the probe counter and the
@@ -133,6 +134,8 @@ pub struct ProbeSettings {
     pub timeout: Duration,
     /// Statuses that count as success.
     pub expected_status_codes: Vec<u16>,
+    /// The Secret whose credentials go upstream, when the proxy asks for some.
+    pub credentials: Option<SecretName>,
 }
 
 impl ProbeSettings {
@@ -150,6 +153,7 @@ impl ProbeSettings {
                 .iter()
                 .filter_map(|&c| u16::try_from(c).ok())
                 .collect(),
+            credentials: credentials::secret_of(proxy),
         })
     }
 }
@@ -234,18 +238,23 @@ impl ProbeClient {
             invalid_config(&format!("invalid probe URL {:?}", settings.probe_url), &e)
         })?;
         // One client built and dropped now, so an unusable proxy address shows at once.
-        Self::client(settings, tls)?;
+        Self::client(settings, tls, None)?;
         Ok(tls.clone())
     }
 
-    /// A client for one probe: through the proxy, no pooled connections, no redirects.
+    /// A client for one probe: through the proxy (with `credentials`, if any), no pooled
+    /// connections, no redirects.
     fn client(
         settings: &ProbeSettings,
         tls: &rustls::ClientConfig,
+        credentials: Option<&Credentials>,
     ) -> Result<reqwest::Client, ProbeError> {
-        let proxy = reqwest::Proxy::all(&settings.proxy_url).map_err(|e| {
+        let mut proxy = reqwest::Proxy::all(&settings.proxy_url).map_err(|e| {
             invalid_config(&format!("invalid proxy address {}", settings.proxy_url), &e)
         })?;
+        if let Some(credentials) = credentials {
+            proxy = proxy.basic_auth(&credentials.username, &credentials.password);
+        }
         reqwest::Client::builder()
             .proxy(proxy)
             .pool_max_idle_per_host(0)
@@ -262,10 +271,11 @@ impl ProbeClient {
         &self.settings
     }
 
-    /// Requests the probe URL through the proxy once and classifies the outcome.
-    pub async fn probe(&self) -> ProbeResult {
+    /// Requests the probe URL through the proxy once, sending `credentials` upstream when
+    /// given, and classifies the outcome.
+    pub async fn probe(&self, credentials: Option<&Credentials>) -> ProbeResult {
         let client = match &self.tls {
-            Ok(tls) => Self::client(&self.settings, tls),
+            Ok(tls) => Self::client(&self.settings, tls, credentials),
             Err(e) => Err(e.clone()),
         };
         let started = Instant::now();
@@ -425,6 +435,7 @@ mod tests {
         for (proxy_url, probe_url, expected) in cases {
             let client = ProbeClient::new(
                 ProbeSettings {
+                    credentials: None,
                     proxy_url: proxy_url.into(),
                     probe_url: probe_url.into(),
                     timeout: Duration::from_secs(1),
@@ -432,7 +443,7 @@ mod tests {
                 },
                 &tls,
             );
-            let err = client.probe().await.outcome.unwrap_err();
+            let err = client.probe(None).await.outcome.unwrap_err();
             assert_eq!(err.kind, ProbeErrorKind::InvalidConfig);
             assert!(err.message.contains(expected), "{}", err.message);
         }
@@ -443,6 +454,7 @@ mod tests {
         let tls = ProbeTls::new(&[b"not a certificate".to_vec()]);
         let client = ProbeClient::new(
             ProbeSettings {
+                credentials: None,
                 proxy_url: "http://127.0.0.1:3128".into(),
                 probe_url: "https://example.com/".into(),
                 timeout: Duration::from_secs(1),
@@ -450,7 +462,7 @@ mod tests {
             },
             &tls,
         );
-        let err = client.probe().await.outcome.unwrap_err();
+        let err = client.probe(None).await.outcome.unwrap_err();
         assert_eq!(err.kind, ProbeErrorKind::InvalidConfig);
         assert!(err.message.contains("probe TLS setup failed"), "{}", err);
     }

@@ -1,6 +1,7 @@
 //! The standalone inventory: a multi-document YAML file of `Proxy` objects — the same file
 //! `kubectl apply -f` accepts — checked with the CRD's own constraints and rules, and reloaded
-//! when it changes (or on SIGHUP) without a restart.
+//! when it changes (or on SIGHUP) without a restart. `kind: Secret` documents beside the
+//! Proxies hold the upstream credentials their `credentialsSecretRef` names.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -11,12 +12,27 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use k8s_openapi::api::core::v1::Secret;
+
 use super::Inventory;
+use crate::credentials::{CredentialStore, Credentials};
 use crate::proxy::{DEFAULT_NAMESPACE, Mode, Proxy};
 use crate::validation::{ProxyValidator, SchemaError};
 
 const API_VERSION: &str = "crawl.example.com/v1alpha1";
 const KIND: &str = "Proxy";
+const SECRET_API_VERSION: &str = "v1";
+const SECRET_KIND: &str = "Secret";
+
+/// What an inventory file holds: its Proxies, and the credentials of its Secrets by
+/// (namespace, name).
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The Proxies, in file order.
+    pub proxies: Vec<Proxy>,
+    /// Upstream credentials from the `kind: Secret` documents.
+    pub credentials: HashMap<(String, String), Credentials>,
+}
 
 /// The most documents (proxies) one inventory file may hold.
 pub const MAX_DOCUMENTS: usize = 100_000;
@@ -110,20 +126,20 @@ impl InventoryFile {
     }
 
     /// Reads and checks the file.
-    pub fn load(&self) -> Result<Vec<Proxy>, InventoryError> {
+    pub fn load(&self) -> Result<Loaded, InventoryError> {
         // Taken first: a change while reading shows as a changed fingerprint later.
         let fingerprint = fingerprint(&self.path);
         let text = std::fs::read_to_string(&self.path).map_err(|source| InventoryError::Read {
             path: self.path.clone(),
             source,
         })?;
-        let proxies = self.parse(&text)?;
+        let loaded = self.parse(&text)?;
         *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) = fingerprint;
-        Ok(proxies)
+        Ok(loaded)
     }
 
     /// Checks `text` as the file's content. Empty documents are skipped.
-    pub fn parse(&self, text: &str) -> Result<Vec<Proxy>, InventoryError> {
+    pub fn parse(&self, text: &str) -> Result<Loaded, InventoryError> {
         let documents: Documents =
             serde_saphyr::from_str_multiple_with_options(text, parse_options()).map_err(|e| {
                 InventoryError::Parse {
@@ -131,7 +147,10 @@ impl InventoryFile {
                     message: e.to_string(),
                 }
             })?;
-        let mut proxies = Vec::with_capacity(documents.0.len());
+        let mut loaded = Loaded {
+            proxies: Vec::with_capacity(documents.0.len()),
+            credentials: HashMap::new(),
+        };
         let mut seen: HashMap<String, usize> = HashMap::new();
         for (i, json) in documents.0.into_iter().enumerate() {
             let index = i + 1;
@@ -145,7 +164,7 @@ impl InventoryFile {
             if document.is_null() {
                 continue;
             }
-            let proxy =
+            let entry =
                 self.document(document)
                     .map_err(|(name, message)| InventoryError::Document {
                         path: self.path.clone(),
@@ -153,7 +172,10 @@ impl InventoryFile {
                         name,
                         message,
                     })?;
-            let key = proxy.key();
+            let key = match &entry {
+                Entry::Proxy(proxy) => proxy.key(),
+                Entry::Secret(namespace, name, _) => format!("Secret {namespace}/{name}"),
+            };
             if let Some(&first) = seen.get(&key) {
                 return Err(InventoryError::Duplicate {
                     path: self.path.clone(),
@@ -163,13 +185,18 @@ impl InventoryFile {
                 });
             }
             seen.insert(key, index);
-            proxies.push(proxy);
+            match entry {
+                Entry::Proxy(proxy) => loaded.proxies.push(*proxy),
+                Entry::Secret(namespace, name, credentials) => {
+                    loaded.credentials.insert((namespace, name), credentials);
+                }
+            }
         }
-        Ok(proxies)
+        Ok(loaded)
     }
 
-    /// Checks one document; the error carries the Proxy's name and the reason.
-    fn document(&self, mut document: Value) -> Result<Proxy, (String, String)> {
+    /// Checks one document; the error carries the object's name and the reason.
+    fn document(&self, mut document: Value) -> Result<Entry, (String, String)> {
         let Some(object) = document.as_object_mut() else {
             return Err(("unnamed".into(), "not a mapping".into()));
         };
@@ -201,9 +228,17 @@ impl InventoryFile {
         }
         let api_version = object.get("apiVersion").and_then(Value::as_str);
         let kind = object.get("kind").and_then(Value::as_str);
+        if api_version == Some(SECRET_API_VERSION) && kind == Some(SECRET_KIND) {
+            let secret: Secret =
+                serde_json::from_value(document).map_err(|e| fail(format!("Secret: {e}")))?;
+            let credentials =
+                Credentials::from_secret(&secret).map_err(|e| fail(format!("Secret {e}")))?;
+            return Ok(Entry::Secret(namespace, name, credentials));
+        }
         if api_version != Some(API_VERSION) || kind != Some(KIND) {
             return Err(fail(format!(
-                "expected apiVersion {API_VERSION} and kind {KIND}, found {} {}",
+                "expected apiVersion {API_VERSION} and kind {KIND} (or a v1 Secret of \
+                 credentials), found {} {}",
                 api_version.unwrap_or("(none)"),
                 kind.unwrap_or("(none)")
             )));
@@ -218,8 +253,15 @@ impl InventoryFile {
                 "mode Managed needs the operator (`proxy-operator run`); standalone mode serves External proxies only".into(),
             ));
         }
-        Ok(proxy)
+        Ok(Entry::Proxy(Box::new(proxy)))
     }
+}
+
+/// One document of the file.
+enum Entry {
+    Proxy(Box<Proxy>),
+    /// A Secret's namespace, name and credentials.
+    Secret(String, String, Credentials),
 }
 
 /// The documents of a file as the YAML parser hands them over, each kept as compact JSON
@@ -245,7 +287,8 @@ fn fingerprint(path: &Path) -> Option<Fingerprint> {
     Some((meta.len(), meta.modified().ok()?))
 }
 
-/// Keeps `inventory` in step with the file: reloads when its size or modification time changes
+/// Keeps `inventory` and `credentials` in step with the file: reloads when its size or
+/// modification time changes
 /// (checked every `poll`, starting with a check right away against the file's last
 /// [`load`](InventoryFile::load)) or when `reload` yields (SIGHUP).
 /// A load that yields the proxies already in the inventory changes nothing; a broken edit keeps
@@ -253,6 +296,7 @@ fn fingerprint(path: &Path) -> Option<Fingerprint> {
 pub async fn watch(
     file: InventoryFile,
     inventory: Inventory,
+    credentials: CredentialStore,
     poll: Duration,
     mut reload: mpsc::Receiver<()>,
     shutdown: CancellationToken,
@@ -272,14 +316,16 @@ pub async fn watch(
         }
         last_seen = current;
         match file.load() {
-            Ok(proxies) if same_proxies(&inventory, &proxies) => {}
-            Ok(proxies) => {
-                log::info!(
-                    "inventory {}: loaded {} proxies",
-                    file.path().display(),
-                    proxies.len()
-                );
-                inventory.replace(proxies);
+            Ok(loaded) => {
+                credentials.replace(loaded.credentials);
+                if !same_proxies(&inventory, &loaded.proxies) {
+                    log::info!(
+                        "inventory {}: loaded {} proxies",
+                        file.path().display(),
+                        loaded.proxies.len()
+                    );
+                    inventory.replace(loaded.proxies);
+                }
             }
             Err(e) => log::warn!("{e}; keeping the last good inventory"),
         }
@@ -324,7 +370,7 @@ spec:
 
     #[test]
     fn parses_documents_with_defaults() {
-        let proxies = file().parse(GOOD).unwrap();
+        let proxies = file().parse(GOOD).unwrap().proxies;
         assert_eq!(proxies.len(), 2);
         assert_eq!(proxies[0].key(), "default/a");
         assert_eq!(proxies[0].labels()["geo"], "eu");
@@ -335,7 +381,7 @@ spec:
         assert_eq!(proxies[1].spec.effective_port(None), 3129);
         assert!(!proxies[0].spec.cordoned && !proxies[1].spec.cordoned);
         let cordoned = GOOD.replace("  maxLeases: 0\n", "  maxLeases: 0\n  cordoned: true\n");
-        let proxies = file().parse(&cordoned).unwrap();
+        let proxies = file().parse(&cordoned).unwrap().proxies;
         assert!(!proxies[0].spec.cordoned);
         assert!(proxies[1].spec.cordoned);
     }
@@ -370,7 +416,7 @@ spec:
             ),
             (
                 "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n".to_owned(),
-                "expected apiVersion crawl.example.com/v1alpha1 and kind Proxy, found v1 ConfigMap",
+                "expected apiVersion crawl.example.com/v1alpha1 and kind Proxy (or a v1 Secret of credentials), found v1 ConfigMap",
             ),
             (
                 format!(
@@ -422,7 +468,7 @@ spec:
     #[test]
     fn parses_a_fleet_over_the_yaml_parsers_default_budget() {
         // 7,000 documents of ~40 nodes: over the default 1,024 documents and 250,000 nodes.
-        let proxies = file().parse(&fleet(7_000)).unwrap();
+        let proxies = file().parse(&fleet(7_000)).unwrap().proxies;
         assert_eq!(proxies.len(), 7_000);
         assert_eq!(proxies[6_999].key(), "default/p6999");
     }
@@ -455,7 +501,7 @@ spec:
             std::fs::write(&path, GOOD).unwrap();
             let file = InventoryFile::new(&path).unwrap();
             let inventory = Inventory::new();
-            let proxies = file.load().unwrap();
+            let proxies = file.load().unwrap().proxies;
             let loaded = proxies.len();
             if fill {
                 inventory.replace(proxies);
@@ -465,6 +511,7 @@ spec:
             let task = tokio::spawn(watch(
                 file,
                 inventory.clone(),
+                CredentialStore::default(),
                 poll,
                 reload_rx,
                 shutdown.clone(),
@@ -484,6 +531,48 @@ spec:
             self.shutdown.cancel();
             self.task.await.unwrap();
         }
+    }
+
+    #[test]
+    fn secrets_beside_the_proxies_hold_their_credentials() {
+        let text = format!(
+            "{GOOD}apiVersion: v1\nkind: Secret\nmetadata: {{name: paid, namespace: crawl}}\n\
+             stringData: {{username: u1, password: p1}}\n---\n\
+             apiVersion: v1\nkind: Secret\nmetadata: {{name: other}}\n\
+             data: {{username: dTI=, password: cDI=}}\n"
+        );
+        let loaded = file().parse(&text).unwrap();
+        assert_eq!(loaded.proxies.len(), 2);
+        let get =
+            |ns: &str, name: &str| loaded.credentials[&(ns.to_owned(), name.to_owned())].clone();
+        assert_eq!(
+            get("crawl", "paid"),
+            Credentials {
+                username: "u1".into(),
+                password: "p1".into()
+            }
+        );
+        assert_eq!(get("default", "other").username, "u2");
+        assert_eq!(get("default", "other").password, "p2");
+
+        let broken = format!(
+            "{GOOD}apiVersion: v1\nkind: Secret\nmetadata: {{name: paid}}\n\
+             stringData: {{username: u1}}\n"
+        );
+        let message = error(&broken);
+        assert!(message.contains("document 3 (default/paid)"), "{message}");
+        assert!(message.contains("has no key \"password\""), "{message}");
+        let twice = format!(
+            "{GOOD}apiVersion: v1\nkind: Secret\nmetadata: {{name: s}}\n\
+             stringData: {{username: u, password: p}}\n---\n\
+             apiVersion: v1\nkind: Secret\nmetadata: {{name: s}}\n\
+             stringData: {{username: u, password: p}}\n"
+        );
+        assert!(
+            error(&twice).contains("repeats document 3"),
+            "{}",
+            error(&twice)
+        );
     }
 
     #[tokio::test]

@@ -37,7 +37,8 @@ impl Durability {
     }
 }
 
-/// Tunables of the ledger.
+/// Tunables of the ledger. `max_size`, `durability`, `queue_capacity`, `queue_deadline` and
+/// `max_batch` are the SQLite backend's; the others are every backend's rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LedgerConfig {
     /// Longest TTL granted; longer requests are cut to it (`--max-lease-ttl`).
@@ -45,6 +46,15 @@ pub struct LedgerConfig {
     /// How long a `rate_limited`/`blocked` (proxy, target) pair is skipped, and how long
     /// finished leases are retained so late reports land (`--lease-cooldown`).
     pub cooldown: Duration,
+    /// Longest cooldown one report may ask for (a target's `Retry-After`;
+    /// `--max-lease-cooldown`); the default `cooldown` is not bounded by it.
+    pub max_cooldown: Duration,
+    /// Most leases counting at once for one target across the fleet (`--max-leases-per-target`);
+    /// `None`: no limit. Acquires naming no target are not limited.
+    pub max_leases_per_target: Option<u32>,
+    /// Most leases counting at once for one target on one proxy
+    /// (`--max-leases-per-proxy-target`); `None`: only the proxy's `maxLeases`.
+    pub max_leases_per_proxy_target: Option<u32>,
     /// How long lease history is kept.
     pub history_retention: Duration,
     /// Bytes the database file and its WAL may take together (`--ledger-max-size`); the
@@ -69,6 +79,9 @@ impl Default for LedgerConfig {
         Self {
             max_ttl: Duration::from_secs(3600),
             cooldown: Duration::from_secs(600),
+            max_cooldown: Duration::from_secs(3600),
+            max_leases_per_target: None,
+            max_leases_per_proxy_target: None,
             history_retention: Duration::from_secs(7 * 24 * 3600),
             max_size: DEFAULT_MAX_SIZE,
             durability: Durability::Normal,
@@ -101,6 +114,7 @@ impl LedgerConfig {
         for (name, value) in [
             ("max_ttl", self.max_ttl),
             ("cooldown", self.cooldown),
+            ("max_cooldown", self.max_cooldown),
             ("history_retention", self.history_retention),
             ("queue_deadline", self.queue_deadline),
         ] {
@@ -109,6 +123,15 @@ impl LedgerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The cooldown a report starts, in milliseconds: the length it asked for, at most
+    /// `max_cooldown` (and at least 1 ms), else `cooldown`.
+    pub(crate) fn cooldown_ms(&self, asked: Option<Duration>) -> i64 {
+        match asked {
+            Some(asked) => millis(asked.min(self.max_cooldown)).max(1),
+            None => millis(self.cooldown),
+        }
     }
 
     /// The TTL actually granted for a requested one, in milliseconds.
@@ -210,5 +233,24 @@ mod tests {
             config.capped_ttl_ms(Duration::from_micros(999)),
             Err(LedgerError::InvalidTtl(_))
         ));
+    }
+
+    #[test]
+    fn a_report_cools_down_for_what_it_asked_bounded_or_for_the_default() {
+        let config = LedgerConfig {
+            cooldown: Duration::from_secs(600),
+            max_cooldown: Duration::from_secs(3600),
+            ..LedgerConfig::default()
+        };
+        let cases = [
+            (None, 600_000),
+            (Some(Duration::from_secs(30)), 30_000),
+            (Some(Duration::from_secs(7200)), 3_600_000),
+            (Some(Duration::ZERO), 1),
+            (Some(Duration::MAX), 3_600_000),
+        ];
+        for (asked, ms) in cases {
+            assert_eq!(config.cooldown_ms(asked), ms, "{asked:?}");
+        }
     }
 }

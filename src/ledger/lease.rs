@@ -168,6 +168,8 @@ pub struct Lease {
     /// Why the operator ended the lease (e.g. `machine_lost`), if it did; `None` for leases
     /// a crawler released and for every other state.
     pub release_reason: Option<String>,
+    /// The crawler that took it, when it said (free text).
+    pub client: Option<String>,
 }
 
 /// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
@@ -202,6 +204,33 @@ pub struct AcquireRequest {
     pub ttl: Duration,
     /// Makes a retried acquire return the lease the first attempt got.
     pub request: Option<RequestKey>,
+    /// The crawler asking, when it says (recorded with the lease; free text).
+    pub client: Option<String>,
+}
+
+/// What a crawler observed on a lease, for [`Ledger::report`](super::Ledger::report).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReport {
+    /// The outcome.
+    pub result: ReportResult,
+    /// The target it is about (already normalised); `None`: the lease's own target.
+    pub target: Option<String>,
+    /// How long the target asked to be left alone (a `Retry-After`): the length of the
+    /// cooldown a `rate_limited` or `blocked` report starts, capped by the ledger's
+    /// `max_cooldown`; `None`: its `cooldown`.
+    pub cooldown: Option<Duration>,
+}
+
+impl LeaseReport {
+    /// A report of `result` about `target` (`None`: the lease's own) asking for no particular
+    /// cooldown length.
+    pub fn new(result: ReportResult, target: Option<&str>) -> Self {
+        LeaseReport {
+            result,
+            target: target.map(str::to_owned),
+            cooldown: None,
+        }
+    }
 }
 
 /// The idempotency key of an acquire: a client-chosen request ID and a fingerprint of what
@@ -231,7 +260,7 @@ pub enum AcquireOutcome {
 }
 
 /// Why an acquire granted nothing. Every candidate is counted in exactly one bucket, in the
-/// order cordoned, draining, unhealthy, at capacity, in cooldown.
+/// order cordoned, draining, unhealthy, at capacity, at the target limit, in cooldown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NoMatch {
     /// Candidates offered.
@@ -246,6 +275,9 @@ pub struct NoMatch {
     pub in_cooldown: u32,
     /// Candidates neither cordoned nor draining that the health engine considers unhealthy.
     pub unhealthy: u32,
+    /// Healthy candidates with a free slot that hold as many leases for the target as the
+    /// per-target limits allow (per proxy and target, or the whole fleet's for the target).
+    pub at_target_limit: u32,
     /// The earliest moment a healthy candidate frees up (a lease expiry or a cooldown end);
     /// `None` when nothing will free up by itself.
     pub retry_after: Option<Timestamp>,
@@ -265,18 +297,22 @@ pub enum NoMatchReason {
     Unhealthy,
     /// Healthy proxies exist but every one is full.
     Capacity,
+    /// Healthy proxies with free slots exist, none full, but some hold as many leases for the
+    /// target as the per-target limits allow (and the rest cool down for it).
+    TargetLimit,
     /// Healthy proxies with free slots exist, but all are cooling down for the target.
     Cooldown,
 }
 
 impl NoMatchReason {
     /// Every reason.
-    pub const ALL: [NoMatchReason; 6] = [
+    pub const ALL: [NoMatchReason; 7] = [
         NoMatchReason::NoProxies,
         NoMatchReason::Cordoned,
         NoMatchReason::Draining,
         NoMatchReason::Unhealthy,
         NoMatchReason::Capacity,
+        NoMatchReason::TargetLimit,
         NoMatchReason::Cooldown,
     ];
 
@@ -297,10 +333,12 @@ impl NoMatchReason {
             NoMatchReason::Draining
         } else if no_match.unhealthy == available {
             NoMatchReason::Unhealthy
-        } else if no_match.at_capacity == 0 {
-            NoMatchReason::Cooldown
-        } else {
+        } else if no_match.at_capacity > 0 {
             NoMatchReason::Capacity
+        } else if no_match.at_target_limit > 0 {
+            NoMatchReason::TargetLimit
+        } else {
+            NoMatchReason::Cooldown
         }
     }
 
@@ -312,6 +350,7 @@ impl NoMatchReason {
             NoMatchReason::Draining => "draining",
             NoMatchReason::Unhealthy => "unhealthy",
             NoMatchReason::Capacity => "capacity",
+            NoMatchReason::TargetLimit => "target_limit",
             NoMatchReason::Cooldown => "cooldown",
         }
     }
@@ -321,6 +360,22 @@ impl NoMatch {
     /// The main reason nothing was granted.
     pub fn reason(&self) -> NoMatchReason {
         NoMatchReason::of(self)
+    }
+
+    /// Why nothing was granted, for people: every count.
+    pub fn message(&self) -> String {
+        format!(
+            "no proxy can take a lease: {} match the selector, {} cordoned, {} draining, {} \
+             unhealthy, {} at capacity, {} at the per-target limit, {} cooling down for the \
+             target",
+            self.considered,
+            self.cordoned,
+            self.draining,
+            self.unhealthy,
+            self.at_capacity,
+            self.at_target_limit,
+            self.in_cooldown
+        )
     }
 }
 
@@ -417,7 +472,7 @@ mod tests {
                 unhealthy,
                 at_capacity,
                 in_cooldown,
-                retry_after: None,
+                ..NoMatch::default()
             };
         let cases = [
             ("nothing matches", no_match(0, 0, 0, 0, 0, 0), "no_proxies"),
@@ -456,6 +511,16 @@ mod tests {
         for (name, stats, reason) in cases {
             assert_eq!(stats.reason().as_str(), reason, "{name}");
         }
+        let limited = |at_capacity, at_target_limit, in_cooldown| NoMatch {
+            considered: 3,
+            at_capacity,
+            at_target_limit,
+            in_cooldown,
+            ..NoMatch::default()
+        };
+        assert_eq!(limited(0, 3, 0).reason(), NoMatchReason::TargetLimit);
+        assert_eq!(limited(0, 1, 2).reason(), NoMatchReason::TargetLimit);
+        assert_eq!(limited(1, 2, 0).reason(), NoMatchReason::Capacity);
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //!
 //! - **Capacity**: an acquire never makes a proxy hold more than its `maxLeases` leases that
 //!   count (`expires_at > now`), however many acquires race; capacity is counted by time, so an
-//!   expired lease stops counting before any sweep marks it.
+//!   expired lease stops counting before any sweep marks it. The per-target limits
+//!   (`max_leases_per_target`, `max_leases_per_proxy_target`) are counted the same way.
 //! - **Acknowledged means recorded**: a write is answered only once it is durable, so a lease a
 //!   caller was given survives a crash of the process.
 //! - **Retention**: a finished lease is kept for the cooldown window, so a late `rate_limited`
@@ -43,8 +44,8 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
 pub use error::LedgerError;
 pub use lease::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState, NoMatch, NoMatchReason,
-    ReportResult, RequestKey, SweepStats, UnknownValue,
+    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
+    NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
 };
 pub use sqlite::{LedgerFileCollector, SCHEMA_VERSION, SqliteLedger, WriterStats};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
@@ -88,15 +89,11 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError>;
 
     /// Records what a crawler observed on a lease, in any state as long as it is retained.
-    /// `rate_limited` and `blocked` put (proxy, target) into cooldown; `target` defaults to
-    /// the lease's target, and without either no cooldown can be keyed, so only the report is
-    /// recorded. Returns the lease.
-    async fn report(
-        &self,
-        id: &str,
-        result: ReportResult,
-        target: Option<&str>,
-    ) -> Result<Lease, LedgerError>;
+    /// `rate_limited` and `blocked` put (proxy, target) into cooldown, for as long as the report
+    /// asks (at most `max_cooldown`) or `cooldown`; the target defaults to the lease's target,
+    /// and without either no cooldown can be keyed, so only the report is recorded. Returns the
+    /// lease.
+    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError>;
 
     /// Marks leases past their expiry as expired (one `expired` event each, timed at the
     /// expiry), deletes finished leases whose expiry is older than the cooldown window (their
@@ -119,6 +116,9 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
 
     /// Number of active leases.
     fn active_total(&self) -> u64;
+
+    /// Whether proxy `proxy_uid` is cooling down for `target`.
+    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool;
 
     /// Number of (proxy, target) pairs in cooldown.
     fn cooldowns_active(&self) -> u64;

@@ -29,12 +29,15 @@ pub(crate) enum Selection {
 /// and UID break remaining ties, so the choice is deterministic).
 ///
 /// `load` gives a proxy's load by UID; `cooldown_until` gives the end of a cooldown in force
-/// for the acquire's target, by UID. A cordoned or draining candidate is never chosen and its
+/// for the acquire's target, by UID; `target_limit` says, by UID, whether the per-target
+/// limits let the proxy take one more lease for the acquire's target (`None`) or not, and then
+/// when the earliest of the leases holding them back expires. A cordoned or draining candidate is never chosen and its
 /// load is never looked up, like an unhealthy one. When nothing is chosen, every candidate is
-/// counted in one bucket (cordoned, then draining, then unhealthy, then at capacity, then in
-/// cooldown) and `retry_after` is the earliest moment a healthy candidate that is neither
-/// cordoned nor draining frees up: for a proxy at capacity the earliest expiry of its leases
-/// (or the end of its cooldown if that is later), for one in cooldown the cooldown's end (an
+/// counted in one bucket (cordoned, then draining, then unhealthy, then at capacity, then at the
+/// target limit, then in cooldown) and `retry_after` is the earliest moment a healthy candidate
+/// that is neither cordoned nor draining frees up: for a proxy at capacity the earliest expiry
+/// of its leases (or the end of its cooldown if that is later), for one at the target limit
+/// the expiry that frees it (or its cooldown's end), for one in cooldown the cooldown's end (an
 /// uncordon is an edit, and a drain ends with the machine deleted, so the leases of a cordoned
 /// or draining proxy free nothing an acquire could take).
 /// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
@@ -48,6 +51,7 @@ pub(crate) fn select(
     candidates: &[Candidate],
     load: impl Fn(&str) -> ProxyLoad,
     cooldown_until: impl Fn(&str) -> Option<Timestamp>,
+    target_limit: impl Fn(&str) -> Option<Option<Timestamp>>,
 ) -> Selection {
     let mut stats = NoMatch {
         considered: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
@@ -84,6 +88,12 @@ pub(crate) fn select(
             let frees_at = load
                 .earliest_expiry
                 .map(|expiry| cooldown.map_or(expiry, |until| until.max(expiry)));
+            stats.retry_after = earliest(stats.retry_after, frees_at);
+            continue;
+        }
+        if let Some(frees_at) = target_limit(uid) {
+            stats.at_target_limit += 1;
+            let frees_at = frees_at.map(|at| cooldown.map_or(at, |until| until.max(at)));
             stats.retry_after = earliest(stats.retry_after, frees_at);
             continue;
         }
@@ -199,6 +209,7 @@ mod tests {
             candidates,
             |uid| loads.get(uid).copied().unwrap_or_default(),
             |uid| cooldowns.get(uid).copied(),
+            |_| None,
         ) {
             Selection::Chosen(index) => Ok(candidates[index].proxy.name.clone()),
             Selection::NoMatch(stats) => Err(stats),
@@ -320,6 +331,67 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn the_target_limit_skips_a_proxy_and_says_when_it_frees() {
+        let candidates = [
+            candidate("a", 10, true, Some(5)),
+            candidate("b", 10, true, Some(9)),
+            candidate("c", 10, true, Some(7)),
+        ];
+        let limited = |names: &'static [(&'static str, i64)]| {
+            move |uid: &str| {
+                names
+                    .iter()
+                    .find(|(n, _)| format!("uid-{n}") == uid)
+                    .map(|&(_, at)| Some(ts(at)))
+            }
+        };
+        // a, the fastest, holds its limit for the target: c, the next fastest, is chosen.
+        let chosen = select(
+            &candidates,
+            |_| ProxyLoad::default(),
+            |_| None,
+            limited(&[("a", 40)]),
+        );
+        assert_eq!(chosen, Selection::Chosen(2));
+        // Every one held back: counted apart, and retried at the earliest expiry, or later
+        // when that proxy also cools down for the target.
+        let none = select(
+            &candidates,
+            |_| ProxyLoad::default(),
+            |uid| (uid == "uid-a").then(|| ts(90)),
+            limited(&[("a", 40), ("b", 60), ("c", 70)]),
+        );
+        assert_eq!(
+            none,
+            Selection::NoMatch(NoMatch {
+                considered: 3,
+                at_target_limit: 3,
+                retry_after: Some(ts(60)),
+                ..NoMatch::default()
+            })
+        );
+        // A full proxy is at capacity first, whatever its target limit.
+        let full = select(
+            &candidates[..1],
+            |_| ProxyLoad {
+                active: 10,
+                earliest_expiry: Some(ts(20)),
+            },
+            |_| None,
+            limited(&[("a", 40)]),
+        );
+        assert_eq!(
+            full,
+            Selection::NoMatch(NoMatch {
+                considered: 1,
+                at_capacity: 1,
+                retry_after: Some(ts(20)),
+                ..NoMatch::default()
+            })
+        );
     }
 
     #[test]
@@ -500,6 +572,7 @@ mod tests {
                 vec![("d", 1, 5), ("full", 1, 40)],
                 vec![("cool", 30)],
                 NoMatch {
+                    at_target_limit: 0,
                     considered: 5,
                     cordoned: 1,
                     draining: 1,
@@ -536,10 +609,15 @@ mod tests {
                 earliest_expiry: Some(ts(60)),
             }
         };
-        let selection = select(&candidates, full, |uid| {
-            record(uid);
-            None
-        });
+        let selection = select(
+            &candidates,
+            full,
+            |uid| {
+                record(uid);
+                None
+            },
+            |_| None,
+        );
         assert_eq!(
             selection,
             Selection::NoMatch(NoMatch {
@@ -626,6 +704,7 @@ mod tests {
                 &candidates,
                 |uid| loads.get(uid).copied().unwrap_or_default(),
                 |uid| cooldowns.get(uid).copied(),
+                |_| None,
             ) {
                 Selection::Chosen(index) => Some(index),
                 Selection::NoMatch(stats) => {
@@ -633,6 +712,7 @@ mod tests {
                         + stats.draining
                         + stats.unhealthy
                         + stats.at_capacity
+                        + stats.at_target_limit
                         + stats.in_cooldown;
                     assert_eq!(counted, stats.considered, "case {case}: {stats:?}");
                     None

@@ -17,15 +17,17 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{
-    self, ApiState, ApiToken, CandidateIndex, LeaseMetrics, LoadedTokens, ProxyListCache,
-    TokenSources,
-};
+use crate::api::{self, ApiState, LeaseMetrics, ProxyListCache};
+use crate::candidates::CandidateIndex;
 use crate::cli::CommonArgs;
+use crate::credentials::CredentialStore;
+use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger, LedgerConfig, LedgerFileCollector, SqliteLedger, SystemClock};
 use crate::metrics::{self, FleetCollector};
+use crate::sessions::Sessions;
+use crate::tokens::{self, ApiToken, LoadedTokens, TokenSources};
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
@@ -58,6 +60,8 @@ pub struct Core {
     pub inventory: Inventory,
     /// Health as the engine last saw it.
     pub health: HealthSnapshot,
+    /// Upstream credentials of the proxies that ask for them.
+    pub credentials: CredentialStore,
     /// The lease ledger.
     pub ledger: Arc<dyn Ledger>,
     /// The ledger's clock.
@@ -68,6 +72,10 @@ pub struct Core {
     pub probe_metrics: ProbeMetrics,
     /// Lease counters for the API.
     pub lease_metrics: LeaseMetrics,
+    /// The gateway's sticky sessions (the API takes reports for them).
+    pub sessions: Sessions,
+    /// The gateway's counters.
+    pub gateway_metrics: GatewayMetrics,
 }
 
 impl Core {
@@ -77,6 +85,9 @@ impl Core {
         let config = LedgerConfig {
             max_ttl: common.max_lease_ttl,
             cooldown: common.lease_cooldown,
+            max_cooldown: common.max_lease_cooldown,
+            max_leases_per_target: common.max_leases_per_target,
+            max_leases_per_proxy_target: common.max_leases_per_proxy_target,
             history_retention: common.history_retention,
             max_size: common.ledger_max_size,
             durability: common.ledger_durability.into(),
@@ -91,6 +102,9 @@ impl Core {
         let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
         let probe_metrics = ProbeMetrics::register(&registry).map_err(metric_error)?;
         let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
+        let sessions = Sessions::default();
+        let gateway_metrics =
+            GatewayMetrics::register(&registry, sessions.clone()).map_err(metric_error)?;
         let file = LedgerFileCollector::new(sqlite.clone()).map_err(metric_error)?;
         registry.register(Box::new(file)).map_err(metric_error)?;
         let ledger: Arc<dyn Ledger> = Arc::new(sqlite);
@@ -105,11 +119,14 @@ impl Core {
         Ok(Core {
             inventory,
             health,
+            credentials: CredentialStore::default(),
             ledger,
             clock,
             registry,
             probe_metrics,
             lease_metrics,
+            sessions,
+            gateway_metrics,
         })
     }
 }
@@ -226,9 +243,9 @@ impl Supervisor {
     }
 }
 
-/// Starts the parts both modes share: the health engine, the ledger sweep, the API and the
-/// metrics server (with `tokens`, from [`load_tokens`]). Health transitions go to
-/// `transitions`.
+/// Starts the parts both modes share: the health engine, the ledger sweep, the API, the
+/// gateway and the metrics server (with `tokens`, from [`load_tokens`]). Health transitions go
+/// to `transitions`.
 pub fn start_core(
     supervisor: &mut Supervisor,
     core: &Core,
@@ -238,10 +255,15 @@ pub fn start_core(
 ) -> Result<(), StartError> {
     let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
     let metrics_listener = bind(common.metrics_addr, "--metrics-addr")?;
+    let gateway_listener = match common.gateway.config() {
+        Some((addr, config)) => Some((bind(addr, "--gateway-addr")?, config)),
+        None => None,
+    };
     let engine = HealthEngine::new(
         EngineConfig {
             workers: usize::from(common.health_workers),
             extra_root_certs: probe_roots(common)?,
+            credentials: core.credentials.clone(),
             ..EngineConfig::default()
         },
         core.inventory.clone(),
@@ -268,15 +290,24 @@ pub fn start_core(
         default_ttl: common.default_lease_ttl,
         proxy_list: ProxyListCache::default(),
         candidates: CandidateIndex::default(),
+        sessions: core.sessions.clone(),
+        lease_credentials: common.lease_credentials.then(|| core.credentials.clone()),
     };
+    if let Some((listener, config)) = gateway_listener {
+        start_gateway(supervisor, core, listener, config, token.clone())?;
+    }
     let api = api::serve(api_listener, state, token)
         .map_err(|e| StartError::from_display("--discovery-addr", e))?;
     supervisor.spawn_server("lease API server", api);
     let metrics = metrics::serve(metrics_listener, core.registry.clone())
         .map_err(|e| StartError::from_display("--metrics-addr", e))?;
     supervisor.spawn_server("metrics server", metrics);
+    let gateway_addr = match common.gateway.config() {
+        Some((addr, _)) => addr.to_string(),
+        None => "off".to_owned(),
+    };
     log::info!(
-        "lease API on {}, metrics on {}, ledger {}",
+        "lease API on {}, gateway on {gateway_addr}, metrics on {}, ledger {}",
         common.discovery_addr,
         common.metrics_addr,
         common.ledger.display()
@@ -284,11 +315,45 @@ pub fn start_core(
     Ok(())
 }
 
+/// Serves the crawler gateway on `listener` until shutdown.
+fn start_gateway(
+    supervisor: &mut Supervisor,
+    core: &Core,
+    listener: TcpListener,
+    config: gateway::GatewayConfig,
+    token: ApiToken,
+) -> Result<(), StartError> {
+    let listener = listener
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::TcpListener::from_std(listener))
+        .map_err(|e| StartError::from_display("--gateway-addr", e))?;
+    if !token.is_required() {
+        log::warn!("--insecure-no-auth: the gateway relays for anyone who can reach it");
+    }
+    let gateway = Arc::new(Gateway::new(
+        core.inventory.clone(),
+        core.health.clone(),
+        core.ledger.clone(),
+        core.credentials.clone(),
+        token,
+        core.sessions.clone(),
+        core.gateway_metrics.clone(),
+        core.clock.clone(),
+        config,
+    ));
+    let shutdown = supervisor.shutdown_token();
+    supervisor.spawn("gateway", async move {
+        gateway::serve(listener, gateway, shutdown).await;
+        Ok(())
+    });
+    Ok(())
+}
+
 /// The API's tokens from `DISCOVERY_TOKEN` and `--discovery-token-file`, failing closed (open
 /// only with `--insecure-no-auth`). Called first, before anything is opened or bound.
 pub fn load_tokens(common: &CommonArgs) -> Result<LoadedTokens, StartError> {
-    let env = std::env::var_os(api::TOKEN_ENV);
-    api::load_tokens(&TokenSources {
+    let env = std::env::var_os(tokens::TOKEN_ENV);
+    tokens::load(&TokenSources {
         env: env.as_deref(),
         file: common.discovery_token_file.as_deref(),
         insecure_no_auth: common.insecure_no_auth,
@@ -308,7 +373,7 @@ fn watch_tokens(
         let env_tokens = tokens.env_tokens;
         let poll = common.discovery_token_poll;
         supervisor.spawn("token file watcher", async move {
-            api::watch_token_file(path, content, env_tokens, token, poll, shutdown).await;
+            tokens::watch_file(path, content, env_tokens, token, poll, shutdown).await;
             Ok(())
         });
     }

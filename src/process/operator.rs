@@ -6,12 +6,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client};
 use tokio::sync::mpsc;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
-use crate::api::LoadedTokens;
 use crate::cli::RunArgs;
+use crate::credentials;
 use crate::gc::{self, GcConfig};
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
@@ -21,6 +22,7 @@ use crate::proxy::Proxy;
 use crate::proxy_watch::{self, WatchMetrics};
 use crate::reconcile::metrics::RemediationGauge;
 use crate::reconcile::{self, Context, ReconcilerMetrics};
+use crate::tokens::LoadedTokens;
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -93,6 +95,18 @@ async fn start(
     })?;
 
     let mut supervisor = Supervisor::new();
+    let secrets: Api<Secret> = match &args.watch_namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let credentials = core.credentials.clone();
+    let shutdown = supervisor.shutdown_token();
+    supervisor.spawn("proxy credentials watch", async move {
+        tokio::select! {
+            () = credentials::watch(secrets, credentials) => Ok(()),
+            () = shutdown.cancelled() => Ok(()),
+        }
+    });
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
     start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
 

@@ -14,17 +14,19 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     let tokens = load_tokens(&args.common)?;
     let inventory_file = InventoryFile::new(&args.inventory)
         .map_err(|e| StartError::from_display("inventory schema", e))?;
-    let proxies = inventory_file
+    let loaded = inventory_file
         .load()
         .map_err(|e| StartError(e.to_string()))?;
     log::info!(
-        "inventory {}: {} proxies",
+        "inventory {}: {} proxies, {} credentials Secrets",
         args.inventory.display(),
-        proxies.len()
+        loaded.proxies.len(),
+        loaded.credentials.len()
     );
     let inventory = Inventory::new();
-    inventory.replace(proxies);
+    inventory.replace(loaded.proxies);
     let core = Core::open(&args.common, inventory.clone())?;
+    core.credentials.replace(loaded.credentials);
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
@@ -49,8 +51,17 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     });
     let shutdown = supervisor.shutdown_token();
     let poll = args.inventory_poll;
+    let credentials = core.credentials.clone();
     supervisor.spawn("inventory file watcher", async move {
-        file::watch(inventory_file, inventory, poll, reload_rx, shutdown).await;
+        file::watch(
+            inventory_file,
+            inventory,
+            credentials,
+            poll,
+            reload_rx,
+            shutdown,
+        )
+        .await;
         Ok(())
     });
     supervisor.run().await

@@ -42,6 +42,9 @@ pub const NETWORK_TAG: &str = "proxy-operator";
 pub const EXTERNAL_NAT: &str = "External NAT";
 /// Metadata key cloud-init reads its user data from.
 pub const USER_DATA_KEY: &str = "user-data";
+/// Metadata key holding the machine's squid password-file line (`user:$6$...`), for a Proxy's
+/// own cloud-init to read from the metadata server (the default cloud-init has it already).
+pub const HTPASSWD_KEY: &str = "proxy-operator-htpasswd";
 /// OAuth scope given to an attached service account; its IAM roles decide what it can do.
 pub const SERVICE_ACCOUNT_SCOPE: &str = "https://www.googleapis.com/auth/cloud-platform";
 /// Per-attempt timeout of a Compute API call.
@@ -247,10 +250,19 @@ pub fn insert_request(
             .set_name(EXTERNAL_NAT)
             .set_type(access_config::Type::OneToOneNat)]);
 
+    let htpasswd = request.credentials.as_ref().map(|c| c.htpasswd.as_str());
     let user_data = request
         .cloud_init
         .clone()
-        .unwrap_or_else(|| squid_cloud_init(request.port));
+        .unwrap_or_else(|| squid_cloud_init(request.port, htpasswd));
+    let mut metadata = vec![
+        metadata::Items::new()
+            .set_key(USER_DATA_KEY)
+            .set_value(user_data),
+    ];
+    if let Some(line) = htpasswd {
+        metadata.push(metadata::Items::new().set_key(HTPASSWD_KEY).set_value(line));
+    }
     let service_account = placement
         .service_account
         .or_else(|| config.service_account.clone())
@@ -276,11 +288,7 @@ pub fn insert_request(
                     .set_disk_size_gb(disk_size),
             )])
         .set_network_interfaces([interface])
-        .set_metadata(
-            Metadata::new().set_items([metadata::Items::new()
-                .set_key(USER_DATA_KEY)
-                .set_value(user_data)]),
-        )
+        .set_metadata(Metadata::new().set_items(metadata))
         .set_labels(labels)
         .set_tags(Tags::new().set_items(tags))
         .set_service_accounts(service_account.map(|email| {
@@ -562,6 +570,7 @@ fn bad_id(id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::MachineCredentials;
     use crate::proxy::Placement;
 
     const UID: &str = "6a1f4c9e-2b7d-4e8a-b1c3-d5e6f7a8b9c0";
@@ -586,6 +595,7 @@ mod tests {
             placement: None,
             cloud_init: Some("#cloud-config\nruncmd: [[echo, hi]]\n".to_owned()),
             labels: machine_labels(UID, "prod"),
+            credentials: None,
         }
     }
 
@@ -770,7 +780,30 @@ mod tests {
         let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
         assert_eq!(
             metadata_value(body(&insert), USER_DATA_KEY),
-            Some(squid_cloud_init(8080).as_str())
+            Some(squid_cloud_init(8080, None).as_str())
+        );
+        assert_eq!(metadata_value(body(&insert), HTPASSWD_KEY), None);
+
+        // Generated credentials: the default cloud-init checks them, and a Proxy's own
+        // cloud-init finds the password-file line in the metadata.
+        req.credentials = Some(MachineCredentials {
+            secret_name: "proxy-x-credentials".into(),
+            htpasswd: "proxy-operator:$6$s$h".into(),
+        });
+        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        assert_eq!(
+            metadata_value(body(&insert), USER_DATA_KEY),
+            Some(squid_cloud_init(8080, Some("proxy-operator:$6$s$h")).as_str())
+        );
+        assert_eq!(
+            metadata_value(body(&insert), HTPASSWD_KEY),
+            Some("proxy-operator:$6$s$h")
+        );
+        req.cloud_init = Some("#cloud-config\n".into());
+        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        assert_eq!(
+            metadata_value(body(&insert), HTPASSWD_KEY),
+            Some("proxy-operator:$6$s$h")
         );
     }
 

@@ -7,9 +7,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, Pod, PodSecurityContext,
-    PodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext, TCPSocketAction, Volume,
-    VolumeMount,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, Pod,
+    PodSecurityContext, PodSpec, Probe, ResourceRequirements, SeccompProfile, SecretKeySelector,
+    SecurityContext, TCPSocketAction, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -20,12 +20,13 @@ use super::config::{KubernetesConfig, PodSecurity};
 use super::kube_refusal::{ApiFailure, classify};
 use super::pod_status::instance_from_pod;
 use super::squid_conf::{
-    POD_RUN_DIR, SQUID_CONFIG_ENV, pod_launch_script, pod_squid_config,
+    POD_RUN_DIR, SQUID_CONFIG_ENV, SQUID_PASSWD_ENV, pod_launch_script, pod_squid_config,
     pod_squid_config_unprivileged,
 };
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
+use crate::credentials::HTPASSWD_KEY;
 use crate::proxy::{MANAGED_LABEL, PROXY_ANNOTATION};
 
 /// Name of the squid container (and of its port).
@@ -130,11 +131,32 @@ pub fn build_pod_with(
         "proxy-operator".to_owned(),
     );
     let restricted = pod_security == PodSecurity::Restricted;
+    let authenticated = request.credentials.is_some();
     let squid_config = if restricted {
-        pod_squid_config_unprivileged(request.port, POD_RUN_DIR)
+        pod_squid_config_unprivileged(request.port, POD_RUN_DIR, authenticated)
     } else {
-        pod_squid_config(request.port, POD_RUN_DIR)
+        pod_squid_config(request.port, POD_RUN_DIR, authenticated)
     };
+    let mut env = vec![EnvVar {
+        name: SQUID_CONFIG_ENV.to_owned(),
+        value: Some(squid_config),
+        ..EnvVar::default()
+    }];
+    if let Some(credentials) = &request.credentials {
+        // From the Secret, so the Pod spec holds no credentials at all.
+        env.push(EnvVar {
+            name: SQUID_PASSWD_ENV.to_owned(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: credentials.secret_name.clone(),
+                    key: HTPASSWD_KEY.to_owned(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
     let quantities = |cpu: &str, memory: &str| {
         BTreeMap::from([
             ("cpu".to_owned(), Quantity(cpu.to_owned())),
@@ -161,11 +183,7 @@ pub fn build_pod_with(
                     "-c".to_owned(),
                     pod_launch_script(POD_RUN_DIR),
                 ]),
-                env: Some(vec![EnvVar {
-                    name: SQUID_CONFIG_ENV.to_owned(),
-                    value: Some(squid_config),
-                    ..EnvVar::default()
-                }]),
+                env: Some(env),
                 ports: Some(vec![ContainerPort {
                     name: Some(CONTAINER_NAME.to_owned()),
                     container_port: request.port,
@@ -378,6 +396,7 @@ mod tests {
             placement: None,
             cloud_init: None,
             labels: BTreeMap::from([("geo".to_owned(), "eu".to_owned())]),
+            credentials: None,
         }
     }
 
@@ -422,7 +441,7 @@ mod tests {
         let pod = build_pod(&request(), "ubuntu/squid", "prod");
         let c = container(&pod);
         assert_eq!(c.image.as_deref(), Some("ubuntu/squid"));
-        assert_launches_squid_with(c, &pod_squid_config(3129, POD_RUN_DIR));
+        assert_launches_squid_with(c, &pod_squid_config(3129, POD_RUN_DIR, false));
     }
 
     /// The container runs the launch script with exactly `config` in its one env var.
@@ -492,7 +511,7 @@ mod tests {
         assert!(container.get("volumeMounts").is_none(), "{json}");
         assert_eq!(
             container["env"][0]["value"],
-            pod_squid_config(3129, POD_RUN_DIR)
+            pod_squid_config(3129, POD_RUN_DIR, false)
         );
     }
 
@@ -552,7 +571,7 @@ mod tests {
         assert_eq!(mounts[0].mount_path, POD_RUN_DIR);
         assert_eq!(mounts[0].read_only, None);
         // The same launch script; a config with nothing to write outside the run dir.
-        assert_launches_squid_with(c, &pod_squid_config_unprivileged(3129, POD_RUN_DIR));
+        assert_launches_squid_with(c, &pod_squid_config_unprivileged(3129, POD_RUN_DIR, false));
     }
 
     #[test]

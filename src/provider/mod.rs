@@ -101,6 +101,18 @@ pub struct CreateRequest {
     pub cloud_init: Option<String>,
     /// Labels to put on the machine (managed, proxy-uid, install).
     pub labels: BTreeMap<String, String>,
+    /// The credentials the machine's squid asks of every client; `None`: an open squid.
+    pub credentials: Option<MachineCredentials>,
+}
+
+/// The credentials a machine checks, as the operator generated them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineCredentials {
+    /// The Secret holding them, in the Proxy's namespace (keys `username`, `password` and
+    /// `htpasswd`); a squid Pod reads its password file from it.
+    pub secret_name: String,
+    /// The squid password-file line (`user:$6$...`): a hash, never the password.
+    pub htpasswd: String,
 }
 
 /// The name of a provider operation, used in errors and as the `op` metric label.

@@ -190,11 +190,14 @@ pub enum Error {
     /// The object lacks a field the API server always sets.
     #[error("object has no {0}")]
     MissingField(&'static str),
+    /// The machine's credentials cannot be made or read.
+    #[error("machine credentials: {0}")]
+    Credentials(String),
 }
 
 impl Error {
     /// Every [`Error::metric_label`].
-    pub const KINDS: [&'static str; 3] = ["kube", "provider", "missing_field"];
+    pub const KINDS: [&'static str; 4] = ["kube", "provider", "missing_field", "credentials"];
 
     /// Short label for metrics and logs.
     pub fn metric_label(&self) -> &'static str {
@@ -202,6 +205,7 @@ impl Error {
             Error::Kube(_) => "kube",
             Error::Provider(_) => "provider",
             Error::MissingField(_) => "missing_field",
+            Error::Credentials(_) => "credentials",
         }
     }
 }

@@ -6,13 +6,16 @@
 //!
 //! [`decide`]: super::decide::decide
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller;
 use kube::runtime::events::{Event, EventType};
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::budget::{self, Admission};
@@ -29,9 +32,15 @@ use super::status::{
     REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
     annotations_patch,
 };
+use crate::credentials::{
+    CREDENTIALS_SECRET_LABEL, Credentials, HTPASSWD_KEY, PASSWORD_KEY, USERNAME_KEY,
+    machine_secret_name,
+};
 use crate::events::event;
 use crate::naming::machine_name;
-use crate::provider::{CreateRequest, Provider, ProviderError, Waiting, machine_labels};
+use crate::provider::{
+    CreateRequest, MachineCredentials, Provider, ProviderError, Waiting, machine_labels,
+};
 use crate::proxy::{
     CONDITION_PROVISIONED, CREATE_PENDING_ANNOTATION, ConditionStatus, Disruption,
     DisruptionReason, FINALIZER, Phase, Proxy, ProxySpec, ProxyStatus, REASON_DRAINING,
@@ -155,7 +164,7 @@ impl Machine<'_> {
         self.proxy.uid().unwrap_or_default()
     }
 
-    fn create_request(&self) -> CreateRequest {
+    fn create_request(&self, credentials: MachineCredentials) -> CreateRequest {
         let id = self.proxy.id();
         let labels = machine_labels(&id.uid, &self.ctx.install);
         CreateRequest {
@@ -167,6 +176,7 @@ impl Machine<'_> {
             placement: self.proxy.spec.placement.clone(),
             cloud_init: self.cloud_init.clone(),
             labels,
+            credentials: Some(credentials),
         }
     }
 
@@ -821,7 +831,7 @@ async fn create(
             )])),
         )
         .await?;
-    let request = machine.create_request();
+    let request = machine.create_request(machine_credentials(machine).await?);
     match provider.create(&request).await {
         Ok(instance) => {
             log::info!(
@@ -849,6 +859,90 @@ async fn create(
             Ok(step)
         }
     }
+}
+
+/// The credentials the Proxy's machines check: those of its credentials Secret, which is
+/// created (owned by the Proxy, labelled so the operator's watch sees it) with new random ones
+/// when it does not exist yet. Every machine of the Proxy checks the same ones until the
+/// Secret is deleted; they are never logged and never part of the spec hash.
+async fn machine_credentials(machine: &Machine<'_>) -> Result<MachineCredentials, Error> {
+    let id = machine.proxy.id();
+    let name = machine_secret_name(&id.uid);
+    let secrets: Api<Secret> = Api::namespaced(machine.ctx.client.clone(), &id.namespace);
+    let existing = match secrets.get_opt(&name).await? {
+        Some(secret) => Some(secret),
+        None => {
+            let secret = credentials_secret(machine, &name)?;
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {
+                    log::info!(
+                        "Proxy {}: generated the credentials of its machines (Secret {}/{name})",
+                        machine.proxy.key(),
+                        id.namespace
+                    );
+                    Some(secret)
+                }
+                // Created by a reconcile that raced this one: use what it wrote.
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    secrets.get_opt(&name).await?
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    let htpasswd = existing.as_ref().and_then(htpasswd_of).ok_or_else(|| {
+        Error::Credentials(format!(
+            "Secret {}/{name} has no key {HTPASSWD_KEY:?}: delete it, and the next machine \
+             gets new credentials",
+            id.namespace
+        ))
+    })?;
+    Ok(MachineCredentials {
+        secret_name: name,
+        htpasswd,
+    })
+}
+
+/// A new credentials Secret `name` for the machine's Proxy, with random credentials.
+fn credentials_secret(machine: &Machine<'_>, name: &str) -> Result<Secret, Error> {
+    let credentials = Credentials::generate();
+    let htpasswd = credentials.htpasswd_line().map_err(Error::Credentials)?;
+    let mut labels = machine_labels(&machine.uid(), &machine.ctx.install);
+    labels.insert(CREDENTIALS_SECRET_LABEL.to_owned(), "true".to_owned());
+    Ok(Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: machine.proxy.namespace(),
+            labels: Some(labels),
+            owner_references: machine.proxy.controller_owner_ref(&()).map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        string_data: Some(BTreeMap::from([
+            (USERNAME_KEY.to_owned(), credentials.username),
+            (PASSWORD_KEY.to_owned(), credentials.password),
+            (HTPASSWD_KEY.to_owned(), htpasswd),
+        ])),
+        type_: Some("Opaque".to_owned()),
+        ..Secret::default()
+    })
+}
+
+/// The password-file line a credentials Secret holds (in `data` as the API server answers, or
+/// in `stringData` as just written).
+fn htpasswd_of(secret: &Secret) -> Option<String> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(HTPASSWD_KEY))
+        .and_then(|b| String::from_utf8(b.0.clone()).ok())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(HTPASSWD_KEY))
+                .cloned()
+        })
+        .filter(|line| !line.is_empty())
 }
 
 /// Deletes the machine and reports the given provisioning state; the Event (`event`) goes out

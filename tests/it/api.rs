@@ -9,7 +9,8 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{self, ApiState, ApiToken, CandidateIndex, ProxyListCache, TokenSet};
+use proxy_operator::api::{self, ApiState, ProxyListCache};
+use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
@@ -17,6 +18,7 @@ use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock, SqliteLed
 use proxy_operator::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
+use proxy_operator::tokens::{ApiToken, TokenSet};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -119,6 +121,8 @@ impl Harness {
             SqliteLedger::open(&dir.path().join("ledger.db"), config, dyn_clock.clone()).unwrap();
         let registry = prometheus::Registry::new();
         let state = ApiState {
+            lease_credentials: None,
+            sessions: Default::default(),
             inventory: inventory.clone(),
             health: health.clone(),
             ledger: Arc::new(ledger.clone()),
@@ -1281,6 +1285,7 @@ async fn openapi_document_lists_every_route() {
         ("/v1/leases/{id}", "delete"),
         ("/v1/leases/{id}/renew", "post"),
         ("/v1/leases/{id}/report", "post"),
+        ("/v1/sessions/{name}/report", "post"),
         ("/v1/openapi.json", "get"),
         ("/healthz", "get"),
         ("/readyz", "get"),
@@ -1291,14 +1296,16 @@ async fn openapi_document_lists_every_route() {
             "{method} {path} missing"
         );
     }
-    assert_eq!(paths.len(), 8, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 9, "{:?}", paths.keys().collect::<Vec<_>>());
     // Every documented route answers something other than 404 on the real server.
     for (path, method) in expected {
-        let path = path.replace("{id}", "x");
+        let path = path.replace("{id}", "x").replace("{name}", "x");
         let m: reqwest::Method = method.to_uppercase().parse().unwrap();
         let (s, _, _) = h.send(m, &path, Some(json!({"result": "ok"}))).await;
         assert!(
-            s != StatusCode::NOT_FOUND || path.contains("/leases/x"),
+            s != StatusCode::NOT_FOUND
+                || path.contains("/leases/x")
+                || path.contains("/sessions/x"),
             "{method} {path}: {s}"
         );
     }
@@ -1646,7 +1653,7 @@ async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_docum
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let paths: Vec<String> = doc["paths"].as_object().unwrap().keys().cloned().collect();
-    assert_eq!(paths.len(), 8, "{paths:?}");
+    assert_eq!(paths.len(), 9, "{paths:?}");
     let methods = [
         "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY",
     ];

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
+use proxy_operator::api::{ApiState, ProxyListCache};
+use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
@@ -83,6 +84,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     let (transitions, _keep) = tokio::sync::mpsc::channel(64);
     let engine = HealthEngine::new(
         EngineConfig {
+            credentials: Default::default(),
             workers: 4,
             tick: Duration::from_millis(20),
             extra_root_certs: vec![target.ca_cert_der()],
@@ -104,6 +106,8 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     )
     .unwrap();
     let state = ApiState {
+        lease_credentials: None,
+        sessions: Default::default(),
         inventory: inventory.clone(),
         health: health.clone(),
         ledger: Arc::new(ledger.clone()),

@@ -236,9 +236,9 @@ fn standalone_inventories_refuse_what_the_crd_refuses() {
             value = serde_json::to_string(&case.value).unwrap()
         );
         match file.parse(&document) {
-            Ok(proxies) => {
+            Ok(loaded) => {
                 assert!(case.accepted, "{name}: accepted by the inventory");
-                assert_eq!(proxies.len(), 1);
+                assert_eq!(loaded.proxies.len(), 1);
             }
             Err(e) => {
                 assert!(!case.accepted, "{name}: refused: {e}");

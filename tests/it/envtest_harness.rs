@@ -46,6 +46,7 @@ fn managed_pod(namespace: &str, proxy: &str) -> Pod {
             placement: None,
             cloud_init: None,
             labels: machine_labels(&uid, "envtest-harness"),
+            credentials: None,
         },
         "ubuntu/squid",
         "envtest-harness",
@@ -258,19 +259,33 @@ async fn operator_identity_has_exactly_the_manifest_rights() {
         Err(kube::Error::Api(status)) if status.code == 403 => {}
         other => panic!("{what} was not refused with 403: {other:?}"),
     };
+    // A Managed proxy's credentials Secret is created, never changed or deleted by the
+    // operator (the Proxy owns it: the garbage collector deletes it with the Proxy).
     let secret = Secret {
         metadata: ObjectMeta {
-            name: Some("nope".to_owned()),
+            name: Some("credentials".to_owned()),
             ..ObjectMeta::default()
         },
         ..Secret::default()
     };
+    let secrets = Api::<Secret>::namespaced(operator.clone(), &namespace);
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("the operator creates a Secret");
     forbidden(
-        Api::<Secret>::namespaced(operator.clone(), &namespace)
-            .create(&PostParams::default(), &secret)
+        secrets
+            .replace("credentials", &PostParams::default(), &secret)
             .await
             .map(drop),
-        "create Secret",
+        "update Secret",
+    );
+    forbidden(
+        secrets
+            .delete("credentials", &DeleteParams::default())
+            .await
+            .map(drop),
+        "delete Secret",
     );
     forbidden(
         Api::<DynamicObject>::namespaced_with(operator.clone(), &namespace, &proxy_resource())

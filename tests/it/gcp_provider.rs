@@ -139,6 +139,7 @@ fn request() -> CreateRequest {
         placement: None,
         cloud_init: Some("#cloud-config\n".to_owned()),
         labels: machine_labels(UID, "prod"),
+        credentials: None,
     }
 }
 

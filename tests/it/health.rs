@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 fn settings(squid: &Squid, probe_url: String, timeout: Duration) -> ProbeSettings {
     ProbeSettings {
+        credentials: None,
         proxy_url: squid.url(),
         probe_url,
         timeout,
@@ -45,7 +46,7 @@ async fn https_probe_tunnels_through_squid_on_a_fresh_connection_every_time() {
     let target = Target::start();
     let client = client(&squid, &target, target.https_url());
     for _ in 0..3 {
-        let result = client.probe().await;
+        let result = client.probe(None).await;
         assert_eq!(result.outcome, Ok(204));
         assert!(result.latency > Duration::ZERO);
     }
@@ -62,7 +63,7 @@ async fn http_probe_is_forwarded_and_any_expected_status_succeeds() {
     let target = Target::start();
     target.set_status(200);
     let client = client(&squid, &target, target.http_url());
-    assert_eq!(client.probe().await.outcome, Ok(200));
+    assert_eq!(client.probe(None).await.outcome, Ok(200));
     wait_until("the forwarded GET in squid's access log", || {
         squid
             .access_log()
@@ -78,7 +79,7 @@ async fn unexpected_status_fails_with_the_status() {
     target.set_status(500);
     for url in [target.http_url(), target.https_url()] {
         let err = client(&squid, &target, url.clone())
-            .probe()
+            .probe(None)
             .await
             .outcome
             .unwrap_err();
@@ -93,7 +94,7 @@ async fn a_dead_proxy_is_connect_refused() {
     let target = Target::start();
     squid.kill();
     for url in [target.http_url(), target.https_url()] {
-        let result = client(&squid, &target, url.clone()).probe().await;
+        let result = client(&squid, &target, url.clone()).probe(None).await;
         assert_eq!(error_kind(&result), ProbeErrorKind::ConnectRefused, "{url}");
     }
 }
@@ -102,12 +103,14 @@ async fn a_dead_proxy_is_connect_refused() {
 async fn a_refused_connect_is_an_error_not_a_response() {
     let squid = Squid::start_with(SquidOptions { deny_connect: true });
     let target = Target::start();
-    let result = client(&squid, &target, target.https_url()).probe().await;
+    let result = client(&squid, &target, target.https_url())
+        .probe(None)
+        .await;
     let err = result.outcome.unwrap_err();
     assert_eq!(err.kind, ProbeErrorKind::ConnectTunnelRefused, "{err}");
     assert_eq!(err.status, None);
     // The same proxy still forwards plain HTTP: only CONNECT is denied.
-    let plain = client(&squid, &target, target.http_url()).probe().await;
+    let plain = client(&squid, &target, target.http_url()).probe(None).await;
     assert_eq!(plain.outcome, Ok(204));
     assert_eq!(
         target.connections(),
@@ -126,12 +129,12 @@ async fn a_proxy_that_cannot_reach_the_target_fails_both_ways() {
         .unwrap()
         .port();
     let https = client(&squid, &target, format!("https://127.0.0.1:{closed}/"))
-        .probe()
+        .probe(None)
         .await;
     assert_eq!(error_kind(&https), ProbeErrorKind::ConnectTunnelRefused);
     // For http:// URLs the proxy's failure arrives as its own response.
     let http = client(&squid, &target, format!("http://127.0.0.1:{closed}/"))
-        .probe()
+        .probe(None)
         .await;
     let err = http.outcome.unwrap_err();
     assert_eq!(err.kind, ProbeErrorKind::UnexpectedStatus);
@@ -147,7 +150,7 @@ async fn a_slow_target_times_out_at_the_probe_timeout() {
     let tls = ProbeTls::new(&[target.ca_cert_der()]);
     let timeout = Duration::from_millis(400);
     let client = ProbeClient::new(settings(&squid, target.https_url(), timeout), &tls);
-    let result = client.probe().await;
+    let result = client.probe(None).await;
     assert_eq!(error_kind(&result), ProbeErrorKind::Timeout);
     assert!(result.latency >= timeout, "{:?}", result.latency);
     assert!(
@@ -165,7 +168,7 @@ async fn an_untrusted_certificate_is_a_tls_error() {
         settings(&squid, target.https_url(), Duration::from_secs(10)),
         &ProbeTls::new(&[]),
     );
-    let result = client.probe().await;
+    let result = client.probe(None).await;
     assert_eq!(error_kind(&result), ProbeErrorKind::Tls, "{result:?}");
 }
 
@@ -216,6 +219,7 @@ impl Running {
         let metrics = ProbeMetrics::register(&registry).unwrap();
         let (sender, transitions) = mpsc::channel(channel);
         let config = EngineConfig {
+            credentials: Default::default(),
             workers: 4,
             tick: Duration::from_millis(20),
             extra_root_certs: vec![target.ca_cert_der()],

@@ -41,6 +41,7 @@ fn request() -> CreateRequest {
         placement: None,
         cloud_init: None,
         labels: machine_labels(UID, "prod"),
+        credentials: None,
     }
 }
 

@@ -74,6 +74,7 @@ impl Operator {
             .arg(dir.join("ledger.db"))
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(["--gateway-addr", &format!("127.0.0.1:{}", free_port())])
             .args(["--ledger-durability", "normal"])
             .env("DISCOVERY_TOKEN", TOKEN)
             .env("RUST_LOG", "warn")

@@ -453,7 +453,7 @@ fn service_exposes_the_api_and_scrapeable_metrics() {
     let container = container(&objects);
     let ports = service["spec"]["ports"].as_array().unwrap();
     let names: Vec<&str> = ports.iter().map(|p| p["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["http-api", "metrics"]);
+    assert_eq!(names, ["http-api", "metrics", "gateway"]);
     for port in ports {
         let name = port["name"].as_str().unwrap();
         assert_eq!(port["targetPort"], name);

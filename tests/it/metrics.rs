@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use prometheus::{Encoder, Registry, TextEncoder};
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
+use proxy_operator::api::{ApiState, ProxyListCache};
+use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
@@ -131,6 +132,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
     let drain = tokio::spawn(async move { while transitions.recv().await.is_some() {} });
     let engine = HealthEngine::new(
         EngineConfig {
+            credentials: Default::default(),
             workers: 2,
             tick: Duration::from_millis(20),
             extra_root_certs: vec![target.ca_cert_der()],
@@ -145,6 +147,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
 
     let outcome = ledger
         .acquire(AcquireRequest {
+            client: None,
             candidates: vec![Candidate {
                 proxy: Arc::new(ProxyId {
                     namespace: "crawl".into(),
@@ -388,6 +391,8 @@ impl CooldownWorld {
                 .unwrap();
         registry.register(Box::new(fleet)).unwrap();
         let state = ApiState {
+            lease_credentials: None,
+            sessions: Default::default(),
             inventory,
             health,
             ledger: Arc::new(ledger.clone()),

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use crate::support::mock_api::{Call, mock_client, status};
 use crate::support::stub_provider::StubProvider;
 
+use proxy_operator::credentials::machine_secret_name;
 use proxy_operator::health::HealthTransition;
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::provider::{ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider};
@@ -28,6 +29,7 @@ const UID: &str = "7d0f9a1e-2c44-4b59-9a4f-0e5b1f3c2d10";
 const PROXY_PATH: &str = "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/p1";
 const STATUS_PATH: &str = "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies/p1/status";
 const EVENTS_PATH: &str = "/apis/events.k8s.io/v1/namespaces/crawl/events";
+const SECRETS_PATH: &str = "/api/v1/namespaces/crawl/secrets";
 const CLOUD_INIT: &str = "#cloud-config\n";
 const NOW: &str = "2023-11-14T22:13:20Z";
 
@@ -48,19 +50,51 @@ fn instance(state: InstanceState, ip: Option<&str>) -> Instance {
     }
 }
 
-/// One expected request: method, path, and a check of its JSON body.
+/// One expected request: method, path, a check of its JSON body, and the answer (by default
+/// 200 with the stored Proxy, or the Event echoed).
 struct Expect {
     method: Method,
-    path: &'static str,
+    path: String,
     body: Box<dyn Fn(&Value) + Send>,
+    reply: Option<(u16, Value)>,
 }
 
-fn expect(method: Method, path: &'static str, body: impl Fn(&Value) + Send + 'static) -> Expect {
+fn expect(
+    method: Method,
+    path: impl Into<String>,
+    body: impl Fn(&Value) + Send + 'static,
+) -> Expect {
     Expect {
         method,
-        path,
+        path: path.into(),
         body: Box::new(body),
+        reply: None,
     }
+}
+
+impl Expect {
+    fn answered(self, code: u16, reply: Value) -> Expect {
+        Expect {
+            reply: Some((code, reply)),
+            ..self
+        }
+    }
+}
+
+/// The path of the credentials Secret of the Proxy's machines.
+fn secret_path() -> String {
+    format!("{SECRETS_PATH}/{}", machine_secret_name(UID))
+}
+
+/// The read of the machines' credentials Secret before a create, finding it.
+fn existing_credentials() -> Expect {
+    let secret = json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": machine_secret_name(UID), "namespace": NS},
+        // base64 of `u:$6$salt$hash`
+        "data": {"username": "dQ==", "password": "cA==", "htpasswd": "dTokNiRzYWx0JGhhc2g="},
+    });
+    expect(Method::GET, secret_path(), |_| {}).answered(200, secret)
 }
 
 fn body_eq(expected: Value) -> impl Fn(&Value) + Send + 'static {
@@ -162,12 +196,12 @@ async fn run_in(
             }
             (step.body)(&body);
             // Patches get the stored Proxy back; an Event is echoed.
-            let reply = if step.path == EVENTS_PATH {
-                call.body.clone()
-            } else {
-                stored.clone()
+            let (code, reply) = match step.reply {
+                Some(reply) => reply,
+                None if step.path == EVENTS_PATH => (200, call.body.clone()),
+                None => (200, stored.clone()),
             };
-            call.respond(200, reply);
+            call.respond(code, reply);
         }
         // Dropping the handle makes any further request fail the reconcile.
     });
@@ -260,6 +294,24 @@ async fn create_marks_pending_creates_records_status_then_hash() {
                 PROXY_PATH,
                 body_eq(json!({"metadata": {"annotations": {"crawl.example.com/create-pending": hash}}})),
             ),
+            expect(Method::GET, secret_path(), |_| {}).answered(
+                404,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                       "reason": "NotFound", "code": 404, "message": "not found"}),
+            ),
+            expect(Method::POST, SECRETS_PATH, |secret| {
+                let metadata = &secret["metadata"];
+                assert_eq!(metadata["name"], machine_secret_name(UID));
+                assert_eq!(metadata["labels"]["crawl.example.com/proxy-credentials"], "true");
+                assert_eq!(metadata["ownerReferences"][0]["uid"], UID);
+                assert_eq!(metadata["ownerReferences"][0]["controller"], true);
+                let data = &secret["stringData"];
+                let user = data["username"].as_str().unwrap();
+                assert_eq!(data["password"].as_str().unwrap().len(), 32);
+                let line = data["htpasswd"].as_str().unwrap();
+                assert!(line.starts_with(&format!("{user}:$6$")), "{line}");
+            })
+            .answered(201, json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}})),
             expect(
                 Method::PATCH,
                 STATUS_PATH,
@@ -300,6 +352,13 @@ async fn create_marks_pending_creates_records_status_then_hash() {
     assert_eq!(request.labels["crawl.example.com/managed"], "true");
     assert_eq!(request.labels["crawl.example.com/proxy-uid"], UID);
     assert_eq!(request.labels[INSTALL_LABEL], "test-install");
+    let credentials = request.credentials.expect("the machine gets credentials");
+    assert_eq!(credentials.secret_name, machine_secret_name(UID));
+    assert!(
+        credentials.htpasswd.contains(":$6$"),
+        "{}",
+        credentials.htpasswd
+    );
 }
 
 #[tokio::test]
@@ -318,6 +377,7 @@ async fn interrupted_create_is_recovered_by_name_without_a_second_create() {
         None,
         vec![
             expect(Method::PATCH, PROXY_PATH, |_| {}),
+            existing_credentials(),
             expect(Method::PATCH, STATUS_PATH, |b| {
                 assert_eq!(b["status"]["providerID"], "crawl/proxy-abc")
             }),
@@ -669,6 +729,7 @@ async fn permanent_failure_marks_failed_and_is_retried_on_a_slow_timer() {
         None,
         vec![
             expect(Method::PATCH, PROXY_PATH, |_| {}),
+            existing_credentials(),
             expect(Method::PATCH, STATUS_PATH, |b| {
                 assert_eq!(b["status"]["phase"], "Failed");
                 assert_eq!(b["status"]["conditions"][0]["reason"], "ProviderFailed");
@@ -694,6 +755,7 @@ async fn permanent_failure_marks_failed_and_is_retried_on_a_slow_timer() {
         None,
         vec![
             expect(Method::PATCH, PROXY_PATH, |_| {}),
+            existing_credentials(),
             expect(Method::PATCH, STATUS_PATH, |b| {
                 assert_eq!(b["status"]["phase"], "Failed");
                 let message = b["status"]["conditions"][0]["message"].as_str().unwrap();
@@ -722,6 +784,7 @@ async fn quota_sets_the_condition_and_requeues_in_minutes() {
         None,
         vec![
             expect(Method::PATCH, PROXY_PATH, |_| {}),
+            existing_credentials(),
             expect(Method::PATCH, STATUS_PATH, |b| {
                 assert_eq!(b["status"]["phase"], "Pending");
                 assert_eq!(b["status"]["conditions"][0]["reason"], "QuotaExceeded");

@@ -64,7 +64,7 @@ fn standalone_sample_loads_as_an_inventory() {
     let file =
         proxy_operator::inventory::file::InventoryFile::new(samples_dir().join("standalone.yaml"))
             .unwrap();
-    let proxies = file.load().unwrap();
+    let proxies = file.load().unwrap().proxies;
     assert_eq!(proxies.len(), 3);
     assert!(proxies.iter().all(|p| p.spec.mode == Mode::External));
     assert_eq!(proxies[2].key(), "partners/partner-eu-1");

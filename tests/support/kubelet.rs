@@ -24,11 +24,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
-use proxy_operator::provider::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV};
+use proxy_operator::provider::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV, SQUID_PASSWD_ENV};
 use proxy_operator::proxy::MANAGED_LABEL;
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -84,9 +84,10 @@ impl Kubelet {
         let state = Arc::new(Mutex::new(State::default()));
         let worker = Worker {
             pods: match namespace {
-                Some(namespace) => Api::namespaced(client, namespace),
-                None => Api::all(client),
+                Some(namespace) => Api::namespaced(client.clone(), namespace),
+                None => Api::all(client.clone()),
             },
+            client,
             state: state.clone(),
             node: node.clone(),
         };
@@ -308,6 +309,8 @@ enum Published {
 
 struct Worker {
     pods: Api<Pod>,
+    /// Reads the Secrets a Pod's env names (`valueFrom.secretKeyRef`), as a kubelet does.
+    client: kube::Client,
     state: Arc<Mutex<State>>,
     node: String,
 }
@@ -633,6 +636,14 @@ impl Worker {
                 return None;
             }
         };
+        let passwd = match self.squid_passwd_of(pod, &namespace).await {
+            Ok(passwd) => passwd,
+            Err(problem) => {
+                // A kubelet cannot start the container either (CreateContainerConfigError).
+                self.complain(uid, &format!("cannot run {namespace}/{name}: {problem}"));
+                return None;
+            }
+        };
         // A leaked squid of an earlier run may hold an address: try new ones until one is
         // published (then the Pod's IP must stay).
         for _ in 0..5 {
@@ -643,10 +654,12 @@ impl Worker {
                 (address, record.address_published)
             };
             let config = config.clone();
-            let started =
-                tokio::task::spawn_blocking(move || RunningSquid::start(&config, address))
-                    .await
-                    .unwrap_or_else(|e| Err(format!("the squid start-up task failed: {e}")));
+            let passwd = passwd.clone();
+            let started = tokio::task::spawn_blocking(move || {
+                RunningSquid::start(&config, passwd.as_deref(), address)
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("the squid start-up task failed: {e}")));
             let mut state = self.lock();
             match started {
                 Ok(squid) => {
@@ -678,6 +691,40 @@ impl Worker {
             }
         }
         None
+    }
+
+    /// The password-file line the Pod's squid container gets in `SQUID_PASSWD`, read from the
+    /// Secret its env names, as a kubelet resolves `valueFrom.secretKeyRef`; `None` when the
+    /// container has no such env (an open squid).
+    async fn squid_passwd_of(&self, pod: &Pod, namespace: &str) -> Result<Option<String>, String> {
+        let Some(reference) = squid_container(pod)
+            .ok()
+            .and_then(|c| c.env.as_ref())
+            .and_then(|env| env.iter().find(|e| e.name == SQUID_PASSWD_ENV))
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.secret_key_ref.clone())
+        else {
+            return Ok(None);
+        };
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+        let secret = secrets
+            .get_opt(&reference.name)
+            .await
+            .map_err(|e| format!("read Secret {namespace}/{}: {e}", reference.name))?
+            .ok_or_else(|| format!("Secret {namespace}/{} not found", reference.name))?;
+        let value = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&reference.key))
+            .ok_or_else(|| {
+                format!(
+                    "Secret {namespace}/{} has no key {:?}",
+                    reference.name, reference.key
+                )
+            })?;
+        String::from_utf8(value.0.clone())
+            .map(Some)
+            .map_err(|_| format!("Secret {namespace}/{} is not UTF-8", reference.name))
     }
 
     fn complain(&self, uid: &str, problem: &str) {
@@ -732,18 +779,23 @@ fn next_address() -> Ipv4Addr {
     Ipv4Addr::new(127, process, (n / 250) as u8, (1 + n % 250) as u8)
 }
 
-/// The squid configuration the Pod carries in its squid container's `SQUID_CONFIG` env.
-fn squid_config_of(pod: &Pod) -> Result<String, String> {
+/// The Pod's squid container.
+fn squid_container(pod: &Pod) -> Result<&Container, String> {
     let containers = pod
         .spec
         .as_ref()
         .map(|s| s.containers.as_slice())
         .unwrap_or_default();
-    let container = containers
+    containers
         .iter()
         .find(|c| c.name == CONTAINER)
         .or(containers.first())
-        .ok_or("the Pod has no container")?;
+        .ok_or_else(|| "the Pod has no container".to_owned())
+}
+
+/// The squid configuration the Pod carries in its squid container's `SQUID_CONFIG` env.
+fn squid_config_of(pod: &Pod) -> Result<String, String> {
+    let container = squid_container(pod)?;
     let env = container
         .env
         .as_ref()
@@ -816,8 +868,13 @@ struct RunningSquid {
 }
 
 impl RunningSquid {
-    /// Starts squid with the Pod's `config` on `address` and waits until it accepts.
-    fn start(config: &str, address: Ipv4Addr) -> Result<RunningSquid, String> {
+    /// Starts squid with the Pod's `config` (and its password file `passwd`, written where the
+    /// container's launch script writes it) on `address` and waits until it accepts.
+    fn start(
+        config: &str,
+        passwd: Option<&str>,
+        address: Ipv4Addr,
+    ) -> Result<RunningSquid, String> {
         let dir = tempfile::Builder::new()
             .prefix("envtest-kubelet-squid-")
             .tempdir()
@@ -826,6 +883,11 @@ impl RunningSquid {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
             .map_err(|e| format!("chmod the squid dir: {e}"))?;
         let (text, port) = rewrite_squid_config(config, address, dir.path())?;
+        if let Some(line) = passwd {
+            let file = dir.path().join("passwd");
+            std::fs::write(&file, format!("{line}\n"))
+                .map_err(|e| format!("write {}: {e}", file.display()))?;
+        }
         let conf = dir.path().join("squid.conf");
         std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
         let stderr = std::fs::File::create(dir.path().join("stderr.log"))

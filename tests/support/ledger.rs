@@ -104,6 +104,7 @@ pub fn request(
     ttl: Duration,
 ) -> AcquireRequest {
     AcquireRequest {
+        client: None,
         candidates: candidates.into(),
         target: Some(target.to_owned()),
         ttl,

@@ -87,7 +87,8 @@ pub fn serve_api(
     state: proxy_operator::api::ApiState,
     token: &str,
 ) -> (String, actix_web::dev::ServerHandle) {
-    use proxy_operator::api::{self, ApiToken, TokenSet};
+    use proxy_operator::api;
+    use proxy_operator::tokens::{ApiToken, TokenSet};
     let listener = loopback_listener();
     let base = format!("http://{}", listener.local_addr().expect("its address"));
     let tokens = TokenSet::single(token.as_bytes(), "TOKEN").expect("a valid test token");

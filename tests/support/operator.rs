@@ -69,6 +69,7 @@ pub struct OperatorProcess {
     options: OperatorOptions,
     api_port: u16,
     metrics_port: u16,
+    gateway_port: u16,
     log: PathBuf,
     http: reqwest::Client,
 }
@@ -81,6 +82,7 @@ impl OperatorProcess {
             child: None,
             api_port: free_port(),
             metrics_port: free_port(),
+            gateway_port: free_port(),
             log: options.dir.join("operator.log"),
             options,
             http: reqwest::Client::new(),
@@ -145,6 +147,10 @@ impl OperatorProcess {
             .args([
                 "--metrics-addr",
                 &format!("127.0.0.1:{}", self.metrics_port),
+            ])
+            .args([
+                "--gateway-addr",
+                &format!("127.0.0.1:{}", self.gateway_port),
             ])
             .args(["--install-id", &self.options.install_id])
             .args([
@@ -242,6 +248,11 @@ impl OperatorProcess {
     /// What the process logged so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `127.0.0.1:<port>`, the gateway's address.
+    pub fn gateway(&self) -> String {
+        format!("127.0.0.1:{}", self.gateway_port)
     }
 
     /// The ledger file.

@@ -67,6 +67,7 @@ spec:
 pub struct Standalone {
     child: Child,
     api: String,
+    gateway: String,
     log: PathBuf,
     inventory: PathBuf,
 }
@@ -88,6 +89,7 @@ impl Standalone {
         let log = dir.join("operator.log");
         let log_file = std::fs::File::create(&log).expect("create the operator log");
         let api_port = free_port();
+        let gateway_port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
             .args(["standalone", "--inventory"])
             .arg(&inventory)
@@ -97,6 +99,7 @@ impl Standalone {
             .arg(probe_ca)
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(["--gateway-addr", &format!("127.0.0.1:{gateway_port}")])
             .args(extra_args)
             .env("DISCOVERY_TOKEN", token)
             .env("RUST_LOG", "warn")
@@ -108,6 +111,7 @@ impl Standalone {
         Standalone {
             child,
             api: format!("http://127.0.0.1:{api_port}"),
+            gateway: format!("127.0.0.1:{gateway_port}"),
             log,
             inventory,
         }
@@ -126,6 +130,11 @@ impl Standalone {
     /// `http://127.0.0.1:<port>`, the API's base URL.
     pub fn api(&self) -> &str {
         &self.api
+    }
+
+    /// `127.0.0.1:<port>`, the gateway's address.
+    pub fn gateway(&self) -> &str {
+        &self.gateway
     }
 
     /// Polls `GET /v1/proxies?healthy=true` until at least `count` proxies are healthy,

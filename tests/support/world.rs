@@ -171,6 +171,7 @@ impl World {
                 placement: None,
                 cloud_init: None,
                 labels: BTreeMap::new(),
+                credentials: None,
             },
             "ubuntu/squid",
             &self.ns,

@@ -157,6 +157,13 @@ impl Counts {
             .sum()
     }
 
+    /// Whether `(uid, target)` is cooling down at `now`.
+    pub fn in_cooldown(&self, uid: &str, target: &str, now: i64) -> bool {
+        self.cooldowns
+            .get(&(Arc::from(uid), Arc::from(target)))
+            .is_some_and(|&until| until > now)
+    }
+
     /// `(proxy, target)` pairs cooling down at `now`: the ranking's total while it is exact.
     pub fn cooldowns_active(&self, now: i64) -> u64 {
         if self.ranking.is_exact_at(now) {
@@ -189,6 +196,7 @@ mod tests {
 
     fn lease(uid: &str, expires_at: i64) -> ActiveLease {
         ActiveLease {
+            client: None,
             proxy: Arc::new(ProxyId {
                 namespace: "crawl".into(),
                 name: uid.into(),

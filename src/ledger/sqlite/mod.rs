@@ -87,10 +87,11 @@ use store::ReaderPool;
 use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
 
 use super::{
-    AcquireOutcome, AcquireRequest, Clock, Lease, Ledger, LedgerConfig, LedgerError, ReportResult,
+    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerError,
     SweepStats, TargetCooldowns,
 };
 use crate::ledger::lease::is_release_reason;
+use state::TargetLimits;
 
 pub use metrics::LedgerFileCollector;
 pub use schema::SCHEMA_VERSION;
@@ -138,7 +139,11 @@ impl SqliteLedger {
         config.validate()?;
         let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
         let now = clock.now().as_millisecond();
-        let state = store::load_state(&conn, now).map_err(|source| LedgerError::Open {
+        let limits = TargetLimits {
+            fleet: config.max_leases_per_target,
+            per_proxy: config.max_leases_per_proxy_target,
+        };
+        let state = store::load_state(&conn, now, limits).map_err(|source| LedgerError::Open {
             path: path.to_owned(),
             source,
         })?;
@@ -337,21 +342,9 @@ impl Ledger for SqliteLedger {
         .await
     }
 
-    async fn report(
-        &self,
-        id: &str,
-        result: ReportResult,
-        target: Option<&str>,
-    ) -> Result<Lease, LedgerError> {
+    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError> {
         let id = id.to_owned();
-        let target = target.map(str::to_owned);
-        self.call(|reply| Job::Report {
-            id,
-            result,
-            target,
-            reply,
-        })
-        .await
+        self.call(|reply| Job::Report { id, report, reply }).await
     }
 
     /// Housekeeping has no queue deadline: it waits for its turn.
@@ -391,6 +384,11 @@ impl Ledger for SqliteLedger {
     /// From memory, as of the last commit.
     fn active_total(&self) -> u64 {
         self.counts().active_total(self.now_ms())
+    }
+
+    /// From memory, as of the last commit.
+    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool {
+        self.counts().in_cooldown(proxy_uid, target, self.now_ms())
     }
 
     /// From memory, as of the last commit.

@@ -29,6 +29,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0003_release_reasons.sql",
         sql: include_str!("../../../migrations/0003_release_reasons.sql"),
     },
+    Migration {
+        name: "0004_clients_and_cooldown_lengths.sql",
+        sql: include_str!("../../../migrations/0004_clients_and_cooldown_lengths.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

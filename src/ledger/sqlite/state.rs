@@ -27,6 +27,23 @@ pub(crate) struct ActiveLease {
     pub expires_at: i64,
     pub ttl_ms: i64,
     pub request_id: Option<Arc<str>>,
+    /// The crawler that took it, when it said.
+    pub client: Option<Arc<str>>,
+}
+
+/// The per-target limits an acquire naming a target is held to (`None`: no limit).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct TargetLimits {
+    /// Leases counting at once for one target, across the fleet.
+    pub fleet: Option<u32>,
+    /// Leases counting at once for one target on one proxy.
+    pub per_proxy: Option<u32>,
+}
+
+impl TargetLimits {
+    fn any(self) -> bool {
+        self.fleet.is_some() || self.per_proxy.is_some()
+    }
 }
 
 /// Which lease a request ID got, while its window is open (until the lease's `expires_at`).
@@ -98,6 +115,9 @@ enum Undo {
     },
 }
 
+/// `(expires_at, lease ID)` of active leases, by proxy UID.
+type ExpiriesByProxy = FastMap<Arc<str>, Vec<(i64, Arc<str>)>>;
+
 /// The writer's lease state. Every change made since the last [`commit`](Self::commit) can be
 /// undone with [`rollback`](Self::rollback).
 #[derive(Debug, Default)]
@@ -105,7 +125,11 @@ pub(crate) struct LedgerState {
     /// Leases with state `active` in the file, by lease ID.
     active: FastMap<Arc<str>, ActiveLease>,
     /// `(expires_at, lease ID)` of those leases, by proxy UID: what capacity is counted on.
-    by_proxy: FastMap<Arc<str>, Vec<(i64, Arc<str>)>>,
+    by_proxy: ExpiriesByProxy,
+    /// The same entries of the leases naming a target, by target then proxy UID: what the
+    /// per-target limits count on. Kept only while a limit is set.
+    by_target: FastMap<Arc<str>, ExpiriesByProxy>,
+    limits: TargetLimits,
     /// Cooldown end by target, then proxy UID (an acquire looks its target up once).
     cooldowns: FastMap<Arc<str>, FastMap<Arc<str>, i64>>,
     /// Request IDs whose window may still be open.
@@ -138,6 +162,19 @@ pub(crate) struct SummaryLease {
 }
 
 impl LedgerState {
+    /// The per-target limits acquires are held to.
+    pub fn limits(&self) -> TargetLimits {
+        self.limits
+    }
+
+    /// An empty state that holds acquires to `limits`.
+    pub fn new(limits: TargetLimits) -> Self {
+        LedgerState {
+            limits,
+            ..LedgerState::default()
+        }
+    }
+
     /// Decides an acquire: a request ID with an open window replays (or is refused when the
     /// fingerprint differs); otherwise the selection picks among the candidates.
     pub fn decide_acquire(
@@ -156,6 +193,7 @@ impl LedgerState {
             };
         }
         let cooled = target.and_then(|t| self.cooldowns.get(t));
+        let held = target.and_then(|t| self.target_hold(t, now));
         let selection = select(
             candidates,
             |uid| self.load(uid, now),
@@ -165,11 +203,34 @@ impl LedgerState {
                     .filter(|&&until| until > now)
                     .and_then(|&until| Timestamp::from_millisecond(until).ok())
             },
+            |uid| held.as_ref().and_then(|held| held.of(uid)),
         );
         match selection {
             Selection::Chosen(index) => AcquireDecision::Grant(index),
             Selection::NoMatch(stats) => AcquireDecision::NoMatch(stats),
         }
+    }
+
+    /// What the per-target limits hold back for `target` at `now`, when a limit is set.
+    fn target_hold(&self, target: &str, now: i64) -> Option<TargetHold<'_>> {
+        if !self.limits.any() {
+            return None;
+        }
+        let by_uid = self.by_target.get(target);
+        let fleet_full = self.limits.fleet.and_then(|cap| {
+            let counting = by_uid
+                .into_iter()
+                .flat_map(|m| m.values())
+                .flatten()
+                .filter(|(e, _)| *e > now);
+            held_until(counting, cap)
+        });
+        Some(TargetHold {
+            by_uid,
+            per_proxy: self.limits.per_proxy,
+            fleet_full,
+            now,
+        })
     }
 
     /// The request ID's entry if its window is still open at `now`.
@@ -497,6 +558,14 @@ impl LedgerState {
             .entry(uid.clone())
             .or_default()
             .push((lease.expires_at, id.clone()));
+        if let Some(target) = lease.target.as_ref().filter(|_| self.limits.any()) {
+            self.by_target
+                .entry(target.clone())
+                .or_default()
+                .entry(uid.clone())
+                .or_default()
+                .push((lease.expires_at, id.clone()));
+        }
         self.touched.proxies.insert(uid);
         self.active.insert(id, lease);
     }
@@ -509,7 +578,20 @@ impl LedgerState {
             if leases.is_empty() {
                 self.by_proxy.remove(&uid);
             }
-            self.touched.proxies.insert(uid);
+            self.touched.proxies.insert(uid.clone());
+        }
+        if let Some(target) = &lease.target
+            && let Some(by_uid) = self.by_target.get_mut(&**target)
+        {
+            if let Some(leases) = by_uid.get_mut(&uid) {
+                leases.retain(|(_, lease_id)| &**lease_id != id);
+                if leases.is_empty() {
+                    by_uid.remove(&uid);
+                }
+            }
+            if by_uid.is_empty() {
+                self.by_target.remove(&**target);
+            }
         }
         Some(lease)
     }
@@ -523,6 +605,15 @@ impl LedgerState {
             lease.ttl_ms = ttl_ms;
         }
         if let Some(leases) = self.by_proxy.get_mut(&uid) {
+            for entry in leases.iter_mut().filter(|(_, lease_id)| lease_id == id) {
+                entry.0 = expires_at;
+            }
+        }
+        let target = self.active.get(&**id).and_then(|l| l.target.clone());
+        if let Some(leases) = target
+            .and_then(|t| self.by_target.get_mut(&*t))
+            .and_then(|by_uid| by_uid.get_mut(&uid))
+        {
             for entry in leases.iter_mut().filter(|(_, lease_id)| lease_id == id) {
                 entry.0 = expires_at;
             }
@@ -549,6 +640,48 @@ impl LedgerState {
         }
         self.touched.cooldowns.insert((uid.clone(), target.clone()));
     }
+}
+
+/// What the per-target limits hold back for one acquire's target.
+struct TargetHold<'a> {
+    by_uid: Option<&'a ExpiriesByProxy>,
+    per_proxy: Option<u32>,
+    /// The fleet holds its limit for the target: when the earliest of those leases expires.
+    fleet_full: Option<Option<Timestamp>>,
+    now: i64,
+}
+
+impl TargetHold<'_> {
+    /// Whether proxy `uid` may not take one more lease for the target, and then when the
+    /// earliest lease holding it back expires.
+    fn of(&self, uid: &str) -> Option<Option<Timestamp>> {
+        if let Some(frees_at) = self.fleet_full {
+            return Some(frees_at);
+        }
+        let cap = self.per_proxy?;
+        let counting = self
+            .by_uid
+            .and_then(|by_uid| by_uid.get(uid))
+            .into_iter()
+            .flatten()
+            .filter(|(e, _)| *e > self.now);
+        held_until(counting, cap)
+    }
+}
+
+/// When `cap` or more of `counting` leases hold a limit: `Some` with the earliest expiry among
+/// them; `None` while fewer count.
+fn held_until<'a>(
+    counting: impl Iterator<Item = &'a (i64, Arc<str>)>,
+    cap: u32,
+) -> Option<Option<Timestamp>> {
+    let (count, earliest) = counting.fold((0u32, None::<i64>), |(n, e), (expires_at, _)| {
+        (
+            n.saturating_add(1),
+            Some(e.map_or(*expires_at, |e| e.min(*expires_at))),
+        )
+    });
+    (count >= cap).then(|| earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok()))
 }
 
 #[cfg(test)]
@@ -581,6 +714,7 @@ mod tests {
 
     fn lease(name: &str, expires_at: i64, request: Option<&str>) -> ActiveLease {
         ActiveLease {
+            client: None,
             proxy: proxy(name),
             target: None,
             acquired_at: 0,

@@ -14,7 +14,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
 use super::schema;
-use super::state::{ActiveLease, LedgerState, RequestEntry};
+use super::state::{ActiveLease, LedgerState, RequestEntry, TargetLimits};
 use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
@@ -195,11 +195,15 @@ fn configure(conn: &Connection, durability: Durability) -> rusqlite::Result<()> 
 /// Everything the writer keeps in memory, read from the file: leases whose row says active
 /// (past their expiry or not: the sweep marks those), every cooldown row, and the request IDs
 /// whose lease is not past its expiry at `now` (the latest lease of an ID wins).
-pub(crate) fn load_state(conn: &Connection, now: i64) -> rusqlite::Result<LedgerState> {
-    let mut state = LedgerState::default();
+pub(crate) fn load_state(
+    conn: &Connection,
+    now: i64,
+    limits: TargetLimits,
+) -> rusqlite::Result<LedgerState> {
+    let mut state = LedgerState::new(limits);
     let mut leases = conn.prepare(
         "SELECT id, proxy_namespace, proxy_name, proxy_uid, target, acquired_at, expires_at, \
-         ttl_ms, request_id FROM leases WHERE state = 'active'",
+         ttl_ms, request_id, client FROM leases WHERE state = 'active'",
     )?;
     let mut rows = leases.query([])?;
     while let Some(row) = rows.next()? {
@@ -215,6 +219,7 @@ pub(crate) fn load_state(conn: &Connection, now: i64) -> rusqlite::Result<Ledger
             expires_at: row.get(6)?,
             ttl_ms: row.get(7)?,
             request_id: row.get::<_, Option<String>>(8)?.map(Arc::from),
+            client: row.get::<_, Option<String>>(9)?.map(Arc::from),
         };
         state.restore_lease(id.into(), lease);
     }
@@ -250,8 +255,8 @@ pub(crate) fn insert_lease(
 ) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
-         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?8, ?9, ?10)",
+         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client) \
+         VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?8, ?9, ?10, ?11)",
     )?
     .execute(rusqlite::params![
         id,
@@ -264,6 +269,7 @@ pub(crate) fn insert_lease(
         lease.ttl_ms,
         lease.request_id.as_deref(),
         fingerprint,
+        lease.client.as_deref(),
     ])?;
     record(
         conn,
@@ -320,15 +326,15 @@ pub(crate) fn renew_lease(
     record(conn, &Event::of(EventKind::Renewed, now, id, lease))
 }
 
-/// Records a report; `cooldown_until` puts `(proxy, target)` into cooldown (keeping a later
-/// end already stored).
+/// Records a report; a `cooldown_ms` puts `(proxy, target)` into cooldown until `now` plus
+/// that long (keeping a later end already stored), recorded with the report.
 pub(crate) fn report(
     conn: &Connection,
     lease: &Lease,
     target: Option<&str>,
     result: ReportResult,
     now: i64,
-    cooldown_until: Option<i64>,
+    cooldown_ms: Option<i64>,
 ) -> rusqlite::Result<()> {
     record(
         conn,
@@ -341,9 +347,12 @@ pub(crate) fn report(
             result: Some(result),
             expires_at: lease.expires_at.as_millisecond(),
             reason: None,
+            cooldown_ms,
+            client: None,
         },
     )?;
-    if let (Some(until), Some(target)) = (cooldown_until, target) {
+    let until = cooldown_ms.map(|ms| now.saturating_add(ms));
+    if let (Some(until), Some(target)) = (until, target) {
         conn.prepare_cached(
             "INSERT INTO cooldowns (proxy_uid, target, proxy_namespace, proxy_name, \
              until, result, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
@@ -445,6 +454,10 @@ struct Event<'a> {
     expires_at: i64,
     /// Why the operator released the lease (`released` events only).
     reason: Option<&'a str>,
+    /// The cooldown a report started (`reported` events only).
+    cooldown_ms: Option<i64>,
+    /// The crawler that took the lease (`acquired` events only).
+    client: Option<&'a str>,
 }
 
 impl<'a> Event<'a> {
@@ -458,6 +471,11 @@ impl<'a> Event<'a> {
             result: None,
             expires_at: lease.expires_at,
             reason: None,
+            cooldown_ms: None,
+            client: match kind {
+                EventKind::Acquired => lease.client.as_deref(),
+                _ => None,
+            },
         }
     }
 }
@@ -466,7 +484,8 @@ impl<'a> Event<'a> {
 fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, result, expires_at, reason) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+         target, result, expires_at, reason, cooldown_ms, client) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
     )?
     .execute(rusqlite::params![
         event.at,
@@ -478,7 +497,9 @@ fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
         event.target,
         event.result.map(ReportResult::as_str),
         event.expires_at,
-        event.reason
+        event.reason,
+        event.cooldown_ms,
+        event.client
     ])?;
     Ok(())
 }
@@ -492,7 +513,7 @@ pub(crate) fn lease_by_id(
 ) -> rusqlite::Result<Option<Lease>> {
     conn.prepare_cached(
         "SELECT id, proxy_namespace, proxy_name, proxy_uid, target, state, acquired_at, \
-         expires_at, ttl_ms, released_at, release_reason FROM leases WHERE id = ?1",
+         expires_at, ttl_ms, released_at, release_reason, client FROM leases WHERE id = ?1",
     )?
     .query_row([id], |row| lease_from_row(row, now))
     .optional()
@@ -522,6 +543,7 @@ fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
         ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
         released_at: row.get::<_, Option<i64>>(9)?.map(timestamp).transpose()?,
         release_reason: row.get(10)?,
+        client: row.get(11)?,
     })
 }
 
@@ -541,6 +563,7 @@ pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Res
         ttl: Duration::from_millis(lease.ttl_ms.unsigned_abs()),
         released_at: None,
         release_reason: None,
+        client: lease.client.as_deref().map(str::to_owned),
     })
 }
 
@@ -556,6 +579,7 @@ mod tests {
 
     fn lease(uid: &str, expires_at: i64, request_id: Option<&str>) -> ActiveLease {
         ActiveLease {
+            client: None,
             proxy: Arc::new(ProxyId {
                 namespace: "crawl".into(),
                 name: uid.into(),

@@ -19,7 +19,7 @@ use crate::ledger::clock::Clock;
 use crate::ledger::config::{LedgerConfig, millis};
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{
-    AcquireOutcome, AcquireRequest, Lease, LeaseState, ReportResult, SweepStats, new_lease_id,
+    AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats, new_lease_id,
 };
 
 /// Where a write's answer goes.
@@ -49,8 +49,7 @@ pub(crate) enum Job {
     },
     Report {
         id: String,
-        result: ReportResult,
-        target: Option<String>,
+        report: LeaseReport,
         reply: Reply<Lease>,
     },
     Sweep {
@@ -319,12 +318,7 @@ impl Writer {
                 reason,
                 reply,
             } => answer(reply, self.end_leases(&proxy_uid, &reason, now)),
-            Job::Report {
-                id,
-                result,
-                target,
-                reply,
-            } => answer(reply, self.report(&id, result, target.as_deref(), now)),
+            Job::Report { id, report, reply } => answer(reply, self.report(&id, &report, now)),
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
@@ -393,7 +387,7 @@ impl Writer {
     }
 
     fn self_check(&mut self, now: i64) -> Decision<()> {
-        let file = store::load_state(&self.conn, now)?.summary(now);
+        let file = store::load_state(&self.conn, now, self.state.limits())?.summary(now);
         let memory = self.state.summary(now);
         Ok(if file == memory {
             Ok(())
@@ -442,6 +436,7 @@ impl Writer {
                     expires_at: now.saturating_add(ttl_ms),
                     ttl_ms,
                     request_id: key.map(|k| Arc::from(k.id.as_str())),
+                    client: request.client.as_deref().map(Arc::from),
                 };
                 let fingerprint = key.map(|k| k.fingerprint.as_str());
                 store::insert_lease(&self.conn, &id, &lease, fingerprint)?;
@@ -474,22 +469,21 @@ impl Writer {
         })
     }
 
-    fn report(
-        &mut self,
-        id: &str,
-        result: ReportResult,
-        target: Option<&str>,
-        now: i64,
-    ) -> Decision<Lease> {
+    fn report(&mut self, id: &str, report: &LeaseReport, now: i64) -> Decision<Lease> {
         let Some(lease) = self.lease_now(id, now)? else {
             return Ok(Err(LedgerError::UnknownLease(id.to_owned())));
         };
-        let target = target.filter(|t| !t.is_empty()).or(lease.target.as_deref());
-        let cooldown_until = (result.starts_cooldown() && target.is_some())
-            .then(|| now.saturating_add(millis(self.config.cooldown)));
-        store::report(&self.conn, &lease, target, result, now, cooldown_until)?;
-        if let (Some(until), Some(target)) = (cooldown_until, target) {
-            self.state.cool_down(&lease.proxy.uid, target, until);
+        let target = report
+            .target
+            .as_deref()
+            .filter(|t| !t.is_empty())
+            .or(lease.target.as_deref());
+        let cooldown_ms = (report.result.starts_cooldown() && target.is_some())
+            .then(|| self.config.cooldown_ms(report.cooldown));
+        store::report(&self.conn, &lease, target, report.result, now, cooldown_ms)?;
+        if let (Some(ms), Some(target)) = (cooldown_ms, target) {
+            self.state
+                .cool_down(&lease.proxy.uid, target, now.saturating_add(ms));
         }
         Ok(Ok(lease))
     }

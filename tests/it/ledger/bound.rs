@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, CandidateIndex, ProxyListCache};
+use proxy_operator::api::{ApiState, ProxyListCache};
+use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, ReportResult, RequestKey, SqliteLedger,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
+    LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger,
 };
 use proxy_operator::proxy::{Proxy, ProxySpec};
 use reqwest::StatusCode;
@@ -247,7 +248,10 @@ impl Full {
         let pool = candidates(4, 100_000);
         let held = granted(ledger.acquire(keyed(&pool, "held")).await);
         ledger
-            .report(&held.id, ReportResult::RateLimited, Some("cool.example"))
+            .report(
+                &held.id,
+                LeaseReport::new(ReportResult::RateLimited, Some("cool.example")),
+            )
             .await
             .unwrap();
         fill();
@@ -301,8 +305,10 @@ impl Full {
         })
         .await;
         let mut renew = Box::pin(ledger.renew(&self.held.id, 20 * MINUTE));
-        let mut report =
-            Box::pin(ledger.report(&self.held.id, ReportResult::Blocked, Some("new.example")));
+        let mut report = Box::pin(ledger.report(
+            &self.held.id,
+            LeaseReport::new(ReportResult::Blocked, Some("new.example")),
+        ));
         let mut fresh = Box::pin(ledger.acquire(keyed(&self.pool, "fresh")));
         assert!(queue(&mut renew).await.is_none());
         assert!(queue(&mut report).await.is_none());
@@ -461,6 +467,8 @@ impl Api {
         inventory.replace(proxies);
         let registry = prometheus::Registry::new();
         let state = ApiState {
+            lease_credentials: None,
+            sessions: Default::default(),
             inventory,
             health,
             ledger: Arc::new(ledger.clone()),

@@ -53,6 +53,7 @@ fn open(path: &Path) -> SqliteLedger {
 
 fn acquire_request(request_id: &str) -> AcquireRequest {
     AcquireRequest {
+        client: None,
         candidates: candidates(),
         target: Some("crash.example".into()),
         ttl: Duration::from_secs(3600),

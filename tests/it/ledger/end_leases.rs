@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseState, Ledger, LedgerConfig,
-    LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION, SqliteLedger,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, LeaseState, Ledger,
+    LedgerConfig, LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
+    SqliteLedger,
 };
 use support::ledger::{Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
@@ -243,7 +244,9 @@ async fn the_reason_shows_in_leases_and_lease_history_with_the_sqlite3_shell() {
             "target",
             "result",
             "expires",
-            "reason"
+            "reason",
+            "cooldown_seconds",
+            "client"
         ]
     );
     let why = f.sqlite3(
@@ -261,7 +264,7 @@ async fn leases_a_crawler_released_keep_a_null_reason() {
     let (by_crawler, by_operator) = (&leases[0], &leases[1]);
     f.ledger.renew(&by_crawler.id, 2 * MINUTE).await.unwrap();
     f.ledger
-        .report(&by_crawler.id, ReportResult::Ok, None)
+        .report(&by_crawler.id, LeaseReport::new(ReportResult::Ok, None))
         .await
         .unwrap();
     f.ledger.release(&by_crawler.id).await.unwrap();
@@ -369,7 +372,7 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
     // A late report still lands, and its cooldown with it.
     let reported = f
         .ledger
-        .report(&lease.id, ReportResult::RateLimited, None)
+        .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
         .await
         .unwrap();
     assert_eq!(reported, ended);
@@ -503,8 +506,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     let clock = Arc::new(ManualClock::new(start()));
     let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
 
-    assert_eq!(SCHEMA_VERSION, 3);
-    assert_eq!(count(&path, "PRAGMA user_version"), 3);
+    assert_eq!(SCHEMA_VERSION, 4);
+    assert_eq!(count(&path, "PRAGMA user_version"), 4);
     let columns = |table: &str| {
         sqlite3(
             &path,
@@ -512,12 +515,12 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         )
     };
     assert!(
-        columns("leases").ends_with("release_reason"),
+        columns("leases").ends_with("release_reason\nclient"),
         "{}",
         columns("leases")
     );
-    assert!(columns("lease_events").ends_with("reason"));
-    assert!(columns("lease_history").ends_with("reason"));
+    assert!(columns("lease_events").ends_with("reason\nclient\ncooldown_ms"));
+    assert!(columns("lease_history").ends_with("reason\ncooldown_seconds\nclient"));
     assert_eq!(
         sqlite3(
             &path,

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseState, Ledger, LedgerConfig,
-    LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION, SqliteLedger,
-    SweepStats, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseReport, LeaseState, Ledger,
+    LedgerConfig, LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION,
+    SqliteLedger, SweepStats, SystemClock,
 };
 use support::ledger::{Fixture, candidate, granted, no_match, start};
 
@@ -66,6 +66,7 @@ impl Fixture {
     ) -> Result<AcquireOutcome, LedgerError> {
         self.ledger
             .acquire(AcquireRequest {
+                client: None,
                 candidates: candidates.into(),
                 target: None,
                 ttl: MINUTE,
@@ -87,6 +88,7 @@ async fn acquire(
 ) -> Result<AcquireOutcome, LedgerError> {
     ledger
         .acquire(AcquireRequest {
+            client: None,
             candidates: candidates.into(),
             target: target.map(str::to_owned),
             ttl,
@@ -452,7 +454,11 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target() 
         let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(lease.proxy.name, "a");
         f.clock.advance(Duration::from_secs(1));
-        let reported = f.ledger.report(&lease.id, result, None).await.unwrap();
+        let reported = f
+            .ledger
+            .report(&lease.id, LeaseReport::new(result, None))
+            .await
+            .unwrap();
         assert_eq!(reported.id, lease.id);
         assert_eq!(f.ledger.cooldowns_active(), 1);
         assert_eq!(
@@ -502,7 +508,10 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
     let c = [candidate("a", 5)];
     let untargeted = granted(f.acquire(&c, None, MINUTE).await);
     f.ledger
-        .report(&untargeted.id, ReportResult::RateLimited, None)
+        .report(
+            &untargeted.id,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
     assert_eq!(f.ledger.cooldowns_active(), 0);
@@ -515,8 +524,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
     f.ledger
         .report(
             &untargeted.id,
-            ReportResult::Blocked,
-            Some("explicit.example"),
+            LeaseReport::new(ReportResult::Blocked, Some("explicit.example")),
         )
         .await
         .unwrap();
@@ -526,14 +534,17 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
 
     for result in [ReportResult::Ok, ReportResult::Error] {
         let lease = granted(f.acquire(&c, Some("fine.example"), MINUTE).await);
-        f.ledger.report(&lease.id, result, None).await.unwrap();
+        f.ledger
+            .report(&lease.id, LeaseReport::new(result, None))
+            .await
+            .unwrap();
         assert_eq!(f.ledger.cooldowns_active(), 1, "{result}");
         assert_eq!(f.events(&lease.id)[1].2.as_deref(), Some(result.as_str()));
     }
 
     let err = f
         .ledger
-        .report("no-such-lease", ReportResult::Ok, None)
+        .report("no-such-lease", LeaseReport::new(ReportResult::Ok, None))
         .await
         .unwrap_err();
     assert!(matches!(&err, LedgerError::UnknownLease(id) if id == "no-such-lease"));
@@ -555,7 +566,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     );
     let reported = f
         .ledger
-        .report(&lease.id, ReportResult::RateLimited, None)
+        .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
         .await
         .unwrap();
     assert_eq!(reported.state, LeaseState::Expired);
@@ -569,7 +580,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     f.clock.set(lease.expires_at + 10 * MINUTE);
     assert_eq!(f.ledger.sweep().await.unwrap().leases_pruned, 0);
     f.ledger
-        .report(&lease.id, ReportResult::Ok, None)
+        .report(&lease.id, LeaseReport::new(ReportResult::Ok, None))
         .await
         .unwrap();
     f.clock.advance(Duration::from_millis(1));
@@ -577,7 +588,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     assert_eq!(stats.leases_pruned, 1);
     assert!(matches!(
         f.ledger
-            .report(&lease.id, ReportResult::RateLimited, None)
+            .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
             .await,
         Err(LedgerError::UnknownLease(_))
     ));
@@ -593,7 +604,7 @@ async fn sweep_expires_prunes_cooldowns_and_old_history() {
     let released = granted(f.acquire(&c, None, 30 * MINUTE).await);
     f.ledger.release(&released.id).await.unwrap();
     f.ledger
-        .report(&short.id, ReportResult::RateLimited, None)
+        .report(&short.id, LeaseReport::new(ReportResult::RateLimited, None))
         .await
         .unwrap();
 
@@ -650,7 +661,7 @@ async fn leases_cooldowns_and_history_survive_reopening() {
     let kept = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     let cooled = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     f.ledger
-        .report(&cooled.id, ReportResult::Blocked, None)
+        .report(&cooled.id, LeaseReport::new(ReportResult::Blocked, None))
         .await
         .unwrap();
     f.ledger.release(&cooled.id).await.unwrap();
@@ -826,12 +837,18 @@ async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
     f.ledger.renew(&leases[1].id, 10 * MINUTE).await.unwrap();
     for (lease, target) in [(&leases[2], "a.example"), (&leases[3], "b.example")] {
         f.ledger
-            .report(&lease.id, ReportResult::RateLimited, Some(target))
+            .report(
+                &lease.id,
+                LeaseReport::new(ReportResult::RateLimited, Some(target)),
+            )
             .await
             .unwrap();
     }
     f.ledger
-        .report(&leases[4].id, ReportResult::Ok, Some("a.example"))
+        .report(
+            &leases[4].id,
+            LeaseReport::new(ReportResult::Ok, Some("a.example")),
+        )
         .await
         .unwrap();
     // Leases 0-3 expired and swept, lease 4 expired but not swept, 1 (renewed) and 5-7 open.
@@ -874,7 +891,7 @@ async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     ledger
-        .report(&first.id, ReportResult::RateLimited, None)
+        .report(&first.id, LeaseReport::new(ReportResult::RateLimited, None))
         .await
         .unwrap();
     ledger.release(&first.id).await.unwrap();
@@ -962,6 +979,7 @@ async fn concurrent_acquires_never_exceed_max_leases() {
                 let mut held = std::collections::VecDeque::new();
                 for _ in 0..ACQUIRES {
                     let request = AcquireRequest {
+                        client: None,
                         candidates: candidates.clone(),
                         target: None,
                         ttl: MINUTE,

@@ -16,8 +16,8 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, LedgerError, ReportResult,
-    RequestKey,
+    AcquireOutcome, AcquireRequest, Candidate, LeaseReport, Ledger, LedgerConfig, LedgerError,
+    ReportResult, RequestKey,
 };
 use support::ledger::{Fixture, candidates, granted, request};
 use support::{FileLock, queue, wait_until};
@@ -218,7 +218,10 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         let mut f = Fixture::new(LedgerConfig::default());
         let held = granted(f.ledger.acquire(f.request("t.example", Some("held"))).await);
         f.ledger
-            .report(&held.id, ReportResult::RateLimited, Some("cool.example"))
+            .report(
+                &held.id,
+                LeaseReport::new(ReportResult::RateLimited, Some("cool.example")),
+            )
             .await
             .unwrap();
         let counts = f.ledger.active_counts();
@@ -241,8 +244,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         let mut renew = Box::pin(f.ledger.renew(&held.id, 5 * MINUTE));
         let mut report = Box::pin(f.ledger.report(
             &held.id,
-            ReportResult::Blocked,
-            Some("new.example"),
+            LeaseReport::new(ReportResult::Blocked, Some("new.example")),
         ));
         let mut with_id = Box::pin(f.ledger.acquire(f.request("t.example", Some("fresh"))));
         let mut poisoned = f.pending_acquire("poison.example");

@@ -172,6 +172,8 @@ async fn start(others: Vec<Value>) -> Running {
         &format!("127.0.0.1:{api_port}"),
         "--metrics-addr",
         &format!("127.0.0.1:{metrics_port}"),
+        "--gateway-addr",
+        &format!("127.0.0.1:{}", free_port()),
         "--leader-namespace",
         "proxy-operator",
     ])

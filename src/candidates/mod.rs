@@ -1,5 +1,6 @@
 //! The candidate set of an acquire — every proxy matching the selector, with its health as of
-//! the request — assembled without copying the inventory.
+//! the request — assembled without copying the inventory, for the lease API and the gateway
+//! alike.
 //!
 //! Which proxies match a selector changes only when the inventory does, so the positions of
 //! the matches are cached per inventory snapshot and selector. Health and latency change on
@@ -13,7 +14,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLockReadGuard, Weak};
 
-use super::selector::Selector;
+mod selector;
+
+pub use selector::{Selector, SelectorError, selector_pattern};
+
 use crate::health::{HealthSnapshot, HealthTable, ProxyHealth};
 use crate::inventory::InventorySnapshot;
 use crate::ledger::Candidate;

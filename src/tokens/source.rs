@@ -1,4 +1,4 @@
-//! Where the API's bearer tokens come from: `DISCOVERY_TOKEN` (one token) and
+//! Where the tokens come from: `DISCOVERY_TOKEN` (one token) and
 //! `--discovery-token-file` (one token a line; re-read when its content changes, so a token can
 //! be rotated without a restart). Both sources' tokens are valid at once. Start-up fails closed:
 //! no usable token stops the process unless `--insecure-no-auth` is given.
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::auth::ApiToken;
+use super::ApiToken;
 
 /// Shortest token accepted, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 16;

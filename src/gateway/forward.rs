@@ -1,0 +1,359 @@
+//! Plain HTTP (`GET http://host/path`): the request goes to an upstream proxy as it came
+//! (absolute-form, hop-by-hop headers dropped) over a kept-alive connection, and the target's
+//! answer comes back with the lease headers. The body is buffered (up to
+//! `max_request_body`) so the request can be tried on another proxy: always while nothing
+//! reached the upstream, and once it did only for idempotent methods. A status in the ban rule
+//! is reported for the (proxy, target) and passed on to the crawler.
+
+use std::collections::HashSet;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper::header::{
+    CONNECTION, HOST, HeaderMap, HeaderName, HeaderValue, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION,
+    RETRY_AFTER, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
+};
+use hyper::http::request::Parts;
+use hyper::{Method, Request, Response, StatusCode, Version};
+
+use super::choice::{Ask, ClientConnection, Held, Upstream};
+use super::metrics::GatewayMetrics;
+use super::upstream::{Busy, HttpUpstream, UpstreamFailure};
+use super::{Attempts, Body, Gateway, Outcome, bans, error, lease_headers, refusal};
+use crate::ledger::{LeaseReport, ReportResult};
+use crate::sessions::InUse;
+
+/// Forwards `request` and answers with the target's response.
+pub(super) async fn send(
+    connection: &ClientConnection,
+    request: Request<Incoming>,
+    ask: &Ask,
+) -> (Outcome, Response<Body>) {
+    let gateway = &connection.gateway;
+    let (mut parts, body) = request.into_parts();
+    let body = match Limited::new(body, gateway.config.max_request_body)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            let message = format!(
+                "request bodies through the gateway are buffered up to {} bytes",
+                gateway.config.max_request_body
+            );
+            let response = error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message);
+            return (Outcome::BadRequest, response);
+        }
+        Err(e) => {
+            let message = format!("reading the request body failed: {e}");
+            return (
+                Outcome::BadRequest,
+                error(StatusCode::BAD_REQUEST, "bad_request", &message),
+            );
+        }
+    };
+    drop_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(PROXY_AUTHORIZATION);
+    if !parts.headers.contains_key(HOST)
+        && let Ok(host) = HeaderValue::try_from(ask.target.authority())
+    {
+        parts.headers.insert(HOST, host);
+    }
+    let may_resend = idempotent(&parts.method);
+    let mut tried = HashSet::new();
+    let mut attempts = Attempts::default();
+    loop {
+        let (held, upstream) = match connection.choose(ask, &tried).await {
+            Ok(chosen) => chosen,
+            Err(refused) if attempts.is_empty() => return refusal(&refused, gateway.clock.now()),
+            Err(_) => return attempts.failed(),
+        };
+        if !attempts.is_empty() {
+            gateway.metrics.retried();
+        }
+        match exchange(connection, &held, &upstream, &parts, &body, may_resend).await {
+            Ok((response, busy)) => {
+                let moved_from = attempts.moved_from(&held);
+                let in_use = held.uses.begin();
+                let response = answer(gateway, &held, ask, response, moved_from).await;
+                let up = body.len() as u64;
+                let response = response.map(|incoming| {
+                    Relayed {
+                        inner: incoming,
+                        up,
+                        down: 0,
+                        metrics: gateway.metrics.clone(),
+                        _busy: busy,
+                        _in_use: in_use,
+                    }
+                    .boxed()
+                });
+                return (Outcome::Forwarded, response);
+            }
+            Err(Failed { failure, sent }) => {
+                log::info!(
+                    "gateway: {} {} through {} failed: {failure}",
+                    parts.method,
+                    parts.uri,
+                    held.proxy
+                );
+                gateway
+                    .report_failure(&held, &ask.target.host, ReportResult::Error)
+                    .await;
+                connection.drop_lease(&held).await;
+                tried.insert(held.proxy.uid.clone());
+                attempts.push(&held, &failure);
+                if (sent && !may_resend) || attempts.len() > gateway.config.retries as usize {
+                    return attempts.failed();
+                }
+            }
+        }
+    }
+}
+
+/// An upstream failure, and whether the request may have reached the upstream.
+struct Failed {
+    failure: UpstreamFailure,
+    sent: bool,
+}
+
+/// Sends the request through the connection's upstream connection for the lease (a new one
+/// when it has none or it closed). A kept-alive connection the proxy closed meanwhile is no
+/// failure of the proxy: the request goes again once on a new connection when it was not sent
+/// or may be sent again.
+async fn exchange(
+    connection: &ClientConnection,
+    held: &Held,
+    upstream: &Upstream,
+    parts: &Parts,
+    body: &Bytes,
+    may_resend: bool,
+) -> Result<(Response<Incoming>, Busy), Failed> {
+    let timeout = connection.gateway.config.upstream_timeout;
+    let kept = connection
+        .upstreams
+        .lock()
+        .await
+        .remove(&held.lease_id)
+        .filter(HttpUpstream::ready);
+    let reused = kept.is_some();
+    let mut http = match kept {
+        Some(http) => http,
+        None => open(held, upstream, timeout).await?,
+    };
+    let mut result = http.send(request(parts, body), timeout).await;
+    if reused
+        && let Err(UpstreamFailure::Http(e)) = &result
+        && (e.is_canceled() || (may_resend && e.is_incomplete_message()))
+    {
+        http = open(held, upstream, timeout).await?;
+        result = http.send(request(parts, body), timeout).await;
+    }
+    match result {
+        Ok((response, busy)) if response.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED => {
+            drop(busy);
+            Err(Failed {
+                failure: UpstreamFailure::Refused(response.status()),
+                sent: false,
+            })
+        }
+        Ok(answered) => {
+            connection
+                .upstreams
+                .lock()
+                .await
+                .insert(held.lease_id.clone(), http);
+            Ok(answered)
+        }
+        Err(failure) => {
+            let sent = match &failure {
+                UpstreamFailure::Connect(_) | UpstreamFailure::Refused(_) => false,
+                UpstreamFailure::Http(e) => !e.is_canceled(),
+                UpstreamFailure::Timeout => true,
+            };
+            Err(Failed { failure, sent })
+        }
+    }
+}
+
+async fn open(
+    held: &Held,
+    upstream: &Upstream,
+    timeout: std::time::Duration,
+) -> Result<HttpUpstream, Failed> {
+    HttpUpstream::open(held.proxy.clone(), upstream, timeout)
+        .await
+        .map_err(|failure| Failed {
+            failure,
+            sent: false,
+        })
+}
+
+/// The request as it goes upstream.
+fn request(parts: &Parts, body: &Bytes) -> Request<Full<Bytes>> {
+    let mut request = Request::new(Full::new(body.clone()));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = parts.headers.clone();
+    request
+}
+
+/// The target's response as the crawler gets it; a status in the ban rule is reported first.
+async fn answer(
+    gateway: &Arc<Gateway>,
+    held: &Held,
+    ask: &Ask,
+    response: Response<Incoming>,
+    moved_from: Option<crate::proxy::ProxyId>,
+) -> Response<Incoming> {
+    let status = response.status().as_u16();
+    if let Some(result) = gateway.config.ban_rule.of(status) {
+        let cooldown = response
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| bans::retry_after(v, gateway.clock.now()));
+        let report = LeaseReport {
+            result,
+            target: Some(ask.target.host.clone()),
+            cooldown,
+        };
+        match gateway.ledger.report(&held.lease_id, report).await {
+            Ok(_) => gateway.metrics.banned(result),
+            Err(e) => log::warn!(
+                "gateway: reporting {} from {} through {} failed: {e}",
+                status,
+                ask.target.host,
+                held.proxy
+            ),
+        }
+    }
+    let mut response = response;
+    drop_hop_by_hop(response.headers_mut());
+    response.headers_mut().remove(PROXY_AUTHENTICATE);
+    lease_headers(&mut response, held, moved_from);
+    response
+}
+
+/// Methods a request may be sent again with once it reached an upstream (RFC 9110 9.2.2).
+fn idempotent(method: &Method) -> bool {
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PUT,
+        Method::DELETE,
+    ]
+    .contains(method)
+}
+
+/// Drops the headers that concern one connection only (RFC 9110 7.6.1): those `Connection`
+/// names, and the usual ones.
+fn drop_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [CONNECTION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE] {
+        headers.remove(name);
+    }
+    for name in ["keep-alive", "proxy-connection"] {
+        headers.remove(name);
+    }
+}
+
+/// A response body on its way to the crawler: counts the bytes, and keeps the upstream
+/// connection busy and the lease in use until it is done.
+struct Relayed {
+    inner: Incoming,
+    up: u64,
+    down: u64,
+    metrics: GatewayMetrics,
+    _busy: Busy,
+    _in_use: InUse,
+}
+
+impl http_body::Body for Relayed {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.down += data.len() as u64;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Relayed {
+    fn drop(&mut self) {
+        self.metrics.relayed(self.up, self.down);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_stay_on_their_connection() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-private"),
+            ("x-private", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("upgrade", "websocket"),
+            ("accept", "text/html"),
+            ("cookie", "a=b"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        drop_hop_by_hop(&mut headers);
+        let mut left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["accept", "cookie"]);
+    }
+
+    #[test]
+    fn only_idempotent_methods_go_again_once_sent() {
+        for method in [Method::GET, Method::HEAD, Method::PUT, Method::DELETE] {
+            assert!(idempotent(&method), "{method}");
+        }
+        for method in [Method::POST, Method::PATCH, Method::CONNECT] {
+            assert!(!idempotent(&method), "{method}");
+        }
+    }
+}

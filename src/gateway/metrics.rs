@@ -1,0 +1,147 @@
+//! The gateway's figures, with bounded labels only (never a crawler's name, a target or a
+//! session): requests by kind and outcome, bytes relayed, upstream retries, bans seen, and the
+//! sessions held, read at scrape time.
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+use super::Outcome;
+use crate::ledger::ReportResult;
+use crate::sessions::Sessions;
+
+/// Counters the gateway increments.
+#[derive(Clone, Debug)]
+pub struct GatewayMetrics {
+    connections: IntCounter,
+    requests: IntCounterVec,
+    bytes: IntCounterVec,
+    retries: IntCounter,
+    bans: IntCounterVec,
+}
+
+impl GatewayMetrics {
+    /// Creates the metrics, registers them in `registry` with the gauge of `sessions`.
+    pub fn register(registry: &Registry, sessions: Sessions) -> Result<Self, prometheus::Error> {
+        let connections = IntCounter::new(
+            "proxy_operator_gateway_connections_total",
+            "Client connections the gateway accepted.",
+        )?;
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_requests_total",
+                "Gateway requests by kind (connect, http) and outcome: tunneled, forwarded, \
+                 auth_required (407), bad_request (400), port_refused (403), no_proxy (503), \
+                 unavailable (503: the ledger could not take the lease), upstream_failed (502).",
+            ),
+            &["kind", "outcome"],
+        )?;
+        let bytes = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_bytes_total",
+                "Bytes relayed between crawlers and upstream proxies: up (to the target) and \
+                 down (to the crawler).",
+            ),
+            &["direction"],
+        )?;
+        let retries = IntCounter::new(
+            "proxy_operator_gateway_upstream_retries_total",
+            "Requests tried again on another proxy after an upstream failed before anything \
+             reached the crawler.",
+        )?;
+        let bans = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_bans_total",
+                "Target answers the gateway reported as bans, by result (see \
+                 --gateway-ban-statuses).",
+            ),
+            &["result"],
+        )?;
+        for metric in [
+            Box::new(connections.clone()) as Box<dyn Collector>,
+            Box::new(requests.clone()),
+            Box::new(bytes.clone()),
+            Box::new(retries.clone()),
+            Box::new(bans.clone()),
+            Box::new(SessionGauge::new(sessions)?),
+        ] {
+            registry.register(metric)?;
+        }
+        for kind in ["connect", "http"] {
+            for outcome in Outcome::ALL {
+                requests.with_label_values(&[kind, outcome.as_str()]);
+            }
+        }
+        for direction in ["up", "down"] {
+            bytes.with_label_values(&[direction]);
+        }
+        for result in [ReportResult::RateLimited, ReportResult::Blocked] {
+            bans.with_label_values(&[result.as_str()]);
+        }
+        Ok(GatewayMetrics {
+            connections,
+            requests,
+            bytes,
+            retries,
+            bans,
+        })
+    }
+
+    /// Counts an accepted connection.
+    pub fn connection(&self) {
+        self.connections.inc();
+    }
+
+    /// Counts a request of `kind` (`connect`, `http`) that ended with `outcome`.
+    pub fn request(&self, kind: &str, outcome: Outcome) {
+        self.requests
+            .with_label_values(&[kind, outcome.as_str()])
+            .inc();
+    }
+
+    /// Counts bytes relayed.
+    pub fn relayed(&self, up: u64, down: u64) {
+        self.bytes.with_label_values(&["up"]).inc_by(up);
+        self.bytes.with_label_values(&["down"]).inc_by(down);
+    }
+
+    /// Counts a try on another proxy.
+    pub fn retried(&self) {
+        self.retries.inc();
+    }
+
+    /// Counts a ban reported.
+    pub fn banned(&self, result: ReportResult) {
+        self.bans.with_label_values(&[result.as_str()]).inc();
+    }
+}
+
+/// `proxy_operator_gateway_sessions_active`, read from the session table at scrape time.
+struct SessionGauge {
+    sessions: Sessions,
+    gauge: IntGauge,
+}
+
+impl SessionGauge {
+    fn new(sessions: Sessions) -> Result<Self, prometheus::Error> {
+        Ok(SessionGauge {
+            sessions,
+            gauge: IntGauge::new(
+                "proxy_operator_gateway_sessions_active",
+                "Sticky sessions the gateway holds a lease for.",
+            )?,
+        })
+    }
+}
+
+impl Collector for SessionGauge {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauge.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.gauge
+            .set(i64::try_from(self.sessions.len()).unwrap_or(i64::MAX));
+        self.gauge.collect()
+    }
+}

@@ -1,0 +1,564 @@
+//! The crawler gateway (`--gateway-addr`, default `:8888`): one forward-proxy address any HTTP
+//! client can use (curl, requests, Scrapy, Playwright), which leases an upstream proxy for the
+//! crawler. It serves HTTP/1.1 `CONNECT host:port` tunnels and absolute-form requests
+//! (`GET http://…`), keeps client connections alive, and reads the same inventory, health
+//! snapshot and ledger as the lease API (parsing is hyper's; tunnels are byte copies).
+//!
+//! - **Who**: `Proxy-Authorization: Basic` whose password is an API token; the user part holds
+//!   the options (`user`): a crawler name, `session`, `sessionTTL` and selector labels.
+//! - **Which upstream** (`choice`): a lease through the ledger, with the API's selection rules,
+//!   for the target (the CONNECT host or the request's host): one per client connection and
+//!   target, released when the connection closes; or one per (token, session), kept while its
+//!   proxy stays usable for the target and moved (said in `X-Proxy-Session-Moved`) when not.
+//! - **Failures** (`tunnel`, `forward`): an upstream that refuses, times out or answers the
+//!   CONNECT with a non-2xx is reported `error` and another proxy is tried (`--gateway-retries`);
+//!   then `502` saying what was tried. No usable proxy: `503` with `Retry-After`.
+//! - **Bans** (`bans`): on plain HTTP, a target status in the ban rule is reported for that
+//!   (proxy, target), cooling it down for as long as the target's `Retry-After` asks.
+//! - **Drains** (`upstream`): a draining or deleted proxy's idle upstream connections are
+//!   closed at once, so a drain does not wait for keep-alive.
+
+mod auth;
+mod bans;
+mod choice;
+mod forward;
+mod metrics;
+mod tunnel;
+mod upstream;
+pub mod user;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, RETRY_AFTER};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use bans::BanRule;
+pub use metrics::GatewayMetrics;
+
+use crate::candidates::CandidateIndex;
+use crate::credentials::CredentialStore;
+use crate::health::HealthSnapshot;
+use crate::inventory::Inventory;
+use crate::ledger::{Clock, LeaseReport, Ledger, LedgerError, NoMatch, ReportResult};
+use crate::proxy::ProxyId;
+use crate::retry_after;
+use crate::sessions::Sessions;
+use crate::tokens::ApiToken;
+use choice::{ClientConnection, Held, Refusal, Target, TargetError};
+use upstream::UpstreamFailure;
+
+/// Header naming the upstream proxy a request went through (`namespace/name`).
+pub const PROXY_NAME_HEADER: &str = "x-proxy-name";
+/// Header carrying the lease a request went through (for reports through the lease API).
+pub const PROXY_LEASE_HEADER: &str = "x-proxy-lease";
+/// Header naming the proxy a session left, on the first answer through its new one.
+pub const SESSION_MOVED_HEADER: &str = "x-proxy-session-moved";
+
+/// The body of every gateway answer.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// How the gateway behaves.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Ports a crawler may reach through the gateway (`CONNECT` and plain HTTP alike), so a
+    /// token holder cannot relay to anything else.
+    pub allowed_ports: Vec<u16>,
+    /// Other proxies tried after an upstream failed before anything reached the crawler.
+    pub retries: u32,
+    /// Longest wait for an upstream proxy: connecting, its answer to a CONNECT, and the
+    /// response head of a plain request.
+    pub upstream_timeout: Duration,
+    /// Target statuses reported as bans.
+    pub ban_rule: BanRule,
+    /// Idle lifetime of a session whose user part names no `sessionTTL`.
+    pub session_ttl: Duration,
+    /// TTL of the lease a connection holds without a session, renewed while it is used.
+    pub connection_lease_ttl: Duration,
+    /// Largest plain-HTTP request body, buffered so the request can be tried on another
+    /// proxy.
+    pub max_request_body: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            allowed_ports: vec![80, 443],
+            retries: 2,
+            upstream_timeout: Duration::from_secs(10),
+            ban_rule: BanRule::default(),
+            session_ttl: Duration::from_secs(300),
+            connection_lease_ttl: Duration::from_secs(300),
+            max_request_body: 16 << 20,
+        }
+    }
+}
+
+/// What the gateway reads and writes, shared by every connection.
+pub struct Gateway {
+    /// Proxies known to the process.
+    pub inventory: Inventory,
+    /// Their health.
+    pub health: HealthSnapshot,
+    /// The lease ledger.
+    pub ledger: Arc<dyn Ledger>,
+    /// Selector matches and health positions, kept per inventory snapshot.
+    pub candidates: CandidateIndex,
+    /// Upstream credentials.
+    pub credentials: CredentialStore,
+    /// The tokens that grant access.
+    pub tokens: ApiToken,
+    /// Sticky sessions.
+    pub sessions: Sessions,
+    /// Counters.
+    pub metrics: GatewayMetrics,
+    /// The ledger's clock (for `Retry-After` dates).
+    pub clock: Arc<dyn Clock>,
+    /// Settings.
+    pub config: GatewayConfig,
+    /// Upstream connections, for closing a draining proxy's idle ones.
+    upstreams: upstream::Upstreams,
+    /// Client connections and tunnels, awaited at shutdown.
+    tasks: TaskTracker,
+    /// Fired at shutdown: connections and tunnels end and give their leases back.
+    stopping: CancellationToken,
+}
+
+impl Gateway {
+    /// A gateway over the process's parts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        inventory: Inventory,
+        health: HealthSnapshot,
+        ledger: Arc<dyn Ledger>,
+        credentials: CredentialStore,
+        tokens: ApiToken,
+        sessions: Sessions,
+        metrics: GatewayMetrics,
+        clock: Arc<dyn Clock>,
+        config: GatewayConfig,
+    ) -> Self {
+        Gateway {
+            inventory,
+            health,
+            ledger,
+            candidates: CandidateIndex::default(),
+            credentials,
+            tokens,
+            sessions,
+            metrics,
+            clock,
+            config,
+            upstreams: upstream::Upstreams::default(),
+            tasks: TaskTracker::new(),
+            stopping: CancellationToken::new(),
+        }
+    }
+}
+
+/// How a gateway request ended (the `outcome` label of its counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A tunnel was opened.
+    Tunneled,
+    /// A plain request was answered by its target.
+    Forwarded,
+    /// 407: no valid token.
+    AuthRequired,
+    /// 400: a malformed request or user part.
+    BadRequest,
+    /// 403: a port the gateway does not relay to.
+    PortRefused,
+    /// 503: no proxy can take a lease.
+    NoProxy,
+    /// 503: the ledger could not take the lease (overloaded, full).
+    Unavailable,
+    /// 502: every upstream tried failed.
+    UpstreamFailed,
+}
+
+impl Outcome {
+    /// Every outcome.
+    pub const ALL: [Outcome; 8] = [
+        Outcome::Tunneled,
+        Outcome::Forwarded,
+        Outcome::AuthRequired,
+        Outcome::BadRequest,
+        Outcome::PortRefused,
+        Outcome::NoProxy,
+        Outcome::Unavailable,
+        Outcome::UpstreamFailed,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Tunneled => "tunneled",
+            Outcome::Forwarded => "forwarded",
+            Outcome::AuthRequired => "auth_required",
+            Outcome::BadRequest => "bad_request",
+            Outcome::PortRefused => "port_refused",
+            Outcome::NoProxy => "no_proxy",
+            Outcome::Unavailable => "unavailable",
+            Outcome::UpstreamFailed => "upstream_failed",
+        }
+    }
+}
+
+/// How long connections and tunnels get to give their leases back at shutdown.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves the gateway on `listener` until `shutdown` fires; then stops accepting, ends the
+/// connections and tunnels under way and gives their leases back (a session's stays, so the
+/// session finds it again after a restart).
+pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: CancellationToken) {
+    let housekeeping = tokio::spawn(choice::release_idle_sessions(
+        gateway.clone(),
+        shutdown.clone(),
+    ));
+    let drains = tokio::spawn(upstream::close_on_drain(gateway.clone(), shutdown.clone()));
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                gateway.metrics.connection();
+                gateway
+                    .tasks
+                    .spawn(serve_connection(stream, peer, gateway.clone()));
+            }
+            Err(e) => {
+                log::warn!("gateway: accepting a connection failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    housekeeping.abort();
+    drains.abort();
+    gateway.stopping.cancel();
+    gateway.tasks.close();
+    if tokio::time::timeout(STOP_GRACE, gateway.tasks.wait())
+        .await
+        .is_err()
+    {
+        log::warn!("gateway: connections did not end within {STOP_GRACE:?}; their leases expire");
+    }
+}
+
+/// Serves one client connection, then gives back the leases it held.
+async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, gateway: Arc<Gateway>) {
+    let connection = Arc::new(ClientConnection::new(gateway.clone()));
+    let registered = gateway.upstreams.add(&connection);
+    let service = {
+        let connection = connection.clone();
+        service_fn(move |request| {
+            let connection = connection.clone();
+            async move { Ok::<_, Infallible>(connection.handle(request).await) }
+        })
+    };
+    let served = http1::Builder::new()
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    tokio::select! {
+        () = gateway.stopping.cancelled() => {}
+        served = served => if let Err(e) = served {
+            log::debug!("gateway: connection from {peer} ended: {e}");
+        },
+    }
+    gateway.upstreams.remove(registered);
+    connection.close().await;
+}
+
+impl ClientConnection {
+    /// Answers one request.
+    async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
+        let kind = if request.method() == Method::CONNECT {
+            "connect"
+        } else {
+            "http"
+        };
+        let (outcome, response) = self.route(request).await;
+        self.gateway.metrics.request(kind, outcome);
+        response
+    }
+
+    async fn route(&self, request: Request<Incoming>) -> (Outcome, Response<Body>) {
+        let gateway = &self.gateway;
+        let header = request
+            .headers()
+            .get(PROXY_AUTHORIZATION)
+            .map(HeaderValue::as_bytes);
+        let Some(caller) = auth::caller(&gateway.tokens, header) else {
+            return (Outcome::AuthRequired, proxy_auth_required());
+        };
+        let options = match user::parse(&caller.user) {
+            Ok(options) => options,
+            Err(problem) => {
+                return (
+                    Outcome::BadRequest,
+                    error(StatusCode::BAD_REQUEST, "bad_proxy_user", &problem),
+                );
+            }
+        };
+        let allowed_ports = &gateway.config.allowed_ports;
+        let target = match Target::of(request.method(), request.uri(), allowed_ports) {
+            Ok(target) => target,
+            Err(TargetError::Bad(problem)) => {
+                return (
+                    Outcome::BadRequest,
+                    error(StatusCode::BAD_REQUEST, "bad_request", problem),
+                );
+            }
+            Err(TargetError::PortNotAllowed(port)) => {
+                let message = format!(
+                    "the gateway relays to ports {allowed_ports:?} only \
+                     (--gateway-allowed-ports), not {port}"
+                );
+                return (
+                    Outcome::PortRefused,
+                    error(StatusCode::FORBIDDEN, "port_not_allowed", &message),
+                );
+            }
+        };
+        let ask = choice::Ask {
+            token: caller.token,
+            options,
+            target,
+        };
+        if request.method() == Method::CONNECT {
+            tunnel::open(self, request, &ask).await
+        } else {
+            forward::send(self, request, &ask).await
+        }
+    }
+}
+
+impl Gateway {
+    /// Reports what went wrong upstream on `held` for `target` (logged when the ledger cannot
+    /// take it).
+    async fn report_failure(&self, held: &Held, target: &str, result: ReportResult) {
+        let report = LeaseReport {
+            result,
+            target: Some(target.to_owned()),
+            cooldown: None,
+        };
+        if let Err(e) = self.ledger.report(&held.lease_id, report).await {
+            log::warn!("gateway: reporting lease {} failed: {e}", held.lease_id);
+        }
+    }
+
+    /// Keeps a lease in use alive: a session's is touched and renewed when due; a tunnel's
+    /// own is renewed.
+    async fn keep(&self, held: &Held) {
+        let now = std::time::Instant::now();
+        match &held.session {
+            Some(key) => {
+                let Some(session) = self.sessions.get(key) else {
+                    return;
+                };
+                if session.lease_id != held.lease_id {
+                    return;
+                }
+                let renewed = session.renewal_due(now)
+                    && self.ledger.renew(&held.lease_id, held.ttl).await.is_ok();
+                self.sessions.touch(key, &held.lease_id, now, renewed);
+            }
+            None => {
+                if let Err(e) = self.ledger.renew(&held.lease_id, held.ttl).await {
+                    log::warn!("gateway: renewing lease {} failed: {e}", held.lease_id);
+                }
+            }
+        }
+    }
+
+    /// A tunnel ended: its own lease goes back; a session's idle time starts now.
+    async fn done_with(&self, held: &Held) {
+        match &held.session {
+            Some(key) => {
+                self.sessions
+                    .touch(key, &held.lease_id, std::time::Instant::now(), false);
+            }
+            None => self.give_back(&held.lease_id).await,
+        }
+    }
+}
+
+/// The upstreams one request tried and how each failed.
+#[derive(Default)]
+struct Attempts {
+    tried: Vec<(ProxyId, String)>,
+    /// The session proxy the request started on, when that one failed.
+    session_left: Option<ProxyId>,
+}
+
+impl Attempts {
+    fn push(&mut self, held: &Held, failure: &UpstreamFailure) {
+        if held.session.is_some() && self.session_left.is_none() {
+            self.session_left = Some(held.proxy.clone());
+        }
+        self.tried.push((held.proxy.clone(), failure.to_string()));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tried.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.tried.len()
+    }
+
+    /// The proxy a session left for `held`'s, if it moved.
+    fn moved_from(&self, held: &Held) -> Option<ProxyId> {
+        held.moved_from
+            .clone()
+            .or_else(|| self.session_left.clone())
+    }
+
+    /// 502 saying what was tried.
+    fn failed(&self) -> (Outcome, Response<Body>) {
+        let tried: Vec<serde_json::Value> = self
+            .tried
+            .iter()
+            .map(|(proxy, problem)| json!({"proxy": proxy.to_string(), "problem": problem}))
+            .collect();
+        let summary: Vec<String> = self
+            .tried
+            .iter()
+            .map(|(proxy, problem)| format!("{proxy}: {problem}"))
+            .collect();
+        let body = json!({
+            "error": "upstream_failed",
+            "message": format!("every upstream proxy tried failed ({})", summary.join("; ")),
+            "tried": tried,
+        });
+        (
+            Outcome::UpstreamFailed,
+            json_response(StatusCode::BAD_GATEWAY, &body),
+        )
+    }
+}
+
+/// Names the proxy and the lease an answer went through, and the proxy a session left.
+fn lease_headers<B>(response: &mut Response<B>, held: &Held, moved_from: Option<ProxyId>) {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (PROXY_NAME_HEADER, Some(held.proxy.to_string())),
+        (PROXY_LEASE_HEADER, Some(held.lease_id.clone())),
+        (SESSION_MOVED_HEADER, moved_from.map(|p| p.to_string())),
+    ] {
+        if let Some(value) = value.and_then(|v| HeaderValue::try_from(v).ok()) {
+            headers.insert(name, value);
+        }
+    }
+}
+
+/// 407 with the challenge clients answer with the token.
+fn proxy_auth_required() -> Response<Body> {
+    let mut response = error(
+        StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+        "proxy_auth_required",
+        "send Proxy-Authorization: Basic with an API token as the password (e.g. \
+         http://crawler:TOKEN@gateway:8888)",
+    );
+    response.headers_mut().insert(
+        PROXY_AUTHENTICATE,
+        HeaderValue::from_static("Basic realm=\"proxy-operator\""),
+    );
+    response
+}
+
+/// A JSON error answer `{"error": code, "message": message}`.
+fn error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
+    json_response(status, &json!({"error": code, "message": message}))
+}
+
+fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(full(body.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// A body from bytes.
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// The answer to a refused lease: 503 with `Retry-After`; for no match, the same counts as the
+/// lease API's 409.
+fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (Outcome, Response<Body>) {
+    match refusal {
+        Refusal::NoMatch(no_match) => (Outcome::NoProxy, no_match_response(no_match, now)),
+        Refusal::Ledger(LedgerError::Overloaded { retry_after })
+        | Refusal::Ledger(LedgerError::Full { retry_after }) => {
+            let mut response = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the lease ledger could not take the lease; retry later",
+            );
+            set_retry_after(&mut response, *retry_after);
+            (Outcome::Unavailable, response)
+        }
+        Refusal::Ledger(e) => {
+            log::error!("gateway: acquiring a lease failed: {e}");
+            let mut response = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the lease ledger failed; retry later",
+            );
+            set_retry_after(&mut response, Duration::from_secs(1));
+            (Outcome::Unavailable, response)
+        }
+    }
+}
+
+fn no_match_response(no_match: &NoMatch, now: jiff::Timestamp) -> Response<Body> {
+    let mut response = json_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &json!({
+            "error": "no_match",
+            "reason": no_match.reason().as_str(),
+            "message": no_match.message(),
+            "considered": no_match.considered,
+            "cordoned": no_match.cordoned,
+            "draining": no_match.draining,
+            "unhealthy": no_match.unhealthy,
+            "atCapacity": no_match.at_capacity,
+            "atTargetLimit": no_match.at_target_limit,
+            "inCooldown": no_match.in_cooldown,
+        }),
+    );
+    let wait = no_match
+        .retry_after
+        .map_or(Duration::ZERO, |at| retry_after::until(at, now));
+    set_retry_after(&mut response, wait);
+    response
+}
+
+fn set_retry_after(response: &mut Response<Body>, wait: Duration) {
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(retry_after::seconds(wait)));
+}

@@ -1,0 +1,256 @@
+//! Connections to upstream proxies: a kept-alive HTTP/1.1 connection per client connection and
+//! lease for plain requests, a `CONNECT` per tunnel, and the sweep that closes what a draining
+//! or deleted proxy still has open and idle, so a drain does not wait for keep-alive.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper::header::{HOST, HeaderValue, PROXY_AUTHORIZATION};
+use hyper::upgrade::Upgraded;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use super::Gateway;
+use super::choice::{ClientConnection, Upstream};
+use crate::proxy::ProxyId;
+
+/// How often the drain sweep runs besides on every inventory change (a lease in use when a
+/// drain began is given back once its last request ends).
+const DRAIN_SWEEP: Duration = Duration::from_secs(1);
+
+/// Why an upstream proxy could not carry a request (said in the `502` answer).
+#[derive(Debug)]
+pub enum UpstreamFailure {
+    /// The TCP connection failed.
+    Connect(std::io::Error),
+    /// No answer in time.
+    Timeout,
+    /// The HTTP exchange with the proxy failed.
+    Http(hyper::Error),
+    /// The proxy answered the `CONNECT` (or a plain request, with its own 407) with this
+    /// status.
+    Refused(StatusCode),
+}
+
+impl fmt::Display for UpstreamFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UpstreamFailure::Connect(e) => write!(f, "connecting failed: {e}"),
+            UpstreamFailure::Timeout => f.write_str("no answer in time"),
+            UpstreamFailure::Http(e) => write!(f, "the exchange failed: {e}"),
+            UpstreamFailure::Refused(status) => write!(f, "answered {status}"),
+        }
+    }
+}
+
+/// The `Proxy-Authorization` value for an upstream's credentials, if it has any.
+fn proxy_authorization(upstream: &Upstream) -> Option<HeaderValue> {
+    let credentials = upstream.credentials.as_ref()?;
+    HeaderValue::try_from(credentials.basic()).ok()
+}
+
+/// Opens a TCP connection to the upstream proxy within `timeout`.
+async fn connect(upstream: &Upstream, timeout: Duration) -> Result<TcpStream, UpstreamFailure> {
+    let stream = tokio::time::timeout(
+        timeout,
+        TcpStream::connect((upstream.host.as_str(), upstream.port)),
+    )
+    .await
+    .map_err(|_| UpstreamFailure::Timeout)?
+    .map_err(UpstreamFailure::Connect)?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+/// A tunnel to `authority` through the upstream proxy: its `CONNECT` answered 2xx within
+/// `timeout`.
+pub async fn tunnel(
+    upstream: &Upstream,
+    authority: &str,
+    timeout: Duration,
+) -> Result<TokioIo<Upgraded>, UpstreamFailure> {
+    let stream = connect(upstream, timeout).await?;
+    let exchange = async {
+        let (mut sender, connection) = http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+            .await
+            .map_err(UpstreamFailure::Http)?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.with_upgrades().await {
+                log::debug!("gateway: upstream CONNECT connection ended: {e}");
+            }
+        });
+        let mut request = Request::builder()
+            .method(Method::CONNECT)
+            .uri(authority)
+            .body(Full::default())
+            .map_err(|_| UpstreamFailure::Refused(StatusCode::BAD_REQUEST))?;
+        if let Ok(host) = HeaderValue::try_from(authority) {
+            request.headers_mut().insert(HOST, host);
+        }
+        if let Some(value) = proxy_authorization(upstream) {
+            request.headers_mut().insert(PROXY_AUTHORIZATION, value);
+        }
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(UpstreamFailure::Http)?;
+        if !response.status().is_success() {
+            return Err(UpstreamFailure::Refused(response.status()));
+        }
+        hyper::upgrade::on(response)
+            .await
+            .map_err(UpstreamFailure::Http)
+    };
+    let upgraded = tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| UpstreamFailure::Timeout)??;
+    Ok(TokioIo::new(upgraded))
+}
+
+/// A kept-alive HTTP/1.1 connection to an upstream proxy, for one client connection's plain
+/// requests on one lease (HTTP/1 carries one request at a time, as the client connection does).
+pub struct HttpUpstream {
+    proxy: ProxyId,
+    sender: SendRequest<Full<Bytes>>,
+    busy: Arc<AtomicBool>,
+    authorization: Option<HeaderValue>,
+}
+
+impl HttpUpstream {
+    /// Connects to the proxy of `proxy` at `upstream`.
+    pub async fn open(
+        proxy: ProxyId,
+        upstream: &Upstream,
+        timeout: Duration,
+    ) -> Result<Self, UpstreamFailure> {
+        let stream = connect(upstream, timeout).await?;
+        let (sender, connection) = tokio::time::timeout(
+            timeout,
+            http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream)),
+        )
+        .await
+        .map_err(|_| UpstreamFailure::Timeout)?
+        .map_err(UpstreamFailure::Http)?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                log::debug!("gateway: upstream connection ended: {e}");
+            }
+        });
+        Ok(HttpUpstream {
+            proxy,
+            sender,
+            busy: Arc::new(AtomicBool::new(false)),
+            authorization: proxy_authorization(upstream),
+        })
+    }
+
+    /// The proxy it goes to.
+    pub fn proxy(&self) -> &ProxyId {
+        &self.proxy
+    }
+
+    /// Whether a response is still coming through it.
+    pub fn busy(&self) -> bool {
+        self.busy.load(Ordering::Acquire)
+    }
+
+    /// Whether it can take a request now (open and not busy).
+    pub fn ready(&self) -> bool {
+        !self.busy() && self.sender.is_ready()
+    }
+
+    /// Sends `request` (absolute-form, hop-by-hop headers already gone) with the proxy's
+    /// credentials; the answer's head must come within `timeout`. The connection is busy until
+    /// the returned flag's guard is dropped (when the response body has been relayed).
+    pub async fn send(
+        &mut self,
+        mut request: Request<Full<Bytes>>,
+        timeout: Duration,
+    ) -> Result<(hyper::Response<hyper::body::Incoming>, Busy), UpstreamFailure> {
+        if let Some(value) = &self.authorization {
+            request
+                .headers_mut()
+                .insert(PROXY_AUTHORIZATION, value.clone());
+        }
+        self.busy.store(true, Ordering::Release);
+        let busy = Busy(self.busy.clone());
+        let response = tokio::time::timeout(timeout, self.sender.send_request(request))
+            .await
+            .map_err(|_| UpstreamFailure::Timeout)?
+            .map_err(UpstreamFailure::Http)?;
+        Ok((response, busy))
+    }
+}
+
+/// Marks an [`HttpUpstream`] busy until dropped.
+#[derive(Debug)]
+pub struct Busy(Arc<AtomicBool>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// The client connections being served, for the drain sweep.
+#[derive(Default)]
+pub struct Upstreams {
+    connections: Mutex<HashMap<u64, Weak<ClientConnection>>>,
+    next: AtomicU64,
+}
+
+impl Upstreams {
+    /// Adds a client connection; its number takes it out again.
+    pub fn add(&self, connection: &Arc<ClientConnection>) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(id, Arc::downgrade(connection));
+        id
+    }
+
+    /// Takes a client connection out.
+    pub fn remove(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<ClientConnection>>> {
+        self.connections
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn live(&self) -> Vec<Arc<ClientConnection>> {
+        self.lock().values().filter_map(Weak::upgrade).collect()
+    }
+}
+
+/// On every inventory change (and every [`DRAIN_SWEEP`]) until `shutdown`: gives back the
+/// unused leases the gateway holds on draining or deleted proxies, sessions' included, and
+/// closes their idle upstream connections.
+pub(super) async fn close_on_drain(gateway: Arc<Gateway>, shutdown: CancellationToken) {
+    let mut changes = gateway.inventory.subscribe();
+    let mut ticker = tokio::time::interval(DRAIN_SWEEP);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = ticker.tick() => {}
+        }
+        let snapshot = gateway.inventory.snapshot();
+        let gone =
+            |proxy: &ProxyId| snapshot.position(proxy).is_none() || snapshot.is_draining(proxy);
+        for lease_id in gateway.sessions.release_where(gone) {
+            gateway.give_back(&lease_id).await;
+        }
+        for connection in gateway.upstreams.live() {
+            connection.let_go_of(gone).await;
+        }
+    }
+}
