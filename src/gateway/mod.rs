@@ -411,7 +411,9 @@ struct Attempts {
 impl Attempts {
     fn push(&mut self, held: &Held, failure: &UpstreamFailure) {
         if held.session.is_some() && self.session_left.is_none() {
-            self.session_left = Some(held.proxy.clone());
+            // Where the session was before this request: the proxy it had just left for this
+            // one, or this one.
+            self.session_left = Some(held.moved_from.clone().unwrap_or(held.proxy.clone()));
         }
         self.tried.push((held.proxy.clone(), failure.to_string()));
     }

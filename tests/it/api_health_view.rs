@@ -54,7 +54,10 @@ fn entry<'a>(list: &'a Value, name: &str) -> &'a Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     let alive = Squid::start();
-    let denying = Squid::start_with(support::SquidOptions { deny_connect: true });
+    let denying = Squid::start_with(support::SquidOptions {
+        deny_connect: true,
+        ..Default::default()
+    });
     let mut dead = Squid::start();
     dead.kill();
     let target = Target::start();

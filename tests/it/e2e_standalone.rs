@@ -211,7 +211,10 @@ async fn standalone_end_to_end() {
     let probe = target.https_url();
     let mut alpha = Squid::start();
     let beta = Squid::start();
-    let refusing = Squid::start_with(SquidOptions { deny_connect: true });
+    let refusing = Squid::start_with(SquidOptions {
+        deny_connect: true,
+        ..Default::default()
+    });
     let inventory = dir.path().join("inventory.yaml");
     let base_inventory = format!(
         "{}{}{}",
@@ -775,11 +778,13 @@ async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
         .map(|(name, squid)| ExternalProxy {
             name: (*name).to_owned(),
             labels: vec![("pool".into(), "cordon".into())],
+            host: "127.0.0.1".into(),
             port: squid.port(),
             max_leases: 3,
             probe_url: target.https_url(),
             interval: "500ms",
             cordoned: false,
+            credentials: None,
         })
         .collect();
     let mut operator = Standalone::start(

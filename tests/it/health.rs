@@ -101,7 +101,10 @@ async fn a_dead_proxy_is_connect_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connect_is_an_error_not_a_response() {
-    let squid = Squid::start_with(SquidOptions { deny_connect: true });
+    let squid = Squid::start_with(SquidOptions {
+        deny_connect: true,
+        ..Default::default()
+    });
     let target = Target::start();
     let result = client(&squid, &target, target.https_url())
         .probe(None)
@@ -367,7 +370,10 @@ async fn a_killed_squid_turns_unhealthy_and_recovers_after_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_denying_connect_is_unhealthy_with_the_connect_refused_kind() {
-    let squid = Squid::start_with(SquidOptions { deny_connect: true });
+    let squid = Squid::start_with(SquidOptions {
+        deny_connect: true,
+        ..Default::default()
+    });
     let target = Target::start();
     let p = proxy(
         "a",

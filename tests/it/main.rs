@@ -14,6 +14,7 @@ mod crd;
 mod durations;
 mod e2e_standalone;
 mod envtest_harness;
+mod gateway;
 mod gc_task;
 mod gcp_provider;
 mod health;

@@ -236,6 +236,7 @@ async fn schemathesis_finds_nothing_with_every_check() {
         .map(|i| ExternalProxy {
             name: format!("st-{i:02}"),
             labels: vec![("pool".into(), "schemathesis".into())],
+            host: "127.0.0.1".into(),
             port: squids[i % squids.len()].port(),
             // Far more than the run takes: acquires are granted, not refused for capacity.
             max_leases: 1_000_000,
@@ -243,6 +244,7 @@ async fn schemathesis_finds_nothing_with_every_check() {
             interval: "2s",
             // One cordoned proxy: listed with `cordoned: true`, never leased.
             cordoned: i == 0,
+            credentials: None,
         })
         .collect();
     let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);

@@ -6,10 +6,13 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod envtest;
+pub mod fleet;
 pub mod kubelet;
 pub mod ledger;
 pub mod mock_api;
 pub mod operator;
+pub mod python;
+pub mod site;
 pub mod squid;
 pub mod standalone;
 pub mod stub_provider;

@@ -1,7 +1,7 @@
 //! A real squid (Debian package `squid`) on a free loopback port, with its own config, pid,
 //! log and cache paths in a temp dir. Killed on drop.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -9,16 +9,23 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 /// How the proxy behaves.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct SquidOptions {
     /// Refuse every CONNECT request (403), as a proxy with a strict ACL does.
     pub deny_connect: bool,
+    /// The loopback address it listens on and connects out from (`tcp_outgoing_address`), so a
+    /// target sees which proxy a request came through; `None`: 127.0.0.1.
+    pub address: Option<Ipv4Addr>,
+    /// The `user:password-file line` it requires (`basic_ncsa_auth`), as paid proxies and the
+    /// operator's Managed squids do; `None`: open.
+    pub htpasswd: Option<String>,
 }
 
 /// A running (or killed, restartable) squid.
 #[derive(Debug)]
 pub struct Squid {
     dir: TempDir,
+    address: Ipv4Addr,
     port: u16,
     child: Option<Child>,
 }
@@ -38,16 +45,21 @@ impl Squid {
             .expect("create a temp dir for squid");
         // Started as root, squid drops to the `proxy` user, which must write here.
         make_world_writable(dir.path());
+        if let Some(line) = &options.htpasswd {
+            std::fs::write(dir.path().join("passwd"), format!("{line}\n")).expect("write passwd");
+        }
+        let address = options.address.unwrap_or(Ipv4Addr::LOCALHOST);
         let mut last_log = String::new();
         for _ in 0..5 {
             let port = free_port();
             std::fs::write(
                 dir.path().join("squid.conf"),
-                config(dir.path(), port, options),
+                config(dir.path(), address, port, &options),
             )
             .expect("write squid.conf");
             let mut squid = Squid {
                 dir,
+                address,
                 port,
                 child: None,
             };
@@ -68,9 +80,14 @@ impl Squid {
         self.port
     }
 
-    /// `http://127.0.0.1:<port>`, the proxy URL.
+    /// The address it listens on and connects out from.
+    pub fn address(&self) -> Ipv4Addr {
+        self.address
+    }
+
+    /// `http://<address>:<port>`, the proxy URL.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.address, self.port)
     }
 
     /// Kills squid (SIGKILL) and reaps it; the port then refuses connections.
@@ -115,7 +132,7 @@ impl Squid {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {}: {e}", binary.display()));
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let addr = SocketAddr::from((self.address, self.port));
         let deadline = Instant::now() + super::DEADLINE;
         loop {
             if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
@@ -204,15 +221,30 @@ fn make_world_writable(dir: &Path) {
         .expect("make the squid dir writable");
 }
 
-fn config(dir: &Path, port: u16, options: SquidOptions) -> String {
+fn config(dir: &Path, address: Ipv4Addr, port: u16, options: &SquidOptions) -> String {
     let dir = dir.display();
     let connect_rule = if options.deny_connect {
         "http_access deny CONNECT\n"
     } else {
         ""
     };
+    let outgoing = match options.address {
+        Some(address) => format!("tcp_outgoing_address {address}\n"),
+        None => String::new(),
+    };
+    let access = match options.htpasswd {
+        Some(_) => format!(
+            "auth_param basic program /usr/lib/squid/basic_ncsa_auth {dir}/passwd\n\
+             auth_param basic realm proxy-operator-test\n\
+             acl authenticated proxy_auth REQUIRED\n\
+             http_access allow authenticated\n\
+             http_access deny all\n"
+        ),
+        None => "http_access allow all\n".to_owned(),
+    };
     format!(
-        "http_port 127.0.0.1:{port}\n\
+        "http_port {address}:{port}\n\
+         {outgoing}\
          pid_filename {dir}/squid.pid\n\
          access_log stdio:{dir}/access.log\n\
          cache_log {dir}/cache.log\n\
@@ -223,6 +255,6 @@ fn config(dir: &Path, port: u16, options: SquidOptions) -> String {
          visible_hostname proxy-operator-test\n\
          shutdown_lifetime 0 seconds\n\
          {connect_rule}\
-         http_access allow all\n"
+         {access}"
     )
 }

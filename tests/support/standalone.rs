@@ -15,7 +15,9 @@ pub struct ExternalProxy {
     pub name: String,
     /// `metadata.labels`.
     pub labels: Vec<(String, String)>,
-    /// The proxy's port on 127.0.0.1.
+    /// The proxy's address.
+    pub host: String,
+    /// The proxy's port.
     pub port: u16,
     /// `spec.maxLeases`.
     pub max_leases: i32,
@@ -25,6 +27,9 @@ pub struct ExternalProxy {
     pub interval: &'static str,
     /// `spec.cordoned`.
     pub cordoned: bool,
+    /// The `(username, password)` it asks for: a `kind: Secret` document goes beside it and
+    /// its `credentialsSecretRef` names it.
+    pub credentials: Option<(String, String)>,
 }
 
 impl ExternalProxy {
@@ -35,15 +40,33 @@ impl ExternalProxy {
             .iter()
             .map(|(k, v)| format!("{k}: {v}"))
             .collect();
+        let (secret, reference) = match &self.credentials {
+            Some((username, password)) => (
+                format!(
+                    "apiVersion: v1
+kind: Secret
+metadata: {{name: {name}-credentials}}
+stringData: {{username: {username}, password: {password}}}
+---
+",
+                    name = self.name
+                ),
+                format!(
+                    ", credentialsSecretRef: {{name: {}-credentials}}",
+                    self.name
+                ),
+            ),
+            None => (String::new(), String::new()),
+        };
         format!(
-            "apiVersion: crawl.example.com/v1alpha1
+            "{secret}apiVersion: crawl.example.com/v1alpha1
 kind: Proxy
 metadata:
   name: {name}
   labels: {{{labels}}}
 spec:
   mode: External
-  endpoint: {{host: 127.0.0.1, port: {port}}}
+  endpoint: {{host: {host}, port: {port}{reference}}}
   maxLeases: {max_leases}
   cordoned: {cordoned}
   healthCheck:
@@ -53,6 +76,7 @@ spec:
 ---
 ",
             name = self.name,
+            host = self.host,
             labels = labels.join(", "),
             port = self.port,
             max_leases = self.max_leases,
@@ -68,6 +92,7 @@ pub struct Standalone {
     child: Child,
     api: String,
     gateway: String,
+    metrics: String,
     log: PathBuf,
     inventory: PathBuf,
 }
@@ -90,6 +115,7 @@ impl Standalone {
         let log_file = std::fs::File::create(&log).expect("create the operator log");
         let api_port = free_port();
         let gateway_port = free_port();
+        let metrics_port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
             .args(["standalone", "--inventory"])
             .arg(&inventory)
@@ -98,7 +124,7 @@ impl Standalone {
             .arg("--probe-ca-file")
             .arg(probe_ca)
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
-            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--gateway-addr", &format!("127.0.0.1:{gateway_port}")])
             .args(extra_args)
             .env("DISCOVERY_TOKEN", token)
@@ -112,6 +138,7 @@ impl Standalone {
             child,
             api: format!("http://127.0.0.1:{api_port}"),
             gateway: format!("127.0.0.1:{gateway_port}"),
+            metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
             log,
             inventory,
         }
@@ -135,6 +162,16 @@ impl Standalone {
     /// `127.0.0.1:<port>`, the gateway's address.
     pub fn gateway(&self) -> &str {
         &self.gateway
+    }
+
+    /// The metrics endpoint's URL.
+    pub fn metrics_url(&self) -> &str {
+        &self.metrics
+    }
+
+    /// The ledger file (`ledger.db` in the directory it was started in).
+    pub fn ledger(&self) -> PathBuf {
+        self.inventory.with_file_name("ledger.db")
     }
 
     /// Polls `GET /v1/proxies?healthy=true` until at least `count` proxies are healthy,

@@ -16,29 +16,20 @@ use tokio_util::sync::CancellationToken;
 /// Name of the target's threads, so a bench can tell their CPU time apart from its own.
 pub const THREAD_NAME: &str = "probe-target";
 
-/// What the target answers, shared with its server tasks.
-#[derive(Debug)]
-struct Behaviour {
-    status: AtomicU16,
-    delay_ms: AtomicU64,
-    connections: AtomicU64,
+/// A throw-away CA and a server certificate it signed for `127.0.0.1` and `localhost`: what a
+/// loopback HTTPS server presents and what the client under test is told to trust.
+pub struct TestTls {
+    /// Accepts TLS with the server certificate.
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// The CA certificate, PEM.
+    pub ca_pem: String,
+    /// The CA certificate, DER.
+    pub ca_der: Vec<u8>,
 }
 
-/// A running target; stopped on drop.
-#[derive(Debug)]
-pub struct Target {
-    http: SocketAddr,
-    https: SocketAddr,
-    ca_pem: String,
-    ca_der: Vec<u8>,
-    behaviour: Arc<Behaviour>,
-    shutdown: CancellationToken,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Target {
-    /// Starts a target answering 204 without delay.
-    pub fn start() -> Target {
+impl TestTls {
+    /// A new CA and server certificate.
+    pub fn new() -> TestTls {
         let ca_key = KeyPair::generate().expect("generate the CA key");
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -63,7 +54,42 @@ impl Target {
             PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
         )
         .expect("server TLS config");
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+        TestTls {
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
+            ca_pem: ca.pem(),
+            ca_der: ca.der().to_vec(),
+        }
+    }
+}
+
+/// What the target answers, shared with its server tasks.
+#[derive(Debug)]
+struct Behaviour {
+    status: AtomicU16,
+    delay_ms: AtomicU64,
+    connections: AtomicU64,
+}
+
+/// A running target; stopped on drop.
+#[derive(Debug)]
+pub struct Target {
+    http: SocketAddr,
+    https: SocketAddr,
+    ca_pem: String,
+    ca_der: Vec<u8>,
+    behaviour: Arc<Behaviour>,
+    shutdown: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Target {
+    /// Starts a target answering 204 without delay.
+    pub fn start() -> Target {
+        let TestTls {
+            acceptor,
+            ca_pem,
+            ca_der,
+        } = TestTls::new();
 
         let behaviour = Arc::new(Behaviour {
             status: AtomicU16::new(204),
@@ -103,8 +129,8 @@ impl Target {
         Target {
             http,
             https,
-            ca_pem: ca.pem(),
-            ca_der: ca.der().to_vec(),
+            ca_pem,
+            ca_der,
             behaviour,
             shutdown,
             thread: Some(thread),

@@ -1,0 +1,125 @@
+//! A fleet behind the gateway: real squids, each on its own loopback address (which it also
+//! connects out from, so the site sees which proxy a request left through) and each asking
+//! for its own credentials, listed as External proxies in the inventory of a running
+//! `proxy-operator standalone`, in front of a loopback [`Site`].
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use proxy_operator::credentials::Credentials;
+
+use super::site::Site;
+use super::squid::{Squid, SquidOptions};
+use super::standalone::{ExternalProxy, Standalone};
+
+/// The API token of every fleet.
+pub const TOKEN: &str = "gateway-token-0123456789";
+
+/// The site, the squids and the binary in front of them.
+pub struct GatewayFleet {
+    /// The site crawled.
+    pub site: Site,
+    /// The upstream proxies, `gw-0`, `gw-1`, ... in order.
+    pub squids: Vec<Squid>,
+    /// The binary.
+    pub operator: Standalone,
+    proxies: Vec<ExternalProxy>,
+}
+
+impl GatewayFleet {
+    /// Starts `count` squids and the binary (with `extra_args`) on an inventory listing them,
+    /// relaying to the site's ports, and waits until every proxy is healthy.
+    pub async fn start(dir: &Path, count: usize, extra_args: &[&str]) -> GatewayFleet {
+        let site = Site::start();
+        let mut squids = Vec::new();
+        let mut proxies = Vec::new();
+        for i in 0..count {
+            let credentials = Credentials {
+                username: format!("upstream{i}"),
+                password: format!("pass-{i}-{}", rand::random::<u32>()),
+            };
+            let address = exit_address(i);
+            let squid = Squid::start_with(SquidOptions {
+                address: Some(address),
+                htpasswd: Some(credentials.htpasswd_line().expect("hash the password")),
+                ..SquidOptions::default()
+            });
+            proxies.push(ExternalProxy {
+                name: format!("gw-{i}"),
+                labels: vec![("pool".into(), "gateway".into())],
+                host: address.to_string(),
+                port: squid.port(),
+                max_leases: 16,
+                probe_url: site.http("/generate_204"),
+                interval: "1s",
+                cordoned: false,
+                credentials: Some((credentials.username, credentials.password)),
+            });
+            squids.push(squid);
+        }
+        let ca = dir.join("site-ca.pem");
+        std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
+        let ports = format!("{},{}", site.http_port(), site.https_port());
+        let mut args = vec![
+            "--gateway-allowed-ports",
+            &ports,
+            "--inventory-poll",
+            "200ms",
+        ];
+        args.extend_from_slice(extra_args);
+        let mut operator = Standalone::start(dir, &proxies, &ca, TOKEN, &args);
+        operator
+            .wait_healthy(TOKEN, count, Duration::from_secs(60))
+            .await;
+        GatewayFleet {
+            site,
+            squids,
+            operator,
+            proxies,
+        }
+    }
+
+    /// `http://{user}:TOKEN@<gateway>`: the proxy URL a crawler configures.
+    pub fn proxy_url(&self, user: &str) -> String {
+        format!("http://{user}:{TOKEN}@{}", self.operator.gateway())
+    }
+
+    /// The proxy (`default/gw-N`) whose squid connects out from `ip`.
+    pub fn proxy_of(&self, ip: &str) -> Option<String> {
+        (0..self.squids.len())
+            .find(|&i| exit_address(i).to_string() == ip)
+            .map(|i| format!("default/gw-{i}"))
+    }
+
+    /// The squid of proxy `default/gw-N`.
+    pub fn squid_of(&mut self, proxy: &str) -> &mut Squid {
+        let index: usize = proxy
+            .strip_prefix("default/gw-")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{proxy} is not a fleet proxy"));
+        &mut self.squids[index]
+    }
+
+    /// Rewrites the inventory without proxy `default/gw-N`.
+    pub fn remove(&mut self, proxy: &str) {
+        self.proxies
+            .retain(|p| format!("default/{}", p.name) != proxy);
+        self.operator.rewrite_inventory(&self.proxies);
+    }
+
+    /// The current metrics scrape.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(self.operator.metrics_url())
+            .await
+            .expect("scrape the metrics")
+            .text()
+            .await
+            .expect("the scrape's text")
+    }
+}
+
+/// The loopback address squid `i` listens on and connects out from.
+pub fn exit_address(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 0, 10 + u8::try_from(i).expect("a small fleet"))
+}

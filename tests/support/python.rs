@@ -1,0 +1,32 @@
+//! Python crawlers the tests drive (`tests/python/`, packages pinned in its
+//! `requirements.txt`, installed by `.ci/run`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// `python3` when it can import every module of `modules`; otherwise `None` after printing
+/// how to install them, or a panic when `CI` is set (CI installs them, so missing ones are a
+/// broken install, not a skip).
+pub fn python_with(modules: &[&str]) -> Option<&'static str> {
+    let imports = modules.join(", ");
+    let found = Command::new("python3")
+        .args(["-c", &format!("import {imports}")])
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if found {
+        return Some("python3");
+    }
+    let message = format!(
+        "python3 cannot import {imports}: python3 -m pip install -r tests/python/requirements.txt"
+    );
+    assert!(std::env::var_os("CI").is_none(), "{message}");
+    eprintln!("skipped: {message}");
+    None
+}
+
+/// The path of script `name` in `tests/python/`.
+pub fn script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(name)
+}
