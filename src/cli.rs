@@ -214,27 +214,31 @@ fn gateway_addr(text: &str) -> Result<Listen, String> {
 }
 
 fn session_ttl(text: &str) -> Result<Duration, String> {
-    let ttl = positive_duration(text)?;
-    if ttl > crate::gateway::user::MAX_SESSION_TTL {
-        return Err("must be at most 24h".to_owned());
+    use crate::gateway::user::{MAX_SESSION_TTL, MIN_SESSION_TTL};
+    let ttl = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if !(MIN_SESSION_TTL..=MAX_SESSION_TTL).contains(&ttl) {
+        return Err("must be at least 1s and at most 24h".to_owned());
     }
     Ok(ttl)
 }
 
-impl GatewayArgs {
-    /// Where the gateway listens (if at all) and how it behaves.
-    pub fn config(&self) -> Option<(SocketAddr, GatewayConfig)> {
-        let Listen::On(addr) = self.gateway_addr else {
+impl CommonArgs {
+    /// Where the gateway listens (if at all) and how it behaves; the leases it takes for a
+    /// connection (without a session) last `--default-lease-ttl`, renewed while in use.
+    pub fn gateway_config(&self) -> Option<(SocketAddr, GatewayConfig)> {
+        let gateway = &self.gateway;
+        let Listen::On(addr) = gateway.gateway_addr else {
             return None;
         };
         Some((
             addr,
             GatewayConfig {
-                allowed_ports: self.gateway_allowed_ports.clone(),
-                retries: self.gateway_retries,
-                upstream_timeout: self.gateway_upstream_timeout,
-                ban_rule: self.gateway_ban_statuses.clone(),
-                session_ttl: self.gateway_session_ttl,
+                allowed_ports: gateway.gateway_allowed_ports.clone(),
+                retries: gateway.gateway_retries,
+                upstream_timeout: gateway.gateway_upstream_timeout,
+                ban_rule: gateway.gateway_ban_statuses.clone(),
+                session_ttl: gateway.gateway_session_ttl,
+                connection_lease_ttl: self.default_lease_ttl,
                 ..GatewayConfig::default()
             },
         ))
@@ -480,7 +484,7 @@ mod tests {
             Ok(crate::ledger::DEFAULT_MAX_SIZE)
         );
         assert!(!args.common.lease_credentials);
-        let (addr, gateway) = args.common.gateway.config().unwrap();
+        let (addr, gateway) = args.common.gateway_config().unwrap();
         assert_eq!(addr.to_string(), "0.0.0.0:8888");
         let defaults = GatewayConfig::default();
         assert_eq!(gateway.allowed_ports, defaults.allowed_ports);
@@ -510,7 +514,7 @@ mod tests {
         let Command::Standalone(args) = cli.command else {
             panic!("not standalone");
         };
-        let (addr, gateway) = args.common.gateway.config().unwrap();
+        let (addr, gateway) = args.common.gateway_config().unwrap();
         assert_eq!(addr.to_string(), "127.0.0.1:9999");
         assert_eq!(gateway.allowed_ports, vec![443, 8443]);
         assert_eq!(gateway.ban_rule.of(429), None);
@@ -527,7 +531,7 @@ mod tests {
         let Command::Standalone(args) = off.command else {
             panic!("not standalone");
         };
-        assert!(args.common.gateway.config().is_none());
+        assert!(args.common.gateway_config().is_none());
     }
 
     #[test]

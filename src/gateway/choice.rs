@@ -31,8 +31,9 @@ use crate::tokens::TokenId;
 /// How many epochs a session's acquire walks through to find (after a restart) the lease its
 /// last move got, before it gives up.
 const MAX_EPOCH_STEPS: u32 = 16;
-/// How often idle sessions are looked for.
-const IDLE_SWEEP: Duration = Duration::from_secs(1);
+/// How often idle sessions are looked for: well within the half of the shortest `sessionTTL`
+/// by which a session's lease outlives its idle lifetime.
+const IDLE_SWEEP: Duration = Duration::from_millis(250);
 
 /// What a request is for: the target host and the port on it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,6 +9,9 @@ use std::time::Duration;
 
 /// Longest session name accepted, in bytes.
 pub const MAX_SESSION_LEN: usize = 128;
+/// Shortest `sessionTTL` accepted: the idle sweep (every quarter second) must find an idle
+/// session well before its lease (`1.5 T`) runs out.
+pub const MIN_SESSION_TTL: Duration = Duration::from_secs(1);
 /// Longest `sessionTTL` accepted.
 pub const MAX_SESSION_TTL: Duration = Duration::from_secs(24 * 3600);
 
@@ -69,9 +72,9 @@ pub fn parse(user: &str) -> Result<Options, String> {
                 let ttl = humantime::parse_duration(value).map_err(|e| {
                     format!("sessionTTL {value:?} is not a duration (5m, 30s): {e}")
                 })?;
-                if ttl.is_zero() || ttl > MAX_SESSION_TTL {
+                if !(MIN_SESSION_TTL..=MAX_SESSION_TTL).contains(&ttl) {
                     return Err(format!(
-                        "sessionTTL {value:?} must be above zero and at most 24h"
+                        "sessionTTL {value:?} must be at least 1s and at most 24h"
                     ));
                 }
                 options.session_ttl = Some(ttl);
@@ -156,7 +159,8 @@ mod tests {
             ("c;session=", "must be 1 to 128"),
             (long.as_str(), "must be 1 to 128"),
             ("c;session=s;sessionTTL=soon", "not a duration"),
-            ("c;session=s;sessionTTL=0s", "above zero"),
+            ("c;session=s;sessionTTL=0s", "at least 1s"),
+            ("c;session=s;sessionTTL=999ms", "at least 1s"),
             ("c;session=s;sessionTTL=2days", "at most 24h"),
             ("c;sessionTTL=5m", "without session"),
             ("c r;geo=eu", "printable ASCII"),

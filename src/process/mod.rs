@@ -255,7 +255,7 @@ pub fn start_core(
 ) -> Result<(), StartError> {
     let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
     let metrics_listener = bind(common.metrics_addr, "--metrics-addr")?;
-    let gateway_listener = match common.gateway.config() {
+    let gateway_listener = match common.gateway_config() {
         Some((addr, config)) => Some((bind(addr, "--gateway-addr")?, config)),
         None => None,
     };
@@ -302,7 +302,7 @@ pub fn start_core(
     let metrics = metrics::serve(metrics_listener, core.registry.clone())
         .map_err(|e| StartError::from_display("--metrics-addr", e))?;
     supervisor.spawn_server("metrics server", metrics);
-    let gateway_addr = match common.gateway.config() {
+    let gateway_addr = match common.gateway_config() {
         Some((addr, _)) => addr.to_string(),
         None => "off".to_owned(),
     };

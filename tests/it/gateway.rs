@@ -525,3 +525,137 @@ async fn a_proxy_leaving_the_inventory_loses_the_gateway_leases_on_it_at_once() 
     assert_eq!(moved.moved_from, sticky.proxy);
     assert!(!used.contains(moved.proxy.as_deref().unwrap()));
 }
+
+#[tokio::test]
+async fn a_tunnel_renews_its_lease_while_open_and_gives_it_back_when_it_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = GatewayFleet::start(dir.path(), 1, &["--default-lease-ttl", "2s"]).await;
+    let gateway = fleet.operator.gateway().to_owned();
+    let basic = proxy_operator::credentials::Credentials {
+        username: "tunneler".into(),
+        password: TOKEN.into(),
+    }
+    .basic();
+    let authority = fleet
+        .site
+        .https("")
+        .trim_start_matches("https://")
+        .to_owned();
+    let mut tunnel = tokio::net::TcpStream::connect(&gateway).await.unwrap();
+    let connect = format!(
+        "CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: {basic}\r\n\r\n"
+    );
+    tunnel.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        tunnel.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let lease = header_value(&head, "x-proxy-lease").unwrap().to_owned();
+
+    // Open and idle for well past its 2s TTL: renewed meanwhile, still counting.
+    let renewals = format!(
+        "SELECT COUNT(*) >= 2 FROM lease_history WHERE lease_id = '{lease}' AND kind = 'renewed'"
+    );
+    wait_for_ledger(&fleet, &renewals, "1").await;
+    let state = format!("SELECT state FROM leases WHERE id = '{lease}'");
+    assert_eq!(sqlite3(&fleet.operator.ledger(), &state), "active");
+
+    drop(tunnel);
+    wait_for_ledger(&fleet, &state, "released").await;
+}
+
+#[tokio::test]
+async fn an_idle_session_gives_its_lease_back_after_its_session_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = GatewayFleet::start(dir.path(), 1, &[]).await;
+    let session = client(&fleet, "crawler;session=brief;sessionTTL=2s", true);
+    let used = Instant::now();
+    let lease = exit_through(&fleet, &session).await.lease.unwrap();
+    let state = format!("SELECT state FROM leases WHERE id = '{lease}'");
+    wait_for_ledger(&fleet, &state, "released").await;
+    assert!(
+        used.elapsed() >= Duration::from_secs(1),
+        "released before it was idle"
+    );
+    let metrics = fleet.metrics().await;
+    assert_eq!(
+        metric_sum(&metrics, "proxy_operator_gateway_sessions_active", &[]),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn a_session_keeps_its_proxy_and_lease_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = GatewayFleet::start(dir.path(), 3, &[]).await;
+    let before = exit_through(&fleet, &client(&fleet, "crawler;session=s1", true)).await;
+    fleet.restart().await;
+    let after = exit_through(&fleet, &client(&fleet, "crawler;session=s1", true)).await;
+    assert_eq!(after.proxy, before.proxy);
+    assert_eq!(after.lease, before.lease, "found again through the ledger");
+    assert_eq!(after.moved_from, None);
+}
+
+#[tokio::test]
+async fn per_target_caps_refuse_with_their_own_reason_and_credentials_are_given_out_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--max-leases-per-target", "1", "--lease-credentials"];
+    let fleet = GatewayFleet::start(dir.path(), 2, &args).await;
+    // One connection holds the one lease the target may have, fleet-wide.
+    let holder = client(&fleet, "crawler", false);
+    exit_through(&fleet, &holder).await;
+    let other = fetch(&client(&fleet, "crawler", false), &fleet.site.http("/ip")).await;
+    assert_eq!(other.status, StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = serde_json::from_str(&other.body).unwrap();
+    assert_eq!(body["reason"], "target_limit", "{body}");
+    assert!(other.retry_after.is_some());
+
+    // The lease API holds acquires to the same cap, and gives the credentials out (the flag).
+    let api = reqwest::Client::new();
+    let acquire = |target: Option<&str>| {
+        let mut body = json!({"ttlSeconds": 60});
+        if let Some(target) = target {
+            body["target"] = json!(target);
+        }
+        api.post(format!("{}/v1/leases", fleet.operator.api()))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+    };
+    let refused = acquire(Some("127.0.0.1")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["atTargetLimit"], 2, "{body}");
+    let granted = acquire(Some("elsewhere.example")).await.unwrap();
+    assert_eq!(granted.status(), StatusCode::CREATED);
+    let lease: Value = granted.json().await.unwrap();
+    let name = lease["proxy"]["name"].as_str().unwrap();
+    let index: usize = name.trim_start_matches("gw-").parse().unwrap();
+    assert_eq!(lease["proxy"]["username"], format!("upstream{index}"));
+    assert!(
+        lease["proxy"]["password"]
+            .as_str()
+            .is_some_and(|p| !p.is_empty())
+    );
+    let metrics = fleet.metrics().await;
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "proxy_operator_gateway_requests_total",
+            &["outcome=\"no_proxy\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "proxy_operator_lease_rejections_total",
+            &["reason=\"target_limit\""]
+        ),
+        1.0
+    );
+}

@@ -25,6 +25,8 @@ pub struct GatewayFleet {
     /// The binary.
     pub operator: Standalone,
     proxies: Vec<ExternalProxy>,
+    dir: std::path::PathBuf,
+    args: Vec<String>,
 }
 
 impl GatewayFleet {
@@ -61,23 +63,32 @@ impl GatewayFleet {
         let ca = dir.join("site-ca.pem");
         std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
         let ports = format!("{},{}", site.http_port(), site.https_port());
-        let mut args = vec![
+        let args: Vec<String> = [
             "--gateway-allowed-ports",
             &ports,
             "--inventory-poll",
             "200ms",
-        ];
-        args.extend_from_slice(extra_args);
-        let mut operator = Standalone::start(dir, &proxies, &ca, TOKEN, &args);
-        operator
-            .wait_healthy(TOKEN, count, Duration::from_secs(60))
-            .await;
+        ]
+        .iter()
+        .chain(extra_args)
+        .map(|a| (*a).to_owned())
+        .collect();
+        let operator = start(dir, &proxies, &args).await;
         GatewayFleet {
             site,
             squids,
             operator,
             proxies,
+            dir: dir.to_owned(),
+            args,
         }
+    }
+
+    /// Stops the binary (SIGKILL) and starts it again on the same ledger and inventory (on
+    /// new ports), waiting until every proxy is healthy again.
+    pub async fn restart(&mut self) {
+        self.operator.kill();
+        self.operator = start(&self.dir, &self.proxies, &self.args).await;
     }
 
     /// `http://{user}:TOKEN@<gateway>`: the proxy URL a crawler configures.
@@ -117,6 +128,17 @@ impl GatewayFleet {
             .await
             .expect("the scrape's text")
     }
+}
+
+/// Starts the binary in `dir` on `proxies` and waits until all are healthy.
+async fn start(dir: &Path, proxies: &[ExternalProxy], args: &[String]) -> Standalone {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let ca = dir.join("site-ca.pem");
+    let mut operator = Standalone::start(dir, proxies, &ca, TOKEN, &args);
+    operator
+        .wait_healthy(TOKEN, proxies.len(), Duration::from_secs(60))
+        .await;
+    operator
 }
 
 /// The loopback address squid `i` listens on and connects out from.

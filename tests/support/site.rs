@@ -180,10 +180,10 @@ async fn answer(
         ["status", code] => {
             let code = code.parse().ok().and_then(|c| StatusCode::from_u16(c).ok());
             let mut response = status(code.unwrap_or(StatusCode::BAD_REQUEST), full(ip));
-            if let Some(seconds) = query.strip_prefix("retry_after=") {
-                if let Ok(value) = seconds.parse() {
-                    response.headers_mut().insert("retry-after", value);
-                }
+            if let Some(seconds) = query.strip_prefix("retry_after=")
+                && let Ok(value) = seconds.parse()
+            {
+                response.headers_mut().insert("retry-after", value);
             }
             response
         }

@@ -13,6 +13,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use proxy_operator::credentials::machine_secret_name;
 use proxy_operator::naming::machine_name;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -209,6 +210,98 @@ async fn external_and_managed_proxies_reach_ready_and_are_leased() {
     // Creation is on record as an Event.
     let reasons = world.event_reasons("managed").await;
     assert!(reasons.iter().any(|r| r == "Created"), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_managed_squid_asks_for_its_generated_credentials_and_the_gateway_sends_them() {
+    let Some(world) = World::new("locked").await else {
+        return;
+    };
+    let target_url = world.target.http_url();
+    let target_port = reqwest::Url::parse(&target_url)
+        .ok()
+        .and_then(|u| u.port())
+        .expect("the target's port");
+    let operator = world
+        .operator(&["--gateway-allowed-ports", &target_port.to_string()])
+        .await;
+    world
+        .create_in_pool("locked", "locked", &[], world.managed_spec(3128))
+        .await;
+    let proxy = world.wait_ready("locked").await;
+    let uid = proxy["metadata"]["uid"].as_str().unwrap().to_owned();
+
+    // The credentials live in a Secret the Proxy owns, labelled for the operator's watch; the
+    // Pod reads them from it, so its spec holds none.
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.ns);
+    let secret = secrets
+        .get(&machine_secret_name(&uid))
+        .await
+        .expect("the machines' credentials Secret");
+    assert_eq!(
+        secret.labels()["crawl.example.com/proxy-credentials"],
+        "true"
+    );
+    let owner = &secret.owner_references()[0];
+    assert_eq!(
+        (owner.uid.as_str(), owner.controller),
+        (uid.as_str(), Some(true))
+    );
+    let data = secret.data.clone().unwrap_or_default();
+    let value = |key: &str| String::from_utf8(data[key].0.clone()).unwrap();
+    let (username, password) = (value("username"), value("password"));
+    assert!(value("htpasswd").starts_with(&format!("{username}:$6$")));
+    let pod = world.pod_of(&proxy).await.expect("the Pod");
+    let env = pod.spec.as_ref().unwrap().containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    let passwd = env
+        .iter()
+        .find(|e| e.name == "SQUID_PASSWD")
+        .expect("the password file's variable");
+    assert!(passwd.value.is_none());
+    let reference = passwd
+        .value_from
+        .as_ref()
+        .and_then(|v| v.secret_key_ref.as_ref())
+        .expect("a secretKeyRef");
+    assert_eq!(reference.name, machine_secret_name(&uid));
+
+    // Straight to the squid: 407 without the credentials, served with them.
+    let squid = format!("http://{}:3128", proxy["status"]["ip"].as_str().unwrap());
+    let through = |proxy_url: String| {
+        reqwest::Client::builder()
+            .proxy(reqwest::Proxy::all(proxy_url).unwrap())
+            .build()
+            .unwrap()
+    };
+    let open = through(squid.clone())
+        .get(&target_url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(open.status(), StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+    let authenticated = squid.replacen("http://", &format!("http://{username}:{password}@"), 1);
+    let served = through(authenticated)
+        .get(&target_url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(served.status(), StatusCode::NO_CONTENT);
+
+    // The gateway sends them for the crawler, who never sees them.
+    let gateway = format!(
+        "http://crawler;pool=locked:{}@{}",
+        support::operator::API_TOKEN,
+        operator.gateway()
+    );
+    let response = through(gateway).get(&target_url).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    assert_eq!(
+        response.headers()["x-proxy-name"],
+        format!("{}/locked", world.ns).as_str()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
