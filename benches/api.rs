@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use support::wrk::{self, WrkResult};
 use support::{Squid, Target, free_port};
 
 const PROXIES: usize = 1_000;
@@ -43,53 +44,6 @@ const WARM_UP: Duration = Duration::from_secs(2);
 const HEALTHY_DEADLINE: Duration = Duration::from_secs(120);
 const RATIO_TARGET: f64 = 0.15;
 const P99_TARGET: Duration = Duration::from_millis(10);
-
-/// One `WRK_RESULT` line of the Lua scripts, as key=value pairs.
-#[derive(Debug, Default, Clone)]
-struct WrkResult {
-    fields: Vec<(String, u64)>,
-    first_failure: Option<String>,
-}
-
-impl WrkResult {
-    fn parse(stdout: &str) -> Option<WrkResult> {
-        let line = stdout.lines().find_map(|l| l.strip_prefix("WRK_RESULT "))?;
-        let fields = line
-            .split_whitespace()
-            .filter_map(|kv| {
-                let (k, v) = kv.split_once('=')?;
-                Some((k.to_owned(), v.parse().ok()?))
-            })
-            .collect();
-        let first_failure = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("WRK_FIRST_FAILURE "))
-            .map(str::to_owned);
-        Some(WrkResult {
-            fields,
-            first_failure,
-        })
-    }
-
-    fn get(&self, key: &str) -> u64 {
-        self.fields
-            .iter()
-            .find(|(k, _)| k == key)
-            .map_or(0, |(_, v)| *v)
-    }
-
-    fn seconds(&self) -> f64 {
-        self.get("duration_us") as f64 / 1e6
-    }
-
-    fn p99(&self) -> Duration {
-        Duration::from_micros(self.get("p99_us"))
-    }
-
-    fn errors(&self) -> u64 {
-        self.get("failed") + self.get("socket_errors")
-    }
-}
 
 /// The figures of one binary.
 #[derive(Debug, Clone)]
@@ -139,6 +93,9 @@ impl Operator {
             .args(["--ledger-durability", "normal"])
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            // The environment, not the flag: a baseline binary from before the gateway
+            // ignores it.
+            .env("PROXY_OPERATOR_GATEWAY_ADDR", "off")
             .args(["--inventory-poll", "100ms"])
             .env("DISCOVERY_TOKEN", TOKEN)
             .env("RUST_LOG", rust_log)
@@ -155,20 +112,7 @@ impl Operator {
 
     /// User + system CPU seconds of the process so far.
     fn cpu_seconds(&self) -> f64 {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())) else {
-            return 0.0;
-        };
-        // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return 0.0;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: u64 = [11, 12]
-            .iter()
-            .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
-            .sum();
-        // The kernel's USER_HZ is 100 on every Linux this runs on.
-        ticks as f64 / 100.0
+        wrk::cpu_seconds(self.child.id())
     }
 
     fn log_tail(&self) -> String {
@@ -220,35 +164,7 @@ async fn healthy_count(http: &reqwest::Client, api: &str) -> Option<u64> {
 
 /// Runs wrk with a script; returns its parsed result line.
 fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("benches/wrk")
-        .join(script);
-    let output = Command::new("wrk")
-        .args([
-            format!("-t{WRK_THREADS}"),
-            format!("-c{WRK_CONNECTIONS}"),
-            format!("-d{}s", duration.as_secs().max(1)),
-            "--timeout".to_owned(),
-            "10s".to_owned(),
-        ])
-        .arg("-s")
-        .arg(&script)
-        .arg(url)
-        .arg("--")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run wrk ({e}); install it: apt-get install -y wrk");
-        });
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    match WrkResult::parse(&stdout) {
-        Some(result) if output.status.success() => result,
-        _ => panic!(
-            "wrk failed ({}):\n{stdout}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        ),
-    }
+    wrk::run(script, url, (WRK_THREADS, WRK_CONNECTIONS), duration, args)
 }
 
 /// Starts `binary` on a fresh ledger, grows the inventory to the full fleet (proxies that
@@ -394,7 +310,7 @@ async fn main() -> ExitCode {
         .ok()
         .and_then(|s| s.parse().ok())
         .map_or(Duration::from_secs(DEFAULT_SECONDS), Duration::from_secs);
-    if Command::new("wrk").arg("--version").output().is_err() {
+    if !wrk::installed() {
         eprintln!("wrk is not installed; install it: apt-get install -y wrk");
         return ExitCode::from(2);
     }

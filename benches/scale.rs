@@ -112,6 +112,9 @@ impl Operator {
             .arg(ca)
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            // The environment, not the flag: a baseline binary from before the gateway
+            // ignores it.
+            .env("PROXY_OPERATOR_GATEWAY_ADDR", "off")
             .env("DISCOVERY_TOKEN", TOKEN)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

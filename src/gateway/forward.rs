@@ -5,7 +5,6 @@
 //! reached the upstream, and once it did only for idempotent methods. A status in the ban rule
 //! is reported for the (proxy, target) and passed on to the crawler.
 
-use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -24,8 +23,8 @@ use hyper::{Method, Request, Response, StatusCode, Version};
 use super::choice::{Ask, ClientConnection, Held, Upstream};
 use super::metrics::GatewayMetrics;
 use super::upstream::{Busy, HttpUpstream, UpstreamFailure};
-use super::{Attempts, Body, Gateway, Outcome, bans, error, lease_headers, refusal};
-use crate::ledger::{LeaseReport, ReportResult};
+use super::{Body, Failed, Gateway, LeaseFor, Outcome, Through, bans, error, lease_headers};
+use crate::ledger::LeaseReport;
 use crate::sessions::InUse;
 
 /// Forwards `request` and answers with the target's response.
@@ -65,67 +64,43 @@ pub(super) async fn send(
         parts.headers.insert(HOST, host);
     }
     let may_resend = idempotent(&parts.method);
-    let mut tried = HashSet::new();
-    let mut attempts = Attempts::default();
-    loop {
-        let (held, upstream) = match connection.choose(ask, &tried).await {
-            Ok(chosen) => chosen,
-            Err(refused) if attempts.is_empty() => return refusal(&refused, gateway.clock.now()),
-            Err(_) => return attempts.failed(),
-        };
-        if !attempts.is_empty() {
-            gateway.metrics.retried();
+    let what = format!("{} {}", parts.method, parts.uri);
+    let through = connection
+        .through_upstream(ask, LeaseFor::Request, &what, |held, upstream| {
+            let (parts, body) = (&parts, &body);
+            async move { exchange(connection, &held, &upstream, parts, body, may_resend).await }
+        })
+        .await;
+    let Through {
+        value: (response, busy),
+        held,
+        moved_from,
+    } = match through {
+        Ok(through) => through,
+        Err(answer) => return answer,
+    };
+    let in_use = held.uses.begin();
+    let response = answer(gateway, &held, ask, response, moved_from).await;
+    let up = body.len() as u64;
+    let response = response.map(|incoming| {
+        Relayed {
+            inner: incoming,
+            up,
+            down: 0,
+            metrics: gateway.metrics.clone(),
+            _busy: busy,
+            _in_use: in_use,
         }
-        match exchange(connection, &held, &upstream, &parts, &body, may_resend).await {
-            Ok((response, busy)) => {
-                let moved_from = attempts.moved_from(&held);
-                let in_use = held.uses.begin();
-                let response = answer(gateway, &held, ask, response, moved_from).await;
-                let up = body.len() as u64;
-                let response = response.map(|incoming| {
-                    Relayed {
-                        inner: incoming,
-                        up,
-                        down: 0,
-                        metrics: gateway.metrics.clone(),
-                        _busy: busy,
-                        _in_use: in_use,
-                    }
-                    .boxed()
-                });
-                return (Outcome::Forwarded, response);
-            }
-            Err(Failed { failure, sent }) => {
-                log::info!(
-                    "gateway: {} {} through {} failed: {failure}",
-                    parts.method,
-                    parts.uri,
-                    held.proxy
-                );
-                gateway
-                    .report_failure(&held, &ask.target.host, ReportResult::Error)
-                    .await;
-                connection.drop_lease(&held).await;
-                tried.insert(held.proxy.uid.clone());
-                attempts.push(&held, &failure);
-                if (sent && !may_resend) || attempts.len() > gateway.config.retries as usize {
-                    return attempts.failed();
-                }
-            }
-        }
-    }
-}
-
-/// An upstream failure, and whether the request may have reached the upstream.
-struct Failed {
-    failure: UpstreamFailure,
-    sent: bool,
+        .boxed()
+    });
+    (Outcome::Forwarded, response)
 }
 
 /// Sends the request through the connection's upstream connection for the lease (a new one
 /// when it has none or it closed). A kept-alive connection the proxy closed meanwhile is no
 /// failure of the proxy: the request goes again once on a new connection when it was not sent
-/// or may be sent again.
+/// or may be sent again. A failure may be retried on another proxy when the request did not
+/// reach the upstream, or `may_resend`.
 async fn exchange(
     connection: &ClientConnection,
     held: &Held,
@@ -159,7 +134,7 @@ async fn exchange(
             drop(busy);
             Err(Failed {
                 failure: UpstreamFailure::Refused(response.status()),
-                sent: false,
+                retriable: true,
             })
         }
         Ok(answered) => {
@@ -176,7 +151,10 @@ async fn exchange(
                 UpstreamFailure::Http(e) => !e.is_canceled(),
                 UpstreamFailure::Timeout => true,
             };
-            Err(Failed { failure, sent })
+            Err(Failed {
+                failure,
+                retriable: !sent || may_resend,
+            })
         }
     }
 }
@@ -190,7 +168,7 @@ async fn open(
         .await
         .map_err(|failure| Failed {
             failure,
-            sent: false,
+            retriable: true,
         })
 }
 

@@ -58,7 +58,7 @@ use crate::proxy::ProxyId;
 use crate::retry_after;
 use crate::sessions::Sessions;
 use crate::tokens::ApiToken;
-use choice::{ClientConnection, Held, Refusal, Target, TargetError};
+use choice::{Ask, ClientConnection, Held, Refusal, Target, TargetError, Upstream};
 use upstream::UpstreamFailure;
 
 /// Header naming the upstream proxy a request went through (`namespace/name`).
@@ -396,6 +396,88 @@ impl Gateway {
                     .touch(key, &held.lease_id, std::time::Instant::now(), false);
             }
             None => self.give_back(&held.lease_id).await,
+        }
+    }
+}
+
+/// Why one upstream could not carry a request, and whether another may be tried (nothing
+/// reached the crawler, and the request did not reach the target or may reach it again).
+struct Failed {
+    failure: UpstreamFailure,
+    retriable: bool,
+}
+
+/// What went through an upstream: the attempt's result, the lease it used, and the proxy a
+/// session left for it.
+struct Through<T> {
+    value: T,
+    held: Held,
+    moved_from: Option<ProxyId>,
+}
+
+/// Which lease a request goes through (see [`ClientConnection::choose`] and
+/// [`ClientConnection::choose_for_tunnel`]).
+#[derive(Clone, Copy)]
+enum LeaseFor {
+    Request,
+    Tunnel,
+}
+
+impl ClientConnection {
+    /// Runs `attempt` through an upstream chosen for `ask`; when one fails in a way that may
+    /// be retried, reports it `error`, lets go of its lease and tries another, up to
+    /// `--gateway-retries` more. The answer when none carried it: the refusal of the first
+    /// choice, else `502` with what was tried. `what` names the request in the log.
+    async fn through_upstream<T, Fut>(
+        &self,
+        ask: &Ask,
+        lease_for: LeaseFor,
+        what: &str,
+        mut attempt: impl FnMut(Held, Upstream) -> Fut,
+    ) -> Result<Through<T>, (Outcome, Response<Body>)>
+    where
+        Fut: std::future::Future<Output = Result<T, Failed>>,
+    {
+        let gateway = &self.gateway;
+        let mut tried = std::collections::HashSet::new();
+        let mut attempts = Attempts::default();
+        loop {
+            let chosen = match lease_for {
+                LeaseFor::Request => self.choose(ask, &tried).await,
+                LeaseFor::Tunnel => self.choose_for_tunnel(ask, &tried).await,
+            };
+            let (held, upstream) = match chosen {
+                Ok(chosen) => chosen,
+                Err(refused) if attempts.is_empty() => {
+                    return Err(refusal(&refused, gateway.clock.now()));
+                }
+                Err(_) => return Err(attempts.failed()),
+            };
+            if !attempts.is_empty() {
+                gateway.metrics.retried();
+            }
+            match attempt(held.clone(), upstream).await {
+                Ok(value) => {
+                    let moved_from = attempts.moved_from(&held);
+                    return Ok(Through {
+                        value,
+                        held,
+                        moved_from,
+                    });
+                }
+                Err(Failed { failure, retriable }) => {
+                    log::info!("gateway: {what} through {} failed: {failure}", held.proxy);
+                    gateway
+                        .report_failure(&held, &ask.target.host, ReportResult::Error)
+                        .await;
+                    self.drop_lease(&held).await;
+                    tried.insert(held.proxy.uid.clone());
+                    attempts.push(&held, &failure);
+                    if !retriable || attempts.len() > gateway.config.retries as usize {
+                        return Err(attempts.failed());
+                    }
+                }
+            }
         }
     }
 }

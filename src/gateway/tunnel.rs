@@ -3,18 +3,18 @@
 //! or answers otherwise is reported `error` and another is tried. Once up, the tunnel is a byte
 //! copy both ways, and its lease is renewed while it stays open.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper::upgrade::OnUpgrade;
+use hyper::upgrade::{OnUpgrade, Upgraded};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 use super::choice::{Ask, ClientConnection, Held};
 use super::upstream;
-use super::{Attempts, Body, Outcome, full, lease_headers, refusal};
-use crate::ledger::ReportResult;
+use super::{Body, Failed, LeaseFor, Outcome, Through, full, lease_headers};
 
 /// Opens the tunnel `request` asks for and answers it.
 pub(super) async fn open(
@@ -24,43 +24,37 @@ pub(super) async fn open(
 ) -> (Outcome, Response<Body>) {
     let gateway = &connection.gateway;
     let authority = ask.target.authority();
-    let mut tried = HashSet::new();
-    let mut attempts = Attempts::default();
-    loop {
-        let (held, upstream) = match connection.choose_for_tunnel(ask, &tried).await {
-            Ok(chosen) => chosen,
-            Err(refused) if attempts.is_empty() => return refusal(&refused, gateway.clock.now()),
-            Err(_) => return attempts.failed(),
-        };
-        if !attempts.is_empty() {
-            gateway.metrics.retried();
-        }
-        match upstream::tunnel(&upstream, &authority, gateway.config.upstream_timeout).await {
-            Ok(upstream_io) => {
-                let mut response = Response::new(full(""));
-                lease_headers(&mut response, &held, attempts.moved_from(&held));
-                let client_io = hyper::upgrade::on(&mut request);
-                let relayed = relay(gateway.clone(), held, client_io, upstream_io);
-                gateway.tasks.spawn(relayed);
-                return (Outcome::Tunneled, response);
+    let timeout = gateway.config.upstream_timeout;
+    let what = format!("tunnel to {authority}");
+    let through = connection
+        .through_upstream(ask, LeaseFor::Tunnel, &what, |_, upstream| {
+            let authority = &authority;
+            async move {
+                upstream::tunnel(&upstream, authority, timeout)
+                    .await
+                    .map_err(|failure| Failed {
+                        failure,
+                        // Nothing reached the target or the crawler before the tunnel is up.
+                        retriable: true,
+                    })
             }
-            Err(failure) => {
-                log::info!(
-                    "gateway: tunnel to {authority} through {} failed: {failure}",
-                    held.proxy
-                );
-                gateway
-                    .report_failure(&held, &ask.target.host, ReportResult::Error)
-                    .await;
-                connection.drop_lease(&held).await;
-                tried.insert(held.proxy.uid.clone());
-                attempts.push(&held, &failure);
-                if attempts.len() > gateway.config.retries as usize {
-                    return attempts.failed();
-                }
-            }
-        }
-    }
+        })
+        .await;
+    let Through {
+        value: upstream_io,
+        held,
+        moved_from,
+    } = match through {
+        Ok(through) => through,
+        Err(answer) => return answer,
+    };
+    let mut response = Response::new(full(""));
+    lease_headers(&mut response, &held, moved_from);
+    let client_io = hyper::upgrade::on(&mut request);
+    gateway
+        .tasks
+        .spawn(relay(gateway.clone(), held, client_io, upstream_io));
+    (Outcome::Tunneled, response)
 }
 
 /// Copies bytes both ways until either side closes, renewing the lease meanwhile; then gives
@@ -69,12 +63,12 @@ async fn relay(
     gateway: std::sync::Arc<super::Gateway>,
     held: Held,
     client: OnUpgrade,
-    mut upstream_io: TokioIo<hyper::upgrade::Upgraded>,
+    upstream: Upgraded,
 ) {
     let _in_use = held.uses.begin();
     let copied = async {
-        let mut client_io = TokioIo::new(client.await.map_err(std::io::Error::other)?);
-        tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io).await
+        let client = client.await.map_err(std::io::Error::other)?;
+        pipe(client, upstream).await
     };
     tokio::pin!(copied);
     let mut renewals = tokio::time::interval_at(
@@ -94,4 +88,37 @@ async fn relay(
         None => log::debug!("gateway: tunnel through {} cut at shutdown", held.proxy),
     }
     gateway.done_with(&held).await;
+}
+
+/// Bytes each direction of a tunnel reads at once: large reads and writes keep the system
+/// calls per byte of a bulk transfer low.
+const TUNNEL_BUFFER: usize = 64 << 10;
+
+/// Copies both ways between the crawler's and the upstream's connections, on the TCP streams
+/// under hyper's upgrades (what hyper had read past the heads goes first); returns the bytes
+/// sent up and down.
+async fn pipe(client: Upgraded, upstream: Upgraded) -> std::io::Result<(u64, u64)> {
+    let (mut client, client_early) = tcp(client)?;
+    let (mut upstream, upstream_early) = tcp(upstream)?;
+    upstream.write_all(&client_early).await?;
+    client.write_all(&upstream_early).await?;
+    let (up, down) = tokio::io::copy_bidirectional_with_sizes(
+        &mut client,
+        &mut upstream,
+        TUNNEL_BUFFER,
+        TUNNEL_BUFFER,
+    )
+    .await?;
+    Ok((
+        up + client_early.len() as u64,
+        down + upstream_early.len() as u64,
+    ))
+}
+
+/// The TCP stream under an upgraded connection, and the bytes hyper read past its head.
+fn tcp(upgraded: Upgraded) -> std::io::Result<(TcpStream, bytes::Bytes)> {
+    let parts = upgraded
+        .downcast::<TokioIo<TcpStream>>()
+        .map_err(|_| std::io::Error::other("an upgraded connection that is not TCP"))?;
+    Ok((parts.io.into_inner(), parts.read_buf))
 }

@@ -76,7 +76,7 @@ pub async fn tunnel(
     upstream: &Upstream,
     authority: &str,
     timeout: Duration,
-) -> Result<TokioIo<Upgraded>, UpstreamFailure> {
+) -> Result<Upgraded, UpstreamFailure> {
     let stream = connect(upstream, timeout).await?;
     let exchange = async {
         let (mut sender, connection) = http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
@@ -112,7 +112,7 @@ pub async fn tunnel(
     let upgraded = tokio::time::timeout(timeout, exchange)
         .await
         .map_err(|_| UpstreamFailure::Timeout)??;
-    Ok(TokioIo::new(upgraded))
+    Ok(upgraded)
 }
 
 /// A kept-alive HTTP/1.1 connection to an upstream proxy, for one client connection's plain

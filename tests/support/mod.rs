@@ -18,6 +18,7 @@ pub mod standalone;
 pub mod stub_provider;
 pub mod target;
 pub mod world;
+pub mod wrk;
 
 pub use envtest::ControlPlane;
 pub use kubelet::{Behaviour, Kubelet};

@@ -90,6 +90,11 @@ impl Squid {
         format!("http://{}:{}", self.address, self.port)
     }
 
+    /// The process ID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kills squid (SIGKILL) and reaps it; the port then refuses connections.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

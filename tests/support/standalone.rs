@@ -205,6 +205,11 @@ impl Standalone {
         }
     }
 
+    /// The process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Kills the process (SIGKILL) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -1,0 +1,205 @@
+//! What the crawler gateway costs on top of the upstream proxy, measured from outside in one
+//! run: `wrk -t2 -c32` plain-HTTP GETs through the release binary's gateway → squid → a
+//! loopback site, against the same wrk straight to the same squid (`benches/wrk/proxy_get.lua`
+//! sends the absolute-form request and the `Proxy-Authorization` header, as a proxy client
+//! does), each twice, alternating; then a 256 MiB download through a CONNECT tunnel (`curl -p`)
+//! through the gateway against straight through squid. Prints requests/s, p99 and transfer
+//! rates with their ratios, and the CPU a gateway request costs against squid's, and exits
+//! non-zero when the requests/s ratio is below 0.6, the gateway adds 2 ms or more to the p99,
+//! or the transfer ratio is below 0.8.
+//!
+//! Run with `cargo bench --bench gateway` (needs `wrk`, `squid` and `curl`: `apt-get install
+//! -y wrk squid curl`). `PROXY_OPERATOR_BENCH_SECONDS` sets the length of each wrk run
+//! (default 10). Everything shares the machine: wrk, the gateway, squid and the site.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use support::site::Site;
+use support::squid::Squid;
+use support::standalone::{ExternalProxy, Standalone};
+use support::wrk::{self, WrkResult};
+
+const TOKEN: &str = "gateway-bench-token-0123456789";
+const CONNECTIONS: u32 = 32;
+const THREADS: u32 = 2;
+const WARM_UP: Duration = Duration::from_secs(2);
+const BULK_BYTES: u64 = 256 << 20;
+const MIN_RATE_RATIO: f64 = 0.6;
+const MAX_ADDED_P99: Duration = Duration::from_millis(2);
+const MIN_BULK_RATIO: f64 = 0.8;
+
+/// Bytes per second of one `curl -p` download of `url` through `proxy`.
+fn download_rate(proxy: &str, url: &str) -> f64 {
+    let output = Command::new("curl")
+        .args([
+            "-sS",
+            "-p",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{speed_download} %{size_download}",
+        ])
+        .args(["-x", proxy, url])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run curl ({e}); install it: apt-get install -y curl"));
+    let text = String::from_utf8_lossy(&output.stdout);
+    let (rate, size) = text.split_once(' ').unwrap_or_default();
+    assert!(
+        output.status.success() && size.parse::<u64>().ok() == Some(BULK_BYTES),
+        "curl through {proxy} failed: {text} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    rate.parse().expect("curl's speed_download")
+}
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+fn main() -> ExitCode {
+    if !wrk::installed() {
+        eprintln!("wrk is not installed; install it: apt-get install -y wrk");
+        return ExitCode::FAILURE;
+    }
+    let seconds = std::env::var("PROXY_OPERATOR_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(10), Duration::from_secs);
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    let site = Site::start();
+    let squid = Squid::start();
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let ca = dir.path().join("site-ca.pem");
+    std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
+    let proxy = ExternalProxy {
+        name: "bench".into(),
+        labels: vec![],
+        host: "127.0.0.1".into(),
+        port: squid.port(),
+        // One lease per wrk connection, and room to spare.
+        max_leases: 256,
+        probe_url: site.http("/generate_204"),
+        interval: "10s",
+        cordoned: false,
+        credentials: None,
+    };
+    let ports = site.http_port().to_string();
+    let mut operator = Standalone::start(
+        dir.path(),
+        &[proxy],
+        &ca,
+        TOKEN,
+        &["--gateway-allowed-ports", &ports],
+    );
+    runtime.block_on(operator.wait_healthy(TOKEN, 1, Duration::from_secs(60)));
+
+    let target = site.http("/ip");
+    let gateway = format!("http://{}", operator.gateway());
+    let basic = proxy_operator::credentials::Credentials {
+        username: "bench".into(),
+        password: TOKEN.into(),
+    }
+    .basic();
+    let load = |through: &str, auth: &str, duration| {
+        wrk::run(
+            "proxy_get.lua",
+            through,
+            (THREADS, CONNECTIONS),
+            duration,
+            &[&target, auth],
+        )
+    };
+    load(&squid.url(), "", WARM_UP);
+    load(&gateway, &basic, WARM_UP);
+    let mut direct: Vec<WrkResult> = Vec::new();
+    let mut through: Vec<WrkResult> = Vec::new();
+    let (mut gateway_cpu, mut squid_cpu) = (0.0, 0.0);
+    let squid_pid = squid.pid().expect("squid runs");
+    for _ in 0..2 {
+        direct.push(load(&squid.url(), "", seconds));
+        let (gateway_before, squid_before) = (
+            wrk::cpu_seconds(operator.pid()),
+            wrk::cpu_seconds(squid_pid),
+        );
+        through.push(load(&gateway, &basic, seconds));
+        gateway_cpu += wrk::cpu_seconds(operator.pid()) - gateway_before;
+        squid_cpu += wrk::cpu_seconds(squid_pid) - squid_before;
+    }
+    let failures: Vec<String> = direct
+        .iter()
+        .chain(&through)
+        .filter(|r| r.errors() > 0)
+        .map(|r| format!("{} errors, first: {:?}", r.errors(), r.first_failure))
+        .collect();
+    if !failures.is_empty() {
+        eprintln!("failed requests: {failures:?}");
+        return ExitCode::FAILURE;
+    }
+
+    let bulk = site.http(&format!("/bytes/{BULK_BYTES}"));
+    let gateway_tunnel = format!("http://bench:{TOKEN}@{}", operator.gateway());
+    let mut bulk_direct = Vec::new();
+    let mut bulk_through = Vec::new();
+    for _ in 0..2 {
+        bulk_direct.push(download_rate(&squid.url(), &bulk));
+        bulk_through.push(download_rate(&gateway_tunnel, &bulk));
+    }
+
+    let rate = |runs: &[WrkResult]| mean(&runs.iter().map(WrkResult::rate).collect::<Vec<_>>());
+    let p99 = |runs: &[WrkResult]| {
+        Duration::from_secs_f64(mean(
+            &runs
+                .iter()
+                .map(|r| r.p99().as_secs_f64())
+                .collect::<Vec<_>>(),
+        ))
+    };
+    let rate_ratio = rate(&through) / rate(&direct);
+    let added_p99 = p99(&through).saturating_sub(p99(&direct));
+    let bulk_ratio = mean(&bulk_through) / mean(&bulk_direct);
+    let requests: u64 = through.iter().map(|r| r.get("requests")).sum();
+    let cpu_ratio = gateway_cpu / squid_cpu.max(1e-9);
+    println!(
+        "\nwrk -t{THREADS} -c{CONNECTIONS} -d{}s, 2 runs each, GET {target}",
+        seconds.as_secs()
+    );
+    println!("{:<22} {:>12} {:>10}", "plain HTTP", "requests/s", "p99");
+    println!(
+        "{:<22} {:>12.0} {:>10.2?}",
+        "straight to squid",
+        rate(&direct),
+        p99(&direct)
+    );
+    println!(
+        "{:<22} {:>12.0} {:>10.2?}",
+        "through the gateway",
+        rate(&through),
+        p99(&through)
+    );
+    println!(
+        "ratio {rate_ratio:.2} (at least {MIN_RATE_RATIO}), added p99 {added_p99:.2?} (under {MAX_ADDED_P99:?})"
+    );
+    println!(
+        "CPU per request: gateway {:.1} µs, squid {:.1} µs, ratio {cpu_ratio:.2}",
+        gateway_cpu / requests as f64 * 1e6,
+        squid_cpu / requests as f64 * 1e6,
+    );
+    println!(
+        "256 MiB through a CONNECT tunnel: straight {:.0} MiB/s, through the gateway {:.0} MiB/s, \
+         ratio {bulk_ratio:.2} (at least {MIN_BULK_RATIO})",
+        mean(&bulk_direct) / f64::from(1 << 20),
+        mean(&bulk_through) / f64::from(1 << 20),
+    );
+    let passed =
+        rate_ratio >= MIN_RATE_RATIO && added_p99 < MAX_ADDED_P99 && bulk_ratio >= MIN_BULK_RATIO;
+    if passed {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("the gateway missed a target");
+        ExitCode::FAILURE
+    }
+}
