@@ -608,8 +608,15 @@ fn voluntary(inputs: &Inputs<'_>, machine: &Instance) -> Voluntary {
         .max_lifetime
         .zip(machine.created_at)
         .map(|(lifetime, created)| rotation::due_at(created, lifetime, inputs.uid));
+    // The Healthy condition lags the probes: a passing probe after it turned False means the
+    // proxy recovered, whatever the condition still says.
     let remediate_at = inputs
         .unhealthy_since
+        .filter(|since| {
+            !inputs
+                .health
+                .is_some_and(|(healthy, at)| healthy && at > *since)
+        })
         .map(|since| remediation::due_at(since, machine.created_at, inputs.limits.remediate_after));
     let mut verdict = Voluntary::default();
     if inputs.rotate_requested {

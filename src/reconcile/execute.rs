@@ -84,6 +84,9 @@ pub(super) struct Step {
     pub outcome: Outcome,
     /// The resourceVersion returned by a metadata patch made before the status write.
     pub resource_version: Option<String>,
+    /// The disruption (its metric label) this step starts: counted once its status is written,
+    /// so a write that lost a race (and is redone) counts nothing.
+    pub disruption_started: Option<&'static str>,
 }
 
 impl Step {
@@ -95,6 +98,7 @@ impl Step {
             requeue,
             outcome: Outcome::Progress,
             resource_version: None,
+            disruption_started: None,
         }
     }
 
@@ -402,10 +406,11 @@ async fn act(
                     .map_or("a replacement", |d| cause(d.reason))
             };
             let first = !condition_reason_is(current, REASON_DRAINING);
+            let mut step = draining(machine, cause, leases, deadline, deleting);
             if first && deleting {
-                machine.ctx.metrics.disruption_started(DELETED);
+                step.disruption_started = Some(DELETED);
             }
-            draining(machine, cause, leases, deadline, deleting).with_event(first.then(|| {
+            step.with_event(first.then(|| {
                 event(
                     EventType::Normal,
                     REASON_DRAINING,
@@ -621,19 +626,19 @@ fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReaso
                 machine.proxy.key(),
                 leases_text(leases)
             );
-            ctx.metrics.disruption_started(reason.label());
-            draining(machine, cause, leases, deadline, false)
-                .with_disruption(Some(Disruption {
-                    reason,
-                    since: machine.now,
-                    replaced_at: None,
-                }))
-                .with_event(Some(event(
-                    EventType::Normal,
-                    REASON_DRAINING,
-                    "Drain",
-                    format!("{why}; draining before {cause}: {}", leases_text(leases)),
-                )))
+            let mut step = draining(machine, cause, leases, deadline, false);
+            step.disruption_started = Some(reason.label());
+            step.with_disruption(Some(Disruption {
+                reason,
+                since: machine.now,
+                replaced_at: None,
+            }))
+            .with_event(Some(event(
+                EventType::Normal,
+                REASON_DRAINING,
+                "Drain",
+                format!("{why}; draining before {cause}: {}", leases_text(leases)),
+            )))
         }
         Admission::Wait { in_use, limit } => {
             let budget = ctx.config.replacement_budget;

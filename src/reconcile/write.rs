@@ -60,6 +60,9 @@ pub(super) async fn write(
             }
         }
     }
+    if !conflict && let Some(reason) = step.disruption_started {
+        ctx.metrics.disruption_started(reason);
+    }
     if !conflict && let Some(annotations) = &step.annotations {
         api.patch(
             &proxy.name_any(),

@@ -814,6 +814,31 @@ fn drains_rotations_and_remediations() {
             },
         ),
         (
+            "unhealthy past the threshold, but a probe passed since -> recovered, left alone",
+            Inputs {
+                unhealthy_since: Some(ts(NOW - 700)),
+                health: Some((true, ts(NOW - 1))),
+                ..base(&old_machine)
+            },
+            Action::Running {
+                ip: Some("10.0.0.9".into()),
+                replaced: false,
+                recheck: None,
+                remediation_paused: None,
+            },
+        ),
+        (
+            "unhealthy past the threshold, the last probe failed too -> remediate",
+            Inputs {
+                unhealthy_since: Some(ts(NOW - 700)),
+                health: Some((false, ts(NOW - 1))),
+                ..base(&old_machine)
+            },
+            Action::Disrupt {
+                reason: DisruptionReason::Unhealthy,
+            },
+        ),
+        (
             "unhealthy past the threshold, provider mostly unhealthy -> paused",
             Inputs {
                 unhealthy_since: Some(ts(NOW - 700)),
