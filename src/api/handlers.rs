@@ -24,6 +24,7 @@ use crate::ledger::{
 };
 use crate::proxy::proxy_url;
 use crate::retry_after;
+use crate::sessions::SessionKey;
 use crate::tokens::TokenId;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
@@ -461,6 +462,44 @@ pub async fn report_session(
             )
         })?;
     record_report(&state, &session.lease_id, report).await
+}
+
+/// Ends one of this token's gateway sessions: its lease is given back and the name starts a
+/// new session on its next use. Always 204, like a release: ending a session that is already
+/// gone is not an error. A tunnel still open in it runs on until it closes.
+#[utoipa::path(
+    delete,
+    path = "/v1/sessions/{name}",
+    params(("name" = String, Path, description = "Session name, as in the gateway's proxy URL (`session=`)")),
+    responses(
+        (status = 204, description = "Ended (or already gone)"),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn end_session(
+    state: web::Data<ApiState>,
+    name: web::Path<String>,
+    token: Option<web::ReqData<TokenId>>,
+) -> Result<HttpResponse, ApiError> {
+    let Some(token) = token else {
+        return Ok(HttpResponse::NoContent().finish());
+    };
+    let key = SessionKey {
+        token: token.into_inner(),
+        name: name.into_inner(),
+    };
+    if let Some(session) = state.sessions.get(&key) {
+        state
+            .ledger
+            .release(&session.lease_id)
+            .await
+            .map_err(|e| ledger_error(&state, "ending a session", e))?;
+        state.sessions.remove(&key, &session.lease_id);
+    }
+    Ok(HttpResponse::NoContent().finish())
 }
 
 /// Liveness: the process is serving.

@@ -62,6 +62,7 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
                     )
                     .service(resource("/v1", "/leases/{id}/renew").post(handlers::renew))
                     .service(resource("/v1", "/leases/{id}/report").post(handlers::report))
+                    .service(resource("/v1", "/sessions/{name}").delete(handlers::end_session))
                     .service(
                         resource("/v1", "/sessions/{name}/report").post(handlers::report_session),
                     )

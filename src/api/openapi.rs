@@ -33,6 +33,7 @@ use super::types::{
         handlers::renew,
         handlers::report,
         handlers::report_session,
+        handlers::end_session,
         handlers::healthz,
         handlers::readyz,
         handlers::openapi_document,

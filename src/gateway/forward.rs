@@ -23,7 +23,10 @@ use hyper::{Method, Request, Response, StatusCode, Version};
 use super::choice::{Ask, ClientConnection, Held, Upstream};
 use super::metrics::GatewayMetrics;
 use super::upstream::{Busy, HttpUpstream, UpstreamFailure};
-use super::{Body, Failed, Gateway, LeaseFor, Outcome, Through, bans, error, lease_headers};
+use super::{
+    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, Outcome, Through, bans, error,
+    lease_headers,
+};
 use crate::ledger::LeaseReport;
 use crate::sessions::InUse;
 
@@ -191,6 +194,7 @@ async fn answer(
     moved_from: Option<crate::proxy::ProxyId>,
 ) -> Response<Incoming> {
     let status = response.status().as_u16();
+    let mut reported = None;
     if let Some(result) = gateway.config.ban_rule.of(status) {
         let cooldown = response
             .headers()
@@ -203,7 +207,10 @@ async fn answer(
             cooldown,
         };
         match gateway.ledger.report(&held.lease_id, report).await {
-            Ok(_) => gateway.metrics.banned(result),
+            Ok(_) => {
+                gateway.metrics.banned(result);
+                reported = Some(result);
+            }
             Err(e) => log::warn!(
                 "gateway: reporting {} from {} through {} failed: {e}",
                 status,
@@ -216,6 +223,12 @@ async fn answer(
     drop_hop_by_hop(response.headers_mut());
     response.headers_mut().remove(PROXY_AUTHENTICATE);
     lease_headers(&mut response, held, moved_from);
+    if let Some(result) = reported {
+        response.headers_mut().insert(
+            BAN_REPORTED_HEADER,
+            HeaderValue::from_static(result.as_str()),
+        );
+    }
     response
 }
 

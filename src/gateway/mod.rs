@@ -67,6 +67,9 @@ pub const PROXY_NAME_HEADER: &str = "x-proxy-name";
 pub const PROXY_LEASE_HEADER: &str = "x-proxy-lease";
 /// Header naming the proxy a session left, on the first answer through its new one.
 pub const SESSION_MOVED_HEADER: &str = "x-proxy-session-moved";
+/// Header on a target's answer the gateway reported as a ban (`blocked`, `rate_limited`), so
+/// a crawler does not report it again.
+pub const BAN_REPORTED_HEADER: &str = "x-proxy-ban-reported";
 
 /// The body of every gateway answer.
 pub type Body = BoxBody<Bytes, hyper::Error>;

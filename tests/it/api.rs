@@ -1285,6 +1285,7 @@ async fn openapi_document_lists_every_route() {
         ("/v1/leases/{id}", "delete"),
         ("/v1/leases/{id}/renew", "post"),
         ("/v1/leases/{id}/report", "post"),
+        ("/v1/sessions/{name}", "delete"),
         ("/v1/sessions/{name}/report", "post"),
         ("/v1/openapi.json", "get"),
         ("/healthz", "get"),
@@ -1296,7 +1297,7 @@ async fn openapi_document_lists_every_route() {
             "{method} {path} missing"
         );
     }
-    assert_eq!(paths.len(), 9, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 10, "{:?}", paths.keys().collect::<Vec<_>>());
     // Every documented route answers something other than 404 on the real server.
     for (path, method) in expected {
         let path = path.replace("{id}", "x").replace("{name}", "x");

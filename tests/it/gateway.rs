@@ -34,6 +34,7 @@ struct Fetched {
     lease: Option<String>,
     moved_from: Option<String>,
     retry_after: Option<u64>,
+    ban_reported: Option<String>,
     body: String,
 }
 
@@ -52,6 +53,7 @@ async fn fetch(client: &reqwest::Client, url: &str) -> Fetched {
         lease: header("x-proxy-lease"),
         moved_from: header("x-proxy-session-moved"),
         retry_after: header("retry-after").and_then(|v| v.parse().ok()),
+        ban_reported: header("x-proxy-ban-reported"),
         body: response.text().await.expect("a body"),
     }
 }
@@ -349,6 +351,22 @@ async fn sticky_sessions_keep_their_exit_and_move_when_their_upstream_dies_or_is
         ),
     );
     assert_ne!(errors, "0");
+
+    // Ending the session gives its lease back at once; ending it again is no error.
+    let end = || {
+        api.delete(format!("{}/v1/sessions/s1", fleet.operator.api()))
+            .bearer_auth(TOKEN)
+            .send()
+    };
+    let third_lease = third.lease.unwrap();
+    assert_eq!(end().await.unwrap().status(), StatusCode::NO_CONTENT);
+    let state = sqlite3(
+        &fleet.operator.ledger(),
+        &format!("SELECT state FROM leases WHERE id = '{third_lease}'"),
+    );
+    assert_eq!(state, "released");
+    assert_eq!(end().await.unwrap().status(), StatusCode::NO_CONTENT);
+    assert_eq!(report("s1").await.unwrap().status(), StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
@@ -359,6 +377,7 @@ async fn a_429_cools_that_proxy_for_the_target_and_the_next_request_goes_elsewhe
     let first = exit_through(&fleet, &crawler).await.proxy.unwrap();
     let banned = fetch(&crawler, &fleet.site.http("/status/429?retry_after=120")).await;
     assert_eq!(banned.status, StatusCode::TOO_MANY_REQUESTS, "passed on");
+    assert_eq!(banned.ban_reported.as_deref(), Some("rate_limited"));
     assert_eq!(banned.proxy.as_deref(), Some(first.as_str()));
     let next = exit_through(&fleet, &crawler).await.proxy.unwrap();
     assert_ne!(next, first, "the cooled proxy is skipped for this target");

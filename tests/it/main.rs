@@ -26,6 +26,7 @@ mod manifests;
 mod metrics;
 mod operator;
 mod provider_registry;
+mod python_client;
 mod quickstart_kind;
 mod reconcile_api;
 mod reconcile_envtest;

@@ -17,7 +17,8 @@ pub fn python_with(modules: &[&str]) -> Option<&'static str> {
         return Some("python3");
     }
     let message = format!(
-        "python3 cannot import {imports}: python3 -m pip install -r tests/python/requirements.txt"
+        "python3 cannot import {imports}: python3 -m pip install -r tests/python/requirements.txt \
+         -e clients/python"
     );
     assert!(std::env::var_os("CI").is_none(), "{message}");
     eprintln!("skipped: {message}");

@@ -1,0 +1,38 @@
+"""Client of proxy-operator: the lease API (:class:`Client`, :class:`AsyncClient`), gateway
+proxy URLs (:func:`gateway_proxy_url`) and a Scrapy downloader middleware
+(:mod:`proxy_operator.scrapy`)."""
+
+from .calls import RetryPolicy
+from .client import AsyncClient, Client
+from .config import ENV_GATEWAY, ENV_TOKEN, ENV_TOKEN_FILE, ENV_URL, gateway_proxy_url
+from .errors import (
+    ApiError,
+    Banned,
+    ConfigError,
+    NoMatch,
+    ProxyOperatorError,
+    TransportError,
+    Unavailable,
+)
+from .models import Lease, LeaseProxy, ProxyInfo
+
+__all__ = [
+    "ENV_GATEWAY",
+    "ENV_TOKEN",
+    "ENV_TOKEN_FILE",
+    "ENV_URL",
+    "ApiError",
+    "AsyncClient",
+    "Banned",
+    "Client",
+    "ConfigError",
+    "Lease",
+    "LeaseProxy",
+    "NoMatch",
+    "ProxyInfo",
+    "ProxyOperatorError",
+    "RetryPolicy",
+    "TransportError",
+    "Unavailable",
+    "gateway_proxy_url",
+]

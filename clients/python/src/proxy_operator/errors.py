@@ -1,0 +1,65 @@
+"""Exceptions of the client: every answer the API refuses becomes an :class:`ApiError` carrying
+the JSON error code (``no_match``, ``unknown_lease``, ``overloaded``, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProxyOperatorError(Exception):
+    """Anything this package raises."""
+
+
+class ConfigError(ProxyOperatorError):
+    """The client is missing a setting (an API URL, a token), or one is malformed."""
+
+
+class TransportError(ProxyOperatorError):
+    """The API could not be reached or did not answer in time."""
+
+
+class ApiError(ProxyOperatorError):
+    """The API answered with an error.
+
+    ``status`` is the HTTP status, ``code`` the JSON ``error`` field, ``message`` its text,
+    ``body`` the whole JSON body and ``retry_after`` the seconds of a ``Retry-After`` header
+    (``None`` without one).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.body = body or {}
+        self.retry_after = retry_after
+
+
+class NoMatch(ApiError):
+    """409 ``no_match``: no proxy can take a lease now. ``retry_after`` is when one frees up by
+    itself (a lease expiry or a cooldown end), or ``None`` when nothing will."""
+
+
+class Unavailable(ApiError):
+    """503: the ledger could not take the write in time (``overloaded``) or is full
+    (``ledger_full``); nothing was written."""
+
+
+class Banned(ProxyOperatorError):
+    """Raised by a caller inside ``client.lease(...)`` to say the target banned the proxy: the
+    lease is reported with ``result`` (``blocked`` or ``rate_limited``) and ``retry_after``
+    seconds of cooldown (the target's ``Retry-After``), then released."""
+
+    def __init__(
+        self, result: str = "blocked", retry_after: float | None = None, message: str = ""
+    ) -> None:
+        super().__init__(message or f"the target answered with a ban ({result})")
+        self.result = result
+        self.retry_after = retry_after

@@ -1,0 +1,431 @@
+"""A Scrapy downloader middleware that sends a crawl through proxy-operator.
+
+Enable it in the settings (it runs before Scrapy's ``HttpProxyMiddleware``, 750)::
+
+    DOWNLOADER_MIDDLEWARES = {"proxy_operator.scrapy.ProxyOperatorMiddleware": 610}
+    PROXY_OPERATOR_URL = "http://proxy-operator.proxy-operator:8080"
+    PROXY_OPERATOR_GATEWAY = "http://proxy-operator.proxy-operator:8888"
+
+**Gateway mode** (``PROXY_OPERATOR_MODE = "gateway"``, the default): every request goes
+through the gateway in one of ``PROXY_OPERATOR_SESSIONS_PER_HOST`` sticky sessions of its
+target host, named in the proxy URL; ``download_slot`` is the session, so Scrapy's concurrency
+and delays apply per exit address. The middleware takes no lease itself.
+
+**Lease mode** (``"lease"``): each session is a lease of the API (``target`` = the host) whose
+proxy URL goes in ``meta["proxy"]``; renewed at half its TTL, released when idle for
+``PROXY_OPERATOR_LEASE_IDLE`` seconds and when the spider closes. For External proxies whose
+install gives credentials out (``--lease-credentials``), or a crawl that must not pass through
+the gateway.
+
+Either way, a **ban** (a status in ``PROXY_OPERATOR_BAN_STATUSES``, or what
+``PROXY_OPERATOR_BAN_DETECTOR`` says of a response, such as a captcha page answered 200) is
+reported for the session's proxy and target with the target's ``Retry-After``, the session is
+dropped, and the request is retried on a new one, at most ``PROXY_OPERATOR_MAX_RETRIES`` times;
+then the response goes through as it is. Transport errors are retried the same way. A
+``request.meta["proxy_operator_session"]`` pins a request to a session name of its own.
+
+Settings (defaults): ``PROXY_OPERATOR_MODE`` (``"gateway"``), ``PROXY_OPERATOR_URL`` and
+``PROXY_OPERATOR_GATEWAY`` (the environment variables of the same names),
+``PROXY_OPERATOR_TOKEN`` / ``PROXY_OPERATOR_TOKEN_FILE`` (likewise), ``PROXY_OPERATOR_CRAWLER``
+(the spider's name), ``PROXY_OPERATOR_SELECTOR`` (``{}``: labels the proxies must carry),
+``PROXY_OPERATOR_SESSIONS_PER_HOST`` (4), ``PROXY_OPERATOR_SESSION_TTL`` (the gateway's
+default, 5m), ``PROXY_OPERATOR_BAN_STATUSES`` (``{403: "blocked", 429: "rate_limited"}``),
+``PROXY_OPERATOR_BAN_DETECTOR`` (``None``; a callable or its import path, called with the
+response, returning ``"blocked"``, ``"rate_limited"`` or ``None``),
+``PROXY_OPERATOR_MAX_RETRIES`` (5), ``PROXY_OPERATOR_MAX_WAIT`` (30: seconds one request may
+wait on "no proxy free" answers), ``PROXY_OPERATOR_TIMEOUT`` (10: seconds per API call),
+``PROXY_OPERATOR_LEASE_TTL`` (120) and ``PROXY_OPERATOR_LEASE_IDLE`` (60).
+
+Stats: ``proxy_operator/sessions`` (sessions started), ``proxy_operator/bans/<result>``,
+``proxy_operator/retries``, ``proxy_operator/retries_exhausted``,
+``proxy_operator/unavailable`` (answers "no proxy free": the gateway's 503, the API's
+409/503), ``proxy_operator/errors`` (transport errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from scrapy import Request, Spider, signals
+from scrapy.crawler import Crawler
+from scrapy.exceptions import IgnoreRequest, NotConfigured
+from scrapy.http import Response
+from scrapy.settings import BaseSettings
+from scrapy.utils.misc import load_object
+
+from .calls import RetryPolicy
+from .client import AsyncClient
+from .config import ENV_GATEWAY, ENV_URL, TokenSource, gateway_proxy_url, resolve_url
+from .errors import ApiError, ConfigError, NoMatch, ProxyOperatorError, Unavailable
+from .models import Lease
+from .sessions import SessionPool
+
+logger = logging.getLogger(__name__)
+
+#: ``request.meta`` key that pins a request to a session name of the caller's choosing.
+SESSION_META = "proxy_operator_session"
+_RETRIES_META = "proxy_operator_retries"
+_ASSIGNED_META = "_proxy_operator_assigned"
+_PROXY_NAME_HEADER = b"X-Proxy-Name"
+_BAN_REPORTED_HEADER = b"X-Proxy-Ban-Reported"
+
+BanDetector = Callable[[Response], "str | None"]
+#: Seconds before the first retry after a transport error, doubled on each retry up to the cap.
+TRANSPORT_BACKOFF = 0.25
+TRANSPORT_BACKOFF_CAP = 4.0
+
+
+def retry_after_seconds(value: bytes | str | None, now: datetime | None = None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds: delta-seconds or an HTTP date."""
+    if value is None:
+        return None
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    text = text.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        at = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return max(0.0, (at - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+@dataclass(frozen=True)
+class BanRule:
+    """What counts as a ban: a status in ``statuses`` (status → result), or what ``detector``
+    says of the response."""
+
+    statuses: dict[int, str]
+    detector: BanDetector | None = None
+
+    def of(self, response: Response) -> str | None:
+        result = self.statuses.get(response.status)
+        if result is None and self.detector is not None:
+            result = self.detector(response)
+        return result
+
+
+class _Route(Protocol):
+    """How a session's requests reach a proxy: through the gateway, or on a lease."""
+
+    async def assign(self, request: Request, host: str, session: str) -> None: ...
+
+    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None: ...
+
+    async def failed(self, session: str, host: str) -> None: ...
+
+    async def drop(self, session: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _GatewayRoute:
+    """Sessions of the gateway: the session name goes in the proxy URL."""
+
+    def __init__(self, api: AsyncClient, gateway: str, token: TokenSource, crawler: str, selector: dict[str, str], session_ttl: str | None):
+        self.api = api
+        self.gateway = gateway
+        self.token = token
+        self.crawler = crawler
+        self.selector = selector
+        self.session_ttl = session_ttl
+        # Every name used, ended or not: a request in flight when its session was ended opens
+        # it again at the gateway, so the spider's close ends them all once more.
+        self.opened: set[str] = set()
+
+    async def assign(self, request: Request, host: str, session: str) -> None:
+        self.opened.add(session)
+        request.meta["proxy"] = gateway_proxy_url(
+            self.gateway,
+            self.token.token,
+            self.crawler,
+            session=session,
+            session_ttl=self.session_ttl,
+            selector=self.selector,
+        )
+
+    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None:
+        if not reported:
+            try:
+                await self.api.report_session(session, result, host, retry_after)
+            except ApiError as e:
+                if e.code != "unknown_session":
+                    logger.warning("proxy-operator: reporting %s for session %s failed: %s", result, session, e)
+        await self.drop(session)
+
+    async def failed(self, session: str, host: str) -> None:
+        # The gateway reported the upstream's failure itself, and retried it where it could.
+        await self.drop(session)
+
+    async def drop(self, session: str) -> None:
+        try:
+            await self.api.end_session(session)
+        except ProxyOperatorError as e:
+            logger.warning("proxy-operator: ending session %s failed: %s", session, e)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.drop(session) for session in self.opened))
+
+
+@dataclass
+class _Held:
+    lease: Lease
+    renewed: float
+    used: float
+
+
+class _LeaseRoute:
+    """Sessions on leases of the API: one lease per session, its proxy URL in the request."""
+
+    def __init__(self, api: AsyncClient, selector: dict[str, str], ttl: int, idle: float, clock: Callable[[], float] = time.monotonic):
+        self.api = api
+        self.selector = selector
+        self.ttl = ttl
+        self.idle = idle
+        self.clock = clock
+        self.held: dict[str, _Held] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def assign(self, request: Request, host: str, session: str) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        lock = self._locks.setdefault(session, asyncio.Lock())
+        async with lock:
+            held = await self._current(host, session)
+        held.used = self.clock()
+        url = held.lease.proxy_url
+        if url is None:
+            raise IgnoreRequest(f"lease {held.lease.lease_id}: its proxy left the inventory")
+        request.meta["proxy"] = url
+
+    async def _current(self, host: str, session: str) -> _Held:
+        """The session's lease: the one held, renewed past half its TTL, or a new one."""
+        now = self.clock()
+        held = self.held.get(session)
+        if held is not None and now - held.renewed >= self.ttl / 2:
+            try:
+                held.lease = await self.api.renew(held.lease.lease_id, self.ttl)
+                held.renewed = now
+            except ApiError as e:
+                logger.info("proxy-operator: lease %s not renewed (%s): taking another", held.lease.lease_id, e.code)
+                await self._release(session)
+                held = None
+        if held is None:
+            lease = await self.api.acquire(self.selector, target=host, ttl=self.ttl)
+            held = _Held(lease, now, now)
+            self.held[session] = held
+        return held
+
+    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None:
+        held = self.held.get(session)
+        if held is not None:
+            try:
+                await self.api.report(held.lease.lease_id, result, host, retry_after)
+            except ProxyOperatorError as e:
+                logger.warning("proxy-operator: reporting %s on lease %s failed: %s", result, held.lease.lease_id, e)
+        await self.drop(session)
+
+    async def failed(self, session: str, host: str) -> None:
+        await self.banned(session, host, "error", None, False)
+
+    async def drop(self, session: str) -> None:
+        await self._release(session)
+
+    async def _release(self, session: str) -> None:
+        held = self.held.pop(session, None)
+        if held is None:
+            return
+        try:
+            await self.api.release(held.lease.lease_id)
+        except ProxyOperatorError as e:
+            logger.warning("proxy-operator: releasing lease %s failed: %s", held.lease.lease_id, e)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.idle / 4))
+            now = self.clock()
+            for session, held in list(self.held.items()):
+                if now - held.used >= self.idle:
+                    await self._release(session)
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for session in list(self.held):
+            await self._release(session)
+
+
+def _ban_statuses(settings: BaseSettings) -> dict[int, str]:
+    value = settings.get("PROXY_OPERATOR_BAN_STATUSES") or {403: "blocked", 429: "rate_limited"}
+    statuses = {int(status): str(result) for status, result in dict(value).items()}
+    for status, result in statuses.items():
+        if result not in ("blocked", "rate_limited", "error"):
+            raise ConfigError(f"PROXY_OPERATOR_BAN_STATUSES: {status} maps to {result!r}, not blocked, rate_limited or error")
+    return statuses
+
+
+class ProxyOperatorMiddleware:
+    """The downloader middleware (see the module's documentation for its settings)."""
+
+    def __init__(self, crawler: Crawler) -> None:
+        settings = crawler.settings
+        self.stats = crawler.stats
+        mode = settings.get("PROXY_OPERATOR_MODE", "gateway")
+        if mode not in ("gateway", "lease"):
+            raise ConfigError(f"PROXY_OPERATOR_MODE must be 'gateway' or 'lease', not {mode!r}")
+        self.mode = mode
+        self.url = resolve_url(settings.get("PROXY_OPERATOR_URL"), ENV_URL)
+        self.token = TokenSource(settings.get("PROXY_OPERATOR_TOKEN"), settings.get("PROXY_OPERATOR_TOKEN_FILE"))
+        self.gateway = resolve_url(settings.get("PROXY_OPERATOR_GATEWAY"), ENV_GATEWAY) if mode == "gateway" else None
+        self.crawler_name = settings.get("PROXY_OPERATOR_CRAWLER")
+        self.selector = {str(k): str(v) for k, v in dict(settings.getdict("PROXY_OPERATOR_SELECTOR")).items()}
+        self.session_ttl = settings.get("PROXY_OPERATOR_SESSION_TTL")
+        self.pool = SessionPool(settings.getint("PROXY_OPERATOR_SESSIONS_PER_HOST", 4))
+        detector = settings.get("PROXY_OPERATOR_BAN_DETECTOR")
+        self.ban_rule = BanRule(_ban_statuses(settings), load_object(detector) if isinstance(detector, str) else detector)
+        self.max_retries = settings.getint("PROXY_OPERATOR_MAX_RETRIES", 5)
+        self.max_wait = settings.getfloat("PROXY_OPERATOR_MAX_WAIT", 30.0)
+        self.timeout = settings.getfloat("PROXY_OPERATOR_TIMEOUT", 10.0)
+        self.lease_ttl = settings.getint("PROXY_OPERATOR_LEASE_TTL", 120)
+        self.lease_idle = settings.getfloat("PROXY_OPERATOR_LEASE_IDLE", 60.0)
+        self._route: _Route | None = None
+        self._api: AsyncClient | None = None
+        self._started: set[str] = set()
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> ProxyOperatorMiddleware:
+        if not crawler.settings.getbool("PROXY_OPERATOR_ENABLED", True):
+            raise NotConfigured("PROXY_OPERATOR_ENABLED is false")
+        middleware = cls(crawler)
+        crawler.signals.connect(middleware.spider_opened, signal=signals.spider_opened)
+        crawler.signals.connect(middleware.spider_closed, signal=signals.spider_closed)
+        return middleware
+
+    def spider_opened(self, spider: Spider) -> None:
+        if self.crawler_name is None:
+            self.crawler_name = spider.name
+
+    async def spider_closed(self, spider: Spider) -> None:
+        if self._route is not None:
+            await self._route.close()
+        if self._api is not None:
+            await self._api.aclose()
+
+    def _route_now(self) -> _Route:
+        """The route, made on first use inside the running event loop (httpx's async client
+        belongs to the loop it first runs in)."""
+        if self._route is None:
+            retry = RetryPolicy(attempts=10, max_wait=self.max_wait)
+            self._api = AsyncClient(self.url, tokens=self.token, timeout=self.timeout, retry=retry)
+            if self.gateway is not None:
+                self._route = _GatewayRoute(self._api, self.gateway, self.token, self.crawler_name or "scrapy", self.selector, self.session_ttl)
+            else:
+                self._route = _LeaseRoute(self._api, self.selector, self.lease_ttl, self.lease_idle)
+        return self._route
+
+    def _inc(self, key: str) -> None:
+        if self.stats is not None:
+            self.stats.inc_value(f"proxy_operator/{key}")
+
+    async def process_request(self, request: Request, spider: Spider | None = None) -> None:
+        if request.meta.get("proxy") is not None and _ASSIGNED_META not in request.meta:
+            return  # a proxy chosen by someone else
+        host = urlsplit(request.url).hostname
+        if not host:
+            return
+        session = request.meta.get(SESSION_META) or self.pool.pick(host)
+        if session not in self._started:
+            self._started.add(session)
+            self._inc("sessions")
+        try:
+            await self._route_now().assign(request, host, session)
+        except (NoMatch, Unavailable):
+            self._inc("unavailable")
+            raise
+        request.meta[_ASSIGNED_META] = session
+        request.meta["download_slot"] = session
+
+    async def process_response(self, request: Request, response: Response, spider: Spider | None = None) -> Request | Response:
+        session = request.meta.get(_ASSIGNED_META)
+        if session is None:
+            return response
+        host = urlsplit(request.url).hostname or ""
+        if self.gateway is not None and request.url.startswith("http:") and _PROXY_NAME_HEADER not in response.headers:
+            return await self._gateway_answer(request, response, session)
+        result = self.ban_rule.of(response)
+        if result is None:
+            return response
+        self._inc(f"bans/{result}")
+        wait = retry_after_seconds(response.headers.get(b"Retry-After"))
+        reported = response.headers.get(_BAN_REPORTED_HEADER) is not None
+        await self._route_now().banned(session, host, result, wait, reported)
+        self.pool.retire(session)
+        return self._retry(request, response, f"ban ({result})")
+
+    async def _gateway_answer(self, request: Request, response: Response, session: str) -> Request | Response:
+        """An answer of the gateway itself (not of the target): 503 "no proxy free" is waited
+        on, 502 (every upstream failed) retried on a new session; anything else (400, 407:
+        bad settings) goes through."""
+        if response.status == 503:
+            self._inc("unavailable")
+            wait = retry_after_seconds(response.headers.get(b"Retry-After")) or 1.0
+            waited = request.meta.get("_proxy_operator_waited", 0.0)
+            if waited + wait > self.max_wait:
+                return response
+            await asyncio.sleep(wait)
+            retry = request.replace(dont_filter=True)
+            retry.meta["_proxy_operator_waited"] = waited + wait
+            return retry
+        if response.status == 502:
+            self._inc("errors")
+            await self._route_now().drop(session)
+            self.pool.retire(session)
+            return self._retry(request, response, "the gateway's upstreams failed")
+        if response.status in (400, 407):
+            logger.error(
+                "proxy-operator: the gateway refused %s (%s): %s",
+                request.url,
+                response.status,
+                response.body[:300].decode("utf-8", "replace"),
+            )
+        return response
+
+    async def process_exception(self, request: Request, exception: BaseException, spider: Spider | None = None) -> Request | None:
+        session = request.meta.get(_ASSIGNED_META)
+        if session is None or isinstance(exception, (IgnoreRequest, ProxyOperatorError)):
+            return None
+        self._inc("errors")
+        await self._route_now().failed(session, urlsplit(request.url).hostname or "")
+        self.pool.retire(session)
+        retry = self._retry(request, None, f"{type(exception).__name__}: {exception}")
+        if not isinstance(retry, Request):
+            return None
+        # A proxy that just died is still listed until its probes fail: back off a little
+        # more on each retry, so the next session lands on a proxy known to be alive.
+        await asyncio.sleep(min(TRANSPORT_BACKOFF_CAP, TRANSPORT_BACKOFF * 2 ** request.meta.get(_RETRIES_META, 0)))
+        return retry
+
+    def _retry(self, request: Request, response: Response | None, why: str) -> Request | Response | None:
+        retries = request.meta.get(_RETRIES_META, 0)
+        if retries >= self.max_retries:
+            self._inc("retries_exhausted")
+            logger.info("proxy-operator: %s after %d retries; giving up on %s", why, retries, request.url)
+            return response
+        self._inc("retries")
+        retry = request.replace(dont_filter=True)
+        retry.meta[_RETRIES_META] = retries + 1
+        retry.meta.pop(_ASSIGNED_META, None)
+        retry.meta.pop("proxy", None)
+        logger.debug("proxy-operator: %s; retrying %s on another session", why, request.url)
+        return retry

@@ -1,0 +1,183 @@
+"""The sync and async clients against the real binary (standalone) and real squids."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import TOKEN, Operator, Site, start_operator
+from proxy_operator import (
+    ApiError,
+    AsyncClient,
+    Banned,
+    Client,
+    ConfigError,
+    NoMatch,
+    RetryPolicy,
+    TransportError,
+    gateway_proxy_url,
+)
+from proxy_operator.calls import NO_WAIT
+
+TARGET = "127.0.0.1"
+
+
+def test_list_acquire_use_renew_report_release(operator: Operator, site: Site) -> None:
+    with Client(operator.api, token=TOKEN) as client:
+        proxies = client.list(healthy=True)
+        assert sorted(p.name for p in proxies) == ["px-0", "px-1"]
+        assert all(p.labels == {"pool": "python"} and p.max_leases == 16 for p in proxies)
+        assert client.list(selector={"pool": "elsewhere"}) == []
+
+        lease = client.acquire(selector={"pool": "python"}, target=TARGET, ttl=30)
+        assert lease.state == "active" and lease.ttl_seconds == 30 and lease.target == TARGET
+        exit_address = httpx.get(site.url("/ip"), proxy=lease.proxy_url, timeout=10).text
+        assert operator.proxy_name_of(exit_address) == f"default/{lease.proxy.name}"
+
+        renewed = client.renew(lease.lease_id, ttl=120)
+        assert renewed.expires_at > lease.expires_at and renewed.ttl_seconds == 120
+        client.report(lease.lease_id, "ok", target=TARGET)
+        client.release(lease.lease_id)
+        client.release(lease.lease_id)  # twice is no error
+        released = client.get(lease.lease_id)
+        assert released.state == "released" and released.released_at is not None
+
+    kinds = operator.sql(f"SELECT kind FROM lease_history WHERE lease_id = '{lease.lease_id}' ORDER BY rowid")
+    assert [k for (k,) in kinds] == ["acquired", "renewed", "reported", "released"]
+
+
+def test_an_acquire_retried_with_its_request_id_is_granted_once(operator: Operator) -> None:
+    with Client(operator.api, token=TOKEN) as client:
+        first = client.acquire(target=TARGET, request_id="crawl-7-attempt-1")
+        again = client.acquire(target=TARGET, request_id="crawl-7-attempt-1")
+        assert again.lease_id == first.lease_id
+        with pytest.raises(ApiError) as reused:
+            client.acquire(target="other.example", request_id="crawl-7-attempt-1")
+        assert reused.value.status == 422 and reused.value.code == "request_id_reused"
+    assert operator.active_leases() == 1
+
+
+def test_refusals_raise_with_the_json_error_code(operator: Operator) -> None:
+    with Client(operator.api, token=TOKEN) as client:
+        with pytest.raises(ApiError) as unknown:
+            client.get("no-such-lease")
+        assert (unknown.value.status, unknown.value.code) == (404, "unknown_lease")
+        with pytest.raises(ApiError) as target:
+            client.acquire(target="   ")
+        assert (target.value.status, target.value.code) == (400, "invalid_target")
+        with pytest.raises(ValueError, match="not one of"):
+            client.report("x", "captcha")
+        started = time.monotonic()
+        with pytest.raises(NoMatch) as nothing:
+            client.acquire(selector={"pool": "elsewhere"})
+        assert nothing.value.retry_after is None, "nothing frees a proxy that does not exist"
+        assert nothing.value.body["considered"] == 0
+        assert time.monotonic() - started < 5, "not waited on"
+    with Client(operator.api, token="wrong-token-0123456789") as client:
+        with pytest.raises(ApiError) as denied:
+            client.list()
+        assert denied.value.status == 401
+
+
+def test_a_full_fleet_is_waited_on_as_retry_after_says(tmp_path: Path, site: Site) -> None:
+    operator = start_operator(tmp_path, site, squids=2, max_leases=1)
+    try:
+        with Client(operator.api, token=TOKEN, retry=NO_WAIT) as client:
+            held = [client.acquire(ttl=2), client.acquire(ttl=2)]
+            with pytest.raises(NoMatch) as full:
+                client.acquire(ttl=2)
+            assert full.value.retry_after is not None and full.value.retry_after <= 3
+        with Client(operator.api, token=TOKEN, retry=RetryPolicy(attempts=5, max_wait=20)) as client:
+            started = time.monotonic()
+            lease = client.acquire(ttl=30)
+            assert time.monotonic() - started >= 0.5, "it waited for an expiry"
+            assert lease.lease_id not in {h.lease_id for h in held}
+    finally:
+        operator.stop()
+
+
+def test_a_ban_inside_the_lease_block_is_reported_then_released(operator: Operator) -> None:
+    with Client(operator.api, token=TOKEN) as client:
+        with pytest.raises(Banned):
+            with client.lease(target=TARGET) as lease:
+                raise Banned("rate_limited", retry_after=90)
+        with client.lease(target=TARGET) as other:
+            assert other.proxy.name != lease.proxy.name, "the banned proxy cools down for the target"
+        with pytest.raises(KeyError):
+            with client.lease(target=TARGET) as plain:
+                raise KeyError("not a ban")
+    rows = operator.sql(
+        f"SELECT result, cooldown_seconds FROM lease_history WHERE lease_id = '{lease.lease_id}' AND kind = 'reported'"
+    )
+    assert rows == [("rate_limited", 90.0)]
+    assert operator.sql(f"SELECT COUNT(*) FROM lease_history WHERE lease_id = '{plain.lease_id}' AND kind = 'reported'") == [(0,)]
+    assert operator.active_leases() == 0
+
+
+def test_the_token_comes_from_the_environment_or_a_file_read_again_after_a_401(
+    operator: Operator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROXY_OPERATOR_URL", operator.api)
+    monkeypatch.setenv("PROXY_OPERATOR_TOKEN", TOKEN)
+    with Client() as client:
+        assert len(client.list()) == 2
+    monkeypatch.delenv("PROXY_OPERATOR_TOKEN")
+    token_file = tmp_path / "token"
+    token_file.write_text("an-old-token-0123456789\n")
+    monkeypatch.setenv("PROXY_OPERATOR_TOKEN_FILE", str(token_file))
+    with Client() as client:
+        token_file.write_text(TOKEN + "\n")  # rotated after the client read it
+        assert len(client.list()) == 2
+    monkeypatch.delenv("PROXY_OPERATOR_TOKEN_FILE")
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_TOKEN"):
+        Client()
+
+
+def test_every_call_has_a_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with Client(url, token=TOKEN, timeout=0.5) as client:
+            started = time.monotonic()
+            with pytest.raises(TransportError):
+                client.list()
+            assert time.monotonic() - started < 10
+
+
+def test_the_async_client_and_gateway_sessions(operator: Operator, site: Site) -> None:
+    async def scenario() -> str:
+        async with AsyncClient(operator.api, token=TOKEN) as client:
+            assert len(await client.list(healthy=True)) == 2
+            async with client.lease(target=TARGET, ttl=30) as lease:
+                assert (await client.get(lease.lease_id)).state == "active"
+                await client.renew(lease.lease_id)
+            assert (await client.get(lease.lease_id)).state == "released"
+
+            # A gateway session, then its ban reported by name (as inside TLS) and the session ended.
+            proxy = gateway_proxy_url(operator.gateway, TOKEN, "pytest", session="s1")
+            async with httpx.AsyncClient(proxy=proxy, timeout=10) as crawler:
+                first = await crawler.get(site.url("/ip"))
+                assert first.status_code == 200
+                session_lease = first.headers["x-proxy-lease"]
+            await client.report_session("s1", "blocked", target=TARGET, retry_after=60)
+            await client.end_session("s1")
+            await client.end_session("s1")
+            with pytest.raises(ApiError) as gone:
+                await client.report_session("s1", "blocked")
+            assert gone.value.code == "unknown_session"
+            async with httpx.AsyncClient(proxy=proxy, timeout=10) as crawler:
+                second = await crawler.get(site.url("/ip"))
+            assert second.headers["x-proxy-name"] != first.headers["x-proxy-name"], "cooled down"
+            return session_lease
+
+    session_lease = asyncio.run(scenario())
+    assert operator.sql(f"SELECT state FROM leases WHERE id = '{session_lease}'") == [("released",)]
+    assert operator.sql(
+        f"SELECT result, cooldown_seconds FROM lease_history WHERE lease_id = '{session_lease}' AND kind = 'reported'"
+    ) == [("blocked", 60.0)]

@@ -1,0 +1,163 @@
+"""Real Scrapy crawls through the middleware, against the real binary in front of three real
+squids, of a site that bans two of their exit addresses after a few pages: one with 429 and
+Retry-After, one with a 200 captcha page only the spider's ban detector recognises."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import TOKEN, Operator, Site, eventually, run_spider, start_operator
+
+PAGES = 60
+BAN_AFTER = 5
+RATE_LIMITING = "127.0.0.20"  # px-0
+CAPTCHA = "127.0.0.21"  # px-1
+CONCURRENCY = 8
+
+SPIDER = """
+import scrapy
+
+def captcha(response):
+    return "blocked" if b"captcha" in response.body else None
+
+class Spider(scrapy.Spider):
+    name = "pages"
+
+    async def start(self):
+        for n in range({pages}):
+            yield scrapy.Request("{base}/page/%d" % n)
+
+    def parse(self, response):
+        yield {{"url": response.url, "status": response.status, "body": response.text}}
+"""
+
+
+@pytest.fixture
+def banning_site() -> Iterator[Site]:
+    site = Site(bans={RATE_LIMITING: "429", CAPTCHA: "captcha"}, ban_after=BAN_AFTER)
+    yield site
+    site.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, banning_site: Site) -> Iterator[Operator]:
+    operator = start_operator(tmp_path, banning_site, squids=3)
+    yield operator
+    operator.stop()
+
+
+def crawl(directory: Path, site: Site, operator: Operator, **settings: Any) -> dict[str, Any]:
+    return run_spider(
+        directory,
+        SPIDER.format(pages=PAGES, base=site.url("")),
+        {
+            "DOWNLOADER_MIDDLEWARES": {"proxy_operator.scrapy.ProxyOperatorMiddleware": 610},
+            "PROXY_OPERATOR_URL": operator.api,
+            "PROXY_OPERATOR_GATEWAY": operator.gateway,
+            "PROXY_OPERATOR_TOKEN": TOKEN,
+            "PROXY_OPERATOR_BAN_DETECTOR": "spider.captcha",
+            "PROXY_OPERATOR_SESSIONS_PER_HOST": 3,
+            "CONCURRENT_REQUESTS": CONCURRENCY,
+            "CONCURRENT_REQUESTS_PER_DOMAIN": CONCURRENCY,
+            "ROBOTSTXT_OBEY": False,
+            "TELNETCONSOLE_ENABLED": False,
+            "LOG_LEVEL": "INFO",
+            **settings,
+        },
+    )
+
+
+def assert_every_page_crawled(result: dict[str, Any], site: Site) -> None:
+    items = result["items"]
+    pages = sorted(item["url"].rsplit("/", 1)[1] for item in items)
+    assert pages == sorted(str(n) for n in range(PAGES)), result["stats"]
+    assert all(item["status"] == 200 and "captcha" not in item["body"] for item in items)
+    assert site.served == {f"/page/{n}" for n in range(PAGES)}
+
+
+def assert_bans_steered_elsewhere(site: Site) -> None:
+    """Each banning address was hit past its ban only by the requests in flight on it when
+    the ban came: the cooldown keeps new sessions off it."""
+    for address in (RATE_LIMITING, CAPTCHA):
+        assert 1 <= site.bans_served[address] <= CONCURRENCY, site.bans_served
+        assert site.pages_by_address[address] == BAN_AFTER
+
+
+def reports(operator: Operator) -> set[tuple[str, str]]:
+    rows = operator.sql("SELECT proxy, result FROM lease_history WHERE kind = 'reported'")
+    return {(proxy.rsplit("/", 1)[-1], result) for proxy, result in rows}
+
+
+def test_a_crawl_through_the_gateway_gets_every_page_past_the_bans(
+    tmp_path: Path, banning_site: Site, fleet: Operator
+) -> None:
+    result = crawl(tmp_path, banning_site, fleet)
+    stats = result["stats"]
+    assert_every_page_crawled(result, banning_site)
+    assert_bans_steered_elsewhere(banning_site)
+    # The gateway saw the 429 itself; only the spider knew the captcha page for a ban.
+    assert {("px-0", "rate_limited"), ("px-1", "blocked")} <= reports(fleet)
+    assert stats.get("proxy_operator/bans/rate_limited", 0) >= 1
+    assert stats.get("proxy_operator/bans/blocked", 0) >= 1
+    assert stats.get("proxy_operator/retries", 0) >= 2
+    assert stats.get("proxy_operator/sessions", 0) >= 3
+    assert "proxy_operator/retries_exhausted" not in stats
+    clients = fleet.sql("SELECT DISTINCT client FROM leases")
+    assert clients == [("pages",)], "leases name the crawler: the spider"
+    assert fleet.active_leases() == 0, "the spider's sessions ended when it closed"
+
+
+def test_a_crawl_on_leases_gets_every_page_past_the_bans(
+    tmp_path: Path, banning_site: Site, fleet: Operator
+) -> None:
+    result = crawl(tmp_path, banning_site, fleet, PROXY_OPERATOR_MODE="lease", PROXY_OPERATOR_LEASE_TTL=30)
+    stats = result["stats"]
+    assert_every_page_crawled(result, banning_site)
+    assert_bans_steered_elsewhere(banning_site)
+    assert {("px-0", "rate_limited"), ("px-1", "blocked")} <= reports(fleet)
+    cooldowns = fleet.sql(
+        "SELECT cooldown_seconds FROM lease_history WHERE kind = 'reported' AND result = 'rate_limited'"
+    )
+    assert (120.0,) in cooldowns, "the target's Retry-After became the cooldown"
+    assert stats.get("proxy_operator/bans/rate_limited", 0) >= 1
+    assert stats.get("proxy_operator/bans/blocked", 0) >= 1
+    assert fleet.active_leases() == 0, "every lease released when the spider closed"
+    history = fleet.sql("SELECT COUNT(*) FROM lease_history WHERE kind = 'released'")[0][0]
+    assert history >= 3
+
+
+@pytest.mark.parametrize("mode", ["gateway", "lease"])
+def test_an_upstream_killed_mid_crawl_costs_no_page(tmp_path: Path, site: Site, mode: str) -> None:
+    operator = start_operator(tmp_path, site, squids=3)
+    try:
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = crawl(
+                    tmp_path, site, operator, PROXY_OPERATOR_MODE=mode, DOWNLOAD_DELAY=0.05
+                )
+            except BaseException as e:  # reported by the test thread below
+                outcome["error"] = e
+
+        crawler = threading.Thread(target=run)
+        crawler.start()
+        eventually("a third of the pages crawled", lambda: len(site.served) >= PAGES // 3)
+        operator.squids[0].kill()
+        served_before_the_kill = len(site.served)
+        crawler.join(timeout=300)
+        if "error" in outcome:
+            raise outcome["error"]
+        assert served_before_the_kill < PAGES, "killed mid-crawl"
+        assert_every_page_crawled(outcome["result"], site)
+        if mode == "lease":  # through the gateway, the gateway retries before Scrapy sees it
+            assert outcome["result"]["stats"].get("proxy_operator/errors", 0) >= 1
+            assert ("px-0", "error") in reports(operator)
+        assert operator.active_leases() == 0
+    finally:
+        operator.stop()
