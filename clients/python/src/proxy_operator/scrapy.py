@@ -48,7 +48,7 @@ import asyncio
 import email.utils
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -73,14 +73,18 @@ logger = logging.getLogger(__name__)
 #: ``request.meta`` key that pins a request to a session name of the caller's choosing.
 SESSION_META = "proxy_operator_session"
 _RETRIES_META = "proxy_operator_retries"
+_WAITED_META = "_proxy_operator_waited"
 _ASSIGNED_META = "_proxy_operator_assigned"
 _PROXY_NAME_HEADER = b"X-Proxy-Name"
+_PROXY_LEASE_HEADER = b"X-Proxy-Lease"
 _BAN_REPORTED_HEADER = b"X-Proxy-Ban-Reported"
 
 BanDetector = Callable[[Response], "str | None"]
 #: Seconds before the first retry after a transport error, doubled on each retry up to the cap.
 TRANSPORT_BACKOFF = 0.25
 TRANSPORT_BACKOFF_CAP = 4.0
+#: Longest wait between two tries while the gateway has no proxy free for a request.
+UNAVAILABLE_POLL = 5.0
 
 
 def retry_after_seconds(value: bytes | str | None, now: datetime | None = None) -> float | None:
@@ -98,6 +102,32 @@ def retry_after_seconds(value: bytes | str | None, now: datetime | None = None) 
     if at.tzinfo is None:
         at = at.replace(tzinfo=timezone.utc)
     return max(0.0, (at - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+@dataclass(frozen=True)
+class Ban:
+    """A ban seen on ``session``'s request to ``host``: the ``result`` to report, the target's
+    ``retry_after``, the lease the request went through when the answer names it, whether the
+    gateway ``reported`` it already, and whether it is the ``first`` for this session."""
+
+    session: str
+    host: str
+    result: str
+    retry_after: float | None = None
+    lease_id: str | None = None
+    reported: bool = False
+    first: bool = True
+
+
+async def _report(call: Awaitable[None], ban: Ban) -> None:
+    """Makes a report; a failed one is logged (the crawl goes on either way)."""
+    try:
+        await call
+    except ApiError as e:
+        if e.code not in ("unknown_session", "unknown_lease"):
+            logger.warning("proxy-operator: reporting %s for session %s failed: %s", ban.result, ban.session, e)
+    except ProxyOperatorError as e:
+        logger.warning("proxy-operator: reporting %s for session %s failed: %s", ban.result, ban.session, e)
 
 
 @dataclass(frozen=True)
@@ -120,7 +150,7 @@ class _Route(Protocol):
 
     async def assign(self, request: Request, host: str, session: str) -> None: ...
 
-    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None: ...
+    async def banned(self, ban: Ban) -> None: ...
 
     async def failed(self, session: str, host: str) -> None: ...
 
@@ -154,14 +184,18 @@ class _GatewayRoute:
             selector=self.selector,
         )
 
-    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None:
-        if not reported:
-            try:
-                await self.api.report_session(session, result, host, retry_after)
-            except ApiError as e:
-                if e.code != "unknown_session":
-                    logger.warning("proxy-operator: reporting %s for session %s failed: %s", result, session, e)
-        await self.drop(session)
+    async def banned(self, ban: Ban) -> None:
+        if ban.reported:
+            pass  # the gateway saw the status and reported it
+        elif ban.lease_id is not None:
+            # Plain HTTP names the lease the request went through: exact, even when the session
+            # moved since.
+            await _report(self.api.report(ban.lease_id, ban.result, ban.host, ban.retry_after), ban)
+        elif ban.first:
+            # Inside TLS only the session name is known: reported once per session, since
+            # requests still in flight on it may have opened it again elsewhere.
+            await _report(self.api.report_session(ban.session, ban.result, ban.host, ban.retry_after), ban)
+        await self.drop(ban.session)
 
     async def failed(self, session: str, host: str) -> None:
         # The gateway reported the upstream's failure itself, and retried it where it could.
@@ -227,17 +261,15 @@ class _LeaseRoute:
             self.held[session] = held
         return held
 
-    async def banned(self, session: str, host: str, result: str, retry_after: float | None, reported: bool) -> None:
-        held = self.held.get(session)
+    async def banned(self, ban: Ban) -> None:
+        held = self.held.get(ban.session)
+        # A request of a session already dropped finds no lease: its ban was reported.
         if held is not None:
-            try:
-                await self.api.report(held.lease.lease_id, result, host, retry_after)
-            except ProxyOperatorError as e:
-                logger.warning("proxy-operator: reporting %s on lease %s failed: %s", result, held.lease.lease_id, e)
-        await self.drop(session)
+            await _report(self.api.report(held.lease.lease_id, ban.result, ban.host, ban.retry_after), ban)
+        await self.drop(ban.session)
 
     async def failed(self, session: str, host: str) -> None:
-        await self.banned(session, host, "error", None, False)
+        await self.banned(Ban(session, host, "error"))
 
     async def drop(self, session: str) -> None:
         await self._release(session)
@@ -367,10 +399,17 @@ class ProxyOperatorMiddleware:
         if result is None:
             return response
         self._inc(f"bans/{result}")
-        wait = retry_after_seconds(response.headers.get(b"Retry-After"))
-        reported = response.headers.get(_BAN_REPORTED_HEADER) is not None
-        await self._route_now().banned(session, host, result, wait, reported)
-        self.pool.retire(session)
+        lease = response.headers.get(_PROXY_LEASE_HEADER) if self.gateway is not None else None
+        ban = Ban(
+            session,
+            host,
+            result,
+            retry_after=retry_after_seconds(response.headers.get(b"Retry-After")),
+            lease_id=lease.decode("latin-1") if lease else None,
+            reported=response.headers.get(_BAN_REPORTED_HEADER) is not None,
+            first=self.pool.retire(session) or SESSION_META in request.meta,
+        )
+        await self._route_now().banned(ban)
         return self._retry(request, response, f"ban ({result})")
 
     async def _gateway_answer(self, request: Request, response: Response, session: str) -> Request | Response:
@@ -379,13 +418,17 @@ class ProxyOperatorMiddleware:
         bad settings) goes through."""
         if response.status == 503:
             self._inc("unavailable")
-            wait = retry_after_seconds(response.headers.get(b"Retry-After")) or 1.0
-            waited = request.meta.get("_proxy_operator_waited", 0.0)
-            if waited + wait > self.max_wait:
+            waited = request.meta.get(_WAITED_META, 0.0)
+            left = self.max_wait - waited
+            if left <= 0:
                 return response
+            # Retry-After says when a lease or a cooldown ends; a proxy can also come back
+            # healthy sooner, so look again at least every UNAVAILABLE_POLL seconds.
+            after = retry_after_seconds(response.headers.get(b"Retry-After")) or 1.0
+            wait = min(after, UNAVAILABLE_POLL, left)
             await asyncio.sleep(wait)
             retry = request.replace(dont_filter=True)
-            retry.meta["_proxy_operator_waited"] = waited + wait
+            retry.meta[_WAITED_META] = waited + wait
             return retry
         if response.status == 502:
             self._inc("errors")
