@@ -4,7 +4,7 @@
 //! same run. Fails when the pages/s ratio is below 0.8.
 //!
 //! Run with `cargo bench --bench scrapy` (needs squid, and the client installed:
-//! `pip install -r tests/python/requirements.txt -e clients/python`).
+//! `pip install -r tests/python/requirements.txt -e 'clients/python[test]'`).
 //! `PROXY_OPERATOR_BENCH_PAGES` sets the crawl's length (default 2000).
 
 use std::path::Path;

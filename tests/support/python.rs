@@ -18,7 +18,7 @@ pub fn python_with(modules: &[&str]) -> Option<&'static str> {
     }
     let message = format!(
         "python3 cannot import {imports}: python3 -m pip install -r tests/python/requirements.txt \
-         -e clients/python"
+         -e 'clients/python[test]'"
     );
     assert!(std::env::var_os("CI").is_none(), "{message}");
     eprintln!("skipped: {message}");

@@ -4,6 +4,7 @@ Retry-After, one with a 200 captcha page only the spider's ban detector recognis
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,11 @@ from typing import Any
 
 import pytest
 
+from scrapy import Request
+
 from harness import TOKEN, Operator, Site, eventually, run_spider, start_operator
+from proxy_operator import AsyncClient
+from proxy_operator.scrapy import _LeaseRoute
 
 PAGES = 60
 BAN_AFTER = 5
@@ -161,3 +166,60 @@ def test_an_upstream_killed_mid_crawl_costs_no_page(tmp_path: Path, site: Site, 
         assert operator.active_leases() == 0
     finally:
         operator.stop()
+
+
+def test_lease_mode_renews_its_lease_while_requests_wait_and_releases_it_at_close(tmp_path: Path, site: Site) -> None:
+    operator = start_operator(tmp_path, site, squids=1)
+    try:
+        result = run_spider(
+            tmp_path,
+            SPIDER.format(pages=12, base=site.url("")),
+            {
+                "DOWNLOADER_MIDDLEWARES": {"proxy_operator.scrapy.ProxyOperatorMiddleware": 610},
+                "PROXY_OPERATOR_MODE": "lease",
+                "PROXY_OPERATOR_URL": operator.api,
+                "PROXY_OPERATOR_TOKEN": TOKEN,
+                "PROXY_OPERATOR_SESSIONS_PER_HOST": 1,
+                "PROXY_OPERATOR_LEASE_TTL": 2,
+                "DOWNLOAD_DELAY": 0.25,
+                "TELNETCONSOLE_ENABLED": False,
+            },
+        )
+        assert len(result["items"]) == 12
+        kinds = [k for (k,) in operator.sql("SELECT kind FROM lease_history ORDER BY seq")]
+        assert kinds.count("acquired") == 1, kinds
+        assert kinds.count("renewed") >= 2, kinds
+        assert kinds[-1] == "released" and "expired" not in kinds, kinds
+    finally:
+        operator.stop()
+
+
+def test_the_lease_keeper_renews_at_half_the_ttl_and_releases_only_idle_leases(operator: Operator) -> None:
+    now = [1000.0]
+
+    async def scenario() -> tuple[str, str]:
+        async with AsyncClient(operator.api, token=TOKEN) as api:
+            route = _LeaseRoute(api, {}, ttl=60, idle=30, clock=lambda: now[0])
+            busy, idle = Request("http://127.0.0.1/a"), Request("http://127.0.0.1/b")
+            await route.assign(busy, "127.0.0.1", "busy")
+            await route.assign(idle, "127.0.0.1", "idle")
+            route.answered("idle")
+            busy_lease, idle_lease = (route.held[s].lease for s in ("busy", "idle"))
+            assert busy.meta["proxy"] == busy_lease.proxy_url
+            now[0] += 29
+            await route.keep(now[0])  # before half the TTL, nothing idle long enough
+            assert set(route.held) == {"busy", "idle"}
+            now[0] += 2
+            await route.keep(now[0])  # past half the TTL; idle past 30 s; busy still waits
+            assert set(route.held) == {"busy"}
+            assert route.held["busy"].lease.expires_at > busy_lease.expires_at
+            await route.close()
+            return busy_lease.lease_id, idle_lease.lease_id
+
+    busy_id, idle_id = asyncio.run(scenario())
+    def kinds(lease_id: str) -> list[str]:
+        rows = operator.sql(f"SELECT kind FROM lease_history WHERE lease_id = '{lease_id}' ORDER BY seq")
+        return [kind for (kind,) in rows]
+
+    assert kinds(idle_id) == ["acquired", "released"]
+    assert kinds(busy_id) == ["acquired", "renewed", "released"]

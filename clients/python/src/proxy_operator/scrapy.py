@@ -152,6 +152,8 @@ class _Route(Protocol):
 
     async def banned(self, ban: Ban) -> None: ...
 
+    def answered(self, session: str) -> None: ...
+
     async def failed(self, session: str, host: str) -> None: ...
 
     async def drop(self, session: str) -> None: ...
@@ -197,6 +199,9 @@ class _GatewayRoute:
             await _report(self.api.report_session(ban.session, ban.result, ban.host, ban.retry_after), ban)
         await self.drop(ban.session)
 
+    def answered(self, session: str) -> None:
+        """The gateway keeps its sessions alive by their use: nothing to note."""
+
     async def failed(self, session: str, host: str) -> None:
         # The gateway reported the upstream's failure itself, and retried it where it could.
         await self.drop(session)
@@ -216,10 +221,15 @@ class _Held:
     lease: Lease
     renewed: float
     used: float
+    #: Requests assigned to it and not answered yet (Scrapy may hold them in its slot queue).
+    in_flight: int = 0
 
 
 class _LeaseRoute:
-    """Sessions on leases of the API: one lease per session, its proxy URL in the request."""
+    """Sessions on leases of the API: one lease per session, its proxy URL in the request.
+    A task renews each lease at half its TTL and releases one unused for ``idle`` seconds:
+    Scrapy runs every middleware's ``process_request`` before a request waits for its slot,
+    so request handling alone cannot keep a lease alive."""
 
     def __init__(self, api: AsyncClient, selector: dict[str, str], ttl: int, idle: float, clock: Callable[[], float] = time.monotonic):
         self.api = api
@@ -229,37 +239,28 @@ class _LeaseRoute:
         self.clock = clock
         self.held: dict[str, _Held] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
 
     async def assign(self, request: Request, host: str, session: str) -> None:
-        if self._sweeper is None:
-            self._sweeper = asyncio.ensure_future(self._sweep())
-        lock = self._locks.setdefault(session, asyncio.Lock())
-        async with lock:
-            held = await self._current(host, session)
+        if self._keeper is None:
+            self._keeper = asyncio.ensure_future(self._keep())
+        async with self._locks.setdefault(session, asyncio.Lock()):
+            held = self.held.get(session)
+            if held is None:
+                lease = await self.api.acquire(self.selector, target=host, ttl=self.ttl)
+                held = self.held[session] = _Held(lease, self.clock(), self.clock())
         held.used = self.clock()
+        held.in_flight += 1
         url = held.lease.proxy_url
         if url is None:
             raise IgnoreRequest(f"lease {held.lease.lease_id}: its proxy left the inventory")
         request.meta["proxy"] = url
 
-    async def _current(self, host: str, session: str) -> _Held:
-        """The session's lease: the one held, renewed past half its TTL, or a new one."""
-        now = self.clock()
+    def answered(self, session: str) -> None:
         held = self.held.get(session)
-        if held is not None and now - held.renewed >= self.ttl / 2:
-            try:
-                held.lease = await self.api.renew(held.lease.lease_id, self.ttl)
-                held.renewed = now
-            except ApiError as e:
-                logger.info("proxy-operator: lease %s not renewed (%s): taking another", held.lease.lease_id, e.code)
-                await self._release(session)
-                held = None
-        if held is None:
-            lease = await self.api.acquire(self.selector, target=host, ttl=self.ttl)
-            held = _Held(lease, now, now)
-            self.held[session] = held
-        return held
+        if held is not None:
+            held.in_flight = max(0, held.in_flight - 1)
+            held.used = self.clock()
 
     async def banned(self, ban: Ban) -> None:
         held = self.held.get(ban.session)
@@ -272,9 +273,6 @@ class _LeaseRoute:
         await self.banned(Ban(session, host, "error"))
 
     async def drop(self, session: str) -> None:
-        await self._release(session)
-
-    async def _release(self, session: str) -> None:
         held = self.held.pop(session, None)
         if held is None:
             return
@@ -283,19 +281,30 @@ class _LeaseRoute:
         except ProxyOperatorError as e:
             logger.warning("proxy-operator: releasing lease %s failed: %s", held.lease.lease_id, e)
 
-    async def _sweep(self) -> None:
+    async def _keep(self) -> None:
         while True:
-            await asyncio.sleep(max(0.5, self.idle / 4))
-            now = self.clock()
-            for session, held in list(self.held.items()):
-                if now - held.used >= self.idle:
-                    await self._release(session)
+            await asyncio.sleep(max(0.2, min(self.ttl, self.idle) / 4))
+            await self.keep(self.clock())
+
+    async def keep(self, now: float) -> None:
+        """Releases the leases idle at ``now``, renews those past half their TTL (a lease that
+        cannot be renewed is dropped: the session's next request takes another)."""
+        for session, held in list(self.held.items()):
+            if held.in_flight == 0 and now - held.used >= self.idle:
+                await self.drop(session)
+            elif now - held.renewed >= self.ttl / 2:
+                try:
+                    held.lease = await self.api.renew(held.lease.lease_id, self.ttl)
+                    held.renewed = now
+                except ProxyOperatorError as e:
+                    logger.info("proxy-operator: lease %s not renewed (%s): the session takes another", held.lease.lease_id, e)
+                    await self.drop(session)
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        if self._keeper is not None:
+            self._keeper.cancel()
         for session in list(self.held):
-            await self._release(session)
+            await self.drop(session)
 
 
 def _ban_statuses(settings: BaseSettings) -> dict[int, str]:
@@ -392,6 +401,7 @@ class ProxyOperatorMiddleware:
         session = request.meta.get(_ASSIGNED_META)
         if session is None:
             return response
+        self._route_now().answered(session)
         host = urlsplit(request.url).hostname or ""
         if self.gateway is not None and request.url.startswith("http:") and _PROXY_NAME_HEADER not in response.headers:
             return await self._gateway_answer(request, response, session)
@@ -446,7 +456,10 @@ class ProxyOperatorMiddleware:
 
     async def process_exception(self, request: Request, exception: BaseException, spider: Spider | None = None) -> Request | None:
         session = request.meta.get(_ASSIGNED_META)
-        if session is None or isinstance(exception, (IgnoreRequest, ProxyOperatorError)):
+        if session is None:
+            return None
+        self._route_now().answered(session)
+        if isinstance(exception, (IgnoreRequest, ProxyOperatorError)):
             return None
         self._inc("errors")
         await self._route_now().failed(session, urlsplit(request.url).hostname or "")
