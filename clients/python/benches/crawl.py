@@ -1,7 +1,8 @@
 """What the Scrapy middleware costs a crawl: 2,000 loopback pages through the middleware (gateway
 mode: gateway → squid → site) against the same crawl on a fixed list of the same squids with
 no middleware (each request's ``meta["proxy"]`` set by the spider), in one run, alternating,
-twice each. Prints pages/s of each and their ratio; exits 1 when the ratio is below 0.8.
+three times each. Prints pages/s of each and the ratio of their medians; exits 1 when it is
+below 0.8.
 
 Run with ``cargo bench --bench scrapy`` (it sets ``PROXY_OPERATOR_BIN`` to the release build),
 or directly with ``PROXY_OPERATOR_BIN`` set.
@@ -10,6 +11,7 @@ or directly with ``PROXY_OPERATOR_BIN`` set.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +24,7 @@ PAGES = int(os.environ.get("PROXY_OPERATOR_BENCH_PAGES", "2000"))
 SQUIDS = 3
 CONCURRENCY = 32
 MIN_RATIO = 0.8
+RUNS = 3
 
 SPIDER = """
 import itertools
@@ -65,7 +68,7 @@ def main() -> int:
         proxies = [f"http://{s.address}:{s.port}" for s in operator.squids]
         try:
             runs: dict[str, list[float]] = {"fixed proxy list": [], "middleware": []}
-            for _ in range(2):
+            for _ in range(RUNS):
                 fixed = SPIDER.format(proxies=proxies, pages=PAGES, fixed=True, base=site.url(""))
                 runs["fixed proxy list"].append(pages_per_second(run_spider(directory, fixed, COMMON)))
                 through = SPIDER.format(proxies=proxies, pages=PAGES, fixed=False, base=site.url(""))
@@ -81,12 +84,12 @@ def main() -> int:
         finally:
             operator.stop()
             site.close()
-    print(f"Scrapy crawl of {PAGES} loopback pages, {CONCURRENCY} concurrent, {SQUIDS} squids, 2 runs each")
+    print(f"Scrapy crawl of {PAGES} loopback pages, {CONCURRENCY} concurrent, {SQUIDS} squids, {RUNS} runs each")
     for name, rates in runs.items():
         print(f"{name:<20} pages/s {' '.join(f'{r:8.1f}' for r in rates)}")
-    best = {name: max(rates) for name, rates in runs.items()}
-    ratio = best["middleware"] / best["fixed proxy list"]
-    print(f"ratio {ratio:.2f} (best of each; at least {MIN_RATIO})")
+    median = {name: statistics.median(rates) for name, rates in runs.items()}
+    ratio = median["middleware"] / median["fixed proxy list"]
+    print(f"ratio {ratio:.2f} (of the medians; at least {MIN_RATIO})")
     return 0 if ratio >= MIN_RATIO else 1
 
 

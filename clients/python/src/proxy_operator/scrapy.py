@@ -52,13 +52,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
 from scrapy.exceptions import IgnoreRequest, NotConfigured
 from scrapy.http import Response
 from scrapy.settings import BaseSettings
+from scrapy.utils.httpobj import urlparse_cached
 from scrapy.utils.misc import load_object
 
 from .calls import RetryPolicy
@@ -174,17 +174,24 @@ class _GatewayRoute:
         # Every name used, ended or not: a request in flight when its session was ended opens
         # it again at the gateway, so the spider's close ends them all once more.
         self.opened: set[str] = set()
+        # Each session's proxy URL, built once per token.
+        self._urls: dict[str, tuple[str, str]] = {}
 
     async def assign(self, request: Request, host: str, session: str) -> None:
-        self.opened.add(session)
-        request.meta["proxy"] = gateway_proxy_url(
-            self.gateway,
-            self.token.token,
-            self.crawler,
-            session=session,
-            session_ttl=self.session_ttl,
-            selector=self.selector,
-        )
+        token = self.token.token
+        cached = self._urls.get(session)
+        if cached is None or cached[0] != token:
+            self.opened.add(session)
+            url = gateway_proxy_url(
+                self.gateway,
+                token,
+                self.crawler,
+                session=session,
+                session_ttl=self.session_ttl,
+                selector=self.selector,
+            )
+            cached = self._urls[session] = (token, url)
+        request.meta["proxy"] = cached[1]
 
     async def banned(self, ban: Ban) -> None:
         if ban.reported:
@@ -382,7 +389,7 @@ class ProxyOperatorMiddleware:
     async def process_request(self, request: Request, spider: Spider | None = None) -> None:
         if request.meta.get("proxy") is not None and _ASSIGNED_META not in request.meta:
             return  # a proxy chosen by someone else
-        host = urlsplit(request.url).hostname
+        host = urlparse_cached(request).hostname
         if not host:
             return
         session = request.meta.get(SESSION_META) or self.pool.pick(host)
@@ -402,7 +409,7 @@ class ProxyOperatorMiddleware:
         if session is None:
             return response
         self._route_now().answered(session)
-        host = urlsplit(request.url).hostname or ""
+        host = urlparse_cached(request).hostname or ""
         if self.gateway is not None and request.url.startswith("http:") and _PROXY_NAME_HEADER not in response.headers:
             return await self._gateway_answer(request, response, session)
         result = self.ban_rule.of(response)
@@ -462,7 +469,7 @@ class ProxyOperatorMiddleware:
         if isinstance(exception, (IgnoreRequest, ProxyOperatorError)):
             return None
         self._inc("errors")
-        await self._route_now().failed(session, urlsplit(request.url).hostname or "")
+        await self._route_now().failed(session, urlparse_cached(request).hostname or "")
         self.pool.retire(session)
         retry = self._retry(request, None, f"{type(exception).__name__}: {exception}")
         if not isinstance(retry, Request):
