@@ -23,6 +23,5 @@ def site() -> Iterator[Site]:
 @pytest.fixture
 def operator(tmp_path: Path, site: Site) -> Iterator[Operator]:
     """Two healthy squids (``px-0`` on 127.0.0.20, ``px-1`` on .21) behind the binary."""
-    operator = start_operator(tmp_path, site, squids=2)
-    yield operator
-    operator.stop()
+    with start_operator(tmp_path, site, squids=2) as operator:
+        yield operator

@@ -202,6 +202,12 @@ class Operator:
     def active_leases(self) -> int:
         return self.sql("SELECT COUNT(*) FROM leases WHERE state = 'active'")[0][0]
 
+    def __enter__(self) -> Operator:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()

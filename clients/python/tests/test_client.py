@@ -85,8 +85,7 @@ def test_refusals_raise_with_the_json_error_code(operator: Operator) -> None:
 
 
 def test_a_full_fleet_is_waited_on_as_retry_after_says(tmp_path: Path, site: Site) -> None:
-    operator = start_operator(tmp_path, site, squids=2, max_leases=1)
-    try:
+    with start_operator(tmp_path, site, squids=2, max_leases=1) as operator:
         with Client(operator.api, token=TOKEN, retry=NO_WAIT) as client:
             held = [client.acquire(ttl=2), client.acquire(ttl=2)]
             with pytest.raises(NoMatch) as full:
@@ -97,8 +96,6 @@ def test_a_full_fleet_is_waited_on_as_retry_after_says(tmp_path: Path, site: Sit
             lease = client.acquire(ttl=30)
             assert time.monotonic() - started >= 0.5, "it waited for an expiry"
             assert lease.lease_id not in {h.lease_id for h in held}
-    finally:
-        operator.stop()
 
 
 def test_a_ban_inside_the_lease_block_is_reported_then_released(operator: Operator) -> None:

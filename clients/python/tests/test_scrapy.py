@@ -51,9 +51,8 @@ def banning_site() -> Iterator[Site]:
 
 @pytest.fixture
 def fleet(tmp_path: Path, banning_site: Site) -> Iterator[Operator]:
-    operator = start_operator(tmp_path, banning_site, squids=3)
-    yield operator
-    operator.stop()
+    with start_operator(tmp_path, banning_site, squids=3) as operator:
+        yield operator
 
 
 def crawl(directory: Path, site: Site, operator: Operator, **settings: Any) -> dict[str, Any]:
@@ -138,8 +137,7 @@ def test_a_crawl_on_leases_gets_every_page_past_the_bans(
 
 @pytest.mark.parametrize("mode", ["gateway", "lease"])
 def test_an_upstream_killed_mid_crawl_costs_no_page(tmp_path: Path, site: Site, mode: str) -> None:
-    operator = start_operator(tmp_path, site, squids=3)
-    try:
+    with start_operator(tmp_path, site, squids=3) as operator:
         outcome: dict[str, Any] = {}
 
         def run() -> None:
@@ -164,13 +162,10 @@ def test_an_upstream_killed_mid_crawl_costs_no_page(tmp_path: Path, site: Site, 
             assert outcome["result"]["stats"].get("proxy_operator/errors", 0) >= 1
             assert ("px-0", "error") in reports(operator)
         assert operator.active_leases() == 0
-    finally:
-        operator.stop()
 
 
 def test_lease_mode_renews_its_lease_while_requests_wait_and_releases_it_at_close(tmp_path: Path, site: Site) -> None:
-    operator = start_operator(tmp_path, site, squids=1)
-    try:
+    with start_operator(tmp_path, site, squids=1) as operator:
         result = run_spider(
             tmp_path,
             SPIDER.format(pages=12, base=site.url("")),
@@ -190,8 +185,6 @@ def test_lease_mode_renews_its_lease_while_requests_wait_and_releases_it_at_clos
         assert kinds.count("acquired") == 1, kinds
         assert kinds.count("renewed") >= 2, kinds
         assert kinds[-1] == "released" and "expired" not in kinds, kinds
-    finally:
-        operator.stop()
 
 
 def test_the_lease_keeper_renews_at_half_the_ttl_and_releases_only_idle_leases(operator: Operator) -> None:
