@@ -3,8 +3,10 @@
 //! healthy before measuring) and `--ledger-durability normal`, driven by
 //! `wrk -t2 -c32 -s benches/wrk/lease_pairs.lua` (each connection alternates an acquire and
 //! the release of the lease it got), then by the same wrk settings on `GET /healthz` as the
-//! framework floor. Prints acquire+release pairs/s, /healthz req/s, their ratio and the p99
-//! latency per run in one table, and exits non-zero when a run answers anything but
+//! framework floor. Prints acquire+release pairs/s, /healthz req/s, their ratio, the p99
+//! latency, the operator's CPU per pair and the ledger's writes per transaction (from its
+//! metrics; `-` for a binary without them) per run in one table, and exits non-zero when a run
+//! answers anything but
 //! 201/204 (200 for /healthz) or misses the targets (ratio >= 0.15, pair p99 < 10 ms).
 //!
 //! Run with `cargo bench --bench api` (needs `wrk` and `squid`: `apt-get install -y wrk
@@ -27,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use support::operator::metric_sum;
 use support::wrk::{self, WrkResult};
 use support::{Squid, Target, free_port};
 
@@ -53,6 +56,9 @@ struct Figures {
     healthz: WrkResult,
     /// CPU seconds the operator used during the measured pair run.
     pairs_cpu: f64,
+    /// Writes per ledger transaction during the pair run (`None`: a binary that does not
+    /// export the writer's batch counters).
+    writes_per_batch: Option<f64>,
 }
 
 impl Figures {
@@ -76,12 +82,14 @@ impl Figures {
 struct Operator {
     child: Child,
     api: String,
+    metrics: String,
     log: PathBuf,
 }
 
 impl Operator {
     fn start(binary: &Path, dir: &Path, inventory: &Path) -> Operator {
         let api_port = free_port();
+        let metrics_port = free_port();
         let log = dir.join("operator.log");
         let log_file = std::fs::File::create(&log).expect("operator log");
         let rust_log = std::env::var("PROXY_OPERATOR_BENCH_LOG").unwrap_or_else(|_| "info".into());
@@ -92,7 +100,7 @@ impl Operator {
             .arg(dir.join("ledger.db"))
             .args(["--ledger-durability", "normal"])
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
-            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             // The environment, not the flag: a baseline binary from before the gateway
             // ignores it.
             .env("PROXY_OPERATOR_GATEWAY_ADDR", "off")
@@ -106,8 +114,28 @@ impl Operator {
         Operator {
             child,
             api: format!("http://127.0.0.1:{api_port}"),
+            metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
             log,
         }
+    }
+
+    /// The ledger writer's (transactions, writes) so far, if the binary exports them.
+    async fn batches(&self, http: &reqwest::Client) -> Option<(f64, f64)> {
+        let text = http
+            .get(&self.metrics)
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let batches = "proxy_operator_ledger_batches_total";
+        text.contains(batches).then(|| {
+            (
+                metric_sum(&text, batches, &[]),
+                metric_sum(&text, "proxy_operator_ledger_batched_writes_total", &[]),
+            )
+        })
     }
 
     /// User + system CPU seconds of the process so far.
@@ -230,9 +258,13 @@ async fn measure(
 
     let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
     wrk("lease_pairs.lua", &operator.api, WARM_UP, &[TOKEN, body]);
+    let batches_before = operator.batches(&http).await;
     let cpu_before = operator.cpu_seconds();
     let pairs = wrk("lease_pairs.lua", &operator.api, seconds, &[TOKEN, body]);
     let pairs_cpu = operator.cpu_seconds() - cpu_before;
+    let writes_per_batch = batches_before
+        .zip(operator.batches(&http).await)
+        .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
     let healthz = wrk(
         "healthz.lua",
         &format!("{}/healthz", operator.api),
@@ -248,6 +280,7 @@ async fn measure(
         pairs,
         healthz,
         pairs_cpu,
+        writes_per_batch,
     }
 }
 
@@ -259,7 +292,7 @@ fn table(runs: &[Figures]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<10} {:>10} {:>12} {:>8} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "{:<10} {:>10} {:>12} {:>8} {:>10} {:>10} {:>12} {:>12} {:>12} {:>8}",
         "binary",
         "pairs/s",
         "healthz/s",
@@ -268,13 +301,14 @@ fn table(runs: &[Figures]) -> String {
         "pair p99",
         "healthz p99",
         "CPU ms/pair",
+        "writes/batch",
         "errors"
     );
     for run in runs {
         let pairs_done = run.pairs_per_s() * run.pairs.seconds();
         let _ = writeln!(
             out,
-            "{:<10} {:>10.0} {:>12.0} {:>8.3} {:>10} {:>10} {:>12} {:>12.3} {:>8}",
+            "{:<10} {:>10.0} {:>12.0} {:>8.3} {:>10} {:>10} {:>12} {:>12.3} {:>12} {:>8}",
             run.label,
             run.pairs_per_s(),
             run.healthz_per_s(),
@@ -283,6 +317,8 @@ fn table(runs: &[Figures]) -> String {
             ms(run.pairs.p99()),
             ms(run.healthz.p99()),
             run.pairs_cpu * 1000.0 / pairs_done.max(1.0),
+            run.writes_per_batch
+                .map_or_else(|| "-".to_owned(), |w| format!("{w:.1}")),
             run.pairs.errors() + run.healthz.errors(),
         );
         for failure in [&run.pairs.first_failure, &run.healthz.first_failure]

@@ -47,7 +47,7 @@ pub use lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
     NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
 };
-pub use sqlite::{LedgerFileCollector, SCHEMA_VERSION, SqliteLedger, WriterStats};
+pub use sqlite::{SCHEMA_VERSION, SqliteLedger, SqliteLedgerCollector, WriterStats};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
 
 /// A lease ledger, whichever backend keeps it.

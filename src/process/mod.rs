@@ -24,7 +24,9 @@ use crate::credentials::CredentialStore;
 use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
-use crate::ledger::{Clock, Ledger, LedgerConfig, LedgerFileCollector, SqliteLedger, SystemClock};
+use crate::ledger::{
+    Clock, Ledger, LedgerConfig, SqliteLedger, SqliteLedgerCollector, SystemClock,
+};
 use crate::metrics::{self, FleetCollector};
 use crate::sessions::Sessions;
 use crate::tokens::{self, ApiToken, LoadedTokens, TokenSources};
@@ -105,7 +107,7 @@ impl Core {
         let sessions = Sessions::default();
         let gateway_metrics =
             GatewayMetrics::register(&registry, sessions.clone()).map_err(metric_error)?;
-        let file = LedgerFileCollector::new(sqlite.clone()).map_err(metric_error)?;
+        let file = SqliteLedgerCollector::new(sqlite.clone()).map_err(metric_error)?;
         registry.register(Box::new(file)).map_err(metric_error)?;
         let ledger: Arc<dyn Ledger> = Arc::new(sqlite);
         let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone())

@@ -22,8 +22,8 @@ use proxy_operator::health::{
 };
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, LedgerFileCollector,
-    ManualClock, SqliteLedger, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, ManualClock,
+    SqliteLedger, SqliteLedgerCollector, SystemClock,
 };
 use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::proxy::{Proxy, ProxyId};
@@ -51,7 +51,7 @@ fn registry(
     let fleet =
         FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone())).unwrap();
     registry.register(Box::new(fleet)).unwrap();
-    let file = LedgerFileCollector::new(ledger.clone()).unwrap();
+    let file = SqliteLedgerCollector::new(ledger.clone()).unwrap();
     registry.register(Box::new(file)).unwrap();
     registry
         .register(Box::new(
@@ -221,6 +221,9 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         r#"proxy_operator_proxy_probe_latency_seconds{name="up",namespace="crawl"}"#,
         // The ledger's file plus WAL, read at scrape time.
         "proxy_operator_ledger_bytes",
+        // The acquire's transaction and the write it carried.
+        "proxy_operator_ledger_batches_total",
+        "proxy_operator_ledger_batched_writes_total",
     ] {
         assert!(
             line_value(&text, series).is_some_and(|v| v > 0.0),

@@ -1,39 +1,77 @@
-//! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk.
+//! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk, and
+//! how its writer batches writes into transactions (writes per batch = the ratio of the two
+//! counters, what amortises each COMMIT).
 
-use prometheus::IntGauge;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
+use prometheus::{IntCounter, IntGauge};
 
 use super::SqliteLedger;
 
-/// `proxy_operator_ledger_bytes`, read at scrape time (two `stat` calls, no query); register
-/// it with `registry.register(Box::new(..))` beside the fleet collector.
-pub struct LedgerFileCollector {
+/// `proxy_operator_ledger_bytes` (two `stat` calls, no query),
+/// `proxy_operator_ledger_batches_total` and `proxy_operator_ledger_batched_writes_total`, read
+/// at scrape time; register it with `registry.register(Box::new(..))` beside the fleet
+/// collector.
+pub struct SqliteLedgerCollector {
     ledger: SqliteLedger,
     bytes: IntGauge,
+    batches: IntCounter,
+    writes: IntCounter,
+    descs: Vec<Desc>,
 }
 
-impl LedgerFileCollector {
-    /// A collector of `ledger`'s size on disk.
+impl SqliteLedgerCollector {
+    /// A collector of `ledger`'s size on disk and writer batches.
     pub fn new(ledger: SqliteLedger) -> Result<Self, prometheus::Error> {
-        Ok(LedgerFileCollector {
+        let bytes = IntGauge::new(
+            "proxy_operator_ledger_bytes",
+            "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
+        )?;
+        let batches = IntCounter::new(
+            "proxy_operator_ledger_batches_total",
+            "Transactions the ledger's writer ran, each carrying a batch of writes.",
+        )?;
+        let writes = IntCounter::new(
+            "proxy_operator_ledger_batched_writes_total",
+            "Writes (acquire, renew, release, report) the writer's transactions carried.",
+        )?;
+        let descs = [bytes.desc(), batches.desc(), writes.desc()]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        Ok(SqliteLedgerCollector {
             ledger,
-            bytes: IntGauge::new(
-                "proxy_operator_ledger_bytes",
-                "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
-            )?,
+            bytes,
+            batches,
+            writes,
+            descs,
         })
     }
 }
 
-impl Collector for LedgerFileCollector {
+/// Sets `counter` to `value` (a figure the writer keeps itself, read at scrape time).
+fn set_counter(counter: &IntCounter, value: u64) {
+    counter.reset();
+    counter.inc_by(value);
+}
+
+impl Collector for SqliteLedgerCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.bytes.desc()
+        self.descs.iter().collect()
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
         self.bytes
             .set(i64::try_from(self.ledger.disk_bytes()).unwrap_or(i64::MAX));
-        self.bytes.collect()
+        let stats = self.ledger.writer_stats();
+        set_counter(&self.batches, stats.batches);
+        set_counter(&self.writes, stats.writes());
+        [
+            self.bytes.collect(),
+            self.batches.collect(),
+            self.writes.collect(),
+        ]
+        .concat()
     }
 }

@@ -93,7 +93,7 @@ use super::{
 use crate::ledger::lease::is_release_reason;
 use state::TargetLimits;
 
-pub use metrics::LedgerFileCollector;
+pub use metrics::SqliteLedgerCollector;
 pub use schema::SCHEMA_VERSION;
 pub use stats::WriterStats;
 

@@ -29,12 +29,16 @@ pub struct WriterStats {
 }
 
 impl WriterStats {
+    /// Writes the batches carried.
+    pub fn writes(&self) -> u64 {
+        (0u64..).zip(&self.batch_sizes).map(|(n, b)| n * b).sum()
+    }
+
     /// Writes per batch, on average (0 before the first batch).
     pub fn mean_batch_size(&self) -> f64 {
-        let writes: u64 = (0u64..).zip(&self.batch_sizes).map(|(n, b)| n * b).sum();
         match self.batches {
             0 => 0.0,
-            batches => writes as f64 / batches as f64,
+            batches => self.writes() as f64 / batches as f64,
         }
     }
 }
