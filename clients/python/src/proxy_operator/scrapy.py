@@ -427,7 +427,7 @@ class ProxyOperatorMiddleware:
             first=self.pool.retire(session) or SESSION_META in request.meta,
         )
         await self._route_now().banned(ban)
-        return self._retry(request, response, f"ban ({result})")
+        return self._retry(request, f"ban ({result})") or response
 
     async def _gateway_answer(self, request: Request, response: Response, session: str) -> Request | Response:
         """An answer of the gateway itself (not of the target): 503 "no proxy free" is waited
@@ -451,7 +451,7 @@ class ProxyOperatorMiddleware:
             self._inc("errors")
             await self._route_now().drop(session)
             self.pool.retire(session)
-            return self._retry(request, response, "the gateway's upstreams failed")
+            return self._retry(request, "the gateway's upstreams failed") or response
         if response.status in (400, 407):
             logger.error(
                 "proxy-operator: the gateway refused %s (%s): %s",
@@ -471,20 +471,21 @@ class ProxyOperatorMiddleware:
         self._inc("errors")
         await self._route_now().failed(session, urlparse_cached(request).hostname or "")
         self.pool.retire(session)
-        retry = self._retry(request, None, f"{type(exception).__name__}: {exception}")
-        if not isinstance(retry, Request):
+        retry = self._retry(request, f"{type(exception).__name__}: {exception}")
+        if retry is None:
             return None
         # A proxy that just died is still listed until its probes fail: back off a little
         # more on each retry, so the next session lands on a proxy known to be alive.
         await asyncio.sleep(min(TRANSPORT_BACKOFF_CAP, TRANSPORT_BACKOFF * 2 ** request.meta.get(_RETRIES_META, 0)))
         return retry
 
-    def _retry(self, request: Request, response: Response | None, why: str) -> Request | Response | None:
+    def _retry(self, request: Request, why: str) -> Request | None:
+        """The request again on a new session, or ``None`` once it was retried enough."""
         retries = request.meta.get(_RETRIES_META, 0)
         if retries >= self.max_retries:
             self._inc("retries_exhausted")
             logger.info("proxy-operator: %s after %d retries; giving up on %s", why, retries, request.url)
-            return response
+            return None
         self._inc("retries")
         retry = request.replace(dont_filter=True)
         retry.meta[_RETRIES_META] = retries + 1
