@@ -9,6 +9,7 @@ pub mod envtest;
 pub mod fleet;
 pub mod kubelet;
 pub mod ledger;
+pub mod loopback;
 pub mod mock_api;
 pub mod operator;
 pub mod python;

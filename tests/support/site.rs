@@ -15,6 +15,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::loopback::LoopbackServers;
+use super::target::TestTls;
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -22,22 +24,15 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-
-use super::target::TestTls;
 
 /// Pages the index links to.
 pub const PAGES: usize = 40;
 
 /// A running site; stopped on drop.
 pub struct Site {
-    http: SocketAddr,
-    https: SocketAddr,
+    servers: LoopbackServers,
     ca_pem: String,
     requests: Arc<AtomicU64>,
-    shutdown: CancellationToken,
-    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Site {
@@ -46,63 +41,47 @@ impl Site {
         let TestTls {
             acceptor, ca_pem, ..
         } = TestTls::new();
-        let std_http = super::loopback_listener();
-        let std_https = super::loopback_listener();
-        let http = std_http.local_addr().expect("the HTTP address");
-        let https = std_https.local_addr().expect("the HTTPS address");
-        for listener in [&std_http, &std_https] {
-            listener.set_nonblocking(true).expect("non-blocking");
-        }
         let requests = Arc::new(AtomicU64::new(0));
-        let shutdown = CancellationToken::new();
-        let thread = {
-            let shutdown = shutdown.clone();
+        let servers = {
             let requests = requests.clone();
-            std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .thread_name("test-site")
-                    .enable_all()
-                    .build()
-                    .expect("the site's runtime");
-                runtime.block_on(async move {
-                    let http = TcpListener::from_std(std_http).expect("HTTP listener");
-                    let https = TcpListener::from_std(std_https).expect("HTTPS listener");
-                    tokio::spawn(serve(http, None, requests.clone()));
-                    tokio::spawn(serve(https, Some(acceptor), requests));
-                    shutdown.cancelled().await;
-                });
-                runtime.shutdown_background();
+            LoopbackServers::start("test-site", acceptor, move |stream, peer| {
+                let requests = requests.clone();
+                async move {
+                    let service = service_fn(move |request| {
+                        requests.fetch_add(1, Ordering::SeqCst);
+                        answer(request, peer)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                }
             })
         };
         Site {
-            http,
-            https,
+            servers,
             ca_pem,
             requests,
-            shutdown,
-            thread: Some(thread),
         }
     }
 
     /// `http://127.0.0.1:<port>{path}`.
     pub fn http(&self, path: &str) -> String {
-        format!("http://{}{path}", self.http)
+        format!("http://{}{path}", self.servers.http)
     }
 
     /// `https://127.0.0.1:<port>{path}` (the certificate is for that address).
     pub fn https(&self, path: &str) -> String {
-        format!("https://{}{path}", self.https)
+        format!("https://{}{path}", self.servers.https)
     }
 
     /// The plain-HTTP port.
     pub fn http_port(&self) -> u16 {
-        self.http.port()
+        self.servers.http.port()
     }
 
     /// The HTTPS port.
     pub fn https_port(&self) -> u16 {
-        self.https.port()
+        self.servers.https.port()
     }
 
     /// The CA that signed the HTTPS certificate, PEM.
@@ -113,50 +92,6 @@ impl Site {
     /// Requests answered so far.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Site {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-async fn serve(
-    listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    requests: Arc<AtomicU64>,
-) {
-    loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
-        };
-        let tls = tls.clone();
-        let requests = requests.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                requests.fetch_add(1, Ordering::SeqCst);
-                answer(request, peer)
-            });
-            let builder = hyper::server::conn::http1::Builder::new();
-            match tls {
-                Some(acceptor) => {
-                    if let Ok(stream) = acceptor.accept(stream).await {
-                        let _ = builder
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
-                    }
-                }
-                None => {
-                    let _ = builder
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                }
-            }
-        });
     }
 }
 

@@ -2,7 +2,6 @@
 //! throw-away CA the test trusts), with a status and a delay the test sets at any time. It runs
 //! on its own thread and runtime, so it serves sync tests, async tests and benches alike.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::time::Duration;
@@ -10,8 +9,8 @@ use std::time::Duration;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+
+use super::loopback::LoopbackServers;
 
 /// Name of the target's threads, so a bench can tell their CPU time apart from its own.
 pub const THREAD_NAME: &str = "probe-target";
@@ -67,19 +66,15 @@ impl TestTls {
 struct Behaviour {
     status: AtomicU16,
     delay_ms: AtomicU64,
-    connections: AtomicU64,
 }
 
 /// A running target; stopped on drop.
 #[derive(Debug)]
 pub struct Target {
-    http: SocketAddr,
-    https: SocketAddr,
+    servers: LoopbackServers,
     ca_pem: String,
     ca_der: Vec<u8>,
     behaviour: Arc<Behaviour>,
-    shutdown: CancellationToken,
-    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Target {
@@ -90,61 +85,33 @@ impl Target {
             ca_pem,
             ca_der,
         } = TestTls::new();
-
         let behaviour = Arc::new(Behaviour {
             status: AtomicU16::new(204),
             delay_ms: AtomicU64::new(0),
-            connections: AtomicU64::new(0),
         });
-        let shutdown = CancellationToken::new();
-        let std_http = super::squid::loopback_listener();
-        let std_https = super::squid::loopback_listener();
-        let http = std_http.local_addr().expect("HTTP target address");
-        let https = std_https.local_addr().expect("HTTPS target address");
-        for listener in [&std_http, &std_https] {
-            listener
-                .set_nonblocking(true)
-                .expect("non-blocking listener");
-        }
-        let thread = {
+        let servers = {
             let behaviour = behaviour.clone();
-            let shutdown = shutdown.clone();
-            std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .thread_name(THREAD_NAME)
-                    .enable_all()
-                    .build()
-                    .expect("target runtime");
-                runtime.block_on(async move {
-                    let http = TcpListener::from_std(std_http).expect("HTTP listener");
-                    let https = TcpListener::from_std(std_https).expect("HTTPS listener");
-                    tokio::spawn(serve(http, None, behaviour.clone()));
-                    tokio::spawn(serve(https, Some(acceptor), behaviour));
-                    shutdown.cancelled().await;
-                });
-                runtime.shutdown_background();
+            LoopbackServers::start(THREAD_NAME, acceptor, move |stream, _| {
+                let behaviour = behaviour.clone();
+                async move { answer(stream, &behaviour).await }
             })
         };
         Target {
-            http,
-            https,
+            servers,
             ca_pem,
             ca_der,
             behaviour,
-            shutdown,
-            thread: Some(thread),
         }
     }
 
     /// `http://127.0.0.1:<port>/generate_204`.
     pub fn http_url(&self) -> String {
-        format!("http://{}/generate_204", self.http)
+        format!("http://{}/generate_204", self.servers.http)
     }
 
     /// `https://127.0.0.1:<port>/generate_204`.
     pub fn https_url(&self) -> String {
-        format!("https://{}/generate_204", self.https)
+        format!("https://{}/generate_204", self.servers.https)
     }
 
     /// The status every following request is answered with.
@@ -160,7 +127,7 @@ impl Target {
 
     /// Connections accepted so far (HTTP and HTTPS): one per probe when nothing is pooled.
     pub fn connections(&self) -> u64 {
-        self.behaviour.connections.load(Ordering::SeqCst)
+        self.servers.accepted()
     }
 
     /// The CA certificate that signed the HTTPS certificate, PEM.
@@ -171,40 +138,6 @@ impl Target {
     /// The CA certificate that signed the HTTPS certificate, DER.
     pub fn ca_cert_der(&self) -> Vec<u8> {
         self.ca_der.clone()
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-async fn serve(
-    listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    behaviour: Arc<Behaviour>,
-) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        behaviour.connections.fetch_add(1, Ordering::SeqCst);
-        let behaviour = behaviour.clone();
-        let tls = tls.clone();
-        tokio::spawn(async move {
-            match tls {
-                Some(acceptor) => {
-                    if let Ok(stream) = acceptor.accept(stream).await {
-                        answer(stream, &behaviour).await;
-                    }
-                }
-                None => answer(stream, &behaviour).await,
-            }
-        });
     }
 }
 
