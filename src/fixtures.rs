@@ -20,6 +20,14 @@ use crate::spec_hash::SPEC_HASH_VERSION;
 /// Namespace of every fixture Proxy unless a test picks another.
 pub const NAMESPACE: &str = "crawl";
 
+/// `pairs` as a label map (labels, selectors).
+pub fn label_map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
 /// A Proxy under construction: `Proxy::test`-style, each method sets one thing.
 #[derive(Debug, Clone)]
 pub struct ProxyBuilder {
@@ -74,11 +82,7 @@ impl ProxyBuilder {
 
     /// With these labels (what selectors match).
     pub fn labels(mut self, labels: &[(&str, &str)]) -> Self {
-        self.labels.extend(
-            labels
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-        );
+        self.labels.extend(label_map(labels));
         self
     }
 

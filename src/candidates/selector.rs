@@ -80,13 +80,7 @@ impl From<BTreeMap<String, String>> for Selector {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
+    use crate::fixtures::label_map as labels;
 
     #[test]
     fn parse_table() {

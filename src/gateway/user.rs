@@ -98,13 +98,7 @@ fn printable(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
+    use crate::fixtures::label_map as labels;
 
     #[test]
     fn the_user_part_is_a_name_then_options() {
