@@ -118,3 +118,32 @@ def test_session_names_stay_within_what_the_gateway_takes() -> None:
 def test_an_empty_pool_is_refused() -> None:
     with pytest.raises(ValueError):
         SessionPool(0)
+
+
+def _middleware(**settings: object) -> object:
+    from scrapy.utils.test import get_crawler
+
+    from proxy_operator.scrapy import ProxyOperatorMiddleware
+
+    return ProxyOperatorMiddleware.from_crawler(get_crawler(settings_dict=settings))
+
+
+def test_the_middleware_refuses_bad_settings_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scrapy.exceptions import NotConfigured
+
+    for name in ("PROXY_OPERATOR_URL", "PROXY_OPERATOR_GATEWAY", "PROXY_OPERATOR_TOKEN", "PROXY_OPERATOR_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    good = {"PROXY_OPERATOR_URL": "http://api:8090", "PROXY_OPERATOR_GATEWAY": "http://gw:8888", "PROXY_OPERATOR_TOKEN": "t" * 16}
+    assert _middleware(**good) is not None
+    with pytest.raises(NotConfigured):
+        _middleware(**good, PROXY_OPERATOR_ENABLED=False)
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_MODE"):
+        _middleware(**good, PROXY_OPERATOR_MODE="direct")
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_GATEWAY"):
+        _middleware(**{**good, "PROXY_OPERATOR_GATEWAY": None})
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_BAN_STATUSES"):
+        _middleware(**good, PROXY_OPERATOR_BAN_STATUSES={403: "banned"})
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_TOKEN"):
+        _middleware(**{**good, "PROXY_OPERATOR_TOKEN": None})
+    # Lease mode needs no gateway.
+    assert _middleware(**{**good, "PROXY_OPERATOR_GATEWAY": None}, PROXY_OPERATOR_MODE="lease") is not None

@@ -106,6 +106,11 @@ def test_a_crawl_through_the_gateway_gets_every_page_past_the_bans(
     assert_bans_steered_elsewhere(banning_site)
     # The gateway saw the 429 itself; only the spider knew the captcha page for a ban.
     assert {("px-0", "rate_limited"), ("px-1", "blocked")} <= reports(fleet)
+    # Each 429 reported once (by the gateway, which marks it so the spider does not again),
+    # and a ban blamed on the proxy it came through, never on the clean one.
+    rate_limited = fleet.sql("SELECT COUNT(*) FROM lease_history WHERE kind = 'reported' AND result = 'rate_limited'")
+    assert rate_limited == [(banning_site.bans_served[RATE_LIMITING],)]
+    assert not {("px-2", "blocked"), ("px-2", "rate_limited")} & reports(fleet)
     assert stats.get("proxy_operator/bans/rate_limited", 0) >= 1
     assert stats.get("proxy_operator/bans/blocked", 0) >= 1
     assert stats.get("proxy_operator/retries", 0) >= 2
@@ -124,6 +129,7 @@ def test_a_crawl_on_leases_gets_every_page_past_the_bans(
     assert_every_page_crawled(result, banning_site)
     assert_bans_steered_elsewhere(banning_site)
     assert {("px-0", "rate_limited"), ("px-1", "blocked")} <= reports(fleet)
+    assert not {("px-2", "blocked"), ("px-2", "rate_limited")} & reports(fleet)
     cooldowns = fleet.sql(
         "SELECT cooldown_seconds FROM lease_history WHERE kind = 'reported' AND result = 'rate_limited'"
     )
