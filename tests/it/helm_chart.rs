@@ -1,0 +1,1 @@
+//! The Helm chart (`charts/proxy-operator/`): being written.

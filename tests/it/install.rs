@@ -1,0 +1,1 @@
+//! The install as shipped, run by the test kubelet: being written.

@@ -1,0 +1,1 @@
+//! Monitoring assets (`manifests/monitoring/`): being written.

@@ -1,0 +1,1 @@
+//! The test kubelet for the operator's own Pod: being written.

@@ -1,0 +1,1 @@
+//! A real Prometheus server for tests: being written.

@@ -1,0 +1,105 @@
+//! The install as a user renders it: `kubectl kustomize` of a copy of `manifests/` (with the
+//! token file the README tells users to create) and `helm template` of `charts/proxy-operator/`,
+//! each parsed into one JSON value per object.
+//!
+//! `kubectl` (1.31) and `helm` (3.17) are installed by `.ci/run`; without them a test is
+//! skipped, unless `CI` is set, where a missing tool fails it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `tool` when it runs (`<tool> version` succeeds); otherwise `None` after printing how to
+/// install it, or a panic when `CI` is set.
+pub fn tool(tool: &'static str) -> Option<&'static str> {
+    let runs = Command::new(tool)
+        .args(["version", "--client"])
+        .output()
+        .or_else(|_| Command::new(tool).arg("version").output())
+        .is_ok_and(|output| output.status.success());
+    if runs {
+        return Some(tool);
+    }
+    let message = format!("{tool} is not on PATH (.ci/run installs the pinned one)");
+    assert!(std::env::var_os("CI").is_none(), "{message}");
+    eprintln!("skipped: {message}");
+    None
+}
+
+/// Parses a multi-document YAML stream, skipping empty documents.
+pub fn parse_objects(yaml: &str) -> Vec<Value> {
+    let docs: Vec<Value> = serde_saphyr::from_multiple(yaml)
+        .unwrap_or_else(|e| panic!("rendered YAML does not parse: {e}\n{yaml}"));
+    docs.into_iter().filter(|doc| !doc.is_null()).collect()
+}
+
+fn run(command: &mut Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{command:?} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("UTF-8 output")
+}
+
+/// A temp copy of `manifests/` with `discovery-tokens` holding `token`, as the README's install
+/// step leaves it. Edit files in [`Manifests::dir`] to try a broken install.
+pub struct Manifests {
+    dir: TempDir,
+}
+
+impl Manifests {
+    pub fn copy(token: &str) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        copy_dir(&repo().join("manifests"), dir.path());
+        std::fs::write(dir.path().join("discovery-tokens"), format!("{token}\n"))
+            .expect("write discovery-tokens");
+        Manifests { dir }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `kubectl kustomize` of the copy, or `None` when kubectl is missing (outside CI).
+    pub fn kustomize(&self) -> Option<Vec<Value>> {
+        let kubectl = tool("kubectl")?;
+        let yaml = run(Command::new(kubectl).arg("kustomize").arg(self.dir()));
+        Some(parse_objects(&yaml))
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap_or_else(|e| panic!("{}: {e}", from.display())) {
+        let entry = entry.expect("a directory entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("its type").is_dir() {
+            std::fs::create_dir_all(&target).expect("create a directory");
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy a file");
+        }
+    }
+}
+
+/// `helm template <release> charts/proxy-operator --namespace <namespace> <args…>` (e.g.
+/// `--set key=value`), or `None` when helm is missing (outside CI).
+pub fn helm_template(release: &str, namespace: &str, args: &[&str]) -> Option<Vec<Value>> {
+    let helm = tool("helm")?;
+    let yaml = run(Command::new(helm)
+        .args(["template", release])
+        .arg(repo().join("charts/proxy-operator"))
+        .args(["--namespace", namespace, "--include-crds"])
+        .args(args));
+    Some(parse_objects(&yaml))
+}
