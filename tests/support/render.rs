@@ -73,8 +73,16 @@ impl Manifests {
 
     /// `kubectl kustomize` of the copy, or `None` when kubectl is missing (outside CI).
     pub fn kustomize(&self) -> Option<Vec<Value>> {
+        self.kustomize_at("")
+    }
+
+    /// `kubectl kustomize` of a directory of the copy (e.g. `monitoring`), or `None` when
+    /// kubectl is missing (outside CI).
+    pub fn kustomize_at(&self, relative: &str) -> Option<Vec<Value>> {
         let kubectl = tool("kubectl")?;
-        let yaml = run(Command::new(kubectl).arg("kustomize").arg(self.dir()));
+        let yaml = run(Command::new(kubectl)
+            .arg("kustomize")
+            .arg(self.dir().join(relative)));
         Some(parse_objects(&yaml))
     }
 }
@@ -95,11 +103,38 @@ fn copy_dir(from: &Path, to: &Path) {
 /// `helm template <release> charts/proxy-operator --namespace <namespace> <args…>` (e.g.
 /// `--set key=value`), or `None` when helm is missing (outside CI).
 pub fn helm_template(release: &str, namespace: &str, args: &[&str]) -> Option<Vec<Value>> {
-    let helm = tool("helm")?;
-    let yaml = run(Command::new(helm)
-        .args(["template", release])
-        .arg(repo().join("charts/proxy-operator"))
-        .args(["--namespace", namespace, "--include-crds"])
-        .args(args));
+    let yaml = run(&mut helm_template_command(release, namespace, args)?);
     Some(parse_objects(&yaml))
+}
+
+/// The error `helm template` (as [`helm_template`]) prints for values the chart refuses;
+/// panics when it renders. `None` when helm is missing (outside CI).
+pub fn helm_template_error(release: &str, namespace: &str, args: &[&str]) -> Option<String> {
+    let mut command = helm_template_command(release, namespace, args)?;
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(!output.status.success(), "{command:?} rendered");
+    Some(String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+fn helm_template_command(release: &str, namespace: &str, args: &[&str]) -> Option<Command> {
+    let mut command = Command::new(tool("helm")?);
+    command
+        .args(["template", release])
+        .arg(chart())
+        .args(["--namespace", namespace, "--include-crds"])
+        .args(args);
+    Some(command)
+}
+
+/// `charts/proxy-operator/`.
+pub fn chart() -> PathBuf {
+    repo().join("charts/proxy-operator")
+}
+
+/// `helm <args…>` (e.g. `lint <chart> --strict`), its output, panicking when it fails; `None`
+/// when helm is missing (outside CI).
+pub fn helm<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> Option<String> {
+    Some(run(Command::new(tool("helm")?).args(args)))
 }
