@@ -4,7 +4,9 @@
 
 use kube::Client;
 use kube_lease_manager::{LeaseCreateMode, LeaseManagerBuilder, LeaseManagerError};
+use prometheus::{IntGauge, Registry};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 /// Which Lease to hold and how.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,9 +67,77 @@ pub async fn until_leader(leader: &mut watch::Receiver<bool>) -> bool {
     leader.wait_for(|is_leader| *is_leader).await.is_ok()
 }
 
+/// Registers `proxy_operator_leader`: summed over the replicas it is 1 while some process holds
+/// the Lease, so 0 (or no series at all) is what tells that orphan GC runs nowhere.
+pub fn register_leader_gauge(registry: &Registry) -> Result<IntGauge, prometheus::Error> {
+    let gauge = IntGauge::new(
+        "proxy_operator_leader",
+        "1 while this process holds the leader Lease (and runs orphan GC), else 0.",
+    )?;
+    registry.register(Box::new(gauge.clone()))?;
+    Ok(gauge)
+}
+
+/// Mirrors `leader` into `gauge` until `shutdown`: 0 once the election has ended. A task of
+/// its own rather than a scrape-time read, so that no receiver outlives the process's tasks
+/// and keeps the Lease from being released at shutdown.
+pub async fn publish_leadership(
+    mut leader: watch::Receiver<bool>,
+    gauge: IntGauge,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    loop {
+        gauge.set(i64::from(*leader.borrow_and_update()));
+        let changed = tokio::select! {
+            changed = leader.changed() => changed,
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        if changed.is_err() {
+            gauge.set(0);
+            shutdown.cancelled().await;
+            return Ok(());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// Waits (at most 10 s) until `gauge` reads `want`.
+    async fn gauge_reaches(gauge: &IntGauge, want: i64) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while gauge.get() != want {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the leader gauge stayed at {}, not {want}", gauge.get()));
+    }
+
+    #[tokio::test]
+    async fn the_leader_gauge_follows_the_election_and_reads_0_once_it_ended() {
+        let registry = Registry::new();
+        let gauge = register_leader_gauge(&registry).unwrap();
+        let (tx, rx) = watch::channel(true);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(publish_leadership(rx, gauge.clone(), shutdown.clone()));
+        gauge_reaches(&gauge, 1).await;
+        tx.send(false).unwrap();
+        gauge_reaches(&gauge, 0).await;
+        tx.send(true).unwrap();
+        gauge_reaches(&gauge, 1).await;
+        // The election ends while this process leads: the Lease is no longer renewed.
+        drop(tx);
+        gauge_reaches(&gauge, 0).await;
+        assert!(!task.is_finished(), "the task ended before shutdown");
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
+        let families = registry.gather();
+        assert_eq!(families.len(), 1);
+        assert_eq!(families[0].name(), "proxy_operator_leader");
+    }
 
     #[tokio::test]
     async fn until_leader_waits_for_true_and_reports_a_closed_election() {

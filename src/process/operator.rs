@@ -181,6 +181,12 @@ async fn start(
     let leader = leader::watch_leadership(client.clone(), &leader_config)
         .await
         .map_err(|e| StartError(format!("leader election: {e}")))?;
+    let leader_gauge = leader::register_leader_gauge(&core.registry)
+        .map_err(|e| StartError::from_display("metrics", e))?;
+    supervisor.spawn(
+        "leader gauge",
+        leader::publish_leadership(leader.clone(), leader_gauge, supervisor.shutdown_token()),
+    );
     // GC lists Proxy metadata only, so an undecodable Proxy still counts as live: its machine
     // is kept.
     let proxies: Api<Proxy> = match &args.watch_namespace {

@@ -211,6 +211,11 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         (r#"proxy_operator_proxies{phase="Ready"}"#, Some(1.0)),
         (r#"proxy_operator_proxies{phase="Unhealthy"}"#, Some(1.0)),
         ("proxy_operator_ledger_full_total", Some(0.0)),
+        // The bound beside the size, for the size alert.
+        (
+            "proxy_operator_ledger_max_bytes",
+            Some(LedgerConfig::default().max_size as f64),
+        ),
     ] {
         assert_eq!(line_value(&text, series), want, "{series} in {text}");
     }

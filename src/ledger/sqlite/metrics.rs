@@ -1,5 +1,5 @@
-//! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk, and
-//! how its writer batches writes into transactions (writes per batch = the ratio of the two
+//! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk beside
+//! the bound it must stay within, and how its writer batches writes into transactions (writes per batch = the ratio of the two
 //! counters, what amortises each COMMIT).
 
 use prometheus::core::{Collector, Desc};
@@ -8,13 +8,15 @@ use prometheus::{IntCounter, IntGauge};
 
 use super::SqliteLedger;
 
-/// `proxy_operator_ledger_bytes` (two `stat` calls, no query),
+/// `proxy_operator_ledger_bytes` (two `stat` calls, no query), `proxy_operator_ledger_max_bytes`,
 /// `proxy_operator_ledger_batches_total` and `proxy_operator_ledger_batched_writes_total`, read
 /// at scrape time; register it with `registry.register(Box::new(..))` beside the fleet
 /// collector.
 pub struct SqliteLedgerCollector {
     ledger: SqliteLedger,
     bytes: IntGauge,
+    /// `--ledger-max-size`, so an alert can compare the size with it on any install.
+    max_bytes: IntGauge,
     batches: IntCounter,
     writes: IntCounter,
     descs: Vec<Desc>,
@@ -27,6 +29,11 @@ impl SqliteLedgerCollector {
             "proxy_operator_ledger_bytes",
             "Bytes the lease ledger takes on disk: its SQLite file plus write-ahead log.",
         )?;
+        let max_bytes = IntGauge::new(
+            "proxy_operator_ledger_max_bytes",
+            "The size bound of the lease ledger's file plus write-ahead log (--ledger-max-size).",
+        )?;
+        max_bytes.set(i64::try_from(ledger.inner.config.max_size).unwrap_or(i64::MAX));
         let batches = IntCounter::new(
             "proxy_operator_ledger_batches_total",
             "Transactions the ledger's writer ran, each carrying a batch of writes.",
@@ -35,14 +42,20 @@ impl SqliteLedgerCollector {
             "proxy_operator_ledger_batched_writes_total",
             "Writes (acquire, renew, release, report) the writer's transactions carried.",
         )?;
-        let descs = [bytes.desc(), batches.desc(), writes.desc()]
-            .into_iter()
-            .flatten()
-            .cloned()
-            .collect();
+        let descs = [
+            bytes.desc(),
+            max_bytes.desc(),
+            batches.desc(),
+            writes.desc(),
+        ]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
         Ok(SqliteLedgerCollector {
             ledger,
             bytes,
+            max_bytes,
             batches,
             writes,
             descs,
@@ -69,6 +82,7 @@ impl Collector for SqliteLedgerCollector {
         set_counter(&self.writes, stats.writes());
         [
             self.bytes.collect(),
+            self.max_bytes.collect(),
             self.batches.collect(),
             self.writes.collect(),
         ]

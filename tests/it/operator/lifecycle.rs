@@ -385,7 +385,7 @@ async fn orphan_pods_are_collected_while_holding_the_lease() {
     let Some(world) = World::new("gc").await else {
         return;
     };
-    let _operator = world
+    let operator = world
         .operator(&["--gc-interval", "1s", "--gc-min-age", "0s"])
         .await;
     world
@@ -414,6 +414,12 @@ async fn orphan_pods_are_collected_while_holding_the_lease() {
         Some(format!("operator-{}", world.ns))
     );
     assert!(world.pod_of(&live).await.is_some(), "the live Pod was kept");
+    // The holder says so on /metrics: what the no-leader alert sums.
+    let start = Instant::now();
+    while metric_sum(&operator.metrics().await, "proxy_operator_leader", &[]) != 1.0 {
+        assert!(start.elapsed() < SLOW, "proxy_operator_leader is not 1");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
