@@ -772,7 +772,7 @@ fn key_of(pod: &Pod) -> Key {
 /// keeps clear of `127.0.0.1`/`127.0.1.1` and mostly apart from other test processes; a clash
 /// (or a squid leaked by a killed run) only makes squid fail to bind, and the next address is
 /// tried.
-fn next_address() -> Ipv4Addr {
+pub fn next_address() -> Ipv4Addr {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed) % (250 * 250);
     let process = (10 + std::process::id() % 240) as u8;
