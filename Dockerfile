@@ -18,6 +18,6 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/proxy-operator /usr/local/bin/proxy-operator
 USER 65532:65532
-EXPOSE 8090 8080
+EXPOSE 8090 8080 8888
 ENTRYPOINT ["/usr/local/bin/proxy-operator"]
 CMD ["--help"]

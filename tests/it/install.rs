@@ -55,13 +55,21 @@ fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// An install as a user makes it, on `plane`.
+/// An install as a user makes it, on one control plane.
 struct Install {
     kubeconfig: PathBuf,
-    manifests: Manifests,
-    /// The token lines of `manifests/discovery-tokens`.
+    how: How,
+    /// The API's tokens, one a line in the token Secret.
     tokens: Vec<String>,
     _dir: tempfile::TempDir,
+}
+
+/// Which of the README's installs.
+enum How {
+    /// `kubectl apply --server-side -k` of a copy of `manifests/` with its token file.
+    Kustomize(Manifests),
+    /// `helm install` of `charts/proxy-operator/`, which generates the token Secret.
+    Helm,
 }
 
 impl Install {
@@ -73,39 +81,118 @@ impl Install {
     /// The same with the copy of `manifests/` edited first (a broken install).
     fn kustomize_edited(plane: &'static ControlPlane, edit: impl FnOnce(&Path)) -> Option<Install> {
         tool("kubectl")?;
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let kubeconfig = dir.path().join("admin.kubeconfig");
-        plane.write_admin_kubeconfig(&kubeconfig);
         let token = new_token();
         let manifests = Manifests::copy(&token);
         edit(manifests.dir());
-        let install = Install {
-            kubeconfig,
-            manifests,
-            tokens: vec![token],
-            _dir: dir,
-        };
+        let install = Install::new(plane, How::Kustomize(manifests), vec![token]);
         install.apply();
         Some(install)
     }
 
+    /// "Install with Helm": `helm install … --create-namespace`, then the generated token read
+    /// back with kubectl.
+    fn helm(plane: &'static ControlPlane) -> Option<Install> {
+        tool("kubectl")?;
+        let helm = tool("helm")?;
+        let mut install = Install::new(plane, How::Helm, Vec::new());
+        let chart = repo().join("charts/proxy-operator");
+        let output = Command::new(helm)
+            .arg("install")
+            .arg(DEPLOYMENT)
+            .arg(&chart)
+            .args(["-n", NAMESPACE, "--create-namespace", "--kubeconfig"])
+            .arg(&install.kubeconfig)
+            .output()
+            .expect("run helm");
+        assert!(
+            output.status.success(),
+            "helm install failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let encoded = kubectl(
+            &install.kubeconfig,
+            &[
+                "-n",
+                NAMESPACE,
+                "get",
+                "secret",
+                "proxy-operator-api",
+                "-o",
+                "jsonpath={.data.tokens}",
+            ],
+        );
+        let decoded = base64_decode(encoded.trim());
+        install.tokens = decoded.lines().map(str::to_owned).collect();
+        assert_eq!(
+            install.tokens.len(),
+            1,
+            "the chart generates one token: {decoded:?}"
+        );
+        Some(install)
+    }
+
+    fn new(plane: &'static ControlPlane, how: How, tokens: Vec<String>) -> Install {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let kubeconfig = dir.path().join("admin.kubeconfig");
+        plane.write_admin_kubeconfig(&kubeconfig);
+        Install {
+            kubeconfig,
+            how,
+            tokens,
+            _dir: dir,
+        }
+    }
+
     fn apply(&self) {
-        let dir = self.manifests.dir().to_string_lossy().into_owned();
-        kubectl(&self.kubeconfig, &["apply", "--server-side", "-k", &dir]);
+        if let How::Kustomize(manifests) = &self.how {
+            let dir = manifests.dir().to_string_lossy().into_owned();
+            kubectl(&self.kubeconfig, &["apply", "--server-side", "-k", &dir]);
+        }
     }
 
     fn token(&self) -> &str {
         &self.tokens[0]
     }
 
-    /// The README's rotation: a second line, apply; later the old line removed, apply.
+    /// The README's rotation: with kustomize the token file edited and applied again; with
+    /// Helm the Secret edited with kubectl.
     fn set_tokens(&mut self, tokens: Vec<String>) {
         let text: String = tokens.iter().map(|t| format!("{t}\n")).collect();
-        std::fs::write(self.manifests.dir().join("discovery-tokens"), text)
-            .expect("write discovery-tokens");
+        match &self.how {
+            How::Kustomize(manifests) => {
+                std::fs::write(manifests.dir().join("discovery-tokens"), text)
+                    .expect("write discovery-tokens");
+                self.apply();
+            }
+            How::Helm => {
+                let patch = json!({"stringData": {"tokens": text}}).to_string();
+                kubectl(
+                    &self.kubeconfig,
+                    &[
+                        "-n",
+                        NAMESPACE,
+                        "patch",
+                        "secret",
+                        "proxy-operator-api",
+                        "--type",
+                        "merge",
+                        "-p",
+                        &patch,
+                    ],
+                );
+            }
+        }
         self.tokens = tokens;
-        self.apply();
     }
+}
+
+/// Standard base64 (what `kubectl get secret -o jsonpath` prints) to text.
+fn base64_decode(encoded: &str) -> String {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .unwrap_or_else(|e| panic!("{encoded:?} is not base64: {e}"));
+    String::from_utf8(bytes).expect("a UTF-8 token file")
 }
 
 /// `GET /v1/proxies` on the Pod's API with `token`: the status.
@@ -191,16 +278,33 @@ async fn wait_proxy_ready(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shipped_install_runs_as_its_own_pod() {
+async fn the_kustomize_install_runs_as_its_own_pod() {
     let Some(plane) = ControlPlane::dedicated("install-kustomize", &[]) else {
         return;
     };
     let Some(host) = PodHost::new(plane).await else {
         return;
     };
-    let Some(mut install) = Install::kustomize(plane) else {
+    if let Some(install) = Install::kustomize(plane) {
+        the_install_serves(plane, &host, install).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_helm_install_runs_as_its_own_pod() {
+    let Some(plane) = ControlPlane::dedicated("install-helm", &[]) else {
         return;
     };
+    let Some(host) = PodHost::new(plane).await else {
+        return;
+    };
+    if let Some(install) = Install::helm(plane) {
+        the_install_serves(plane, &host, install).await;
+    }
+}
+
+/// The Pod becomes Ready; Proxies reach Ready; a lease; a rotation; a Recreate keeps the lease.
+async fn the_install_serves(plane: &'static ControlPlane, host: &PodHost, mut install: Install) {
     let http = reqwest::Client::new();
 
     let pod = host.start(NAMESPACE, DEPLOYMENT).await;
@@ -335,4 +439,56 @@ async fn a_mount_path_changed_on_one_side_fails_the_pod() {
         !pod.ready(),
         "a Pod without its token file was reported Ready"
     );
+}
+
+/// The README's install section says what the tests do and what the Pod runs: the commands,
+/// every flag that names a path with that path, every mount path, every port with its name.
+/// A flag, path or port changed in the manifests alone fails here.
+#[test]
+fn the_readme_documents_what_the_pod_runs() {
+    let Some(objects) = Manifests::copy(&new_token()).kustomize() else {
+        return;
+    };
+    let readme = std::fs::read_to_string(repo().join("README.md")).expect("read README.md");
+    for command in [
+        "kubectl apply --server-side -k manifests/",
+        "helm install proxy-operator charts/proxy-operator -n proxy-operator --create-namespace",
+    ] {
+        assert!(
+            readme.contains(command),
+            "README.md lacks the install command {command:?}"
+        );
+    }
+    let deployment = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("the install has a Deployment");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .expect("the container has args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for pair in args.windows(2) {
+        if pair[0].starts_with("--") && pair[1].starts_with('/') {
+            let documented = format!("`{} {}`", pair[0], pair[1]);
+            assert!(readme.contains(&documented), "README.md lacks {documented}");
+        }
+    }
+    for mount in container["volumeMounts"].as_array().expect("volume mounts") {
+        let path = mount["mountPath"].as_str().expect("a mount path");
+        assert!(
+            readme.contains(path),
+            "README.md lacks the mount path {path}"
+        );
+    }
+    for port in container["ports"].as_array().expect("ports") {
+        let documented = format!(
+            "port {} (`{}`)",
+            port["containerPort"],
+            port["name"].as_str().unwrap_or("")
+        );
+        assert!(readme.contains(&documented), "README.md lacks {documented}");
+    }
 }
