@@ -482,8 +482,9 @@ fn values_the_chart_does_not_offer_are_refused() {
     assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate");
 }
 
-/// The generated token survives `helm upgrade` (the chart looks it up), and so does a token
-/// added to the Secret by hand: on a real API server, which `helm template` cannot stand in for.
+/// The generated token is read by the command the install notes print, survives `helm upgrade`
+/// (the chart looks it up), and so does a token added to the Secret by hand: on a real API
+/// server, since `helm template` never looks anything up.
 #[tokio::test]
 async fn upgrade_keeps_the_generated_token() {
     let Some(plane) = ControlPlane::shared() else {
@@ -507,9 +508,9 @@ async fn upgrade_keeps_the_generated_token() {
             kubeconfig.as_os_str(),
             "--skip-crds".as_ref(),
         ];
-        helm(args).expect("helm is installed");
+        helm(args).expect("helm is installed")
     };
-    helm_in_namespace("install");
+    let notes = helm_in_namespace("install");
 
     let secrets = Api::<Secret>::namespaced(plane.admin_client(), &namespace);
     let name = format!("{release}-proxy-operator-api");
@@ -519,6 +520,22 @@ async fn upgrade_keeps_the_generated_token() {
     };
     let installed = tokens(secrets.get(&name).await.expect("the chart made the Secret"));
     assert_eq!(installed.lines().count(), 1, "{installed:?}");
+    // The command the install's notes give for reading the token reads it.
+    let command = notes
+        .lines()
+        .find(|line| line.contains("export TOKEN="))
+        .unwrap_or_else(|| panic!("no token command in the notes:\n{notes}"));
+    let output = std::process::Command::new("sh")
+        .args(["-c", &format!("{command} && printf '%s\\n' \"$TOKEN\"")])
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .expect("run sh");
+    assert!(
+        output.status.success(),
+        "{command}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&output.stdout), installed);
 
     helm_in_namespace("upgrade");
     let upgraded = tokens(secrets.get(&name).await.unwrap());
