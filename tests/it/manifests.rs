@@ -148,6 +148,20 @@ fn token_secret_generator() -> Value {
     generator
 }
 
+/// Every file under `dir`, in its subdirectories too.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(files_under(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
 #[test]
 fn no_api_token_ships_with_the_install() {
     token_secret_generator();
@@ -158,9 +172,11 @@ fn no_api_token_ships_with_the_install() {
     for object in objects() {
         assert_ne!(object["kind"], "Secret", "{object}");
     }
-    // No placeholder anywhere in the install or the README's commands.
-    for entry in std::fs::read_dir(repo().join("manifests")).unwrap() {
-        let path = entry.unwrap().path();
+    // No placeholder anywhere in the install (its opt-in parts and the chart included) or the
+    // README's commands.
+    let mut files = files_under(&repo().join("manifests"));
+    files.extend(files_under(&repo().join("charts")));
+    for path in files {
         if path.file_name().and_then(|n| n.to_str()) == Some(TOKEN_FILE) {
             continue;
         }
