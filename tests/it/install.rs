@@ -19,7 +19,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::support::pod::{PodHost, RunningPod, exited_cleanly};
-use crate::support::render::{Manifests, repo, tool};
+use crate::support::render::{Manifests, repo, run, tool};
 use crate::support::world::within;
 use crate::support::{ControlPlane, Kubelet, Squid, Target};
 
@@ -41,18 +41,10 @@ fn new_token() -> String {
 /// `kubectl --kubeconfig <admin> <args>`, asserting success; returns stdout.
 fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
     let kubectl = tool("kubectl").expect("kubectl was found before");
-    let output = Command::new(kubectl)
+    run(Command::new(kubectl)
         .arg("--kubeconfig")
         .arg(kubeconfig)
-        .args(args)
-        .output()
-        .expect("run kubectl");
-    assert!(
-        output.status.success(),
-        "kubectl {args:?} failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+        .args(args))
 }
 
 /// An install as a user makes it, on one control plane.
@@ -96,19 +88,12 @@ impl Install {
         let helm = tool("helm")?;
         let mut install = Install::new(plane, How::Helm, Vec::new());
         let chart = repo().join("charts/proxy-operator");
-        let output = Command::new(helm)
+        run(Command::new(helm)
             .arg("install")
             .arg(DEPLOYMENT)
             .arg(&chart)
             .args(["-n", NAMESPACE, "--create-namespace", "--kubeconfig"])
-            .arg(&install.kubeconfig)
-            .output()
-            .expect("run helm");
-        assert!(
-            output.status.success(),
-            "helm install failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+            .arg(&install.kubeconfig));
         let encoded = kubectl(
             &install.kubeconfig,
             &[

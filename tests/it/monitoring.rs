@@ -83,17 +83,12 @@ fn the_kustomization_renders_the_two_objects_and_the_install_leaves_them_out() {
     let Some(kubectl) = render::tool("kubectl") else {
         return;
     };
-    let output = Command::new(kubectl)
-        .arg("kustomize")
-        .arg(repo().join("manifests/monitoring"))
-        .output()
-        .expect("run kubectl kustomize");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let yaml = render::run(
+        Command::new(kubectl)
+            .arg("kustomize")
+            .arg(repo().join("manifests/monitoring")),
     );
-    let mut rendered = render::parse_objects(&String::from_utf8_lossy(&output.stdout));
+    let mut rendered = render::parse_objects(&yaml);
     rendered.sort_by_key(|object| object["kind"].to_string());
     assert_eq!(
         rendered,

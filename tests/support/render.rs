@@ -40,7 +40,8 @@ pub fn parse_objects(yaml: &str) -> Vec<Value> {
     docs.into_iter().filter(|doc| !doc.is_null()).collect()
 }
 
-fn run(command: &mut Command) -> String {
+/// Runs `command`, panicking with its stderr when it fails; returns its stdout.
+pub fn run(command: &mut Command) -> String {
     let output = command
         .output()
         .unwrap_or_else(|e| panic!("{command:?}: {e}"));
