@@ -264,6 +264,16 @@ fn ledger_size(text: &str) -> Result<u64, String> {
 /// answered within the deadline instead of piling up.
 pub const DEFAULT_LEDGER_QUEUE_CAPACITY: u32 = 4096;
 
+/// A leader Lease duration: whole seconds (the Lease counts in seconds), at least 2 so that a
+/// renewal can come before expiry.
+fn lease_duration(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if duration.subsec_nanos() != 0 || duration < Duration::from_secs(2) {
+        return Err("must be whole seconds, at least 2s".to_owned());
+    }
+    Ok(duration)
+}
+
 /// A duration above zero (`humantime` syntax).
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
@@ -348,6 +358,11 @@ pub struct RunArgs {
         default_value = "proxy-operator-leader"
     )]
     pub leader_lease: String,
+
+    /// How long the leader Lease stays valid without a renewal: how long the replicas go
+    /// without a reconciler after its holder dies (whole seconds, at least 2).
+    #[arg(long, env = "PROXY_OPERATOR_LEADER_LEASE_DURATION", default_value = "30s", value_parser = lease_duration)]
+    pub leader_lease_duration: Duration,
 
     /// Reconciles running at once.
     #[arg(long, env = "PROXY_OPERATOR_MAX_CONCURRENT_RECONCILES", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
@@ -448,6 +463,22 @@ impl RunArgs {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn a_leader_lease_lasts_whole_seconds_and_at_least_two() {
+        for (text, expected) in [
+            ("30s", Ok(30)),
+            ("2s", Ok(2)),
+            ("1m", Ok(60)),
+            ("1s", Err(())),
+            ("2500ms", Err(())),
+            ("0s", Err(())),
+            ("soon", Err(())),
+        ] {
+            let parsed = lease_duration(text).map(|d| d.as_secs()).map_err(|_| ());
+            assert_eq!(parsed, expected, "{text}");
+        }
+    }
 
     #[test]
     fn command_line_is_consistent() {

@@ -36,6 +36,19 @@ impl LeaderConfig {
     }
 }
 
+impl LeaderConfig {
+    /// This config with a Lease valid for `duration` (whole seconds), renewed a sixth of it
+    /// (1 to 5 s) before expiry.
+    pub fn lasting(self, duration: std::time::Duration) -> Self {
+        let duration_seconds = duration.as_secs().max(2);
+        LeaderConfig {
+            duration_seconds,
+            grace_seconds: (duration_seconds / 6).clamp(1, 5),
+            ..self
+        }
+    }
+}
+
 /// Starts contending for the Lease. The receiver reads `true` while this process holds it; the
 /// Lease is released when every receiver is dropped.
 pub async fn watch_leadership(
@@ -137,6 +150,21 @@ mod tests {
         let families = registry.gather();
         assert_eq!(families.len(), 1);
         assert_eq!(families[0].name(), "proxy_operator_leader");
+    }
+
+    #[test]
+    fn a_lease_duration_sets_the_renewal_grace() {
+        let base = LeaderConfig::new("ns", "me");
+        assert_eq!((base.duration_seconds, base.grace_seconds), (30, 5));
+        for (seconds, grace) in [(30, 5), (60, 5), (12, 2), (3, 1), (2, 1)] {
+            let config = base
+                .clone()
+                .lasting(std::time::Duration::from_secs(seconds));
+            assert_eq!(
+                (config.duration_seconds, config.grace_seconds),
+                (seconds, grace)
+            );
+        }
     }
 
     #[tokio::test]

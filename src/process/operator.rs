@@ -110,6 +110,27 @@ async fn start(
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
     start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
 
+    let identity = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| format!("proxy-operator-{}", std::process::id()));
+    let lease_namespace = args
+        .leader_namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    let leader_config = LeaderConfig {
+        lease_name: args.leader_lease.clone(),
+        ..LeaderConfig::new(lease_namespace, identity)
+    }
+    .lasting(args.leader_lease_duration);
+    let leader = leader::watch_leadership(client.clone(), &leader_config)
+        .await
+        .map_err(|e| StartError(format!("leader election: {e}")))?;
+    let leader_gauge = leader::register_leader_gauge(&core.registry)
+        .map_err(|e| StartError::from_display("metrics", e))?;
+    supervisor.spawn(
+        "leader gauge",
+        leader::publish_leadership(leader.clone(), leader_gauge, supervisor.shutdown_token()),
+    );
     let ctx = Arc::new(Context::new(
         client.clone(),
         providers
@@ -145,6 +166,7 @@ async fn start(
         proxy_watch::publish_reports(
             ctx.recorder.clone(),
             reports_rx,
+            leader.clone(),
             supervisor.shutdown_token(),
         ),
     );
@@ -152,41 +174,25 @@ async fn start(
     let triggers = reconcile::health_triggers(transitions_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
-    let (store, proxies) = reconciler_feed.into_parts();
     RemediationGauge::register(
         &core.registry,
-        store.clone(),
+        reconciler_feed.store.clone(),
         providers.keys().cloned().collect(),
         args.max_unhealthy,
     )
     .map_err(|e| StartError::from_display("metrics", e))?;
-    supervisor.spawn("reconciler", async move {
-        tokio::select! {
-            () = reconcile::run_controller(ctx, store, proxies, namespace.as_deref(), triggers) => Ok(()),
-            () = shutdown.cancelled() => Ok(()),
-        }
-    });
-
-    let identity = std::env::var("POD_NAME")
-        .or_else(|_| std::env::var("HOSTNAME"))
-        .unwrap_or_else(|_| format!("proxy-operator-{}", std::process::id()));
-    let lease_namespace = args
-        .leader_namespace
-        .clone()
-        .unwrap_or_else(|| "default".to_owned());
-    let leader_config = LeaderConfig {
-        lease_name: args.leader_lease.clone(),
-        ..LeaderConfig::new(lease_namespace, identity)
-    };
-    let leader = leader::watch_leadership(client.clone(), &leader_config)
-        .await
-        .map_err(|e| StartError(format!("leader election: {e}")))?;
-    let leader_gauge = leader::register_leader_gauge(&core.registry)
-        .map_err(|e| StartError::from_display("metrics", e))?;
     supervisor.spawn(
-        "leader gauge",
-        leader::publish_leadership(leader.clone(), leader_gauge, supervisor.shutdown_token()),
+        "reconciler",
+        reconcile::run_while_leading(
+            ctx,
+            reconciler_feed,
+            namespace,
+            triggers,
+            leader.clone(),
+            shutdown,
+        ),
     );
+
     // GC lists Proxy metadata only, so an undecodable Proxy still counts as live: its machine
     // is kept.
     let proxies: Api<Proxy> = match &args.watch_namespace {

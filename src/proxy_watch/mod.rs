@@ -24,7 +24,7 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use prometheus::{IntGauge, Registry};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -270,19 +270,29 @@ pub fn warning_event(report: &Undecodable) -> Event {
     crate::events::event(EventType::Warning, REASON_INVALID_SPEC, ACTION_DECODE, note)
 }
 
-/// Publishes a Warning Event for each report until the watch stops sending them or
+/// Publishes a Warning Event for each report while this process holds the leader Lease, until
 /// `shutdown`. A failed publish is logged; the log line already named the Proxy.
 pub async fn publish_reports(
     recorder: Recorder,
     mut reports: mpsc::Receiver<Undecodable>,
+    mut leader: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) -> Result<(), String> {
     loop {
+        // Events come from the Lease holder only, as the reconciler's do: a follower's reports
+        // wait in the channel (the watch drops what does not fit) until it holds the Lease.
         let report = tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
-            report = reports.recv() => report,
+            report = async {
+                if crate::leader::until_leader(&mut leader).await {
+                    reports.recv().await
+                } else {
+                    None
+                }
+            } => report,
         };
         let Some(report) = report else {
+            shutdown.cancelled().await;
             return Ok(());
         };
         if let Err(e) = recorder

@@ -13,6 +13,7 @@ pub mod controller;
 pub mod decide;
 mod execute;
 pub mod health;
+mod leading;
 pub mod metrics;
 mod observe;
 pub mod pacing;
@@ -33,6 +34,7 @@ pub use execute::{
     REASON_DRAIN_TIMED_OUT,
 };
 pub use health::{HealthStates, health_triggers};
+pub use leading::run_while_leading;
 pub use metrics::ReconcilerMetrics;
 pub use observe::cloud_init_from_secret;
 pub use pacing::Pacing;

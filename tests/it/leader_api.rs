@@ -5,58 +5,29 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::json;
 
-use crate::support::mock_api::{ApiHandle, Call, mock_client, status};
+use crate::support::mock_api::{ApiHandle, Call, MockLease, mock_client};
 use proxy_operator::leader::{LeaderConfig, watch_leadership};
 use proxy_operator::rbac::{self, API_CALLS};
 
 const LEASE_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/proxy-operator/leases";
 
-/// Answers Lease requests like an API server holding at most one Lease: GET is 404 until a
-/// POST creates it, PATCH merges the sent `spec`. Returns the RBAC verbs seen.
+/// Answers Lease requests like an API server holding at most one Lease. Returns the RBAC
+/// verbs seen.
 async fn serve_lease(mut handle: ApiHandle) -> BTreeSet<&'static str> {
-    let mut lease: Option<Value> = None;
+    let mut lease = MockLease::default();
     let mut verbs = BTreeSet::new();
-    let mut revision = 0;
     while let Some(call) = Call::next_or_end(&mut handle).await {
         let attributes = rbac::request_attributes(call.method.as_str(), &call.target).unwrap();
         assert_eq!(attributes.resource, "leases");
         verbs.insert(attributes.verb);
         assert!(call.path.starts_with(LEASE_PATH), "{}", call.target);
-        revision += 1;
-        let reply = match (call.method.as_str(), &mut lease) {
-            ("GET", None) => {
-                call.respond(404, status(404, "NotFound", "leases not found"));
-                continue;
-            }
-            ("GET", Some(current)) => current.clone(),
-            ("POST", _) => {
-                let mut created = call.body.clone();
-                created["apiVersion"] = json!("coordination.k8s.io/v1");
-                created["kind"] = json!("Lease");
-                created["metadata"]["namespace"] = json!("proxy-operator");
-                created["metadata"]["resourceVersion"] = json!(revision.to_string());
-                lease = Some(created.clone());
-                created
-            }
-            ("PATCH", Some(current)) => {
-                if current["spec"].is_null() {
-                    current["spec"] = json!({});
-                }
-                for (key, value) in call.body["spec"].as_object().unwrap() {
-                    if value.is_null() {
-                        current["spec"].as_object_mut().unwrap().remove(key);
-                    } else {
-                        current["spec"][key] = value.clone();
-                    }
-                }
-                current["metadata"]["resourceVersion"] = json!(revision.to_string());
-                current.clone()
-            }
-            (other, _) => panic!("unexpected {other} {}", call.target),
-        };
-        call.respond(200, reply);
+        let (code, mut body) = lease.answer(call.method.as_str(), &call.body);
+        if code < 300 {
+            body["metadata"]["namespace"] = json!("proxy-operator");
+        }
+        call.respond(code, body);
     }
     verbs
 }

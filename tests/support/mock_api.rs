@@ -136,3 +136,48 @@ where
         .expect("the API scenario failed");
     result
 }
+
+/// One Lease as an API server keeps it: GET is 404 until a POST creates it, PATCH merges the
+/// sent `spec`, each write bumps the resourceVersion.
+#[derive(Debug, Default)]
+pub struct MockLease {
+    lease: Option<Value>,
+    revision: u64,
+}
+
+impl MockLease {
+    /// The answer (status code, body) to `method` with `body` on the Lease.
+    pub fn answer(&mut self, method: &str, body: &Value) -> (u16, Value) {
+        self.revision += 1;
+        let revision = self.revision.to_string();
+        match (method, &mut self.lease) {
+            ("GET", None) => (404, status(404, "NotFound", "leases not found")),
+            ("GET", Some(current)) => (200, current.clone()),
+            ("POST", _) => {
+                let mut created = body.clone();
+                created["apiVersion"] = json!("coordination.k8s.io/v1");
+                created["kind"] = json!("Lease");
+                created["metadata"]["resourceVersion"] = json!(revision);
+                self.lease = Some(created.clone());
+                (201, created)
+            }
+            ("PATCH", Some(current)) => {
+                if current["spec"].is_null() {
+                    current["spec"] = json!({});
+                }
+                for (key, value) in body["spec"].as_object().into_iter().flatten() {
+                    if value.is_null() {
+                        if let Some(spec) = current["spec"].as_object_mut() {
+                            spec.remove(key);
+                        }
+                    } else {
+                        current["spec"][key] = value.clone();
+                    }
+                }
+                current["metadata"]["resourceVersion"] = json!(revision);
+                (200, current.clone())
+            }
+            (other, _) => panic!("unexpected {other} on the Lease"),
+        }
+    }
+}

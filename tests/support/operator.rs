@@ -169,7 +169,7 @@ impl OperatorProcess {
             .args(&self.options.extra_args)
             .env("KUBECONFIG", &self.options.kubeconfig)
             .env("DISCOVERY_TOKEN", API_TOKEN)
-            .env("POD_NAME", format!("operator-{}", self.options.install_id))
+            .env("POD_NAME", self.identity())
             .env("RUST_LOG", "info,kube_lease_manager=warn")
             .env_remove("KUBERNETES_SERVICE_HOST")
             .stdin(Stdio::null())
@@ -260,6 +260,17 @@ impl OperatorProcess {
         self.options.dir.join("ledger.db")
     }
 
+    /// Its identity in the leader Lease (`POD_NAME`): one per process object, so replicas of
+    /// one install, which share its Lease, are told apart.
+    pub fn identity(&self) -> String {
+        format!("operator-{}-{}", self.options.install_id, self.api_port)
+    }
+
+    /// The URL of `path` on the lease API.
+    pub fn api_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.api_port)
+    }
+
     /// Calls the lease API with the token; returns the status and the JSON body (Null if empty).
     pub async fn call(
         &self,
@@ -269,7 +280,7 @@ impl OperatorProcess {
     ) -> (StatusCode, Value) {
         let mut request = self
             .http
-            .request(method, format!("http://127.0.0.1:{}{path}", self.api_port))
+            .request(method, self.api_url(path))
             .bearer_auth(API_TOKEN);
         if let Some(body) = body {
             request = request.json(&body);

@@ -411,7 +411,7 @@ async fn orphan_pods_are_collected_while_holding_the_lease() {
         .expect("the leader Lease exists");
     assert_eq!(
         lease.spec.and_then(|s| s.holder_identity),
-        Some(format!("operator-{}", world.ns))
+        Some(operator.identity())
     );
     assert!(world.pod_of(&live).await.is_some(), "the live Pod was kept");
     // The holder says so on /metrics: what the no-leader alert sums.

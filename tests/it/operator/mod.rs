@@ -4,6 +4,7 @@
 mod admission;
 mod cordon;
 mod fleet;
+mod leadership;
 mod lifecycle;
 mod pod_security;
 mod run;

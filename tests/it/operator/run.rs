@@ -14,7 +14,7 @@ use clap::Parser;
 use proxy_operator::cli::{Cli, Command};
 use proxy_operator::process::{Exit, operator};
 use serde_json::{Value, json};
-use support::mock_api::{ApiHandle, Call, mock_client, status};
+use support::mock_api::{ApiHandle, Call, MockLease, mock_client, status};
 use support::{DEADLINE, Squid, Target, free_port};
 
 type Requests = Arc<Mutex<Vec<(String, String, Value)>>>;
@@ -64,6 +64,7 @@ async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Reques
     let proxy = proxies[0].clone();
     let mut open_watches = Vec::new();
     let mut status_writes = 0;
+    let mut lease = MockLease::default();
     while let Some(call) = Call::next_or_end(&mut handle).await {
         requests.lock().unwrap().push((
             call.method.as_str().to_owned(),
@@ -103,8 +104,9 @@ async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Reques
                     (200, updated)
                 }
             }
-            ("GET", p) if p.contains("/leases/") => (404, status(404, "NotFound", "not found")),
-            ("POST" | "PATCH" | "PUT", p) if p.contains("/leases") || p.contains("/events") => {
+            // The leader Lease: the reconciler runs once this process holds it.
+            (_, p) if p.contains("/leases") => lease.answer(&method, &call.body),
+            ("POST" | "PATCH" | "PUT", p) if p.contains("/events") => {
                 let mut created = call.body.clone();
                 created["metadata"]["resourceVersion"] = json!("1");
                 (if method == "POST" { 201 } else { 200 }, created)

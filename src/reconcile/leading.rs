@@ -1,0 +1,74 @@
+//! The reconciler runs on the holder of the leader Lease only, so that with several replicas
+//! one process writes status, creates and deletes machines and publishes Events. Every replica
+//! still watches Proxies and probes them: each serves the lease API from its own inventory and
+//! its own health verdicts.
+
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::controller::{Context, run_controller};
+use crate::proxy::Proxy;
+use crate::proxy_watch::ReconcilerFeed;
+
+/// Waits for the Lease, then runs the controller until shutdown. Until the Lease is held the
+/// watch's triggers and the health transitions are drained (the watch must never wait on a
+/// reconciler that does not run, and health states are recorded as they come); once it is held
+/// every Proxy in the store is reconciled, then the triggers follow. Losing the Lease is an
+/// error that stops the process: its restart contends again as a follower, and two processes
+/// never reconcile at once.
+pub async fn run_while_leading(
+    ctx: Arc<Context>,
+    feed: ReconcilerFeed,
+    namespace: Option<String>,
+    health: impl Stream<Item = ObjectRef<Proxy>> + Send + 'static,
+    mut leader: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    let ReconcilerFeed {
+        store,
+        mut triggers,
+    } = feed;
+    let mut health = Box::pin(health);
+    log::info!("waiting for the leader Lease before reconciling");
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            held = crate::leader::until_leader(&mut leader) => {
+                if !held {
+                    // The election ended: only at shutdown, which the supervisor sees.
+                    shutdown.cancelled().await;
+                    return Ok(());
+                }
+                break;
+            }
+            // Drained, not reconciled: the new leader reconciles the whole store.
+            trigger = triggers.recv() => if trigger.is_none() {
+                return Err("the Proxy watch stopped feeding the reconciler".to_owned());
+            },
+            _ = health.next() => {}
+        }
+    }
+    log::info!("holding the leader Lease: reconciling");
+    let current = futures::stream::iter(store.state());
+    let later = futures::stream::unfold(triggers, |mut rx| async move {
+        let proxy = rx.recv().await?;
+        Some((proxy, rx))
+    });
+    tokio::select! {
+        () = run_controller(ctx, store, current.chain(later), namespace.as_deref(), health) => {
+            Err("the controller stopped".to_owned())
+        }
+        () = shutdown.cancelled() => Ok(()),
+        () = async { drop(leader.wait_for(|leading| !*leading).await) } => {
+            if shutdown.is_cancelled() {
+                Ok(())
+            } else {
+                Err("lost the leader Lease: stopping so that no two replicas reconcile".to_owned())
+            }
+        }
+    }
+}
