@@ -186,8 +186,10 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
                 &text,
                 r#"proxy_operator_proxy_up{name="down",namespace="crawl"}"#,
             ) == Some(0.0)
-            // The engine observes a probe's metrics just before it publishes the verdict.
-            && line_value(&text, r#"proxy_operator_proxies{phase="Ready"}"#) == Some(1.0);
+            // The engine observes a probe's metrics just before it publishes the verdict, and
+            // `down` reads 0 before its first probe too (unprobed: Provisioning, not Unhealthy).
+            && line_value(&text, r#"proxy_operator_proxies{phase="Ready"}"#) == Some(1.0)
+            && line_value(&text, r#"proxy_operator_proxies{phase="Unhealthy"}"#) == Some(1.0);
         if settled {
             break text;
         }
