@@ -151,6 +151,8 @@ impl PodHost {
             .unwrap_or_else(|e| panic!("read Deployment {namespace}/{name}: {e}"));
         let template = deployment.spec.template;
         let mut metadata = template.metadata.unwrap_or_default();
+        // `<deployment>-<template hash>-<random>`, as a ReplicaSet names its Pods (the hash is
+        // a fixed stand-in: nothing here reads it).
         metadata.generate_name = Some(format!("{name}-7d9f8c6b5-"));
         metadata.namespace = Some(namespace.to_owned());
         let pod = Pod {
@@ -354,7 +356,7 @@ struct Projected {
     current: Option<BTreeMap<String, Vec<u8>>>,
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum ProjectedKind {
     ConfigMap,
     Secret,
