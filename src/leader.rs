@@ -34,9 +34,7 @@ impl LeaderConfig {
             grace_seconds: 5,
         }
     }
-}
 
-impl LeaderConfig {
     /// This config with a Lease valid for `duration` (whole seconds), renewed a sixth of it
     /// (1 to 5 s) before expiry.
     pub fn lasting(self, duration: std::time::Duration) -> Self {

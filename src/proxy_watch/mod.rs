@@ -101,22 +101,6 @@ pub struct ReconcilerFeed {
     pub triggers: mpsc::Receiver<Arc<Proxy>>,
 }
 
-impl ReconcilerFeed {
-    /// The store, and the triggers as a stream (for `Controller::for_shared_stream`).
-    pub fn into_parts(
-        self,
-    ) -> (
-        Store<Proxy>,
-        impl Stream<Item = Arc<Proxy>> + Send + 'static,
-    ) {
-        let triggers = futures::stream::unfold(self.triggers, |mut rx| async move {
-            let proxy = rx.recv().await?;
-            Some((proxy, rx))
-        });
-        (self.store, triggers)
-    }
-}
-
 /// The writing side of the watch, run by [`run`].
 pub struct ProxyWatch {
     writer: reflector::store::Writer<Proxy>,

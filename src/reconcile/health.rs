@@ -69,14 +69,10 @@ impl HealthStates {
 /// Turns the health engine's transitions into reconcile triggers, recording each in `states`
 /// first so the reconcile it causes sees it.
 pub fn health_triggers(
-    transitions: mpsc::Receiver<HealthTransition>,
+    mut transitions: mpsc::Receiver<HealthTransition>,
     states: HealthStates,
 ) -> impl Stream<Item = ObjectRef<Proxy>> + Send + 'static {
-    futures::stream::unfold(transitions, |mut rx| async move {
-        let transition = rx.recv().await?;
-        Some((transition, rx))
-    })
-    .map(move |transition| {
+    futures::stream::poll_fn(move |cx| transitions.poll_recv(cx)).map(move |transition| {
         let object = ObjectRef::new(&transition.id.name).within(&transition.id.namespace);
         states.record(transition);
         object

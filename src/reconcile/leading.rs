@@ -54,10 +54,7 @@ pub async fn run_while_leading(
     }
     log::info!("holding the leader Lease: reconciling");
     let current = futures::stream::iter(store.state());
-    let later = futures::stream::unfold(triggers, |mut rx| async move {
-        let proxy = rx.recv().await?;
-        Some((proxy, rx))
-    });
+    let later = futures::stream::poll_fn(move |cx| triggers.poll_recv(cx));
     tokio::select! {
         () = run_controller(ctx, store, current.chain(later), namespace.as_deref(), health) => {
             Err("the controller stopped".to_owned())

@@ -1,6 +1,6 @@
 //! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk beside
-//! the bound it must stay within, and how its writer batches writes into transactions (writes per batch = the ratio of the two
-//! counters, what amortises each COMMIT).
+//! the bound it must stay within, and how its writer batches writes into transactions (writes
+//! per batch = the ratio of the two counters, what amortises each COMMIT).
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
