@@ -94,7 +94,8 @@ impl Install {
             .arg(&chart)
             .args(["-n", NAMESPACE, "--create-namespace", "--kubeconfig"])
             .arg(&install.kubeconfig));
-        let encoded = kubectl(
+        // Decoded by kubectl itself, as the kind quickstart test reads it.
+        let decoded = kubectl(
             &install.kubeconfig,
             &[
                 "-n",
@@ -103,10 +104,9 @@ impl Install {
                 "secret",
                 "proxy-operator-api",
                 "-o",
-                "jsonpath={.data.tokens}",
+                "go-template={{.data.tokens | base64decode}}",
             ],
         );
-        let decoded = base64_decode(encoded.trim());
         install.tokens = decoded.lines().map(str::to_owned).collect();
         assert_eq!(
             install.tokens.len(),
@@ -169,15 +169,6 @@ impl Install {
         }
         self.tokens = tokens;
     }
-}
-
-/// Standard base64 (what `kubectl get secret -o jsonpath` prints) to text.
-fn base64_decode(encoded: &str) -> String {
-    use base64::Engine;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(encoded)
-        .unwrap_or_else(|e| panic!("{encoded:?} is not base64: {e}"));
-    String::from_utf8(bytes).expect("a UTF-8 token file")
 }
 
 /// `GET /v1/proxies` on the Pod's API with `token`: the status.

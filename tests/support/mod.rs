@@ -34,6 +34,27 @@ use std::time::{Duration, Instant};
 /// Generous deadline for conditions that depend on real processes on a loaded machine.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// `name` when `name <version_args…>` runs and succeeds; otherwise `None` after printing that it
+/// is missing and `how_to_install`, or a panic when `CI` is set (CI installs it, so a missing
+/// one is a broken install, not a skip).
+pub fn required_tool(
+    name: &'static str,
+    version_args: &[&str],
+    how_to_install: &str,
+) -> Option<&'static str> {
+    let runs = std::process::Command::new(name)
+        .args(version_args)
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if runs {
+        return Some(name);
+    }
+    let message = format!("{name} is not on PATH ({how_to_install})");
+    assert!(std::env::var_os("CI").is_none(), "{message}");
+    eprintln!("skipped: {message}");
+    None
+}
+
 /// Polls `condition` every 10 ms until it holds, panicking with `what` after [`DEADLINE`].
 pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     let start = Instant::now();

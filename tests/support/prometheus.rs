@@ -14,21 +14,10 @@ use tempfile::TempDir;
 use super::envtest::spawn_tied;
 use super::free_port;
 
-/// `name` (`promtool`, `prometheus`) when it runs; otherwise `None` after saying how to
-/// install it, or a panic when `CI` is set (CI installs it, so a missing one is a broken
-/// install, not a skip).
+/// `name` (`promtool`, `prometheus`, both from Debian's `prometheus`) when it runs; see
+/// [`required_tool`](super::required_tool).
 pub fn tool(name: &'static str) -> Option<&'static str> {
-    let runs = Command::new(name)
-        .arg("--version")
-        .output()
-        .is_ok_and(|output| output.status.success());
-    if runs {
-        return Some(name);
-    }
-    let message = format!("{name} is not on PATH (apt-get install prometheus)");
-    assert!(std::env::var_os("CI").is_none(), "{message}");
-    eprintln!("skipped: {message}");
-    None
+    super::required_tool(name, &["--version"], "apt-get install prometheus")
 }
 
 /// A running Prometheus.

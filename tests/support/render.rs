@@ -16,21 +16,14 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `tool` when it runs (`<tool> version` succeeds); otherwise `None` after printing how to
-/// install it, or a panic when `CI` is set.
+/// `tool` (`kubectl`, `helm`) when `<tool> version --client` runs; see
+/// [`required_tool`](super::required_tool).
 pub fn tool(tool: &'static str) -> Option<&'static str> {
-    let runs = Command::new(tool)
-        .args(["version", "--client"])
-        .output()
-        .or_else(|_| Command::new(tool).arg("version").output())
-        .is_ok_and(|output| output.status.success());
-    if runs {
-        return Some(tool);
-    }
-    let message = format!("{tool} is not on PATH (.ci/run installs the pinned one)");
-    assert!(std::env::var_os("CI").is_none(), "{message}");
-    eprintln!("skipped: {message}");
-    None
+    super::required_tool(
+        tool,
+        &["version", "--client"],
+        ".ci/run installs the pinned one",
+    )
 }
 
 /// Parses a multi-document YAML stream, skipping empty documents.
