@@ -18,7 +18,9 @@ use proxy_operator::cli::{Cli, Command, RunArgs};
 use proxy_operator::tokens::TokenSet;
 
 use crate::support::ControlPlane;
-use crate::support::render::{Manifests, chart, helm, helm_template, helm_template_error, repo};
+use crate::support::render::{
+    Manifests, chart, helm, helm_template, helm_template_error, repo, run,
+};
 
 const RELEASE: &str = "proxy-operator";
 const NAMESPACE: &str = "proxy-operator";
@@ -525,17 +527,10 @@ async fn upgrade_keeps_the_generated_token() {
         .lines()
         .find(|line| line.contains("export TOKEN="))
         .unwrap_or_else(|| panic!("no token command in the notes:\n{notes}"));
-    let output = std::process::Command::new("sh")
+    let printed = run(std::process::Command::new("sh")
         .args(["-c", &format!("{command} && printf '%s\\n' \"$TOKEN\"")])
-        .env("KUBECONFIG", &kubeconfig)
-        .output()
-        .expect("run sh");
-    assert!(
-        output.status.success(),
-        "{command}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert_eq!(String::from_utf8_lossy(&output.stdout), installed);
+        .env("KUBECONFIG", &kubeconfig));
+    assert_eq!(printed, installed);
 
     helm_in_namespace("upgrade");
     let upgraded = tokens(secrets.get(&name).await.unwrap());
