@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::gateway::{BanRule, GatewayConfig};
-use crate::ledger::{Durability, MIN_MAX_SIZE};
+use crate::ledger::{Durability, LedgerLocation, MIN_MAX_SIZE};
 use crate::reconcile::{ReconcilerConfig, Share};
 
 /// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
@@ -56,13 +56,27 @@ pub struct CommonArgs {
     )]
     pub metrics_addr: SocketAddr,
 
-    /// The lease ledger (an SQLite file; created if missing).
+    /// The lease ledger: an SQLite file (created if missing), or a PostgreSQL database as a
+    /// `postgres://user@host:5432/db?sslmode=require` URL, which several replicas can share
+    /// (what the URL leaves out comes from `PGHOST`, `PGPORT`, `PGUSER`, `PGDATABASE`,
+    /// `PGPASSWORD`, `PGSSLMODE`).
     #[arg(
         long,
         env = "PROXY_OPERATOR_LEDGER",
-        default_value = "./proxy-operator.db"
+        default_value = "./proxy-operator.db",
+        value_name = "PATH|URL",
+        value_parser = LedgerLocation::parse
     )]
-    pub ledger: PathBuf,
+    pub ledger: LedgerLocation,
+
+    /// A file holding the PostgreSQL ledger's password (a trailing newline is ignored); wins
+    /// over a password in the URL and `PGPASSWORD`.
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_PASSWORD_FILE", value_name = "PATH")]
+    pub ledger_password_file: Option<PathBuf>,
+
+    /// Connections of the PostgreSQL ledger's pool, per replica.
+    #[arg(long, env = "PROXY_OPERATOR_LEDGER_POOL_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub ledger_pool_size: u16,
 
     /// What an acknowledged lease survives: `normal` (process crash, kill -9) or `full`
     /// (also power loss; one fsync per write).
@@ -494,7 +508,12 @@ mod tests {
         };
         assert_eq!(args.common.discovery_addr.to_string(), "0.0.0.0:8090");
         assert_eq!(args.common.metrics_addr.to_string(), "0.0.0.0:8080");
-        assert_eq!(args.common.ledger, PathBuf::from("./proxy-operator.db"));
+        assert_eq!(
+            args.common.ledger,
+            LedgerLocation::Sqlite(PathBuf::from("./proxy-operator.db"))
+        );
+        assert_eq!(args.common.ledger_password_file, None);
+        assert_eq!(args.common.ledger_pool_size, 16);
         assert_eq!(args.common.health_workers, 8);
         assert_eq!(args.common.lease_cooldown, Duration::from_secs(600));
         assert_eq!(args.common.max_lease_ttl, Duration::from_secs(3600));

@@ -63,7 +63,8 @@ pub enum ApiError {
     NoMatch(NoMatchBody),
     /// The ledger cannot take the write now and nothing was recorded (503 with
     /// `Retry-After`): its write queue is full or the write waited past its deadline
-    /// (`overloaded`), or the ledger is full (`ledger_full`).
+    /// (`overloaded`), the ledger is full (`ledger_full`), or its database cannot be reached
+    /// (`ledger_unavailable`).
     Unavailable {
         /// Machine-readable code.
         code: &'static str,
@@ -121,6 +122,20 @@ impl ApiError {
             message: format!(
                 "the lease ledger is full (its disk, or --ledger-max-size); nothing was \
                  recorded; retry in {retry_after_seconds} s"
+            ),
+        }
+    }
+
+    /// 503 `ledger_unavailable` for a write the ledger's database could not be reached for
+    /// (PostgreSQL); `retry_after` is rounded up to whole seconds, at least 1.
+    pub fn ledger_unavailable(retry_after: std::time::Duration) -> Self {
+        let retry_after_seconds = crate::retry_after::seconds(retry_after);
+        ApiError::Unavailable {
+            code: "ledger_unavailable",
+            retry_after_seconds,
+            message: format!(
+                "the lease ledger's database cannot be reached; nothing was recorded; retry in \
+                 {retry_after_seconds} s"
             ),
         }
     }
@@ -205,6 +220,10 @@ mod tests {
             for (error, code) in [
                 (ApiError::overloaded(retry_after), "overloaded"),
                 (ApiError::ledger_full(retry_after), "ledger_full"),
+                (
+                    ApiError::ledger_unavailable(retry_after),
+                    "ledger_unavailable",
+                ),
             ] {
                 assert_eq!(error.status_code(), StatusCode::SERVICE_UNAVAILABLE);
                 assert!(error.to_string().starts_with(code), "{error}");

@@ -42,6 +42,14 @@ fn ledger_error(state: &ApiState, context: &'static str, error: LedgerError) -> 
             state.metrics.write_refused_full();
             ApiError::ledger_full(retry_after)
         }
+        LedgerError::Unavailable {
+            retry_after,
+            reason,
+        } => {
+            log::warn!("{context}: {reason}");
+            state.metrics.write_unavailable();
+            ApiError::ledger_unavailable(retry_after)
+        }
         LedgerError::RequestIdReused { request_id } => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "request_id_reused",
@@ -115,9 +123,9 @@ fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
 }
 
 /// The 503 of a ledger write other than acquire.
-const WRITE_UNAVAILABLE: &str = "`overloaded` (the ledger could not take the write in time) or \
-     `ledger_full` (the ledger's disk or file is full): nothing was written. Retry after \
-     `Retry-After` seconds";
+const WRITE_UNAVAILABLE: &str = "`overloaded` (the ledger could not take the write in time), \
+     `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database \
+     cannot be reached): nothing was written. Retry after `Retry-After` seconds";
 
 /// Lists proxies, optionally only healthy (or unhealthy) ones matching a selector.
 #[utoipa::path(
@@ -190,7 +198,7 @@ pub async fn list_proxies(
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 422, description = "`request_id_reused`: the `requestID` was used for an acquire with a different selector, target or `ttlSeconds`", body = ErrorBody),
-        (status = 503, description = "`overloaded` (the ledger could not take the write in time) or `ledger_full` (the ledger's disk or file is full): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
+        (status = 503, description = "`overloaded` (the ledger could not take the write in time), `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database cannot be reached): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -511,10 +519,14 @@ pub async fn end_session(
 pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(StatusBody {
         status: "ok".into(),
+        database: None,
+        database_error: None,
     })
 }
 
-/// Readiness: the inventory has synced, the ledger's writer runs and its file answers reads.
+/// Readiness: the inventory has synced, and an SQLite ledger's writer runs and its file
+/// answers reads. A PostgreSQL ledger keeps the replica ready while its database is down (the
+/// body says `"database": "down"`): every replica shares it, so none would be better.
 #[utoipa::path(
     get,
     path = "/readyz",
@@ -534,8 +546,13 @@ pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError
         .check()
         .await
         .map_err(|e| not_ready(format!("the ledger does not answer: {e}")))?;
+    let database = state.ledger.database();
     Ok(HttpResponse::Ok().json(StatusBody {
         status: "ready".into(),
+        database: database
+            .as_ref()
+            .map(|d| if d.up { "up" } else { "down" }.to_owned()),
+        database_error: database.and_then(|d| d.error),
     }))
 }
 

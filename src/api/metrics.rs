@@ -12,6 +12,7 @@ pub struct LeaseMetrics {
     replayed: IntCounter,
     overloaded: IntCounter,
     full: IntCounter,
+    unavailable: IntCounter,
     rejections: IntCounterVec,
     reports: IntCounterVec,
 }
@@ -37,6 +38,11 @@ impl LeaseMetrics {
             "Lease API writes answered 503 ledger_full because the ledger's disk or size bound \
              was full.",
         )?;
+        let unavailable = IntCounter::new(
+            "proxy_operator_ledger_unavailable_total",
+            "Lease API writes answered 503 ledger_unavailable because the ledger's database \
+             could not be reached.",
+        )?;
         let rejections = IntCounterVec::new(
             Opts::new(
                 "proxy_operator_lease_rejections_total",
@@ -55,6 +61,7 @@ impl LeaseMetrics {
         registry.register(Box::new(replayed.clone()))?;
         registry.register(Box::new(overloaded.clone()))?;
         registry.register(Box::new(full.clone()))?;
+        registry.register(Box::new(unavailable.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
         registry.register(Box::new(reports.clone()))?;
         for result in ReportResult::ALL {
@@ -68,6 +75,7 @@ impl LeaseMetrics {
             replayed,
             overloaded,
             full,
+            unavailable,
             rejections,
             reports,
         })
@@ -91,6 +99,11 @@ impl LeaseMetrics {
     /// Counts a write refused because the ledger was full.
     pub fn write_refused_full(&self) {
         self.full.inc();
+    }
+
+    /// Counts a write refused because the ledger's database could not be reached.
+    pub fn write_unavailable(&self) {
+        self.unavailable.inc();
     }
 
     /// Counts a refused acquire.

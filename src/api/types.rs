@@ -378,9 +378,18 @@ pub struct LeaseView {
 
 /// Answer of `/healthz` and `/readyz`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct StatusBody {
     /// `ok` or `ready`.
     pub status: String,
+    /// `/readyz` with a PostgreSQL ledger: `up` while its database answers, `down` while it
+    /// does not (lease writes are answered 503 `ledger_unavailable` meanwhile; the replica
+    /// stays ready, since every replica shares the database).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<String>,
+    /// Why the database does not answer, while it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_error: Option<String>,
 }
 
 #[cfg(test)]

@@ -599,7 +599,8 @@ fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (Outcome, Response<Body>)
     match refusal {
         Refusal::NoMatch(no_match) => (Outcome::NoProxy, no_match_response(no_match, now)),
         Refusal::Ledger(LedgerError::Overloaded { retry_after })
-        | Refusal::Ledger(LedgerError::Full { retry_after }) => {
+        | Refusal::Ledger(LedgerError::Full { retry_after })
+        | Refusal::Ledger(LedgerError::Unavailable { retry_after, .. }) => {
             let mut response = error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",

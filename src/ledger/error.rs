@@ -48,6 +48,20 @@ pub enum LedgerError {
         /// How long the caller should wait before retrying.
         retry_after: Duration,
     },
+    /// The ledger's database cannot be reached (refused, lost or timed-out connections, tried
+    /// again within a bound); nothing of the write was recorded, or, for a COMMIT whose answer
+    /// was lost, a retry finds what was. Answered 503 with `Retry-After`; the pool connects
+    /// again by itself once the database answers.
+    #[error("the ledger's database cannot be reached ({reason}); retry in {retry_after:?}")]
+    Unavailable {
+        /// How long the caller should wait before retrying.
+        retry_after: Duration,
+        /// What the connection attempts met (never a password).
+        reason: String,
+    },
+    /// A PostgreSQL statement failed for a reason a retry would not mend.
+    #[error("ledger database error: {0}")]
+    Postgres(String),
     /// The ledger was shut down (or its writer stopped); no write is accepted any more.
     #[error("the lease ledger is shut down")]
     Closed,

@@ -6,8 +6,9 @@
 //! (`lease`); the pure selection of a proxy for an acquire (`selection::select`); the ranking of cooldowns
 //! per target (`targets`); the clock, the configuration and the errors. A backend decides every
 //! write against its own record of the leases, and calls the same `select` so both backends
-//! choose alike. The one backend today is [`SqliteLedger`] (`sqlite/`): one file, one writer
-//! thread, group commit.
+//! choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
+//! commit, one replica. [`PostgresLedger`] (`postgres/`): one database any number of replicas
+//! share, the database deciding each write in a transaction of its own.
 //!
 //! # Rules every backend keeps
 //!
@@ -33,6 +34,9 @@ mod clock;
 mod config;
 mod error;
 mod lease;
+mod location;
+mod migration;
+mod postgres;
 mod selection;
 mod sqlite;
 mod targets;
@@ -47,8 +51,22 @@ pub use lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
     NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
 };
+pub use location::LedgerLocation;
+pub use postgres::{
+    COUNTS_REFRESH, POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector,
+    PostgresOptions,
+};
 pub use sqlite::{SCHEMA_VERSION, SqliteLedger, SqliteLedgerCollector, WriterStats};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
+
+/// Whether a ledger's database answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatabaseStatus {
+    /// The last statement (or the periodic check) reached it.
+    pub up: bool,
+    /// Why it could not, while it cannot.
+    pub error: Option<String>,
+}
 
 /// A lease ledger, whichever backend keeps it.
 ///
@@ -107,6 +125,12 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
 
     /// Whether the ledger can serve: `Ok` when writes are taken and reads answer (readiness).
     async fn check(&self) -> Result<(), LedgerError>;
+
+    /// The state of the database behind the ledger, for `/readyz` and the metrics; `None`
+    /// for an embedded ledger, which has none apart from itself.
+    fn database(&self) -> Option<DatabaseStatus> {
+        None
+    }
 
     /// Active leases per proxy UID (proxies without any are absent).
     fn active_counts(&self) -> HashMap<String, u32>;

@@ -25,7 +25,8 @@ use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
 use crate::ledger::{
-    Clock, Ledger, LedgerConfig, SqliteLedger, SqliteLedgerCollector, SystemClock,
+    Clock, Durability, Ledger, LedgerConfig, LedgerError, LedgerLocation, PostgresLedger,
+    PostgresLedgerCollector, PostgresOptions, SqliteLedger, SqliteLedgerCollector, SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
 use crate::sessions::Sessions;
@@ -82,7 +83,7 @@ pub struct Core {
 
 impl Core {
     /// Opens (and migrates) the ledger and registers the metrics.
-    pub fn open(common: &CommonArgs, inventory: Inventory) -> Result<Core, StartError> {
+    pub async fn open(common: &CommonArgs, inventory: Inventory) -> Result<Core, StartError> {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let config = LedgerConfig {
             max_ttl: common.max_lease_ttl,
@@ -97,8 +98,6 @@ impl Core {
             queue_deadline: common.ledger_queue_deadline,
             ..LedgerConfig::default()
         };
-        let sqlite = SqliteLedger::open(&common.ledger, config, clock.clone())
-            .map_err(|e| StartError::from_display("--ledger", e))?;
         let health = HealthSnapshot::new();
         let registry = Registry::new();
         let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
@@ -107,9 +106,32 @@ impl Core {
         let sessions = Sessions::default();
         let gateway_metrics =
             GatewayMetrics::register(&registry, sessions.clone()).map_err(metric_error)?;
-        let file = SqliteLedgerCollector::new(sqlite.clone()).map_err(metric_error)?;
-        registry.register(Box::new(file)).map_err(metric_error)?;
-        let ledger: Arc<dyn Ledger> = Arc::new(sqlite);
+        let ledger_error = |e: LedgerError| StartError::from_display("--ledger", e);
+        let ledger: Arc<dyn Ledger> = match &common.ledger {
+            LedgerLocation::Sqlite(path) => {
+                let sqlite =
+                    SqliteLedger::open(path, config, clock.clone()).map_err(ledger_error)?;
+                let file = SqliteLedgerCollector::new(sqlite.clone()).map_err(metric_error)?;
+                registry.register(Box::new(file)).map_err(metric_error)?;
+                Arc::new(sqlite)
+            }
+            LedgerLocation::Postgres(url) => {
+                log_sqlite_only_flags(common);
+                let options = PostgresOptions {
+                    password: read_password(common.ledger_password_file.as_deref())?,
+                    pool_size: usize::from(common.ledger_pool_size),
+                };
+                let postgres = PostgresLedger::open(url, options, config, clock.clone())
+                    .await
+                    .map_err(ledger_error)?;
+                let database =
+                    PostgresLedgerCollector::new(postgres.clone()).map_err(metric_error)?;
+                registry
+                    .register(Box::new(database))
+                    .map_err(metric_error)?;
+                Arc::new(postgres)
+            }
+        };
         let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone())
             .map_err(metric_error)?;
         registry.register(Box::new(fleet)).map_err(metric_error)?;
@@ -130,6 +152,34 @@ impl Core {
             sessions,
             gateway_metrics,
         })
+    }
+}
+
+/// The PostgreSQL ledger's password from `--ledger-password-file`, without the trailing
+/// newline an editor or `kubectl create secret --from-file` leaves.
+fn read_password(path: Option<&std::path::Path>) -> Result<Option<String>, StartError> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| StartError(format!("--ledger-password-file {}: {e}", path.display())))?;
+    Ok(Some(text.trim_end_matches(['\n', '\r']).to_owned()))
+}
+
+/// Says which SQLite-only settings a PostgreSQL ledger leaves aside, when they were changed.
+fn log_sqlite_only_flags(common: &CommonArgs) {
+    let defaults = LedgerConfig::default();
+    if common.ledger_max_size != defaults.max_size {
+        log::info!(
+            "--ledger-max-size applies to an SQLite ledger only; PostgreSQL's room is its own \
+             (a full disk answers 503 ledger_full)"
+        );
+    }
+    if Durability::from(common.ledger_durability) != defaults.durability {
+        log::info!(
+            "--ledger-durability applies to an SQLite ledger only; PostgreSQL commits as its \
+             synchronous_commit says"
+        );
     }
 }
 
@@ -312,7 +362,7 @@ pub fn start_core(
         "lease API on {}, gateway on {gateway_addr}, metrics on {}, ledger {}",
         common.discovery_addr,
         common.metrics_addr,
-        common.ledger.display()
+        common.ledger
     );
     Ok(())
 }

@@ -79,7 +79,7 @@ async fn start(
 ) -> Result<Supervisor, StartError> {
     let gc_config = gc_config(&args);
     let inventory = Inventory::new();
-    let core = Core::open(&args.common, inventory.clone())?;
+    let core = Core::open(&args.common, inventory.clone()).await?;
     let providers = build_providers(
         &providers_config,
         &Constructors::standard(client.clone()),

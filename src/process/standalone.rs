@@ -25,7 +25,7 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     );
     let inventory = Inventory::new();
     inventory.replace(loaded.proxies);
-    let core = Core::open(&args.common, inventory.clone())?;
+    let core = Core::open(&args.common, inventory.clone()).await?;
     core.credentials.replace(loaded.credentials);
 
     let mut supervisor = Supervisor::new();

@@ -6,14 +6,7 @@ use std::path::Path;
 use rusqlite::{Connection, TransactionBehavior};
 
 use crate::ledger::error::LedgerError;
-
-/// One numbered SQL file from `migrations/`.
-pub(crate) struct Migration {
-    /// File name, for logs.
-    pub name: &'static str,
-    /// The SQL it runs.
-    pub sql: &'static str,
-}
+use crate::ledger::migration::Migration;
 
 /// Every migration, in order; migration `i` brings the schema to version `i + 1`.
 pub(crate) const MIGRATIONS: &[Migration] = &[
@@ -81,18 +74,6 @@ mod tests {
     #[test]
     fn every_file_in_migrations_is_applied_in_order() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
-        let mut files: Vec<String> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
-            .collect();
-        files.sort();
-        let names: Vec<&str> = MIGRATIONS.iter().map(|m| m.name).collect();
-        assert_eq!(files, names);
-        for (index, migration) in MIGRATIONS.iter().enumerate() {
-            let prefix = format!("{:04}_", index + 1);
-            assert!(migration.name.starts_with(&prefix), "{}", migration.name);
-            let on_disk = std::fs::read_to_string(dir.join(migration.name)).unwrap();
-            assert_eq!(on_disk, migration.sql, "{}", migration.name);
-        }
+        crate::ledger::migration::assert_lists_directory(&dir, MIGRATIONS);
     }
 }

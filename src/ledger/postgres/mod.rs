@@ -1,0 +1,473 @@
+//! The lease ledger on PostgreSQL (or a database that speaks its protocol), for installs
+//! that run several replicas: every replica writes the same database, and the database
+//! decides, so any number of them agree.
+//!
+//! Every write is one transaction in READ COMMITTED, with its time from the injected clock as
+//! a parameter. An acquire reads the loads, calls the same [`select`](super::selection) as
+//! the SQLite ledger, then locks the chosen proxy's row in `proxy_locks` and checks under
+//! that lock that the proxy can still take the lease; when it cannot (another replica's
+//! acquire got there first) nothing is written and the acquire decides again on fresh loads,
+//! so a 409 always comes from a decision on what was committed, never from a skipped lock.
+//! See `docs/architecture.md` for the choices and the clock skew they tolerate.
+//!
+//! The synchronous counts come from a snapshot refreshed every [`COUNTS_REFRESH`] and moved
+//! by this replica's own writes at once (`counts`). The same refresh tells whether the
+//! database answers, for `/readyz`'s body and `proxy_operator_ledger_database_up`.
+
+mod connect;
+mod counts;
+mod metrics;
+mod retry;
+mod schema;
+mod store;
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use deadpool_postgres::{Pool, PoolError};
+
+pub use metrics::PostgresLedgerCollector;
+pub use schema::POSTGRES_SCHEMA_VERSION;
+
+use self::counts::{Change, Counts};
+use self::retry::{Failure, UNAVAILABLE_RETRY_AFTER};
+use self::store::{Attempt, Ended, StoreError};
+use super::clock::Clock;
+use super::config::LedgerConfig;
+use super::error::LedgerError;
+use super::lease::{
+    AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
+};
+use super::targets::TargetCooldowns;
+use super::{DatabaseStatus, Ledger};
+
+/// How often the counts are read again from the database (other replicas' writes show
+/// within this) and the database's state is checked.
+pub const COUNTS_REFRESH: Duration = Duration::from_secs(1);
+/// Attempts of an acquire whose chosen proxy was taken by a concurrent acquire before its
+/// lock was held; each decides again on fresh loads.
+const RACE_ATTEMPTS: u32 = 64;
+
+/// How to reach the database, besides the URL.
+#[derive(Debug, Clone, Default)]
+pub struct PostgresOptions {
+    /// The password (from `--ledger-password-file`); wins over the URL's and `PGPASSWORD`.
+    pub password: Option<String>,
+    /// Connections in the pool.
+    pub pool_size: usize,
+}
+
+/// A lease ledger in a PostgreSQL database. Clones share the pool and the counts.
+#[derive(Clone)]
+pub struct PostgresLedger {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    config: LedgerConfig,
+    clock: Arc<dyn Clock>,
+    counts: RwLock<Counts>,
+    /// Where it connects, for logs and errors (no password).
+    target: String,
+    up: AtomicBool,
+    /// Why the last statement that could not reach the database failed.
+    last_error: Mutex<Option<String>>,
+    /// Acquires decided again because a concurrent one took the chosen proxy, and
+    /// transactions the database aborted for a conflict.
+    conflicts: AtomicU64,
+}
+
+impl std::fmt::Debug for PostgresLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresLedger")
+            .field("target", &self.inner.target)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs `$work` (a future using the transaction `$tx`) in a transaction on a pooled
+/// connection and commits when it returns `Ok`, again after a conflict or a lost connection
+/// (see [`PostgresLedger::settle`]); a `$work` that fails rolls the transaction back, and a
+/// connection that failed is closed rather than pooled again. A
+/// macro rather than a function taking a closure, so each call's future stays `Send`.
+macro_rules! in_transaction {
+    ($ledger:expr, |$tx:ident| $work:expr) => {{
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let result = async {
+                let mut client = $ledger.inner.pool.get().await.map_err(Attempted::Pool)?;
+                let outcome = async {
+                    let $tx = client.transaction().await?;
+                    let value = $work.await?;
+                    $tx.commit().await?;
+                    Ok::<_, StoreError>(value)
+                }
+                .await;
+                if let Err(StoreError::Db(error)) = &outcome
+                    && Failure::of(error) == Failure::Connection
+                {
+                    // Never back to the pool: it is broken, or reaches a standby.
+                    drop(deadpool_postgres::Object::take(client));
+                }
+                outcome.map_err(Attempted::from)
+            }
+            .await;
+            match $ledger.settle(result, attempt) {
+                ControlFlow::Break(answer) => break answer,
+                ControlFlow::Continue(wait) => tokio::time::sleep(wait).await,
+            }
+        }
+    }};
+}
+
+impl PostgresLedger {
+    /// Connects to the database `url` names (what it leaves out from `PG*`), applies pending
+    /// migrations under the schema row's lock, reads the counts, and starts refreshing them.
+    /// Must be called inside a Tokio runtime.
+    pub async fn open(
+        url: &str,
+        options: PostgresOptions,
+        config: LedgerConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<PostgresLedger, LedgerError> {
+        config.validate()?;
+        let resolved = connect::resolve(url, |name| std::env::var(name).ok(), options.password)
+            .map_err(|e| LedgerError::Config(format!("{}: {e}", super::location::redact(url))))?;
+        let target = connect::describe(&resolved.config);
+        let pool = connect::pool(&resolved, options.pool_size.max(1), config.queue_deadline)
+            .map_err(|e| LedgerError::Config(format!("{target}: {e}")))?;
+        let unreachable = |e: String| LedgerError::Unavailable {
+            retry_after: UNAVAILABLE_RETRY_AFTER,
+            reason: format!("{target}: {e}"),
+        };
+        let mut client = pool.get().await.map_err(|e| unreachable(pool_error(&e)))?;
+        let applied = schema::migrate(&mut client, &target)
+            .await
+            .map_err(LedgerError::Config)?;
+        drop(client);
+        // Every connection made now, not by the first burst of acquires, which would wait
+        // for logins past their deadline and be answered 503.
+        let connections: Vec<_> =
+            futures::future::join_all((0..pool.status().max_size).map(|_| pool.get()))
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(|e| unreachable(pool_error(&e)))?;
+        drop(connections);
+        log::info!(
+            "ledger: PostgreSQL, {target}, schema version {POSTGRES_SCHEMA_VERSION} ({applied} \
+             migrations applied), TLS {}",
+            if resolved.tls { "required" } else { "off" }
+        );
+        let ledger = PostgresLedger {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                clock,
+                counts: RwLock::new(Counts::default()),
+                target,
+                up: AtomicBool::new(true),
+                last_error: Mutex::new(None),
+                conflicts: AtomicU64::new(0),
+            }),
+        };
+        ledger.refresh().await?;
+        tokio::spawn(refresh_counts(Arc::downgrade(&ledger.inner)));
+        Ok(ledger)
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.inner.clock.now().as_millisecond()
+    }
+
+    fn counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
+        self.inner
+            .counts
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn change(&self, change: Change) {
+        self.inner
+            .counts
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .change(change);
+    }
+
+    /// Transactions decided again after a conflict with another replica's.
+    pub fn conflicts(&self) -> u64 {
+        self.inner.conflicts.load(Ordering::Relaxed)
+    }
+
+    fn mark(&self, result: Result<(), String>) {
+        let up = result.is_ok();
+        if self.inner.up.swap(up, Ordering::Relaxed) != up {
+            match &result {
+                Ok(()) => log::info!("ledger: the database {} answers again", self.inner.target),
+                Err(e) => log::warn!("ledger: the database does not answer: {e}"),
+            }
+        }
+        if let Err(e) = result {
+            *self
+                .inner
+                .last_error
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+        }
+    }
+
+    /// What to do after attempt number `attempt` of a transaction ended with `result`:
+    /// answer, or wait and try again (a conflict or a lost connection, within the bounds of
+    /// `retry`).
+    fn settle<T>(
+        &self,
+        result: Result<T, Attempted>,
+        attempt: u32,
+    ) -> ControlFlow<Result<T, LedgerError>, Duration> {
+        let (failure, message) = match result {
+            Ok(value) => {
+                self.mark(Ok(()));
+                return ControlFlow::Break(Ok(value));
+            }
+            Err(Attempted::Answer(error)) => return ControlFlow::Break(Err(error)),
+            Err(Attempted::Pool(PoolError::Timeout(deadpool_postgres::TimeoutType::Wait))) => {
+                return ControlFlow::Break(Err(LedgerError::Overloaded {
+                    retry_after: UNAVAILABLE_RETRY_AFTER,
+                }));
+            }
+            Err(Attempted::Pool(error)) => (Failure::Connection, pool_error(&error)),
+            Err(Attempted::Db(error)) => (Failure::of(&error), connect::explain(&error)),
+        };
+        match failure {
+            Failure::Conflict => {
+                self.inner.conflicts.fetch_add(1, Ordering::Relaxed);
+            }
+            Failure::Connection => self.mark(Err(message.clone())),
+            Failure::Full => {
+                return ControlFlow::Break(Err(LedgerError::Full {
+                    retry_after: UNAVAILABLE_RETRY_AFTER,
+                }));
+            }
+            Failure::Other => return ControlFlow::Break(Err(LedgerError::Postgres(message))),
+        }
+        if attempt >= failure.attempts() {
+            return ControlFlow::Break(Err(match failure {
+                Failure::Conflict => LedgerError::Overloaded {
+                    retry_after: Duration::from_millis(100),
+                },
+                _ => LedgerError::Unavailable {
+                    retry_after: UNAVAILABLE_RETRY_AFTER,
+                    reason: message,
+                },
+            }));
+        }
+        ControlFlow::Continue(failure.backoff(attempt + 1))
+    }
+
+    /// Reads the counts again, and whether the database answers.
+    async fn refresh(&self) -> Result<(), LedgerError> {
+        let began = self.counts().begin_refresh();
+        let now = self.now_ms();
+        let snapshot = in_transaction!(self, |tx| store::counting(&tx, now))?;
+        self.inner
+            .counts
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .finish_refresh(began, snapshot);
+        Ok(())
+    }
+}
+
+/// Why one attempt failed.
+enum Attempted {
+    Pool(PoolError),
+    Db(tokio_postgres::Error),
+    Answer(LedgerError),
+}
+
+impl From<StoreError> for Attempted {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Db(e) => Attempted::Db(e),
+            StoreError::Ledger(e) => Attempted::Answer(e),
+        }
+    }
+}
+
+fn pool_error(error: &PoolError) -> String {
+    match error {
+        PoolError::Backend(e) => connect::explain(e),
+        other => other.to_string(),
+    }
+}
+
+/// Refreshes the counts every [`COUNTS_REFRESH`] until the ledger is dropped.
+async fn refresh_counts(inner: Weak<Inner>) {
+    let mut ticker = tokio::time::interval(COUNTS_REFRESH);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticker.tick().await;
+    loop {
+        ticker.tick().await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let ledger = PostgresLedger { inner };
+        if let Err(e) = ledger.refresh().await {
+            log::debug!("ledger: refreshing the counts failed: {e}");
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Ledger for PostgresLedger {
+    /// One transaction per attempt; decided again when a concurrent acquire took the chosen
+    /// proxy first (see the module docs).
+    async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError> {
+        let ttl_ms = self.inner.config.capped_ttl_ms(request.ttl)?;
+        let now = self.now_ms();
+        let id = new_lease_id(now);
+        let config = &self.inner.config;
+        for _ in 0..RACE_ATTEMPTS {
+            let attempt = in_transaction!(self, |tx| store::acquire(
+                &tx, &request, config, &id, ttl_ms, now
+            ))?;
+            match attempt {
+                Attempt::Decided(outcome) => {
+                    if let AcquireOutcome::Granted(lease) = &outcome {
+                        self.change(Change::Lease {
+                            id: lease.id.as_str().into(),
+                            uid: lease.proxy.uid.as_str().into(),
+                            expires_at: lease.expires_at.as_millisecond(),
+                        });
+                    }
+                    return Ok(outcome);
+                }
+                Attempt::Lost => {
+                    self.inner.conflicts.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Err(LedgerError::Overloaded {
+            retry_after: Duration::from_millis(100),
+        })
+    }
+
+    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError> {
+        let ttl_ms = self.inner.config.capped_ttl_ms(ttl)?;
+        let now = self.now_ms();
+        let lease = in_transaction!(self, |tx| store::renew(&tx, id, ttl_ms, now))?;
+        self.change(Change::Lease {
+            id: id.into(),
+            uid: lease.proxy.uid.as_str().into(),
+            expires_at: lease.expires_at.as_millisecond(),
+        });
+        Ok(lease)
+    }
+
+    async fn release(&self, id: &str) -> Result<(), LedgerError> {
+        let now = self.now_ms();
+        let released =
+            in_transaction!(self, |tx| store::release(&tx, Ended::Lease(id), None, now))?;
+        for (_, id) in released {
+            self.change(Change::Ended { id: id.into() });
+        }
+        Ok(())
+    }
+
+    async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError> {
+        if !is_release_reason(reason) {
+            return Err(LedgerError::InvalidReason(reason.to_owned()));
+        }
+        let now = self.now_ms();
+        let released = in_transaction!(self, |tx| store::release(
+            &tx,
+            Ended::Proxy(proxy_uid),
+            Some(reason),
+            now
+        ))?;
+        let count = u64::try_from(released.len()).unwrap_or(u64::MAX);
+        for (_, id) in released {
+            self.change(Change::Ended { id: id.into() });
+        }
+        Ok(count)
+    }
+
+    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError> {
+        let now = self.now_ms();
+        let config = &self.inner.config;
+        let (lease, cooldown) =
+            in_transaction!(self, |tx| store::report(&tx, config, id, &report, now))?;
+        if let Some((target, until)) = cooldown {
+            self.change(Change::Cooldown {
+                uid: lease.proxy.uid.as_str().into(),
+                target: target.into(),
+                until,
+            });
+        }
+        Ok(lease)
+    }
+
+    /// Safe on every replica at once (see `store::sweep`).
+    async fn sweep(&self) -> Result<SweepStats, LedgerError> {
+        let now = self.now_ms();
+        let config = &self.inner.config;
+        in_transaction!(self, |tx| store::sweep(&tx, config, now))
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
+        let now = self.now_ms();
+        in_transaction!(self, |tx| store::lease_by_id(&tx, id, now))
+    }
+
+    /// Always ready: a database that does not answer affects every replica alike, so taking
+    /// this one out of the Service would help no crawler; writes answer 503 meanwhile, and
+    /// [`database`](Ledger::database) says why.
+    async fn check(&self) -> Result<(), LedgerError> {
+        Ok(())
+    }
+
+    fn database(&self) -> Option<DatabaseStatus> {
+        let up = self.inner.up.load(Ordering::Relaxed);
+        let error = (!up)
+            .then(|| {
+                self.inner
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone()
+            })
+            .flatten();
+        Some(DatabaseStatus { up, error })
+    }
+
+    /// From the snapshot (see the module docs).
+    fn active_counts(&self) -> HashMap<String, u32> {
+        self.counts().active_counts(self.now_ms())
+    }
+
+    fn active_count(&self, uid: &str) -> u32 {
+        self.counts().active_count(uid, self.now_ms())
+    }
+
+    fn active_total(&self) -> u64 {
+        self.counts().active_total(self.now_ms())
+    }
+
+    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool {
+        self.counts().in_cooldown(proxy_uid, target, self.now_ms())
+    }
+
+    fn cooldowns_active(&self) -> u64 {
+        self.counts().cooldowns_active(self.now_ms())
+    }
+
+    fn target_cooldowns(&self) -> TargetCooldowns {
+        self.counts().target_cooldowns(self.now_ms())
+    }
+}

@@ -1,0 +1,670 @@
+//! The statements of the PostgreSQL ledger, one transaction per call. Each takes the time
+//! from the caller (the ledger's injected clock), never from the database, and says when a
+//! conditional write lost a race, so the caller decides again on fresh loads.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use deadpool_postgres::Transaction;
+use jiff::Timestamp;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use crate::ledger::config::LedgerConfig;
+use crate::ledger::error::LedgerError;
+use crate::ledger::lease::{
+    AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats,
+};
+use crate::ledger::selection::{ProxyLoad, Selection, select};
+use crate::proxy::ProxyId;
+
+/// A statement that failed: the driver's error, or an answer for the caller.
+#[derive(Debug)]
+pub(crate) enum StoreError {
+    Db(tokio_postgres::Error),
+    Ledger(LedgerError),
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(error: tokio_postgres::Error) -> Self {
+        StoreError::Db(error)
+    }
+}
+
+impl From<LedgerError> for StoreError {
+    fn from(error: LedgerError) -> Self {
+        StoreError::Ledger(error)
+    }
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+const LEASE_COLUMNS: &str = "id, proxy_namespace, proxy_name, proxy_uid, target, state, \
+                             acquired_at, expires_at, ttl_ms, released_at, release_reason, client";
+
+async fn query(
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>> {
+    let statement = tx.prepare_cached(sql).await?;
+    Ok(tx.query(&statement, params).await?)
+}
+
+async fn execute(tx: &Transaction<'_>, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+    let statement = tx.prepare_cached(sql).await?;
+    Ok(tx.execute(&statement, params).await?)
+}
+
+/// What one acquire attempt came to.
+#[derive(Debug)]
+pub(crate) enum Attempt {
+    /// Decided; the transaction is committed (or had nothing to commit).
+    Decided(AcquireOutcome),
+    /// The chosen proxy could no longer take the lease when its lock was held, or another
+    /// acquire took the request ID first: nothing was written, decide again.
+    Lost,
+}
+
+/// One attempt at an acquire with lease ID `id` (the same on every attempt, so an attempt
+/// whose COMMIT went through but whose answer was lost is found by the next one instead of
+/// granting twice).
+///
+/// Reads the request ID's row, the loads of every proxy, the target's cooldowns and the
+/// per-target counts; asks [`select`]; locks the chosen proxy's row (and the target's, under
+/// a fleet-wide per-target limit) and checks under the lock that the proxy can still take
+/// the lease; then inserts the lease, its request ID and its history row.
+pub(crate) async fn acquire(
+    tx: &Transaction<'_>,
+    request: &AcquireRequest,
+    config: &LedgerConfig,
+    id: &str,
+    ttl_ms: i64,
+    now: i64,
+) -> Result<Attempt> {
+    if let Some(lease) = lease_by_id(tx, id, now).await? {
+        return Ok(Attempt::Decided(AcquireOutcome::Granted(lease)));
+    }
+    let target = request.target.as_deref().filter(|t| !t.is_empty());
+    let key = request.request.as_ref();
+    if let Some(key) = key {
+        let rows = query(
+            tx,
+            "SELECT lease_id, fingerprint FROM acquire_requests \
+             WHERE request_id = $1 AND expires_at > $2",
+            &[&key.id, &now],
+        )
+        .await?;
+        if let Some(row) = rows.first() {
+            let (lease_id, fingerprint): (String, String) = (row.get(0), row.get(1));
+            if fingerprint != key.fingerprint {
+                return Err(LedgerError::RequestIdReused {
+                    request_id: key.id.clone(),
+                }
+                .into());
+            }
+            return match lease_by_id(tx, &lease_id, now).await? {
+                Some(lease) => Ok(Attempt::Decided(AcquireOutcome::Replayed(lease))),
+                None => Err(LedgerError::Inconsistent(format!(
+                    "request ID {:?} names lease {lease_id} that the ledger no longer holds",
+                    key.id
+                ))
+                .into()),
+            };
+        }
+    }
+
+    let loads = loads_of(
+        query(
+            tx,
+            "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
+             WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid",
+            &[&now],
+        )
+        .await?,
+    );
+    let cooldowns: HashMap<String, i64> = match target {
+        Some(target) => query(
+            tx,
+            "SELECT proxy_uid, until FROM cooldowns WHERE target = $1 AND until > $2",
+            &[&target, &now],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect(),
+        None => HashMap::new(),
+    };
+    let limited =
+        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
+    let for_target = match target {
+        Some(target) if limited => loads_of(
+            query(
+                tx,
+                "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
+                 WHERE state = 'active' AND expires_at > $1 AND target = $2 GROUP BY proxy_uid",
+                &[&now, &target],
+            )
+            .await?,
+        ),
+        _ => HashMap::new(),
+    };
+    let hold = TargetHold::new(config, &for_target, target.is_some());
+    let selection = select(
+        &request.candidates,
+        |uid| loads.get(uid).copied().unwrap_or_default(),
+        |uid| {
+            cooldowns
+                .get(uid)
+                .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
+        },
+        |uid| hold.of(uid),
+    );
+    let candidate = match selection {
+        Selection::NoMatch(stats) => return Ok(Attempt::Decided(AcquireOutcome::NoMatch(stats))),
+        Selection::Chosen(index) => match request.candidates.get(index) {
+            Some(candidate) => candidate,
+            None => {
+                return Err(LedgerError::Inconsistent(format!(
+                    "selection chose candidate {index} of {}",
+                    request.candidates.len()
+                ))
+                .into());
+            }
+        },
+    };
+    let uid = candidate.proxy.uid.as_str();
+
+    if let (Some(target), Some(_)) = (target, config.max_leases_per_target) {
+        execute(
+            tx,
+            "INSERT INTO target_locks (target, acquires) VALUES ($1, 1) \
+             ON CONFLICT (target) DO UPDATE SET acquires = target_locks.acquires + 1",
+            &[&target],
+        )
+        .await?;
+    }
+    execute(
+        tx,
+        "INSERT INTO proxy_locks (proxy_uid, acquires) VALUES ($1, 1) \
+         ON CONFLICT (proxy_uid) DO UPDATE SET acquires = proxy_locks.acquires + 1",
+        &[&uid],
+    )
+    .await?;
+    // Under the lock: what the proxy holds now, committed by any replica.
+    let row = &query(
+        tx,
+        "SELECT \
+         (SELECT count(*) FROM leases WHERE proxy_uid = $1 AND state = 'active' AND expires_at > $2), \
+         (SELECT count(*) FROM cooldowns WHERE proxy_uid = $1 AND target = $3 AND until > $2), \
+         (SELECT count(*) FROM leases WHERE proxy_uid = $1 AND state = 'active' AND expires_at > $2 \
+          AND target = $3), \
+         (SELECT count(*) FROM leases WHERE state = 'active' AND expires_at > $2 AND target = $3 \
+          AND $4)",
+        &[&uid, &now, &target, &config.max_leases_per_target.is_some()],
+    )
+    .await?[0];
+    let (active, cooled, proxy_target, fleet_target): (i64, i64, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let over = |count: i64, cap: Option<u32>| cap.is_some_and(|cap| count >= i64::from(cap));
+    if active >= i64::from(candidate.max_leases)
+        || cooled > 0
+        || (target.is_some()
+            && (over(proxy_target, config.max_leases_per_proxy_target)
+                || over(fleet_target, config.max_leases_per_target)))
+    {
+        return Ok(Attempt::Lost);
+    }
+
+    let expires_at = now.saturating_add(ttl_ms);
+    if let Some(key) = key {
+        let taken = execute(
+            tx,
+            "INSERT INTO acquire_requests (request_id, lease_id, fingerprint, expires_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO UPDATE SET \
+             lease_id = excluded.lease_id, fingerprint = excluded.fingerprint, \
+             expires_at = excluded.expires_at WHERE acquire_requests.expires_at <= $5",
+            &[&key.id, &id, &key.fingerprint, &expires_at, &now],
+        )
+        .await?;
+        if taken == 0 {
+            return Ok(Attempt::Lost);
+        }
+    }
+    let proxy = &candidate.proxy;
+    let request_id = key.map(|k| k.id.as_str());
+    let fingerprint = key.map(|k| k.fingerprint.as_str());
+    let client = request.client.as_deref();
+    execute(
+        tx,
+        "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
+         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client) \
+         VALUES ($1, $2, $3, $4, $5, 'active', $6, $7, $8, $9, $10, $11)",
+        &[
+            &id,
+            &proxy.namespace,
+            &proxy.name,
+            &proxy.uid,
+            &target,
+            &now,
+            &expires_at,
+            &ttl_ms,
+            &request_id,
+            &fingerprint,
+            &client,
+        ],
+    )
+    .await?;
+    record(
+        tx,
+        &Event {
+            client,
+            ..Event::new("acquired", now, id, proxy, target, expires_at)
+        },
+    )
+    .await?;
+    Ok(Attempt::Decided(AcquireOutcome::Granted(Lease {
+        id: id.to_owned(),
+        proxy: ProxyId::clone(proxy),
+        target: target.map(str::to_owned),
+        state: LeaseState::Active,
+        acquired_at: timestamp(now)?,
+        expires_at: timestamp(expires_at)?,
+        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
+        released_at: None,
+        release_reason: None,
+        client: client.map(str::to_owned),
+    })))
+}
+
+/// `(proxy UID, count, earliest expiry)` rows as loads by UID.
+fn loads_of(rows: Vec<Row>) -> HashMap<String, ProxyLoad> {
+    rows.iter()
+        .map(|row| {
+            let (uid, active, earliest): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+            let load = ProxyLoad {
+                active: u32::try_from(active).unwrap_or(u32::MAX),
+                earliest_expiry: Timestamp::from_millisecond(earliest).ok(),
+            };
+            (uid, load)
+        })
+        .collect()
+}
+
+/// What the per-target limits hold back for an acquire's target, from its counts.
+struct TargetHold<'a> {
+    per_proxy: Option<u32>,
+    by_uid: &'a HashMap<String, ProxyLoad>,
+    /// The fleet holds its limit for the target: when the earliest of its leases expires.
+    fleet_full: Option<Option<Timestamp>>,
+}
+
+impl<'a> TargetHold<'a> {
+    fn new(config: &LedgerConfig, by_uid: &'a HashMap<String, ProxyLoad>, named: bool) -> Self {
+        let fleet_full = config
+            .max_leases_per_target
+            .filter(|_| named)
+            .and_then(|cap| {
+                let total: u64 = by_uid.values().map(|l| u64::from(l.active)).sum();
+                (total >= u64::from(cap))
+                    .then(|| by_uid.values().filter_map(|l| l.earliest_expiry).min())
+            });
+        TargetHold {
+            per_proxy: config.max_leases_per_proxy_target.filter(|_| named),
+            by_uid,
+            fleet_full,
+        }
+    }
+
+    fn of(&self, uid: &str) -> Option<Option<Timestamp>> {
+        if let Some(frees_at) = self.fleet_full {
+            return Some(frees_at);
+        }
+        let cap = self.per_proxy?;
+        let load = self.by_uid.get(uid).copied().unwrap_or_default();
+        (load.active >= cap).then_some(load.earliest_expiry)
+    }
+}
+
+/// Extends an active lease to `expires_at`; its request ID's window moves with it.
+pub(crate) async fn renew(tx: &Transaction<'_>, id: &str, ttl_ms: i64, now: i64) -> Result<Lease> {
+    let expires_at = now.saturating_add(ttl_ms);
+    let rows = query(
+        tx,
+        &format!(
+            "UPDATE leases SET expires_at = $2, ttl_ms = $3 \
+             WHERE id = $1 AND state = 'active' AND expires_at > $4 RETURNING {LEASE_COLUMNS}"
+        ),
+        &[&id, &expires_at, &ttl_ms, &now],
+    )
+    .await?;
+    let Some(row) = rows.first() else {
+        return Err(match lease_by_id(tx, id, now).await? {
+            Some(lease) => LedgerError::NotActive {
+                id: id.to_owned(),
+                state: lease.state,
+            },
+            None => LedgerError::UnknownLease(id.to_owned()),
+        }
+        .into());
+    };
+    let lease = lease_from_row(row, now)?;
+    execute(
+        tx,
+        "UPDATE acquire_requests SET expires_at = $2 WHERE lease_id = $1",
+        &[&id, &expires_at],
+    )
+    .await?;
+    record(
+        tx,
+        &Event::new(
+            "renewed",
+            now,
+            id,
+            &lease.proxy,
+            lease.target.as_deref(),
+            expires_at,
+        ),
+    )
+    .await?;
+    Ok(lease)
+}
+
+/// Releases the counting leases `filter` picks (one lease by ID, or a proxy's) at `now`,
+/// with one `released` event each in lease-ID order, carrying `reason` when the operator
+/// ended them. Returns the proxy UIDs and IDs of those leases.
+pub(crate) async fn release(
+    tx: &Transaction<'_>,
+    ended: Ended<'_>,
+    reason: Option<&str>,
+    now: i64,
+) -> Result<Vec<(String, String)>> {
+    let (column, value) = match ended {
+        Ended::Lease(id) => ("id", id),
+        Ended::Proxy(uid) => ("proxy_uid", uid),
+    };
+    let mut rows = query(
+        tx,
+        &format!(
+            "UPDATE leases SET state = 'released', released_at = $2, release_reason = $3 \
+             WHERE {column} = $1 AND state = 'active' AND expires_at > $2 \
+             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at"
+        ),
+        &[&value, &now, &reason],
+    )
+    .await?;
+    rows.sort_by_key(|row| row.get::<_, String>(0));
+    let mut released = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let id: String = row.get(0);
+        let proxy = ProxyId {
+            namespace: row.get(1),
+            name: row.get(2),
+            uid: row.get(3),
+        };
+        let target: Option<String> = row.get(4);
+        record(
+            tx,
+            &Event {
+                reason,
+                ..Event::new("released", now, &id, &proxy, target.as_deref(), row.get(5))
+            },
+        )
+        .await?;
+        released.push((proxy.uid, id));
+    }
+    Ok(released)
+}
+
+/// Which leases a release ends.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Ended<'a> {
+    /// The lease with this ID.
+    Lease(&'a str),
+    /// Every counting lease of the proxy with this UID.
+    Proxy(&'a str),
+}
+
+/// Records a report on a retained lease; `rate_limited` and `blocked` put (proxy, target)
+/// into cooldown. Returns the lease and the cooldown's `(target, until)` if one started.
+pub(crate) async fn report(
+    tx: &Transaction<'_>,
+    config: &LedgerConfig,
+    id: &str,
+    report: &LeaseReport,
+    now: i64,
+) -> Result<(Lease, Option<(String, i64)>)> {
+    let Some(lease) = lease_by_id(tx, id, now).await? else {
+        return Err(LedgerError::UnknownLease(id.to_owned()).into());
+    };
+    let target = report
+        .target
+        .as_deref()
+        .filter(|t| !t.is_empty())
+        .or(lease.target.as_deref());
+    let cooldown_ms = (report.result.starts_cooldown() && target.is_some())
+        .then(|| config.cooldown_ms(report.cooldown));
+    record(
+        tx,
+        &Event {
+            result: Some(report.result.as_str()),
+            cooldown_ms,
+            ..Event::new(
+                "reported",
+                now,
+                id,
+                &lease.proxy,
+                target,
+                lease.expires_at.as_millisecond(),
+            )
+        },
+    )
+    .await?;
+    let mut cooldown = None;
+    if let (Some(ms), Some(target)) = (cooldown_ms, target) {
+        let until = now.saturating_add(ms);
+        execute(
+            tx,
+            "INSERT INTO cooldowns (proxy_uid, target, proxy_namespace, proxy_name, until, \
+             result, lease_id) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (proxy_uid, target) DO UPDATE SET \
+             until = greatest(cooldowns.until, excluded.until), result = excluded.result, \
+             lease_id = excluded.lease_id, proxy_namespace = excluded.proxy_namespace, \
+             proxy_name = excluded.proxy_name",
+            &[
+                &lease.proxy.uid,
+                &target,
+                &lease.proxy.namespace,
+                &lease.proxy.name,
+                &until,
+                &report.result.as_str(),
+                &lease.id,
+            ],
+        )
+        .await?;
+        cooldown = Some((target.to_owned(), until));
+    }
+    Ok((lease, cooldown))
+}
+
+/// Marks leases past their expiry expired (one `expired` event each, timed at the expiry),
+/// deletes finished leases whose expiry is older than the cooldown window, closed request
+/// windows, ended cooldowns and history older than the retention period. Safe when several
+/// replicas sweep at once: a lease's row is marked by whichever gets its lock first, and the
+/// other finds it no longer active.
+pub(crate) async fn sweep(
+    tx: &Transaction<'_>,
+    config: &LedgerConfig,
+    now: i64,
+) -> Result<SweepStats> {
+    let expired = execute(
+        tx,
+        "WITH expired AS (UPDATE leases SET state = 'expired' \
+         WHERE state = 'active' AND expires_at <= $1 \
+         RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at) \
+         INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
+         target, expires_at) \
+         SELECT expires_at, id, 'expired', proxy_namespace, proxy_name, proxy_uid, target, \
+         expires_at FROM expired ORDER BY expires_at, id",
+        &[&now],
+    )
+    .await?;
+    let retained_since = now.saturating_sub(crate::ledger::config::millis(config.cooldown));
+    let leases_pruned = execute(
+        tx,
+        "DELETE FROM leases WHERE state <> 'active' AND expires_at < $1",
+        &[&retained_since],
+    )
+    .await?;
+    execute(
+        tx,
+        "DELETE FROM acquire_requests WHERE expires_at <= $1",
+        &[&now],
+    )
+    .await?;
+    let cooldowns_pruned = execute(tx, "DELETE FROM cooldowns WHERE until <= $1", &[&now]).await?;
+    let history_since = now.saturating_sub(crate::ledger::config::millis(config.history_retention));
+    let events_pruned = execute(
+        tx,
+        "DELETE FROM lease_events WHERE at < $1",
+        &[&history_since],
+    )
+    .await?;
+    Ok(SweepStats {
+        expired,
+        leases_pruned,
+        cooldowns_pruned,
+        events_pruned,
+    })
+}
+
+/// The active leases and the cooldowns in force at `now`, for the counts' refresh.
+pub(crate) async fn counting(tx: &Transaction<'_>, now: i64) -> Result<super::counts::Snapshot> {
+    let leases = query(
+        tx,
+        "SELECT id, proxy_uid, expires_at FROM leases WHERE state = 'active' AND expires_at > $1",
+        &[&now],
+    )
+    .await?
+    .iter()
+    .map(|row| (row.get(0), row.get(1), row.get(2)))
+    .collect();
+    let cooldowns = query(
+        tx,
+        "SELECT proxy_uid, target, until FROM cooldowns WHERE until > $1",
+        &[&now],
+    )
+    .await?
+    .iter()
+    .map(|row| (row.get(0), row.get(1), row.get(2)))
+    .collect();
+    Ok(super::counts::Snapshot { leases, cooldowns })
+}
+
+/// The lease with this ID if its row is retained. An active lease past its expiry reads as
+/// expired even before the sweep marks it.
+pub(crate) async fn lease_by_id(tx: &Transaction<'_>, id: &str, now: i64) -> Result<Option<Lease>> {
+    let rows = query(
+        tx,
+        &format!("SELECT {LEASE_COLUMNS} FROM leases WHERE id = $1"),
+        &[&id],
+    )
+    .await?;
+    rows.first().map(|row| lease_from_row(row, now)).transpose()
+}
+
+fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
+    let state: String = row.get(5);
+    let mut state: LeaseState = state
+        .parse()
+        .map_err(|e| LedgerError::Inconsistent(format!("lease row: {e}")))?;
+    let expires_at: i64 = row.get(7);
+    if state == LeaseState::Active && expires_at <= now {
+        state = LeaseState::Expired;
+    }
+    let ttl_ms: i64 = row.get(8);
+    Ok(Lease {
+        id: row.get(0),
+        proxy: ProxyId {
+            namespace: row.get(1),
+            name: row.get(2),
+            uid: row.get(3),
+        },
+        target: row.get(4),
+        state,
+        acquired_at: timestamp(row.get(6))?,
+        expires_at: timestamp(expires_at)?,
+        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
+        released_at: row.get::<_, Option<i64>>(9).map(timestamp).transpose()?,
+        release_reason: row.get(10),
+        client: row.get(11),
+    })
+}
+
+fn timestamp(ms: i64) -> Result<Timestamp> {
+    Timestamp::from_millisecond(ms)
+        .map_err(|e| LedgerError::Inconsistent(format!("time {ms} ms: {e}")).into())
+}
+
+/// One history row.
+struct Event<'a> {
+    kind: &'static str,
+    at: i64,
+    lease_id: &'a str,
+    proxy: &'a ProxyId,
+    target: Option<&'a str>,
+    result: Option<&'static str>,
+    expires_at: i64,
+    reason: Option<&'a str>,
+    cooldown_ms: Option<i64>,
+    client: Option<&'a str>,
+}
+
+impl<'a> Event<'a> {
+    fn new(
+        kind: &'static str,
+        at: i64,
+        lease_id: &'a str,
+        proxy: &'a ProxyId,
+        target: Option<&'a str>,
+        expires_at: i64,
+    ) -> Self {
+        Event {
+            kind,
+            at,
+            lease_id,
+            proxy,
+            target,
+            result: None,
+            expires_at,
+            reason: None,
+            cooldown_ms: None,
+            client: None,
+        }
+    }
+}
+
+async fn record(tx: &Transaction<'_>, event: &Event<'_>) -> Result<()> {
+    execute(
+        tx,
+        "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
+         target, result, expires_at, reason, cooldown_ms, client) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        &[
+            &event.at,
+            &event.lease_id,
+            &event.kind,
+            &event.proxy.namespace,
+            &event.proxy.name,
+            &event.proxy.uid,
+            &event.target,
+            &event.result,
+            &event.expires_at,
+            &event.reason,
+            &event.cooldown_ms,
+            &event.client,
+        ],
+    )
+    .await?;
+    Ok(())
+}
