@@ -95,8 +95,8 @@ CREATE TABLE lease_events (
     result          TEXT      CHECK (result IN ('ok', 'rate_limited', 'blocked', 'error')),
     expires_at      BIGINT,
     reason          TEXT      CHECK (reason IS NULL OR kind = 'released'),
-    cooldown_ms     BIGINT    CHECK (cooldown_ms IS NULL OR (kind = 'reported' AND cooldown_ms > 0)),
     client          TEXT      CHECK (client IS NULL OR kind = 'acquired'),
+    cooldown_ms     BIGINT    CHECK (cooldown_ms IS NULL OR (kind = 'reported' AND cooldown_ms > 0)),
     CHECK ((kind = 'reported') = (result IS NOT NULL))
 );
 CREATE INDEX lease_events_by_lease ON lease_events (lease_id, seq);

@@ -59,6 +59,10 @@ pub enum LedgerError {
         /// What the connection attempts met (never a password).
         reason: String,
     },
+    /// The PostgreSQL ledger could not be opened: its database did not answer, refused the
+    /// login, or could not be migrated.
+    #[error("cannot open the ledger's database ({0})")]
+    Connect(String),
     /// A PostgreSQL statement failed for a reason a retry would not mend.
     #[error("ledger database error: {0}")]
     Postgres(String),

@@ -1,8 +1,12 @@
-//! The discovery and lease API over a real actix server on loopback, with a real SQLite ledger
-//! in a temp dir and an injected clock.
+//! The discovery and lease API over a real actix server on loopback, with a real lease ledger
+//! (an SQLite file in a temp dir, or a database of its own on the test binary's PostgreSQL
+//! server) and an injected clock. Each behaviour test runs on both backends
+//! (`sqlite::<name>`, `postgres::<name>`); the tests of the SQLite writer's queue are
+//! SQLite-only.
 
 use std::collections::BTreeMap;
 use std::convert::identity;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,13 +18,19 @@ use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
-use proxy_operator::ledger::{Clock, Ledger, LedgerConfig, ManualClock, SqliteLedger};
+use proxy_operator::ledger::{
+    Clock, Ledger, LedgerConfig, ManualClock, PostgresLedger, PostgresOptions, SqliteLedger,
+};
 use proxy_operator::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
 use proxy_operator::tokens::{ApiToken, TokenSet};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+
+use crate::support::FileLock;
+use crate::support::ledger::Backend;
+use crate::support::postgres::{Database, Postgres};
 
 const TOKEN: &str = "api-test-token-0123456789";
 
@@ -30,10 +40,58 @@ struct Harness {
     inventory: Inventory,
     health: HealthSnapshot,
     clock: Arc<ManualClock>,
-    ledger: SqliteLedger,
+    ledger: Arc<dyn Ledger>,
+    /// The same ledger when it is an SQLite one, whose writer a restart stops.
+    sqlite: Option<SqliteLedger>,
+    store: Store,
+    /// The ledger settings it was opened with, which a restart opens it with again.
+    config: LedgerConfig,
     handle: ServerHandle,
-    dir: tempfile::TempDir,
     token: ApiToken,
+}
+
+/// Where the ledger keeps its leases: what a restart keeps and opens again.
+enum Store {
+    /// The file `ledger.db` in a temp dir.
+    Sqlite(tempfile::TempDir),
+    /// A database of its own on the shared PostgreSQL server.
+    Postgres(Database),
+}
+
+impl Store {
+    /// A new, empty store on `backend`; `None` when PostgreSQL cannot run here (not installed,
+    /// outside CI).
+    fn new(backend: Backend) -> Option<Store> {
+        Some(match backend {
+            Backend::Sqlite => Store::Sqlite(tempfile::tempdir().unwrap()),
+            Backend::Postgres => Store::Postgres(Postgres::shared()?.database()),
+        })
+    }
+
+    /// Opens the ledger it keeps, with `config` and `clock`; the SQLite ledger also as itself.
+    async fn open(
+        &self,
+        config: LedgerConfig,
+        clock: Arc<dyn Clock>,
+    ) -> (Arc<dyn Ledger>, Option<SqliteLedger>) {
+        match self {
+            Store::Sqlite(dir) => {
+                let ledger =
+                    SqliteLedger::open(&dir.path().join("ledger.db"), config, clock).unwrap();
+                (Arc::new(ledger.clone()), Some(ledger))
+            }
+            Store::Postgres(database) => {
+                let options = PostgresOptions {
+                    password: None,
+                    pool_size: 8,
+                };
+                let ledger = PostgresLedger::open(&database.url(), options, config, clock)
+                    .await
+                    .unwrap();
+                (Arc::new(ledger), None)
+            }
+        }
+    }
 }
 
 fn proxy(name: &str, port: i32, labels: &[(&str, &str)], max_leases: i32) -> Proxy {
@@ -45,66 +103,77 @@ fn proxy(name: &str, port: i32, labels: &[(&str, &str)], max_leases: i32) -> Pro
 }
 
 impl Harness {
-    async fn start() -> Harness {
-        Self::start_with(|_| {}).await
+    /// Starts the API over a new ledger on `backend`; `None` when that backend cannot run
+    /// here (PostgreSQL not installed, outside CI).
+    async fn start(backend: Backend) -> Option<Harness> {
+        Self::start_with(backend, |_| {}).await
     }
 
     /// Starts the API; `extra` may add routes (used to install a panicking handler).
-    async fn start_with(extra: fn(&mut actix_web::web::ServiceConfig)) -> Harness {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = Arc::new(ManualClock::new("2026-11-30T12:00:00Z".parse().unwrap()));
-        Self::serve(
-            dir,
-            clock,
-            Inventory::new(),
-            HealthSnapshot::new(),
-            LedgerConfig::default(),
-            extra,
-        )
+    async fn start_with(
+        backend: Backend,
+        extra: fn(&mut actix_web::web::ServiceConfig),
+    ) -> Option<Harness> {
+        Self::start_on(backend, LedgerConfig::default(), extra).await
     }
 
     /// Starts the API with ledger settings on top of the harness's TTL and cooldown.
-    async fn start_with_ledger(config: LedgerConfig) -> Harness {
-        let dir = tempfile::tempdir().unwrap();
+    async fn start_with_ledger(backend: Backend, config: LedgerConfig) -> Option<Harness> {
+        Self::start_on(backend, config, |_| {}).await
+    }
+
+    async fn start_on(
+        backend: Backend,
+        config: LedgerConfig,
+        extra: fn(&mut actix_web::web::ServiceConfig),
+    ) -> Option<Harness> {
+        let store = Store::new(backend)?;
         let clock = Arc::new(ManualClock::new("2026-11-30T12:00:00Z".parse().unwrap()));
-        Self::serve(
-            dir,
-            clock,
-            Inventory::new(),
-            HealthSnapshot::new(),
-            config,
-            |_| {},
+        let config = LedgerConfig {
+            max_ttl: Duration::from_secs(600),
+            cooldown: Duration::from_secs(300),
+            ..config
+        };
+        Some(
+            Self::serve(
+                store,
+                clock,
+                Inventory::new(),
+                HealthSnapshot::new(),
+                config,
+                extra,
+            )
+            .await,
         )
     }
 
-    /// Stops the server and the ledger's writer, then reopens the same ledger file and serves
-    /// it again with the same inventory, health and clock (what a restart keeps).
+    /// Stops the server and the ledger (on SQLite, its writer), then opens the same ledger
+    /// file or database again and serves it with the same inventory, health, clock and ledger
+    /// settings (what a restart keeps).
     async fn restart(self) -> Harness {
         let Harness {
             inventory,
             health,
             clock,
             ledger,
+            sqlite,
+            store,
+            config,
             handle,
-            dir,
             ..
         } = self;
         handle.stop(true).await;
-        tokio::task::spawn_blocking(move || ledger.shutdown())
-            .await
-            .unwrap();
-        Self::serve(
-            dir,
-            clock,
-            inventory,
-            health,
-            LedgerConfig::default(),
-            |_| {},
-        )
+        drop(ledger);
+        if let Some(sqlite) = sqlite {
+            tokio::task::spawn_blocking(move || sqlite.shutdown())
+                .await
+                .unwrap();
+        }
+        Self::serve(store, clock, inventory, health, config, |_| {}).await
     }
 
-    fn serve(
-        dir: tempfile::TempDir,
+    async fn serve(
+        store: Store,
         clock: Arc<ManualClock>,
         inventory: Inventory,
         health: HealthSnapshot,
@@ -112,20 +181,14 @@ impl Harness {
         extra: fn(&mut actix_web::web::ServiceConfig),
     ) -> Harness {
         let dyn_clock: Arc<dyn Clock> = clock.clone();
-        let config = LedgerConfig {
-            max_ttl: Duration::from_secs(600),
-            cooldown: Duration::from_secs(300),
-            ..config
-        };
-        let ledger =
-            SqliteLedger::open(&dir.path().join("ledger.db"), config, dyn_clock.clone()).unwrap();
+        let (ledger, sqlite) = store.open(config.clone(), dyn_clock.clone()).await;
         let registry = prometheus::Registry::new();
         let state = ApiState {
             lease_credentials: None,
             sessions: Default::default(),
             inventory: inventory.clone(),
             health: health.clone(),
-            ledger: Arc::new(ledger.clone()),
+            ledger: ledger.clone(),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(120),
@@ -156,10 +219,52 @@ impl Harness {
             health,
             clock,
             ledger,
+            sqlite,
+            store,
+            config,
             handle,
-            dir,
             token,
         }
+    }
+
+    /// The SQLite ledger's file, for the tests of what only it has.
+    fn sqlite_file(&self) -> PathBuf {
+        match &self.store {
+            Store::Sqlite(dir) => dir.path().join("ledger.db"),
+            Store::Postgres(_) => panic!("an SQLite-only test runs on the SQLite backend"),
+        }
+    }
+
+    /// The single value `sql` selects, as text, read behind the ledger's back on a connection
+    /// of its own (so only what the ledger committed): with rusqlite from the SQLite file, with
+    /// psql from the PostgreSQL database. Both schemas have the same tables and columns, with
+    /// times as BIGINT milliseconds.
+    fn value(&self, sql: &str) -> String {
+        match &self.store {
+            Store::Sqlite(dir) => {
+                use rusqlite::types::Value as Sql;
+                let value: Sql = rusqlite::Connection::open(dir.path().join("ledger.db"))
+                    .unwrap()
+                    .query_row(sql, [], |row| row.get(0))
+                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                match value {
+                    Sql::Null => String::new(),
+                    Sql::Integer(n) => n.to_string(),
+                    Sql::Real(x) => x.to_string(),
+                    Sql::Text(text) => text,
+                    Sql::Blob(_) => panic!("{sql}: a blob"),
+                }
+            }
+            Store::Postgres(database) => database.psql(sql),
+        }
+    }
+
+    /// The number `sql` selects (see [`Harness::value`]).
+    fn count(&self, sql: &str) -> i64 {
+        let value = self.value(sql);
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("{sql}: not a number: {value:?}"))
     }
 
     /// Loads proxies and marks every one healthy with the given latency (ms).
@@ -234,9 +339,10 @@ fn assert_error(value: &Value, code: &str) {
     );
 }
 
-#[tokio::test]
-async fn healthz_and_readyz_are_unauthenticated() {
-    let h = Harness::start().await;
+async fn healthz_and_readyz_are_unauthenticated(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     let r = h.client.get(h.url("/healthz")).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let r = h.client.get(h.url("/readyz")).send().await.unwrap();
@@ -248,9 +354,10 @@ async fn healthz_and_readyz_are_unauthenticated() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn every_v1_route_needs_the_token() {
-    let h = Harness::start().await;
+async fn every_v1_route_needs_the_token(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3128, &[], 5), Some(10))]);
     let routes = [
         (reqwest::Method::GET, "/v1/proxies"),
@@ -303,10 +410,11 @@ async fn list_status(h: &Harness, token: &str) -> StatusCode {
         .status()
 }
 
-#[tokio::test]
-async fn several_tokens_are_valid_and_a_new_set_applies_to_the_running_server() {
+async fn several_tokens_are_valid_and_a_new_set_applies_to_the_running_server(backend: Backend) {
     const NEXT: &str = "next-token-0123456789abcdef";
-    let h = Harness::start().await;
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![]);
     assert_eq!(list_status(&h, TOKEN).await, StatusCode::OK);
     assert_eq!(list_status(&h, NEXT).await, StatusCode::UNAUTHORIZED);
@@ -327,9 +435,10 @@ async fn several_tokens_are_valid_and_a_new_set_applies_to_the_running_server() 
     h.stop().await;
 }
 
-#[tokio::test]
-async fn an_empty_body_on_acquire_and_renew_means_every_default() {
-    let h = Harness::start().await;
+async fn an_empty_body_on_acquire_and_renew_means_every_default(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let post = |path: &str, content_type: Option<&str>| {
         let mut request = h.client.post(h.url(path)).bearer_auth(TOKEN);
@@ -417,9 +526,10 @@ async fn an_empty_body_on_acquire_and_renew_means_every_default() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn list_filters_by_health_and_selector() {
-    let h = Harness::start().await;
+async fn list_filters_by_health_and_selector(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![
         (
             proxy("eu-a", 3001, &[("geo", "eu"), ("tier", "a")], 5),
@@ -492,9 +602,10 @@ async fn list_filters_by_health_and_selector() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn acquire_picks_least_loaded_then_fastest_and_refuses_when_full() {
-    let h = Harness::start().await;
+async fn acquire_picks_least_loaded_then_fastest_and_refuses_when_full(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![
         (proxy("slow", 3001, &[("geo", "eu")], 2), Some(50)),
         (proxy("fast", 3002, &[("geo", "eu")], 2), Some(5)),
@@ -541,9 +652,10 @@ async fn acquire_picks_least_loaded_then_fastest_and_refuses_when_full() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn ttl_is_defaulted_and_capped() {
-    let h = Harness::start().await;
+async fn ttl_is_defaulted_and_capped(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, lease) = h.acquire(json!({})).await;
     assert_eq!(lease["ttlSeconds"], 120);
@@ -555,9 +667,10 @@ async fn ttl_is_defaulted_and_capped() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn lease_lifecycle_get_renew_report_release() {
-    let h = Harness::start().await;
+async fn lease_lifecycle_get_renew_report_release(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![
         (proxy("a", 3001, &[], 5), Some(5)),
         (proxy("b", 3002, &[], 5), Some(50)),
@@ -787,9 +900,10 @@ fn assert_always_sent(doc: &Value, field: &str) {
     }
 }
 
-#[tokio::test]
-async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has() {
-    let h = Harness::start().await;
+async fn a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     let eu = [("geo", "eu")];
     // A lease on the fast proxy, granted before the cordon, with a request ID.
     let granted = lease_on_fast_a(
@@ -886,9 +1000,10 @@ fn drain_view(list: &Value) -> Listed {
     listed_flags(list, "draining", "cordoned")
 }
 
-#[tokio::test]
-async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
-    let h = Harness::start().await;
+async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     let eu = [("geo", "eu")];
     // A lease on the fast proxy, granted before the drain, with a request ID; one on b.
     let granted = lease_on_fast_a(
@@ -1028,9 +1143,10 @@ async fn a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn lease_errors() {
-    let h = Harness::start().await;
+async fn lease_errors(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, lease) = h.acquire(json!({})).await;
     let id = lease["leaseID"].as_str().unwrap().to_owned();
@@ -1119,9 +1235,10 @@ async fn lease_errors() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn framework_errors_are_json_too() {
-    let h = Harness::start().await;
+async fn framework_errors_are_json_too(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let raw = |method: reqwest::Method, path: &str| {
         h.client.request(method, h.url(path)).bearer_auth(TOKEN)
@@ -1211,9 +1328,10 @@ fn boom(cfg: &mut actix_web::web::ServiceConfig) {
     );
 }
 
-#[tokio::test]
-async fn a_panicking_handler_answers_500_and_the_server_keeps_serving() {
-    let h = Harness::start_with(boom).await;
+async fn a_panicking_handler_answers_500_and_the_server_keeps_serving(backend: Backend) {
+    let Some(h) = Harness::start_with(backend, boom).await else {
+        return;
+    };
     for _ in 0..3 {
         let response = h.client.get(h.url("/boom")).send().await.unwrap();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
@@ -1224,9 +1342,11 @@ async fn a_panicking_handler_answers_500_and_the_server_keeps_serving() {
     h.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_acquires_never_exceed_capacity() {
-    let h = Arc::new(Harness::start().await);
+async fn concurrent_acquires_never_exceed_capacity(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
+    let h = Arc::new(h);
     h.load(
         (0..5)
             .map(|i| {
@@ -1243,15 +1363,36 @@ async fn concurrent_acquires_never_exceed_capacity() {
         tasks.push(tokio::spawn(async move {
             let mut granted = Vec::new();
             for _ in 0..4 {
-                let (s, v) = h
-                    .acquire(json!({"selector": {"pool": "x"}, "ttlSeconds": 300}))
-                    .await;
-                match s {
-                    StatusCode::CREATED => {
-                        granted.push(v["proxy"]["name"].as_str().unwrap().to_owned())
+                // A write the ledger could not take in time is refused (503 `overloaded`,
+                // nothing granted) and the crawler asks again, as its Retry-After invites: a
+                // PostgreSQL ledger's pool may still be connecting when the burst comes.
+                let asked = std::time::Instant::now();
+                loop {
+                    let (s, headers, v) = h
+                        .send(
+                            reqwest::Method::POST,
+                            "/v1/leases",
+                            Some(json!({"selector": {"pool": "x"}, "ttlSeconds": 300})),
+                        )
+                        .await;
+                    match s {
+                        StatusCode::CREATED => {
+                            granted.push(v["proxy"]["name"].as_str().unwrap().to_owned());
+                        }
+                        StatusCode::CONFLICT => assert_error(&v, "no_match"),
+                        StatusCode::SERVICE_UNAVAILABLE => {
+                            assert_error(&v, "overloaded");
+                            assert!(headers.contains_key("retry-after"), "{headers:?}");
+                            assert!(
+                                asked.elapsed() < crate::support::DEADLINE,
+                                "still overloaded after {:?}: {v}",
+                                asked.elapsed()
+                            );
+                            continue;
+                        }
+                        other => panic!("unexpected {other}: {v}"),
                     }
-                    StatusCode::CONFLICT => {}
-                    other => panic!("unexpected {other}: {v}"),
+                    break;
                 }
             }
             granted
@@ -1269,11 +1410,24 @@ async fn concurrent_acquires_never_exceed_capacity() {
     for p in list["proxies"].as_array().unwrap() {
         assert_eq!(p["activeLeases"], 3);
     }
+    // The store holds exactly the granted leases, three per proxy.
+    assert_eq!(
+        h.count("SELECT count(*) FROM leases WHERE state = 'active'"),
+        15
+    );
+    assert_eq!(
+        h.count(
+            "SELECT count(*) FROM (SELECT proxy_uid FROM leases WHERE state = 'active' \
+             GROUP BY proxy_uid HAVING count(*) = 3) AS full_proxies"
+        ),
+        5
+    );
 }
 
-#[tokio::test]
-async fn openapi_document_lists_every_route() {
-    let h = Harness::start().await;
+async fn openapi_document_lists_every_route(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     let (s, doc) = h.get("/v1/openapi.json").await;
     assert_eq!(s, StatusCode::OK);
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
@@ -1366,9 +1520,10 @@ fn lease_summary(lease: &Value) -> (String, String, String) {
     )
 }
 
-#[tokio::test]
-async fn a_request_id_replays_its_lease_also_after_a_restart() {
-    let h = Harness::start().await;
+async fn a_request_id_replays_its_lease_also_after_a_restart(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![
         (proxy("a", 3001, &[("geo", "eu")], 5), Some(5)),
         (proxy("b", 3002, &[("geo", "eu")], 5), Some(9)),
@@ -1381,19 +1536,12 @@ async fn a_request_id_replays_its_lease_also_after_a_restart() {
     assert_eq!(s, StatusCode::CREATED, "{first}");
     let (id, proxy_name, _) = lease_summary(&first);
     assert_eq!(proxy_name, "a");
-    // The ledger file says what the ID was first used for, readably.
-    let (stored_id, fingerprint): (String, String) =
-        rusqlite::Connection::open(h.dir.path().join("ledger.db"))
-            .unwrap()
-            .query_row(
-                "SELECT request_id, request_fingerprint FROM leases WHERE id = ?1",
-                [&id],
-                |row| Ok((row.get(0)?, row.get(1)?)),
-            )
-            .unwrap();
-    assert_eq!(stored_id, "crawl-42/attempt");
+    // The ledger says what the ID was first used for, readably (the ID is hex digits).
+    assert!(id.chars().all(|c| c.is_ascii_hexdigit()), "{id}");
+    let stored = |column: &str| h.value(&format!("SELECT {column} FROM leases WHERE id = '{id}'"));
+    assert_eq!(stored("request_id"), "crawl-42/attempt");
     assert_eq!(
-        fingerprint,
+        stored("request_fingerprint"),
         r#"{"selector":{"geo":"eu"},"target":"example.com","ttlSeconds":60}"#
     );
 
@@ -1462,6 +1610,28 @@ async fn a_request_id_replays_its_lease_also_after_a_restart() {
         .acquire(json!({"selector": {"geo": "eu"}, "requestID": "crawl-42/attempt"}))
         .await;
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    // And the lease still active on b, which the restarted ledger counts.
+    let (s, kept) = h
+        .get(&format!(
+            "/v1/leases/{}",
+            other["leaseID"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{kept}");
+    assert_eq!(kept["state"], "active", "{kept}");
+    let (_, list) = h.get("/v1/proxies").await;
+    let held: Vec<(&str, u64)> = list["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                p["activeLeases"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(held, [("a", 0), ("b", 1)]);
 
     // A new ID is a new acquire.
     let mut fresh = body.clone();
@@ -1472,9 +1642,10 @@ async fn a_request_id_replays_its_lease_also_after_a_restart() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn invalid_request_ids_are_refused_naming_the_field() {
-    let h = Harness::start().await;
+async fn invalid_request_ids_are_refused_naming_the_field(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     for request_id in [
         json!(""),
@@ -1503,40 +1674,29 @@ async fn invalid_request_ids_are_refused_naming_the_field() {
     h.stop().await;
 }
 
-/// Holds the ledger file's write lock from another connection, so the ledger's writer waits
-/// for it (up to SQLite's busy timeout) and its queue fills.
-struct FileLock(rusqlite::Connection);
-
-impl FileLock {
-    fn take(path: &std::path::Path) -> FileLock {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        FileLock(conn)
-    }
-
-    fn release(self) {
-        self.0.execute_batch("ROLLBACK").unwrap();
-    }
-}
-
+/// SQLite-only: the writer's bounded queue, filled while another connection holds the
+/// file's write lock ([`FileLock`]; the writer waits for it up to SQLite's busy timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_over_the_queue_gets_fast_503s_and_none_of_them_is_granted() {
     const QUEUE: usize = 2;
     const BURST: usize = 24;
-    let h = Arc::new(
-        Harness::start_with_ledger(LedgerConfig {
+    let h = Harness::start_with_ledger(
+        Backend::Sqlite,
+        LedgerConfig {
             queue_capacity: QUEUE,
             // The harness's clock does not move, so no write waits past this.
             queue_deadline: Duration::from_secs(60),
             ..LedgerConfig::default()
-        })
-        .await,
-    );
+        },
+    )
+    .await
+    .expect("SQLite always runs");
+    let h = Arc::new(h);
     h.load(vec![
         (proxy("a", 3001, &[], 1000), Some(5)),
         (proxy("b", 3002, &[], 1000), Some(9)),
     ]);
-    let lock = FileLock::take(&h.dir.path().join("ledger.db"));
+    let lock = FileLock::take(&h.sqlite_file());
     let held_since = std::time::Instant::now();
     let answers = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -1611,11 +1771,7 @@ async fn a_burst_over_the_queue_gets_fast_503s_and_none_of_them_is_granted() {
         .map(|p| p["activeLeases"].as_u64().unwrap())
         .sum();
     assert_eq!(listed, granted.len() as u64);
-    let in_file: i64 = rusqlite::Connection::open(h.dir.path().join("ledger.db"))
-        .unwrap()
-        .query_row("SELECT count(*) FROM leases", [], |row| row.get(0))
-        .unwrap();
-    assert_eq!(in_file, granted.len() as i64);
+    assert_eq!(h.count("SELECT count(*) FROM leases"), granted.len() as i64);
     for id in &granted {
         let (s, v) = h.get(&format!("/v1/leases/{id}")).await;
         assert_eq!(s, StatusCode::OK, "{v}");
@@ -1648,9 +1804,12 @@ fn documented_methods(doc: &Value, path: &str) -> Vec<String> {
     methods
 }
 
-#[tokio::test]
-async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_documented_methods() {
-    let h = Harness::start().await;
+async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_documented_methods(
+    backend: Backend,
+) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let paths: Vec<String> = doc["paths"].as_object().unwrap().keys().cloned().collect();
@@ -1718,9 +1877,10 @@ fn list_parameter(doc: &Value, name: &str) -> Value {
         .clone()
 }
 
-#[tokio::test]
-async fn the_list_query_schema_accepts_exactly_what_the_server_accepts() {
-    let h = Harness::start().await;
+async fn the_list_query_schema_accepts_exactly_what_the_server_accepts(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[("geo", "eu")], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let cases = [
@@ -1778,9 +1938,10 @@ async fn the_list_query_schema_accepts_exactly_what_the_server_accepts() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn the_body_schemas_accept_exactly_what_the_server_accepts() {
-    let h = Harness::start().await;
+async fn the_body_schemas_accept_exactly_what_the_server_accepts(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 100_000), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let schemas = &doc["components"]["schemas"];
@@ -1909,9 +2070,10 @@ fn operation(doc: &Value, operation_id: &str) -> (reqwest::Method, String) {
     panic!("no operation {operation_id}");
 }
 
-#[tokio::test]
-async fn lease_answers_link_to_the_operations_on_that_lease_and_the_links_work() {
-    let h = Harness::start().await;
+async fn lease_answers_link_to_the_operations_on_that_lease_and_the_links_work(backend: Backend) {
+    let Some(h) = Harness::start(backend).await else {
+        return;
+    };
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     for (path, method, status) in [
@@ -1963,3 +2125,27 @@ async fn lease_answers_link_to_the_operations_on_that_lease_and_the_links_work()
     assert_eq!(now["state"], "released");
     h.stop().await;
 }
+
+crate::on_both_backends!(
+    healthz_and_readyz_are_unauthenticated,
+    every_v1_route_needs_the_token,
+    several_tokens_are_valid_and_a_new_set_applies_to_the_running_server,
+    an_empty_body_on_acquire_and_renew_means_every_default,
+    list_filters_by_health_and_selector,
+    acquire_picks_least_loaded_then_fastest_and_refuses_when_full,
+    ttl_is_defaulted_and_capped,
+    lease_lifecycle_get_renew_report_release,
+    a_cordoned_proxy_gets_no_new_leases_and_keeps_the_ones_it_has,
+    a_draining_proxy_gets_no_new_leases_and_its_leases_are_not_renewed,
+    lease_errors,
+    framework_errors_are_json_too,
+    a_panicking_handler_answers_500_and_the_server_keeps_serving,
+    concurrent_acquires_never_exceed_capacity,
+    openapi_document_lists_every_route,
+    a_request_id_replays_its_lease_also_after_a_restart,
+    invalid_request_ids_are_refused_naming_the_field,
+    every_route_answers_other_methods_405_with_an_allow_header_of_its_documented_methods,
+    the_list_query_schema_accepts_exactly_what_the_server_accepts,
+    the_body_schemas_accept_exactly_what_the_server_accepts,
+    lease_answers_link_to_the_operations_on_that_lease_and_the_links_work,
+);

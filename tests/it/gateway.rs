@@ -10,8 +10,9 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::fleet::{GatewayFleet, TOKEN};
+use crate::support::fleet::{GatewayFleet, TOKEN, proxy_url};
 use crate::support::operator::metric_sum;
+use crate::support::postgres::Postgres;
 use crate::support::python::{python_with, script};
 use crate::support::site::PAGES;
 use crate::support::{DEADLINE, sqlite3};
@@ -617,6 +618,48 @@ async fn a_session_keeps_its_proxy_and_lease_across_a_restart() {
     assert_eq!(after.proxy, before.proxy);
     assert_eq!(after.lease, before.lease, "found again through the ledger");
     assert_eq!(after.moved_from, None);
+}
+
+#[tokio::test]
+async fn a_session_is_the_same_through_every_replica_of_one_postgres_ledger() {
+    let Some(postgres) = Postgres::shared() else {
+        return;
+    };
+    let database = postgres.database();
+    let url = database.url();
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = GatewayFleet::start(dir.path(), 3, &["--ledger", &url]).await;
+    let other = dir.path().join("replica-b");
+    std::fs::create_dir_all(&other).unwrap();
+    let replica = fleet.start_replica(&other).await;
+    let through_b = |user: &str| {
+        let proxy = reqwest::Proxy::all(proxy_url(&replica, user)).expect("a proxy URL");
+        reqwest::Client::builder()
+            .proxy(proxy)
+            .pool_max_idle_per_host(0)
+            .build()
+            .expect("a client")
+    };
+    let first = exit_through(&fleet, &client(&fleet, "crawler;session=s1", true)).await;
+    let again = fetch(&through_b("crawler;session=s1"), &fleet.site.http("/ip")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(
+        again.proxy, first.proxy,
+        "the other replica found the session's proxy"
+    );
+    assert_eq!(
+        again.lease, first.lease,
+        "... and its lease, through the ledger"
+    );
+    assert_eq!(again.moved_from, None);
+    // Another session through the other replica is a lease of its own.
+    let second = fetch(&through_b("crawler;session=s2"), &fleet.site.http("/ip")).await;
+    assert_eq!(second.status, StatusCode::OK, "{}", second.body);
+    assert_ne!(second.lease, first.lease);
+    assert_eq!(
+        database.psql("SELECT count(*) FROM leases WHERE state = 'active'"),
+        "2"
+    );
 }
 
 #[tokio::test]

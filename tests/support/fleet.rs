@@ -91,9 +91,16 @@ impl GatewayFleet {
         self.operator = start(&self.dir, &self.proxies, &self.args).await;
     }
 
+    /// Starts one more process on the same proxies and flags in `dir` (a second replica, when
+    /// the flags name a ledger database both share), waiting until every proxy is healthy.
+    pub async fn start_replica(&self, dir: &Path) -> Standalone {
+        std::fs::write(dir.join("site-ca.pem"), self.site.ca_pem()).expect("write the site's CA");
+        start(dir, &self.proxies, &self.args).await
+    }
+
     /// `http://{user}:TOKEN@<gateway>`: the proxy URL a crawler configures.
     pub fn proxy_url(&self, user: &str) -> String {
-        format!("http://{user}:{TOKEN}@{}", self.operator.gateway())
+        proxy_url(&self.operator, user)
     }
 
     /// The proxy (`default/gw-N`) whose squid connects out from `ip`.
@@ -139,6 +146,11 @@ async fn start(dir: &Path, proxies: &[ExternalProxy], args: &[String]) -> Standa
         .wait_healthy(TOKEN, proxies.len(), Duration::from_secs(60))
         .await;
     operator
+}
+
+/// `http://{user}:TOKEN@<gateway>` of `operator`.
+pub fn proxy_url(operator: &Standalone, user: &str) -> String {
+    format!("http://{user}:{TOKEN}@{}", operator.gateway())
 }
 
 /// The loopback address squid `i` listens on and connects out from.

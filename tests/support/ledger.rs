@@ -1,8 +1,11 @@
-//! A lease ledger on a real SQLite file in a temporary directory, with time on a
-//! `ManualClock`, and the builders and answer checks the ledger tests share, so every test
-//! file opens, reopens and reads its ledger the same way.
+//! A lease ledger on either backend, with time on a `ManualClock`, and the builders and
+//! answer checks the ledger tests share, so every test file opens, reopens and reads its
+//! ledger the same way: a real SQLite file in a temporary directory, or a fresh database on
+//! the test binary's real PostgreSQL server ([`super::postgres`]).
 //!
-//! A test file adds the helpers only it needs in its own `impl Fixture` block.
+//! A behaviour test is written once as `async fn name(backend: Backend)` and run on both with
+//! [`on_both_backends!`](crate::on_both_backends). A test file adds the helpers only it needs
+//! in its own `impl Fixture` block.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,30 +13,70 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, NoMatch, SqliteLedger,
+    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
+    ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger,
 };
 use proxy_operator::proxy::ProxyId;
 use tempfile::TempDir;
 
-/// Where every test's `ManualClock` starts: a fixed instant, so times written to the file
+use super::postgres::{Database, Postgres};
+
+/// Where every test's `ManualClock` starts: a fixed instant, so times written to the ledger
 /// are the same on every run and a test can compute them.
 pub fn start() -> Timestamp {
     "2026-01-01T00:00:00Z".parse().unwrap()
 }
 
-/// A ledger on `ledger.db` in its own temporary directory (removed on drop), its path for
-/// reading the file behind the ledger's back, and the clock the test moves.
+/// Which ledger a behaviour test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A file in a temporary directory.
+    Sqlite,
+    /// A database of its own on the shared PostgreSQL server.
+    Postgres,
+}
+
+/// Runs each named `async fn name(backend: Backend)` of the enclosing module once per
+/// backend, as tests `sqlite::name` and `postgres::name` (one body, two tests; a PostgreSQL
+/// test returns early, saying so, when PostgreSQL is not installed and `CI` is unset).
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::ledger::Backend::Sqlite).await
+                }
+            )+
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::ledger::Backend::Postgres).await
+                }
+            )+
+        }
+    };
+}
+
+/// A ledger on one backend, how to read it behind the ledger's back, and the clock the test
+/// moves.
 pub struct Fixture {
     _dir: TempDir,
+    /// The SQLite file (unused on PostgreSQL).
     pub path: PathBuf,
     pub clock: Arc<ManualClock>,
-    pub ledger: SqliteLedger,
+    pub ledger: Arc<dyn Ledger>,
+    pub backend: Backend,
+    sqlite: Option<SqliteLedger>,
+    database: Option<Database>,
     config: LedgerConfig,
 }
 
 impl Fixture {
-    /// Opens a new ledger with `config`, its clock at [`start`].
+    /// Opens a new SQLite ledger with `config`, its clock at [`start`].
     pub fn new(config: LedgerConfig) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.db");
@@ -43,22 +86,182 @@ impl Fixture {
             _dir: dir,
             path,
             clock,
-            ledger,
+            ledger: Arc::new(ledger.clone()),
+            backend: Backend::Sqlite,
+            sqlite: Some(ledger),
+            database: None,
             config,
         }
     }
 
-    /// Opens the file again with the config and clock it was opened with, as a restarted
-    /// operator would, then drops the old handle (the last clone stops its writer).
-    pub fn reopen(&mut self) {
-        self.ledger =
-            SqliteLedger::open(&self.path, self.config.clone(), self.clock.clone()).unwrap();
+    /// Opens a new ledger on `backend` with `config`, its clock at [`start`]; `None` when
+    /// that backend cannot run here (PostgreSQL not installed, outside CI).
+    pub async fn on(backend: Backend, config: LedgerConfig) -> Option<Self> {
+        match backend {
+            Backend::Sqlite => Some(Fixture::new(config)),
+            Backend::Postgres => {
+                let database = Postgres::shared()?.database();
+                let clock = Arc::new(ManualClock::new(start()));
+                let ledger = open_postgres(&database, &config, &clock).await;
+                Some(Self {
+                    _dir: tempfile::tempdir().unwrap(),
+                    path: PathBuf::new(),
+                    clock,
+                    ledger: Arc::new(ledger),
+                    backend,
+                    sqlite: None,
+                    database: Some(database),
+                    config,
+                })
+            }
+        }
     }
 
-    /// The single number `sql` selects from the file.
-    pub fn count(&self, sql: &str) -> i64 {
-        count(&self.path, sql)
+    /// The SQLite ledger, for tests of what only it has (its writer, its file).
+    pub fn sqlite(&self) -> &SqliteLedger {
+        self.sqlite
+            .as_ref()
+            .expect("an SQLite-only test runs on the SQLite backend")
     }
+
+    /// Opens the ledger again with the config and clock it was opened with, as a restarted
+    /// operator would, then drops the old handle (the last clone of an SQLite ledger stops
+    /// its writer).
+    pub async fn reopen(&mut self) {
+        match &self.database {
+            None => {
+                let ledger =
+                    SqliteLedger::open(&self.path, self.config.clone(), self.clock.clone())
+                        .unwrap();
+                self.ledger = Arc::new(ledger.clone());
+                self.sqlite = Some(ledger);
+            }
+            Some(database) => {
+                self.ledger = Arc::new(open_postgres(database, &self.config, &self.clock).await);
+            }
+        }
+    }
+
+    /// Checks what each backend can check of itself: the SQLite writer's memory against its
+    /// file; the PostgreSQL ledger's counts against its tables.
+    pub async fn self_check(&self) {
+        match &self.sqlite {
+            Some(sqlite) => sqlite.self_check().await.unwrap(),
+            None => {
+                let now = self.clock.now().as_millisecond();
+                let active = self.count(&format!(
+                    "SELECT count(*) FROM leases WHERE state = 'active' AND expires_at > {now}"
+                ));
+                assert_eq!(self.ledger.active_total(), active as u64, "active leases");
+                let cooling = self.count(&format!(
+                    "SELECT count(*) FROM cooldowns WHERE until > {now}"
+                ));
+                assert_eq!(self.ledger.cooldowns_active(), cooling as u64, "cooldowns");
+            }
+        }
+    }
+
+    /// The single number `sql` selects, read on a connection of its own, so it sees only
+    /// what the ledger committed.
+    pub fn count(&self, sql: &str) -> i64 {
+        match &self.database {
+            None => count(&self.path, sql),
+            Some(database) => {
+                let out = database.psql(sql);
+                out.parse()
+                    .unwrap_or_else(|_| panic!("{sql}: not a number: {out:?}"))
+            }
+        }
+    }
+
+    /// The rows `sql` selects, each column as text (`NULL` as `None`), read behind the
+    /// ledger's back.
+    pub fn rows(&self, sql: &str) -> Vec<Vec<Option<String>>> {
+        match &self.database {
+            None => {
+                let conn = rusqlite::Connection::open(&self.path).unwrap();
+                let mut statement = conn.prepare(sql).unwrap();
+                let columns = statement.column_count();
+                statement
+                    .query_map([], |row| {
+                        (0..columns)
+                            .map(|i| {
+                                Ok(match row.get_ref(i)? {
+                                    rusqlite::types::ValueRef::Null => None,
+                                    rusqlite::types::ValueRef::Integer(n) => Some(n.to_string()),
+                                    rusqlite::types::ValueRef::Real(x) => Some(x.to_string()),
+                                    rusqlite::types::ValueRef::Text(t) => {
+                                        Some(String::from_utf8_lossy(t).into_owned())
+                                    }
+                                    rusqlite::types::ValueRef::Blob(_) => Some("<blob>".into()),
+                                })
+                            })
+                            .collect()
+                    })
+                    .unwrap()
+                    .collect::<Result<_, _>>()
+                    .unwrap()
+            }
+            Some(database) => {
+                // Each row as a JSON array (in column order) keeps NULLs apart from psql's
+                // text layout.
+                let out = database.psql(&format!(
+                    "SELECT (SELECT json_agg(e.value ORDER BY e.n) FROM \
+                     json_each(row_to_json(r)) WITH ORDINALITY AS e(key, value, n))::text \
+                     FROM ({sql}) r"
+                ));
+                out.lines()
+                    .map(|line| {
+                        let row: Vec<serde_json::Value> = serde_json::from_str(line).unwrap();
+                        row.into_iter()
+                            .map(|value| match value {
+                                serde_json::Value::Null => None,
+                                serde_json::Value::String(s) => Some(s),
+                                other => Some(other.to_string()),
+                            })
+                            .collect()
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The column names of the relation (table or view) `name`, in order.
+    pub fn columns(&self, name: &str) -> Vec<String> {
+        match &self.database {
+            None => {
+                let conn = rusqlite::Connection::open(&self.path).unwrap();
+                let statement = conn.prepare(&format!("SELECT * FROM {name}")).unwrap();
+                statement
+                    .column_names()
+                    .into_iter()
+                    .map(str::to_owned)
+                    .collect()
+            }
+            Some(database) => database
+                .psql(&format!(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = '{name}'::regclass \
+                     AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+                ))
+                .lines()
+                .map(str::to_owned)
+                .collect(),
+        }
+    }
+}
+
+async fn open_postgres(
+    database: &Database,
+    config: &LedgerConfig,
+    clock: &Arc<ManualClock>,
+) -> PostgresLedger {
+    let options = PostgresOptions {
+        password: None,
+        pool_size: 8,
+    };
+    PostgresLedger::open(&database.url(), options, config.clone(), clock.clone())
+        .await
+        .unwrap()
 }
 
 /// The single number `sql` selects from the ledger file at `path`, read on a connection of

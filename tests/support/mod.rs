@@ -5,6 +5,7 @@
 //! `#[path = "../tests/support/mod.rs"] mod support;`. Not every user needs every helper.
 #![allow(dead_code, unused_imports)]
 
+pub mod crawl_load;
 pub mod envtest;
 pub mod fleet;
 pub mod kubelet;
@@ -13,6 +14,7 @@ pub mod loopback;
 pub mod mock_api;
 pub mod operator;
 pub mod pod;
+pub mod postgres;
 pub mod prometheus;
 pub mod python;
 pub mod render;

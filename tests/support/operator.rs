@@ -137,12 +137,14 @@ impl OperatorProcess {
             .open(&self.log)
             .expect("open the operator log");
         let mut command = Command::new(env!("CARGO_BIN_EXE_proxy-operator"));
+        command.arg("run").arg("--providers-config").arg(&providers);
+        // An SQLite file of its own, unless the test shares a ledger among processes.
+        if !self.options.extra_args.iter().any(|a| a == "--ledger") {
+            command
+                .arg("--ledger")
+                .arg(self.options.dir.join("ledger.db"));
+        }
         command
-            .arg("run")
-            .arg("--providers-config")
-            .arg(&providers)
-            .arg("--ledger")
-            .arg(self.options.dir.join("ledger.db"))
             .args(["--discovery-addr", &format!("127.0.0.1:{}", self.api_port)])
             .args([
                 "--metrics-addr",

@@ -99,7 +99,7 @@ pub struct Standalone {
 
 impl Standalone {
     /// Writes `proxies` as the inventory in `dir` and starts the binary on it with the ledger
-    /// in `dir`, `token` as `DISCOVERY_TOKEN`, probes trusting the PEM bundle `probe_ca`, and
+    /// in `dir` (unless `extra_args` name a `--ledger`), `token` as `DISCOVERY_TOKEN`, probes trusting the PEM bundle `probe_ca`, and
     /// `extra_args` last. Not ready yet: poll [`Standalone::api`].
     pub fn start(
         dir: &Path,
@@ -116,11 +116,13 @@ impl Standalone {
         let api_port = free_port();
         let gateway_port = free_port();
         let metrics_port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
-            .args(["standalone", "--inventory"])
-            .arg(&inventory)
-            .arg("--ledger")
-            .arg(dir.join("ledger.db"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_proxy-operator"));
+        command.args(["standalone", "--inventory"]).arg(&inventory);
+        // `ledger.db` in `dir`, unless the test shares a ledger among processes.
+        if !extra_args.contains(&"--ledger") {
+            command.arg("--ledger").arg(dir.join("ledger.db"));
+        }
+        let child = command
             .arg("--probe-ca-file")
             .arg(probe_ca)
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])

@@ -16,6 +16,7 @@
 
 mod connect;
 mod counts;
+mod inflight;
 mod metrics;
 mod retry;
 mod schema;
@@ -33,6 +34,7 @@ pub use metrics::PostgresLedgerCollector;
 pub use schema::POSTGRES_SCHEMA_VERSION;
 
 use self::counts::{Change, Counts};
+use self::inflight::Inflight;
 use self::retry::{Failure, UNAVAILABLE_RETRY_AFTER};
 use self::store::{Attempt, Ended, StoreError};
 use super::clock::Clock;
@@ -71,6 +73,8 @@ struct Inner {
     config: LedgerConfig,
     clock: Arc<dyn Clock>,
     counts: RwLock<Counts>,
+    /// This replica's acquires between choosing a proxy and committing.
+    inflight: Arc<Inflight>,
     /// Where it connects, for logs and errors (no password).
     target: String,
     up: AtomicBool,
@@ -141,14 +145,11 @@ impl PostgresLedger {
         let target = connect::describe(&resolved.config);
         let pool = connect::pool(&resolved, options.pool_size.max(1), config.queue_deadline)
             .map_err(|e| LedgerError::Config(format!("{target}: {e}")))?;
-        let unreachable = |e: String| LedgerError::Unavailable {
-            retry_after: UNAVAILABLE_RETRY_AFTER,
-            reason: format!("{target}: {e}"),
-        };
+        let unreachable = |e: String| LedgerError::Connect(format!("{target}: {e}"));
         let mut client = pool.get().await.map_err(|e| unreachable(pool_error(&e)))?;
         let applied = schema::migrate(&mut client, &target)
             .await
-            .map_err(LedgerError::Config)?;
+            .map_err(LedgerError::Connect)?;
         drop(client);
         // Every connection made now, not by the first burst of acquires, which would wait
         // for logins past their deadline and be answered 503.
@@ -170,6 +171,7 @@ impl PostgresLedger {
                 config,
                 clock,
                 counts: RwLock::new(Counts::default()),
+                inflight: Arc::default(),
                 target,
                 up: AtomicBool::new(true),
                 last_error: Mutex::new(None),
@@ -334,11 +336,14 @@ impl Ledger for PostgresLedger {
         let id = new_lease_id(now);
         let config = &self.inner.config;
         for _ in 0..RACE_ATTEMPTS {
-            let attempt = in_transaction!(self, |tx| store::acquire(
-                &tx, &request, config, &id, ttl_ms, now
+            let inflight = &self.inner.inflight;
+            // The reservation ends once the attempt's transaction has ended.
+            let (attempt, _reservation) = in_transaction!(self, |tx| store::acquire(
+                &tx, &request, config, inflight, &id, ttl_ms, now
             ))?;
             match attempt {
                 Attempt::Decided(outcome) => {
+                    let outcome = *outcome;
                     if let AcquireOutcome::Granted(lease) = &outcome {
                         self.change(Change::Lease {
                             id: lease.id.as_str().into(),

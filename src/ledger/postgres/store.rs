@@ -3,6 +3,7 @@
 //! conditional write lost a race, so the caller decides again on fresh loads.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Transaction;
@@ -10,6 +11,7 @@ use jiff::Timestamp;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
+use super::inflight::{Inflight, Reservation};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{
@@ -59,8 +61,9 @@ async fn execute(tx: &Transaction<'_>, sql: &str, params: &[&(dyn ToSql + Sync)]
 /// What one acquire attempt came to.
 #[derive(Debug)]
 pub(crate) enum Attempt {
-    /// Decided; the transaction is committed (or had nothing to commit).
-    Decided(AcquireOutcome),
+    /// Decided; the transaction is committed (or had nothing to commit). Boxed: an
+    /// outcome is large, and `Lost` is nothing.
+    Decided(Box<AcquireOutcome>),
     /// The chosen proxy could no longer take the lease when its lock was held, or another
     /// acquire took the request ID first: nothing was written, decide again.
     Lost,
@@ -78,12 +81,16 @@ pub(crate) async fn acquire(
     tx: &Transaction<'_>,
     request: &AcquireRequest,
     config: &LedgerConfig,
+    inflight: &Arc<Inflight>,
     id: &str,
     ttl_ms: i64,
     now: i64,
-) -> Result<Attempt> {
+) -> Result<(Attempt, Option<Reservation>)> {
     if let Some(lease) = lease_by_id(tx, id, now).await? {
-        return Ok(Attempt::Decided(AcquireOutcome::Granted(lease)));
+        return Ok((
+            Attempt::Decided(Box::new(AcquireOutcome::Granted(lease))),
+            None,
+        ));
     }
     let target = request.target.as_deref().filter(|t| !t.is_empty());
     let key = request.request.as_ref();
@@ -104,7 +111,10 @@ pub(crate) async fn acquire(
                 .into());
             }
             return match lease_by_id(tx, &lease_id, now).await? {
-                Some(lease) => Ok(Attempt::Decided(AcquireOutcome::Replayed(lease))),
+                Some(lease) => Ok((
+                    Attempt::Decided(Box::new(AcquireOutcome::Replayed(lease))),
+                    None,
+                )),
                 None => Err(LedgerError::Inconsistent(format!(
                     "request ID {:?} names lease {lease_id} that the ledger no longer holds",
                     key.id
@@ -150,18 +160,38 @@ pub(crate) async fn acquire(
         _ => HashMap::new(),
     };
     let hold = TargetHold::new(config, &for_target, target.is_some());
-    let selection = select(
-        &request.candidates,
-        |uid| loads.get(uid).copied().unwrap_or_default(),
-        |uid| {
-            cooldowns
-                .get(uid)
-                .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
-        },
-        |uid| hold.of(uid),
-    );
+    // The loads as read, plus this replica's acquires that chose a proxy and have not
+    // committed yet.
+    let (selection, reservation) = inflight.choose(|in_flight| {
+        let selection = select(
+            &request.candidates,
+            |uid| {
+                let load = loads.get(uid).copied().unwrap_or_default();
+                ProxyLoad {
+                    active: load.active.saturating_add(in_flight(uid)),
+                    ..load
+                }
+            },
+            |uid| {
+                cooldowns
+                    .get(uid)
+                    .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
+            },
+            |uid| hold.of(uid),
+        );
+        let chosen = match &selection {
+            Selection::Chosen(index) => request.candidates.get(*index).map(|c| c.proxy.uid.clone()),
+            Selection::NoMatch(_) => None,
+        };
+        (selection, chosen)
+    });
     let candidate = match selection {
-        Selection::NoMatch(stats) => return Ok(Attempt::Decided(AcquireOutcome::NoMatch(stats))),
+        Selection::NoMatch(stats) => {
+            return Ok((
+                Attempt::Decided(Box::new(AcquireOutcome::NoMatch(stats))),
+                None,
+            ));
+        }
         Selection::Chosen(index) => match request.candidates.get(index) {
             Some(candidate) => candidate,
             None => {
@@ -213,7 +243,7 @@ pub(crate) async fn acquire(
             && (over(proxy_target, config.max_leases_per_proxy_target)
                 || over(fleet_target, config.max_leases_per_target)))
     {
-        return Ok(Attempt::Lost);
+        return Ok((Attempt::Lost, reservation));
     }
 
     let expires_at = now.saturating_add(ttl_ms);
@@ -228,7 +258,7 @@ pub(crate) async fn acquire(
         )
         .await?;
         if taken == 0 {
-            return Ok(Attempt::Lost);
+            return Ok((Attempt::Lost, reservation));
         }
     }
     let proxy = &candidate.proxy;
@@ -263,7 +293,7 @@ pub(crate) async fn acquire(
         },
     )
     .await?;
-    Ok(Attempt::Decided(AcquireOutcome::Granted(Lease {
+    let granted = Lease {
         id: id.to_owned(),
         proxy: ProxyId::clone(proxy),
         target: target.map(str::to_owned),
@@ -274,7 +304,11 @@ pub(crate) async fn acquire(
         released_at: None,
         release_reason: None,
         client: client.map(str::to_owned),
-    })))
+    };
+    Ok((
+        Attempt::Decided(Box::new(AcquireOutcome::Granted(granted))),
+        reservation,
+    ))
 }
 
 /// `(proxy UID, count, earliest expiry)` rows as loads by UID.

@@ -1,8 +1,10 @@
-//! `Ledger::end_leases` against real SQLite files: when the operator loses, stops or deletes a
-//! proxy's machine, every lease counting on that proxy ends at once as `released` with a
-//! reason, the replacement gets the proxy's full capacity straight away, and the file (read
-//! with the real `sqlite3` shell, as an engineer would) says why the leases ended. Time only
-//! moves through the ledger's `ManualClock`.
+//! `Ledger::end_leases` on both backends (a real SQLite file, a fresh PostgreSQL database):
+//! when the operator loses, stops or deletes a proxy's machine, every lease counting on that
+//! proxy ends at once as `released` with a reason, the replacement gets the proxy's full
+//! capacity straight away, and the `leases` table and the `lease_history` view say why the
+//! leases ended. Then what only the SQLite ledger does: its writer's batches around an end,
+//! migrating an older file, a failed batch, a full file. Time only moves through the ledger's
+//! `ManualClock`.
 
 use crate::support;
 
@@ -14,7 +16,7 @@ use proxy_operator::ledger::{
     LedgerConfig, LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
     SqliteLedger,
 };
-use support::ledger::{Fixture, candidate, count, granted, no_match, request, start};
+use support::ledger::{Backend, Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -41,19 +43,23 @@ impl Fixture {
         leases
     }
 
-    /// Shuts the ledger down (its writer finishes) and opens the file again — unlike
-    /// `reopen`, which opens the file before the old handle stops.
+    /// Stops the ledger as a stopping operator does and opens it again: on SQLite its writer
+    /// finishes before the file is opened again (unlike a bare `reopen`, which opens the file
+    /// before the old handle stops).
     async fn shut_down_and_reopen(&mut self) {
-        let ledger = self.ledger.clone();
-        tokio::task::spawn_blocking(move || ledger.shutdown())
-            .await
-            .unwrap();
-        self.ledger = SqliteLedger::open(&self.path, config(), self.clock.clone()).unwrap();
+        if self.backend == Backend::Sqlite {
+            let ledger = self.sqlite().clone();
+            tokio::task::spawn_blocking(move || ledger.shutdown())
+                .await
+                .unwrap();
+        }
+        self.reopen().await;
     }
+}
 
-    fn sqlite3(&self, sql: &str) -> String {
-        sqlite3(&self.path, sql)
-    }
+/// Text cells, for comparing with [`Fixture::rows`].
+fn cells<const N: usize>(row: [Option<&str>; N]) -> Vec<Option<String>> {
+    row.into_iter().map(|c| c.map(str::to_owned)).collect()
 }
 
 /// Sorted lease IDs.
@@ -63,9 +69,10 @@ fn ids(leases: &[Lease]) -> Vec<String> {
     ids
 }
 
-#[tokio::test]
-async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
-    let f = Fixture::new(config());
+async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let (a, b) = (candidate("a", 5), candidate("b", 5));
     let on_a = f.hold(&a, 4, MINUTE).await;
     let on_b = f.hold(&b, 2, MINUTE).await;
@@ -101,12 +108,20 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys() {
         f.count("SELECT COUNT(*) FROM lease_events WHERE kind = 'released'"),
         4
     );
-    f.ledger.self_check().await.unwrap();
+    assert_eq!(
+        f.count(
+            "SELECT COUNT(*) FROM lease_events WHERE kind = 'released' \
+             AND reason = 'machine_lost' AND proxy_uid = 'uid-a'"
+        ),
+        4
+    );
+    f.self_check().await;
 }
 
-#[tokio::test]
-async fn the_replacement_gets_the_proxys_full_capacity_at_once() {
-    let f = Fixture::new(config());
+async fn the_replacement_gets_the_proxys_full_capacity_at_once(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 3);
     f.hold(&a, 3, 10 * MINUTE).await;
     no_match(
@@ -130,7 +145,7 @@ async fn the_replacement_gets_the_proxys_full_capacity_at_once() {
             .acquire(request(std::slice::from_ref(&a), "t.example", MINUTE))
             .await,
     );
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
 
 /// Acquires queued right behind the end, in the same batch, already see the freed slots: the
@@ -149,7 +164,7 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
     )));
     assert!(queue(&mut before).await.is_none());
     wait_until("the writer takes the first write", || {
-        f.ledger.queue_depth() == 0
+        f.sqlite().queue_depth() == 0
     })
     .await;
     let mut end = Box::pin(f.ledger.end_leases("uid-a", "machine_lost"));
@@ -181,59 +196,89 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
         assert_eq!(read.state, LeaseState::Released);
     }
     assert_eq!(f.ledger.active_count("uid-a"), 2);
-    let stats = f.ledger.writer_stats();
+    let stats = f.sqlite().writer_stats();
     assert!(stats.batch_sizes.get(5) >= Some(&1), "{stats:?}");
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
 
-#[tokio::test]
-async fn the_reason_shows_in_leases_and_lease_history_with_the_sqlite3_shell() {
-    let f = Fixture::new(config());
+async fn the_reason_shows_in_leases_and_lease_history(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let (a, b) = (candidate("a", 5), candidate("b", 5));
     let on_a = f.hold(&a, 2, MINUTE).await;
     let on_b = f.hold(&b, 1, MINUTE).await;
+    f.clock.advance(Duration::from_millis(1500));
     f.ledger
         .end_leases("uid-a", "machine_stopped")
         .await
         .unwrap();
 
     let a_ids = ids(&on_a);
-    let leases = f.sqlite3(
-        "SELECT id, state, quote(release_reason) FROM leases \
-         WHERE proxy_uid = 'uid-a' ORDER BY id",
+    let mut leases = f.rows(
+        "SELECT id, state, release_reason, released_at FROM leases WHERE proxy_uid = 'uid-a'",
     );
-    let expected: Vec<String> = a_ids
+    leases.sort();
+    let ended_at = f.clock.now().as_millisecond().to_string();
+    let expected: Vec<_> = a_ids
         .iter()
-        .map(|id| format!("{id}|released|'machine_stopped'"))
+        .map(|id| {
+            cells([
+                Some(id),
+                Some("released"),
+                Some("machine_stopped"),
+                Some(&ended_at),
+            ])
+        })
         .collect();
-    assert_eq!(leases, expected.join("\n"));
-    let b_row = f.sqlite3(&format!(
-        "SELECT state, quote(release_reason) FROM leases WHERE id = '{}'",
+    assert_eq!(leases, expected);
+    let b_row = f.rows(&format!(
+        "SELECT state, release_reason, released_at FROM leases WHERE id = '{}'",
         on_b[0].id
     ));
-    assert_eq!(b_row, "active|NULL");
+    assert_eq!(b_row, [cells([Some("active"), None, None])]);
 
-    let history = f.sqlite3(
-        "SELECT lease_id, kind, proxy, quote(reason) FROM lease_history \
+    let history = f.rows(
+        "SELECT lease_id, kind, proxy, target, reason, at, expires FROM lease_history \
          WHERE proxy_uid = 'uid-a' ORDER BY seq",
     );
     // Acquired in acquisition order, ended in lease-ID order (IDs of one millisecond sort by
-    // their random part).
-    let mut expected: Vec<String> = on_a
-        .iter()
-        .map(|lease| format!("{}|acquired|crawl/a|NULL", lease.id))
-        .collect();
-    expected.extend(
-        a_ids
-            .iter()
-            .map(|id| format!("{id}|released|crawl/a|'machine_stopped'")),
+    // their random part); the view renders the times in ISO 8601 with milliseconds.
+    let (acquired, ended, expires) = (
+        "2026-01-01T00:00:00.000Z",
+        "2026-01-01T00:00:01.500Z",
+        "2026-01-01T00:01:00.000Z",
     );
-    assert_eq!(history, expected.join("\n"));
+    let mut expected: Vec<_> = on_a
+        .iter()
+        .map(|lease| {
+            cells([
+                Some(&lease.id),
+                Some("acquired"),
+                Some("crawl/a"),
+                Some("t.example"),
+                None,
+                Some(acquired),
+                Some(expires),
+            ])
+        })
+        .collect();
+    expected.extend(a_ids.iter().map(|id| {
+        cells([
+            Some(id),
+            Some("released"),
+            Some("crawl/a"),
+            Some("t.example"),
+            Some("machine_stopped"),
+            Some(ended),
+            Some(expires),
+        ])
+    }));
+    assert_eq!(history, expected);
 
-    // The view's columns, as `sqlite3 -header` shows them.
-    let columns = f.sqlite3("SELECT name FROM pragma_table_info('lease_history')");
+    // The view's columns, as `sqlite3 -header` or psql show them.
     assert_eq!(
-        columns.lines().collect::<Vec<_>>(),
+        f.columns("lease_history"),
         [
             "seq",
             "at",
@@ -249,16 +294,17 @@ async fn the_reason_shows_in_leases_and_lease_history_with_the_sqlite3_shell() {
             "client"
         ]
     );
-    let why = f.sqlite3(
+    let why = f.rows(
         "SELECT reason, COUNT(*) FROM lease_history WHERE kind = 'released' \
          GROUP BY reason ORDER BY reason",
     );
-    assert_eq!(why, "machine_stopped|2");
+    assert_eq!(why, [cells([Some("machine_stopped"), Some("2")])]);
 }
 
-#[tokio::test]
-async fn leases_a_crawler_released_keep_a_null_reason() {
-    let f = Fixture::new(config());
+async fn leases_a_crawler_released_keep_a_null_reason(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 5);
     let leases = f.hold(&a, 2, MINUTE).await;
     let (by_crawler, by_operator) = (&leases[0], &leases[1]);
@@ -281,20 +327,25 @@ async fn leases_a_crawler_released_keep_a_null_reason() {
     let operator = f.ledger.get(&by_operator.id).await.unwrap().unwrap();
     assert_eq!(operator.release_reason.as_deref(), Some("machine_lost"));
 
-    let rows = f.sqlite3(&format!(
-        "SELECT kind, quote(reason) FROM lease_history WHERE lease_id = '{}' ORDER BY seq",
+    let rows = f.rows(&format!(
+        "SELECT kind, reason FROM lease_history WHERE lease_id = '{}' ORDER BY seq",
         by_crawler.id
     ));
     assert_eq!(
         rows,
-        "acquired|NULL\nrenewed|NULL\nreported|NULL\nreleased|NULL"
+        [
+            cells([Some("acquired"), None]),
+            cells([Some("renewed"), None]),
+            cells([Some("reported"), None]),
+            cells([Some("released"), None]),
+        ]
     );
     assert_eq!(
-        f.sqlite3(&format!(
-            "SELECT quote(release_reason) FROM leases WHERE id = '{}'",
+        f.rows(&format!(
+            "SELECT state, release_reason FROM leases WHERE id = '{}'",
             by_crawler.id
         )),
-        "NULL"
+        [cells([Some("released"), None])]
     );
     assert_eq!(
         f.count("SELECT COUNT(*) FROM lease_events WHERE reason IS NOT NULL"),
@@ -302,9 +353,10 @@ async fn leases_a_crawler_released_keep_a_null_reason() {
     );
 }
 
-#[tokio::test]
-async fn ending_again_ends_nothing_and_records_nothing() {
-    let f = Fixture::new(config());
+async fn ending_again_ends_nothing_and_records_nothing(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 5);
     f.hold(&a, 3, MINUTE).await;
     assert_eq!(
@@ -335,12 +387,13 @@ async fn ending_again_ends_nothing_and_records_nothing() {
         f.count("SELECT COUNT(*) FROM leases WHERE release_reason = 'machine_lost'"),
         3
     );
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
 
-#[tokio::test]
-async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
-    let f = Fixture::new(config());
+async fn an_ended_lease_answers_its_crawler_like_any_released_lease(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 5);
     let keyed = AcquireRequest {
         request: Some(RequestKey {
@@ -378,27 +431,31 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease() {
     assert_eq!(reported, ended);
     assert_eq!(f.ledger.cooldowns_active(), 1);
     assert_eq!(
-        f.sqlite3(&format!(
-            "SELECT kind, quote(result), quote(reason) FROM lease_history \
-             WHERE lease_id = '{}' ORDER BY seq",
+        f.rows(&format!(
+            "SELECT kind, result, reason FROM lease_history WHERE lease_id = '{}' ORDER BY seq",
             lease.id
         )),
-        "acquired|NULL|NULL\nreleased|NULL|'machine_lost'\nreported|'rate_limited'|NULL"
+        [
+            cells([Some("acquired"), None, None]),
+            cells([Some("released"), None, Some("machine_lost")]),
+            cells([Some("reported"), Some("rate_limited"), None]),
+        ]
     );
     // The request ID still names the ended lease while its window is open.
     assert_eq!(
         f.ledger.acquire(keyed).await.unwrap(),
         AcquireOutcome::Replayed(ended)
     );
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
 
 /// An active lease already past its expiry stopped counting when it expired: ending the
 /// proxy's leases leaves it to the sweep, which marks it expired (timed at its expiry, no
 /// reason), exactly as without the end.
-#[tokio::test]
-async fn a_lease_past_its_expiry_is_left_for_the_sweep() {
-    let f = Fixture::new(config());
+async fn a_lease_past_its_expiry_is_left_for_the_sweep(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 5);
     let short = f.hold(&a, 1, MINUTE).await.remove(0);
     let long = f.hold(&a, 1, 10 * MINUTE).await.remove(0);
@@ -416,27 +473,47 @@ async fn a_lease_past_its_expiry_is_left_for_the_sweep() {
         (LeaseState::Expired, None)
     );
     assert_eq!(
-        f.sqlite3(&format!(
-            "SELECT state, quote(release_reason) FROM leases WHERE id = '{}'",
+        f.rows(&format!(
+            "SELECT state, release_reason FROM leases WHERE id = '{}'",
             short.id
         )),
-        "active|NULL",
+        [cells([Some("active"), None])],
         "the row waits for the sweep"
     );
     let stats = f.ledger.sweep().await.unwrap();
     assert_eq!(stats.expired, 1);
-    let rows = f.sqlite3(&format!(
-        "SELECT lease_id = '{}', kind, expires = at, quote(reason) FROM lease_history \
-         WHERE kind IN ('released', 'expired') ORDER BY seq",
+    let rows = f.rows(&format!(
+        "SELECT CASE WHEN lease_id = '{}' THEN 'long' ELSE 'short' END, kind, \
+         CASE WHEN expires = at THEN 'at its expiry' ELSE 'before' END, reason \
+         FROM lease_history WHERE kind IN ('released', 'expired') ORDER BY seq",
         long.id
     ));
-    assert_eq!(rows, "1|released|0|'machine_lost'\n0|expired|1|NULL");
-    f.ledger.self_check().await.unwrap();
+    assert_eq!(
+        rows,
+        [
+            cells([
+                Some("long"),
+                Some("released"),
+                Some("before"),
+                Some("machine_lost")
+            ]),
+            cells([Some("short"), Some("expired"), Some("at its expiry"), None]),
+        ]
+    );
+    assert_eq!(
+        f.rows(&format!(
+            "SELECT state, release_reason FROM leases WHERE id = '{}'",
+            short.id
+        )),
+        [cells([Some("expired"), None])]
+    );
+    f.self_check().await;
 }
 
-#[tokio::test]
-async fn ended_leases_and_their_reason_survive_reopening() {
-    let mut f = Fixture::new(config());
+async fn ended_leases_and_their_reason_survive_reopening(backend: Backend) {
+    let Some(mut f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let (a, b) = (candidate("a", 3), candidate("b", 3));
     let on_a = f.hold(&a, 3, 10 * MINUTE).await;
     f.hold(&b, 1, 10 * MINUTE).await;
@@ -456,17 +533,17 @@ async fn ended_leases_and_their_reason_survive_reopening() {
         assert_eq!(read.release_reason.as_deref(), Some("machine_gone"));
     }
     assert_eq!(
-        f.sqlite3(
+        f.rows(
             "SELECT reason, COUNT(*) FROM lease_history WHERE kind = 'released' GROUP BY reason"
         ),
-        "machine_gone|3"
+        [cells([Some("machine_gone"), Some("3")])]
     );
     assert_eq!(f.hold(&a, 3, MINUTE).await.len(), 3);
     assert_eq!(
         f.ledger.end_leases("uid-a", "machine_gone").await.unwrap(),
         3
     );
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
 
 #[tokio::test]
@@ -576,9 +653,10 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     );
 }
 
-#[tokio::test]
-async fn a_reason_that_is_not_a_machine_code_is_refused_and_nothing_ends() {
-    let f = Fixture::new(config());
+async fn a_reason_that_is_not_a_machine_code_is_refused_and_nothing_ends(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
     let a = candidate("a", 5);
     f.hold(&a, 2, MINUTE).await;
     for reason in [
@@ -643,7 +721,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
         )));
         assert!(queue(&mut first).await.is_none());
         wait_until("the writer takes the first write", || {
-            f.ledger.queue_depth() == 0
+            f.sqlite().queue_depth() == 0
         })
         .await;
         let mut end = Box::pin(f.ledger.end_leases("uid-a", "machine_lost"));
@@ -676,7 +754,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
                 "{name}"
             );
         }
-        f.ledger.self_check().await.unwrap();
+        f.self_check().await;
 
         rusqlite::Connection::open(&f.path)
             .unwrap()
@@ -688,7 +766,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
             "{name}"
         );
         assert_eq!(f.ledger.active_count("uid-a"), 0, "{name}");
-        f.ledger.self_check().await.unwrap();
+        f.self_check().await;
     }
 }
 
@@ -735,7 +813,7 @@ async fn a_full_ledger_refuses_the_end_whole() {
     for lease in &on_a {
         assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
     }
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 
     // The leases on b expire and pass the cooldown window; the sweep (which may use the pages
     // kept back from clients) deletes them.
@@ -754,5 +832,17 @@ async fn a_full_ledger_refuses_the_end_whole() {
     }
     assert_eq!(ended, Some(50));
     assert_eq!(f.ledger.active_count("uid-a"), 0);
-    f.ledger.self_check().await.unwrap();
+    f.self_check().await;
 }
+
+crate::on_both_backends!(
+    ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys,
+    the_replacement_gets_the_proxys_full_capacity_at_once,
+    the_reason_shows_in_leases_and_lease_history,
+    leases_a_crawler_released_keep_a_null_reason,
+    ending_again_ends_nothing_and_records_nothing,
+    an_ended_lease_answers_its_crawler_like_any_released_lease,
+    a_lease_past_its_expiry_is_left_for_the_sweep,
+    ended_leases_and_their_reason_survive_reopening,
+    a_reason_that_is_not_a_machine_code_is_refused_and_nothing_ends,
+);

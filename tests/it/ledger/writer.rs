@@ -16,7 +16,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, LeaseReport, Ledger, LedgerConfig, LedgerError,
+    AcquireOutcome, AcquireRequest, Candidate, LeaseReport, LedgerConfig, LedgerError,
     ReportResult, RequestKey,
 };
 use support::ledger::{Fixture, candidates, granted, request};
@@ -55,7 +55,7 @@ impl Fixture {
     /// Waits until the writer has taken every queued write (it then waits for the lock).
     async fn writer_took_everything(&self) {
         wait_until("the writer takes the queued write", || {
-            self.ledger.queue_depth() == 0
+            self.sqlite().queue_depth() == 0
         })
         .await;
     }
@@ -78,7 +78,7 @@ async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
     for write in &mut writes[1..] {
         assert!(queue(write).await.is_none());
     }
-    assert_eq!(f.ledger.queue_depth(), 20);
+    assert_eq!(f.sqlite().queue_depth(), 20);
     assert_eq!(
         f.ledger.active_total(),
         0,
@@ -88,7 +88,7 @@ async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
     for write in writes {
         granted(write.await);
     }
-    let stats = f.ledger.writer_stats();
+    let stats = f.sqlite().writer_stats();
     assert_eq!(stats.batches, 1, "{stats:?}");
     assert_eq!(stats.batch_sizes.get(21), Some(&1), "{stats:?}");
     assert_eq!(f.ledger.active_total(), 21);
@@ -132,7 +132,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
     assert_eq!(f.ledger.active_total(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
-    let stats = f.ledger.writer_stats();
+    let stats = f.sqlite().writer_stats();
     assert_eq!(
         (stats.refused_full, stats.refused_deadline),
         (6, 1 + CAPACITY as u64),
@@ -164,7 +164,7 @@ async fn an_acquire_whose_caller_left_before_its_turn_is_not_granted() {
     }
     let mut retry = Box::pin(f.ledger.acquire(f.request("t.example", Some("retried"))));
     assert!(queue(&mut retry).await.is_none());
-    assert_eq!(f.ledger.queue_depth(), 4);
+    assert_eq!(f.sqlite().queue_depth(), 4);
     lock.release();
     granted(kept.await);
     let retried = granted(retry.await);
@@ -178,7 +178,7 @@ async fn an_acquire_whose_caller_left_before_its_turn_is_not_granted() {
         f.count("SELECT COUNT(*) FROM leases WHERE request_id = 'retried'"),
         1
     );
-    assert_eq!(f.ledger.writer_stats().abandoned, 3);
+    assert_eq!(f.sqlite().writer_stats().abandoned, 3);
     let again = f.ledger.acquire(f.request("t.example", Some("retried")));
     assert_eq!(again.await.unwrap(), AcquireOutcome::Replayed(retried));
 }
@@ -263,7 +263,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         batch_failed(with_id.await, message);
         batch_failed(poisoned.await, message);
         batch_failed(after.await, message);
-        assert_eq!(f.ledger.writer_stats().failed_batches, 1, "{name}");
+        assert_eq!(f.sqlite().writer_stats().failed_batches, 1, "{name}");
 
         // Memory is what the file says: the held lease, its cooldown, nothing of the batch.
         assert_eq!(f.ledger.active_counts(), counts, "{name}");
@@ -271,7 +271,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         let file_rows =
             f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
         assert_eq!(file_rows, rows, "{name}");
-        f.ledger.self_check().await.unwrap();
+        f.self_check().await;
         // The request IDs of the failed batch were never given out; the held one still is.
         granted(
             f.ledger
@@ -287,15 +287,15 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         // A later batch without the poison commits, and a reopened ledger agrees.
         f.ledger.release(&held.id).await.unwrap();
         assert_eq!(f.ledger.active_total(), 1, "{name}");
-        f.ledger.self_check().await.unwrap();
+        f.self_check().await;
         let before = (f.ledger.active_counts(), f.ledger.cooldowns_active());
-        f.reopen();
+        f.reopen().await;
         assert_eq!(
             (f.ledger.active_counts(), f.ledger.cooldowns_active()),
             before,
             "{name}"
         );
-        f.ledger.self_check().await.unwrap();
+        f.self_check().await;
     }
 }
 
@@ -309,17 +309,17 @@ async fn shutdown_commits_what_was_queued_and_refuses_the_rest() {
     let mut second = f.pending_acquire("t.example");
     assert!(queue(&mut second).await.is_none());
     let stopping = {
-        let ledger = f.ledger.clone();
+        let ledger = f.sqlite().clone();
         std::thread::spawn(move || ledger.shutdown())
     };
-    wait_until("shutdown refuses new writes", || !f.ledger.is_running()).await;
+    wait_until("shutdown refuses new writes", || !f.sqlite().is_running()).await;
     let refused = f.ledger.release("any").await;
     assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");
     lock.release();
     granted(first.await);
     granted(second.await);
     stopping.join().unwrap();
-    assert!(!f.ledger.is_running());
+    assert!(!f.sqlite().is_running());
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 2);
     let refused = f.ledger.acquire(f.request("t.example", None)).await;
     assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");

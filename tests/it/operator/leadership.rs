@@ -1,6 +1,7 @@
-//! Two replicas of `proxy-operator run` on one Lease (one install ID), each with its own ledger:
-//! only the Lease holder reconciles; the follower probes by itself, so its list and acquires
-//! follow a proxy going unhealthy; when the holder is killed the follower takes the Lease and
+//! Two replicas of `proxy-operator run` on one Lease (one install ID) and one PostgreSQL
+//! ledger, as the PostgreSQL install runs them: only the Lease holder reconciles; the follower
+//! probes by itself, so its list and acquires follow a proxy going unhealthy, and a lease taken
+//! on one replica is the other's too; when the holder is killed the follower takes the Lease and
 //! reconciles, its API answering throughout.
 
 use std::sync::Arc;
@@ -12,22 +13,25 @@ use serde_json::json;
 
 use crate::support::Squid;
 use crate::support::operator::{OperatorProcess, metric_sum};
+use crate::support::postgres::{Database, Postgres};
 use crate::support::world::{SLOW, World, within};
 
 /// Short, so the failover takes seconds: the follower takes the Lease this long after the
 /// holder's last renewal.
-const LEASE_DURATION: &[&str] = &["--leader-lease-duration", "3s"];
+const LEASE_DURATION: &str = "3s";
 
-async fn replica(world: &World, name: &str) -> OperatorProcess {
+async fn replica(world: &World, name: &str, ledger: &Database) -> OperatorProcess {
     let dir = world.dir.path().join(name);
     std::fs::create_dir_all(&dir).expect("a replica's dir");
+    let url = ledger.url();
+    let args = ["--leader-lease-duration", LEASE_DURATION, "--ledger", &url];
     OperatorProcess::start_ready(
         world.cp,
         &dir,
         &world.target,
         &world.ns,
         Some(&world.ns),
-        LEASE_DURATION,
+        &args,
     )
     .await
 }
@@ -60,6 +64,10 @@ async fn only_the_lease_holder_reconciles_and_a_follower_takes_over_when_it_dies
     let Some(world) = World::new("leadership").await else {
         return;
     };
+    let Some(postgres) = Postgres::shared() else {
+        return;
+    };
+    let ledger = postgres.database();
     let mut squid = Squid::start();
     let mut spec = world.external_spec(&squid, "500ms");
     spec["maxLeases"] = json!(10);
@@ -77,10 +85,10 @@ async fn only_the_lease_holder_reconciles_and_a_follower_takes_over_when_it_dies
         .await
         .expect("label Proxy first");
 
-    let mut holder = replica(&world, "a").await;
+    let mut holder = replica(&world, "a", &ledger).await;
     wait_leader(&holder, "the first replica holding the Lease").await;
     world.wait_ready("first").await;
-    let follower = replica(&world, "b").await;
+    let follower = replica(&world, "b", &ledger).await;
     assert_eq!(gauge(&follower, "proxy_operator_leader").await, 0.0);
 
     // The follower probes by itself: its list and its acquires follow the proxy's health.
@@ -88,6 +96,29 @@ async fn only_the_lease_holder_reconciles_and_a_follower_takes_over_when_it_dies
         .wait_listed("envtest", "first", "healthy", true)
         .await;
     assert!(acquires(&follower, "first").await);
+    // One ledger: a lease taken on the holder is read, and given back, on the follower.
+    let (status, lease) = holder
+        .call(
+            Method::POST,
+            "/v1/leases",
+            Some(json!({"selector": {"name": "first"}, "ttlSeconds": 60})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{lease}");
+    let id = lease["leaseID"].as_str().expect("a lease ID");
+    let (status, seen) = follower
+        .call(Method::GET, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(
+        (status, &seen["state"]),
+        (StatusCode::OK, &json!("active")),
+        "{seen}"
+    );
+    follower.release(id).await;
+    let (_, seen) = holder
+        .call(Method::GET, &format!("/v1/leases/{id}"), None)
+        .await;
+    assert_eq!(seen["state"], "released", "{seen}");
     squid.kill();
     follower
         .wait_listed("envtest", "first", "healthy", false)

@@ -1,0 +1,384 @@
+//! What only the PostgreSQL ledger promises, against a real PostgreSQL server: several
+//! ledgers on one database (as several replicas) agree on capacity, request IDs and expiry
+//! however they race; replicas starting together migrate once; a database that goes away
+//! answers `Unavailable` and is used again when it is back, without reopening.
+
+use crate::support;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use proxy_operator::ledger::{
+    AcquireOutcome, AcquireRequest, Clock, Ledger, LedgerConfig, LedgerError, ManualClock,
+    POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresOptions, RequestKey,
+};
+use support::ledger::{candidates, granted, request, start};
+use support::postgres::{Database, Postgres};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+async fn open(database: &Database, clock: &Arc<ManualClock>) -> PostgresLedger {
+    open_with(database, clock, LedgerConfig::default()).await
+}
+
+async fn open_with(
+    database: &Database,
+    clock: &Arc<ManualClock>,
+    config: LedgerConfig,
+) -> PostgresLedger {
+    let options = PostgresOptions {
+        password: None,
+        pool_size: 8,
+    };
+    PostgresLedger::open(&database.url(), options, config, clock.clone())
+        .await
+        .unwrap()
+}
+
+/// An acquire with request ID `id` for `fingerprint`.
+fn keyed(
+    pool: &Arc<[proxy_operator::ledger::Candidate]>,
+    id: &str,
+    fingerprint: &str,
+) -> AcquireRequest {
+    AcquireRequest {
+        request: Some(RequestKey {
+            id: id.into(),
+            fingerprint: fingerprint.into(),
+        }),
+        ..request(pool.clone(), "t.example", MINUTE)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_racing_for_few_slots_never_exceed_max_leases_nor_grant_twice() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let replicas = [
+        open(&database, &clock).await,
+        open(&database, &clock).await,
+        open(&database, &clock).await,
+    ];
+    // 5 proxies of 3 slots, 120 acquires at once spread over the three replicas.
+    let pool = candidates(5, 3);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..120 {
+        let ledger = replicas[i % 3].clone();
+        let pool = pool.clone();
+        tasks.spawn(async move {
+            // `Overloaded` decided nothing: a crawler asks again, as after a 503.
+            let started = std::time::Instant::now();
+            loop {
+                match ledger
+                    .acquire(request(pool.clone(), "t.example", MINUTE))
+                    .await
+                {
+                    Err(LedgerError::Overloaded { .. })
+                        if started.elapsed() < support::DEADLINE => {}
+                    answer => return answer,
+                }
+            }
+        });
+    }
+    let mut granted_ids = HashSet::new();
+    let mut per_proxy: HashMap<String, u32> = HashMap::new();
+    let mut refused = 0;
+    while let Some(outcome) = tasks.join_next().await {
+        match outcome.unwrap() {
+            Ok(AcquireOutcome::Granted(lease)) => {
+                assert!(granted_ids.insert(lease.id.clone()), "{} twice", lease.id);
+                *per_proxy.entry(lease.proxy.name).or_default() += 1;
+            }
+            Ok(AcquireOutcome::NoMatch(stats)) => {
+                assert_eq!(stats.at_capacity, 5, "{stats:?}");
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(granted_ids.len(), 15, "{per_proxy:?}");
+    assert_eq!(refused, 105);
+    assert!(per_proxy.values().all(|&n| n == 3), "{per_proxy:?}");
+    let over = database.psql(
+        "SELECT count(*) FROM (SELECT proxy_uid FROM leases WHERE state = 'active' \
+         GROUP BY proxy_uid HAVING count(*) > 3) o",
+    );
+    assert_eq!(over, "0");
+    assert_eq!(database.psql("SELECT count(*) FROM leases"), "15");
+    assert_eq!(
+        database.psql("SELECT count(*) FROM lease_events WHERE kind = 'acquired'"),
+        "15"
+    );
+    // Each replica reads its own grants at once and the others' after a refresh.
+    let expected: u64 = 15;
+    for replica in &replicas {
+        let started = std::time::Instant::now();
+        while replica.active_total() != expected {
+            assert!(
+                started.elapsed() < support::DEADLINE,
+                "{}",
+                replica.active_total()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_replays_on_another_replica_until_its_lease_expires() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let (a, b) = (open(&database, &clock).await, open(&database, &clock).await);
+    let pool = candidates(3, 1);
+    let first = granted(a.acquire(keyed(&pool, "req-1", "fp")).await);
+    match b.acquire(keyed(&pool, "req-1", "fp")).await {
+        Ok(AcquireOutcome::Replayed(lease)) => assert_eq!(lease, first),
+        other => panic!("{other:?}"),
+    }
+    let reused = b.acquire(keyed(&pool, "req-1", "other")).await;
+    assert!(
+        matches!(reused, Err(LedgerError::RequestIdReused { .. })),
+        "{reused:?}"
+    );
+    // A renew on one replica moves the window for all; a release does not close it.
+    b.renew(&first.id, 2 * MINUTE).await.unwrap();
+    a.release(&first.id).await.unwrap();
+    clock.advance(MINUTE + Duration::from_secs(1));
+    match a.acquire(keyed(&pool, "req-1", "fp")).await {
+        Ok(AcquireOutcome::Replayed(lease)) => {
+            assert_eq!(lease.id, first.id);
+            assert_eq!(lease.state, proxy_operator::ledger::LeaseState::Released);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Once the lease's window closed, the ID is free: decided afresh, on either replica.
+    clock.advance(MINUTE);
+    let second = granted(b.acquire(keyed(&pool, "req-1", "other")).await);
+    assert_ne!(second.id, first.id);
+    match a.acquire(keyed(&pool, "req-1", "other")).await {
+        Ok(AcquireOutcome::Replayed(lease)) => assert_eq!(lease.id, second.id),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_request_id_racing_on_replicas_gets_one_lease() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let replicas = [open(&database, &clock).await, open(&database, &clock).await];
+    let pool = candidates(20, 5);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..40 {
+        let ledger = replicas[i % 2].clone();
+        let pool = pool.clone();
+        tasks.spawn(async move { ledger.acquire(keyed(&pool, "same", "fp")).await });
+    }
+    let mut ids = HashSet::new();
+    let mut grants = 0;
+    while let Some(outcome) = tasks.join_next().await {
+        match outcome.unwrap() {
+            Ok(AcquireOutcome::Granted(lease)) => {
+                grants += 1;
+                ids.insert(lease.id);
+            }
+            Ok(AcquireOutcome::Replayed(lease)) => {
+                ids.insert(lease.id);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(grants, 1);
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(database.psql("SELECT count(*) FROM leases"), "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sweeping_at_once_record_each_expiry_once() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let replicas = [
+        open(&database, &clock).await,
+        open(&database, &clock).await,
+        open(&database, &clock).await,
+    ];
+    let pool = candidates(50, 2);
+    for i in 0..100 {
+        granted(
+            replicas[i % 3]
+                .acquire(request(pool.clone(), "t.example", MINUTE))
+                .await,
+        );
+    }
+    clock.advance(2 * MINUTE);
+    let sweeps = replicas.iter().map(|r| {
+        let r = r.clone();
+        tokio::spawn(async move { r.sweep().await.unwrap().expired })
+    });
+    let mut expired = 0;
+    for sweep in sweeps {
+        expired += sweep.await.unwrap();
+    }
+    assert_eq!(expired, 100);
+    assert_eq!(
+        database.psql("SELECT count(*) FROM lease_events WHERE kind = 'expired'"),
+        "100"
+    );
+    assert_eq!(
+        database.psql("SELECT count(*) FROM leases WHERE state = 'expired'"),
+        "100"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_starting_together_migrate_once() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let opening = (0..4).map(|_| {
+        let (database, clock) = (database.clone(), clock.clone());
+        tokio::spawn(async move { open(&database, &clock).await })
+    });
+    for ledger in opening {
+        ledger.await.unwrap();
+    }
+    assert_eq!(
+        database.psql("SELECT version FROM ledger_schema"),
+        POSTGRES_SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(database.psql("SELECT count(*) FROM ledger_schema"), "1");
+    assert_eq!(
+        database.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'leases'"),
+        "1"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_goes_down_answers_unavailable_and_is_used_again_when_back() {
+    let Some(server) = Postgres::start() else {
+        return;
+    };
+    let database = server.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let ledger = open(&database, &clock).await;
+    let pool = candidates(3, 5);
+    let before = granted(
+        ledger
+            .acquire(request(pool.clone(), "t.example", MINUTE))
+            .await,
+    );
+    assert_eq!(ledger.database().map(|d| d.up), Some(true));
+
+    server.stop();
+    let refused = ledger
+        .acquire(request(pool.clone(), "t.example", MINUTE))
+        .await;
+    match refused {
+        Err(LedgerError::Unavailable { retry_after, .. }) => {
+            assert_eq!(retry_after, Duration::from_secs(1));
+        }
+        other => panic!("{other:?}"),
+    }
+    let status = ledger.database().unwrap();
+    assert!(!status.up);
+    assert!(
+        status
+            .error
+            .is_some_and(|e| !e.contains(database.password()))
+    );
+    assert!(matches!(
+        ledger.release(&before.id).await,
+        Err(LedgerError::Unavailable { .. })
+    ));
+    // Readiness stays: every replica shares the database.
+    ledger.check().await.unwrap();
+    // What was counted before is still counted while the database is away.
+    assert_eq!(ledger.active_total(), 1);
+
+    server.resume();
+    let started = std::time::Instant::now();
+    let after = loop {
+        match ledger
+            .acquire(request(pool.clone(), "t.example", MINUTE))
+            .await
+        {
+            Ok(outcome) => break granted(Ok(outcome)),
+            Err(LedgerError::Unavailable { .. }) => {
+                assert!(started.elapsed() < support::DEADLINE, "never recovered");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_ne!(after.id, before.id);
+    assert_eq!(ledger.database().map(|d| d.up), Some(true));
+    assert_eq!(
+        ledger.get(&before.id).await.unwrap().map(|l| l.id),
+        Some(before.id)
+    );
+    assert_eq!(
+        database.psql("SELECT count(*) FROM leases WHERE state = 'active'"),
+        "2"
+    );
+    let _ = clock.now();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_or_a_bad_url_is_refused_at_open_without_showing_the_password() {
+    let Some(server) = Postgres::shared() else {
+        return;
+    };
+    let database = server.database();
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(start()));
+    let wrong = database.with_password("not-the-password");
+    let err = PostgresLedger::open(
+        &wrong.url(),
+        PostgresOptions {
+            password: None,
+            pool_size: 2,
+        },
+        LedgerConfig::default(),
+        clock.clone(),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("password authentication failed"), "{err}");
+    assert!(!err.contains("not-the-password"), "{err}");
+    // The password given apart from the URL wins over it.
+    let ledger = PostgresLedger::open(
+        &wrong.url(),
+        PostgresOptions {
+            password: Some(database.password().to_owned()),
+            pool_size: 2,
+        },
+        LedgerConfig::default(),
+        clock.clone(),
+    )
+    .await;
+    assert!(ledger.is_ok(), "{ledger:?}");
+    let err = PostgresLedger::open(
+        "postgres://db/ledger?nonsense=1",
+        PostgresOptions::default(),
+        LedgerConfig::default(),
+        clock,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not a PostgreSQL connection URL"), "{err}");
+}
