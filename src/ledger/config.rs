@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use super::error::LedgerError;
+use super::lease::LeaseReport;
 
 /// Smallest size bound accepted (`max_size`): room for the schema, the WAL allowance and a
 /// few thousand leases.
@@ -132,6 +133,24 @@ impl LedgerConfig {
             Some(asked) => millis(asked.min(self.max_cooldown)).max(1),
             None => millis(self.cooldown),
         }
+    }
+
+    /// What a report on a lease whose own target is `lease_target` keys and starts: the
+    /// target it is about (the report's, else the lease's) and, for a `rate_limited` or
+    /// `blocked` report about some target, the cooldown's length in milliseconds.
+    pub(crate) fn report_cooldown<'a>(
+        &self,
+        report: &'a LeaseReport,
+        lease_target: Option<&'a str>,
+    ) -> (Option<&'a str>, Option<i64>) {
+        let target = report
+            .target
+            .as_deref()
+            .filter(|t| !t.is_empty())
+            .or(lease_target);
+        let cooldown_ms = (report.result.starts_cooldown() && target.is_some())
+            .then(|| self.cooldown_ms(report.cooldown));
+        (target, cooldown_ms)
     }
 
     /// The TTL actually granted for a requested one, in milliseconds.

@@ -119,3 +119,28 @@ pub enum LedgerError {
     #[error("ledger connection pool: {0}")]
     Pool(#[from] r2d2::Error),
 }
+
+impl LedgerError {
+    /// The same failure for another caller of a batch that failed as a whole (the errors a
+    /// database transaction can end with are plain data; anything else is passed on as its
+    /// message).
+    pub(crate) fn shared(&self) -> LedgerError {
+        match self {
+            LedgerError::Overloaded { retry_after } => LedgerError::Overloaded {
+                retry_after: *retry_after,
+            },
+            LedgerError::Full { retry_after } => LedgerError::Full {
+                retry_after: *retry_after,
+            },
+            LedgerError::Unavailable {
+                retry_after,
+                reason,
+            } => LedgerError::Unavailable {
+                retry_after: *retry_after,
+                reason: reason.clone(),
+            },
+            LedgerError::Inconsistent(message) => LedgerError::Inconsistent(message.clone()),
+            other => LedgerError::Postgres(other.to_string()),
+        }
+    }
+}

@@ -2,41 +2,44 @@
 //! that run several replicas: every replica writes the same database, and the database
 //! decides, so any number of them agree.
 //!
-//! Every write is one transaction in READ COMMITTED, with its time from the injected clock as
-//! a parameter. An acquire reads the loads, calls the same [`select`](super::selection) as
-//! the SQLite ledger, then locks the chosen proxy's row in `proxy_locks` and checks under
-//! that lock that the proxy can still take the lease; when it cannot (another replica's
-//! acquire got there first) nothing is written and the acquire decides again on fresh loads,
-//! so a 409 always comes from a decision on what was committed, never from a skipped lock.
+//! Every write is a transaction in READ COMMITTED, with its time from the injected clock as
+//! a parameter. Acquires are decided a batch at a time (`batch`): the loads read once, the same
+//! [`select`](super::selection) as the SQLite ledger for each acquire in arrival order, the
+//! chosen proxies' rows in `proxy_locks` locked and checked against what is committed; a grant
+//! that no longer fits (another replica's batch got there first) is decided again in the next
+//! batch on fresh loads, so a 409 always comes from a decision on what was committed, never
+//! from a skipped lock.
 //! See `docs/architecture.md` for the choices and the clock skew they tolerate.
 //!
 //! The synchronous counts come from a snapshot refreshed every [`COUNTS_REFRESH`] and moved
 //! by this replica's own writes at once (`counts`). The same refresh tells whether the
 //! database answers, for `/readyz`'s body and `proxy_operator_ledger_database_up`.
 
+mod batch;
 mod connect;
 mod counts;
-mod inflight;
 mod metrics;
 mod retry;
 mod schema;
 mod store;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
 
 use deadpool_postgres::{Pool, PoolError};
 
 pub use metrics::PostgresLedgerCollector;
 pub use schema::POSTGRES_SCHEMA_VERSION;
 
+use self::batch::{Pending, Verdict};
 use self::counts::{Change, Counts};
-use self::inflight::Inflight;
 use self::retry::{Failure, UNAVAILABLE_RETRY_AFTER};
-use self::store::{Attempt, Ended, StoreError};
+use self::store::{Ended, StoreError};
 use super::clock::Clock;
 use super::config::LedgerConfig;
 use super::error::LedgerError;
@@ -49,8 +52,8 @@ use super::{DatabaseStatus, Ledger};
 /// How often the counts are read again from the database (other replicas' writes show
 /// within this) and the database's state is checked.
 pub const COUNTS_REFRESH: Duration = Duration::from_secs(1);
-/// Attempts of an acquire whose chosen proxy was taken by a concurrent acquire before its
-/// lock was held; each decides again on fresh loads.
+/// Batches an acquire may be decided in when each finds its chosen proxy taken by another
+/// replica's batch first; then it is answered `Overloaded`.
 const RACE_ATTEMPTS: u32 = 64;
 
 /// How to reach the database, besides the URL.
@@ -73,8 +76,8 @@ struct Inner {
     config: LedgerConfig,
     clock: Arc<dyn Clock>,
     counts: RwLock<Counts>,
-    /// This replica's acquires between choosing a proxy and committing.
-    inflight: Arc<Inflight>,
+    /// Acquires waiting for their batch (see `batch`).
+    acquires: mpsc::Sender<Pending>,
     /// Where it connects, for logs and errors (no password).
     target: String,
     up: AtomicBool,
@@ -165,13 +168,14 @@ impl PostgresLedger {
              migrations applied), TLS {}",
             if resolved.tls { "required" } else { "off" }
         );
+        let (acquires, queued) = mpsc::channel(config.queue_capacity);
         let ledger = PostgresLedger {
             inner: Arc::new(Inner {
                 pool,
                 config,
                 clock,
                 counts: RwLock::new(Counts::default()),
-                inflight: Arc::default(),
+                acquires,
                 target,
                 up: AtomicBool::new(true),
                 last_error: Mutex::new(None),
@@ -180,6 +184,7 @@ impl PostgresLedger {
         };
         ledger.refresh().await?;
         tokio::spawn(refresh_counts(Arc::downgrade(&ledger.inner)));
+        tokio::spawn(decide_acquires(Arc::downgrade(&ledger.inner), queued));
         Ok(ledger)
     }
 
@@ -326,41 +331,109 @@ async fn refresh_counts(inner: Weak<Inner>) {
     }
 }
 
-#[async_trait::async_trait]
-impl Ledger for PostgresLedger {
-    /// One transaction per attempt; decided again when a concurrent acquire took the chosen
-    /// proxy first (see the module docs).
-    async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError> {
-        let ttl_ms = self.inner.config.capped_ttl_ms(request.ttl)?;
+/// Decides the queued acquires, a batch at a time, until the ledger is dropped.
+async fn decide_acquires(inner: Weak<Inner>, mut queued: mpsc::Receiver<Pending>) {
+    let mut next: VecDeque<Pending> = VecDeque::new();
+    loop {
+        if next.is_empty() {
+            match queued.recv().await {
+                Some(pending) => next.push_back(pending),
+                None => return,
+            }
+        }
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let ledger = PostgresLedger { inner };
+        while next.len() < ledger.inner.config.max_batch {
+            match queued.try_recv() {
+                Ok(pending) => next.push_back(pending),
+                Err(_) => break,
+            }
+        }
+        let batch: Vec<Pending> = next.drain(..).collect();
+        next.extend(ledger.decide_batch(batch).await);
+    }
+}
+
+impl PostgresLedger {
+    /// Decides one batch in one transaction and answers what it decided; returns the acquires
+    /// to decide again in the next batch.
+    async fn decide_batch(&self, batch: Vec<Pending>) -> Vec<Pending> {
+        let deadline = self.inner.config.queue_deadline;
+        let (late, batch): (Vec<Pending>, Vec<Pending>) = batch
+            .into_iter()
+            .partition(|p| p.retries == 0 && p.queued_at.elapsed() > deadline);
+        for pending in late {
+            // Waited past its deadline: refused before anything was decided for it.
+            let _ = pending.reply.send(Err(LedgerError::Overloaded {
+                retry_after: UNAVAILABLE_RETRY_AFTER,
+            }));
+        }
+        if batch.is_empty() {
+            return Vec::new();
+        }
         let now = self.now_ms();
-        let id = new_lease_id(now);
         let config = &self.inner.config;
-        for _ in 0..RACE_ATTEMPTS {
-            let inflight = &self.inner.inflight;
-            // The reservation ends once the attempt's transaction has ended.
-            let (attempt, _reservation) = in_transaction!(self, |tx| store::acquire(
-                &tx, &request, config, inflight, &id, ttl_ms, now
-            ))?;
-            match attempt {
-                Attempt::Decided(outcome) => {
-                    let outcome = *outcome;
-                    if let AcquireOutcome::Granted(lease) = &outcome {
+        let decided = in_transaction!(self, |tx| batch::decide(&tx, &batch, config, now));
+        let verdicts = match decided {
+            Ok(verdicts) => verdicts,
+            Err(error) => {
+                for pending in batch {
+                    let _ = pending.reply.send(Err(error.shared()));
+                }
+                return Vec::new();
+            }
+        };
+        let mut again = Vec::new();
+        for (mut pending, verdict) in batch.into_iter().zip(verdicts) {
+            match verdict {
+                Verdict::Answer(answer) => {
+                    if let Ok(AcquireOutcome::Granted(lease)) = &answer {
                         self.change(Change::Lease {
                             id: lease.id.as_str().into(),
                             uid: lease.proxy.uid.as_str().into(),
                             expires_at: lease.expires_at.as_millisecond(),
                         });
                     }
-                    return Ok(outcome);
+                    let _ = pending.reply.send(answer);
                 }
-                Attempt::Lost => {
+                Verdict::Again if pending.retries + 1 >= RACE_ATTEMPTS => {
+                    let _ = pending.reply.send(Err(LedgerError::Overloaded {
+                        retry_after: Duration::from_millis(100),
+                    }));
+                }
+                Verdict::Again => {
                     self.inner.conflicts.fetch_add(1, Ordering::Relaxed);
+                    pending.retries += 1;
+                    again.push(pending);
                 }
             }
         }
-        Err(LedgerError::Overloaded {
-            retry_after: Duration::from_millis(100),
-        })
+        again
+    }
+}
+
+#[async_trait::async_trait]
+impl Ledger for PostgresLedger {
+    /// Queued for the next batch (see `batch`); answered once that batch committed.
+    async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError> {
+        let ttl_ms = self.inner.config.capped_ttl_ms(request.ttl)?;
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            request,
+            ttl_ms,
+            id: new_lease_id(self.now_ms()),
+            retries: 0,
+            queued_at: Instant::now(),
+            reply,
+        };
+        self.inner
+            .acquires
+            .send(pending)
+            .await
+            .map_err(|_| LedgerError::Closed)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
     }
 
     async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError> {

@@ -1,9 +1,7 @@
-//! The statements of the PostgreSQL ledger, one transaction per call. Each takes the time
-//! from the caller (the ledger's injected clock), never from the database, and says when a
-//! conditional write lost a race, so the caller decides again on fresh loads.
+//! The statements of the PostgreSQL ledger's writes other than acquire (`batch`), one
+//! transaction per call. Each takes the time from the caller (the ledger's injected clock),
+//! never from the database.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Transaction;
@@ -11,13 +9,9 @@ use jiff::Timestamp;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::inflight::{Inflight, Reservation};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{
-    AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats,
-};
-use crate::ledger::selection::{ProxyLoad, Selection, select};
+use crate::ledger::lease::{Lease, LeaseReport, LeaseState, SweepStats};
 use crate::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
@@ -44,7 +38,7 @@ type Result<T> = std::result::Result<T, StoreError>;
 const LEASE_COLUMNS: &str = "id, proxy_namespace, proxy_name, proxy_uid, target, state, \
                              acquired_at, expires_at, ttl_ms, released_at, release_reason, client";
 
-async fn query(
+pub(crate) async fn query(
     tx: &Transaction<'_>,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
@@ -53,311 +47,13 @@ async fn query(
     Ok(tx.query(&statement, params).await?)
 }
 
-async fn execute(tx: &Transaction<'_>, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+pub(crate) async fn execute(
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64> {
     let statement = tx.prepare_cached(sql).await?;
     Ok(tx.execute(&statement, params).await?)
-}
-
-/// What one acquire attempt came to.
-#[derive(Debug)]
-pub(crate) enum Attempt {
-    /// Decided; the transaction is committed (or had nothing to commit). Boxed: an
-    /// outcome is large, and `Lost` is nothing.
-    Decided(Box<AcquireOutcome>),
-    /// The chosen proxy could no longer take the lease when its lock was held, or another
-    /// acquire took the request ID first: nothing was written, decide again.
-    Lost,
-}
-
-/// One attempt at an acquire with lease ID `id` (the same on every attempt, so an attempt
-/// whose COMMIT went through but whose answer was lost is found by the next one instead of
-/// granting twice).
-///
-/// Reads the request ID's row, the loads of every proxy, the target's cooldowns and the
-/// per-target counts; asks [`select`]; locks the chosen proxy's row (and the target's, under
-/// a fleet-wide per-target limit) and checks under the lock that the proxy can still take
-/// the lease; then inserts the lease, its request ID and its history row.
-pub(crate) async fn acquire(
-    tx: &Transaction<'_>,
-    request: &AcquireRequest,
-    config: &LedgerConfig,
-    inflight: &Arc<Inflight>,
-    id: &str,
-    ttl_ms: i64,
-    now: i64,
-) -> Result<(Attempt, Option<Reservation>)> {
-    if let Some(lease) = lease_by_id(tx, id, now).await? {
-        return Ok((
-            Attempt::Decided(Box::new(AcquireOutcome::Granted(lease))),
-            None,
-        ));
-    }
-    let target = request.target.as_deref().filter(|t| !t.is_empty());
-    let key = request.request.as_ref();
-    if let Some(key) = key {
-        let rows = query(
-            tx,
-            "SELECT lease_id, fingerprint FROM acquire_requests \
-             WHERE request_id = $1 AND expires_at > $2",
-            &[&key.id, &now],
-        )
-        .await?;
-        if let Some(row) = rows.first() {
-            let (lease_id, fingerprint): (String, String) = (row.get(0), row.get(1));
-            if fingerprint != key.fingerprint {
-                return Err(LedgerError::RequestIdReused {
-                    request_id: key.id.clone(),
-                }
-                .into());
-            }
-            return match lease_by_id(tx, &lease_id, now).await? {
-                Some(lease) => Ok((
-                    Attempt::Decided(Box::new(AcquireOutcome::Replayed(lease))),
-                    None,
-                )),
-                None => Err(LedgerError::Inconsistent(format!(
-                    "request ID {:?} names lease {lease_id} that the ledger no longer holds",
-                    key.id
-                ))
-                .into()),
-            };
-        }
-    }
-
-    let loads = loads_of(
-        query(
-            tx,
-            "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
-             WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid",
-            &[&now],
-        )
-        .await?,
-    );
-    let cooldowns: HashMap<String, i64> = match target {
-        Some(target) => query(
-            tx,
-            "SELECT proxy_uid, until FROM cooldowns WHERE target = $1 AND until > $2",
-            &[&target, &now],
-        )
-        .await?
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect(),
-        None => HashMap::new(),
-    };
-    let limited =
-        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
-    let for_target = match target {
-        Some(target) if limited => loads_of(
-            query(
-                tx,
-                "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
-                 WHERE state = 'active' AND expires_at > $1 AND target = $2 GROUP BY proxy_uid",
-                &[&now, &target],
-            )
-            .await?,
-        ),
-        _ => HashMap::new(),
-    };
-    let hold = TargetHold::new(config, &for_target, target.is_some());
-    // The loads as read, plus this replica's acquires that chose a proxy and have not
-    // committed yet.
-    let (selection, reservation) = inflight.choose(|in_flight| {
-        let selection = select(
-            &request.candidates,
-            |uid| {
-                let load = loads.get(uid).copied().unwrap_or_default();
-                ProxyLoad {
-                    active: load.active.saturating_add(in_flight(uid)),
-                    ..load
-                }
-            },
-            |uid| {
-                cooldowns
-                    .get(uid)
-                    .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
-            },
-            |uid| hold.of(uid),
-        );
-        let chosen = match &selection {
-            Selection::Chosen(index) => request.candidates.get(*index).map(|c| c.proxy.uid.clone()),
-            Selection::NoMatch(_) => None,
-        };
-        (selection, chosen)
-    });
-    let candidate = match selection {
-        Selection::NoMatch(stats) => {
-            return Ok((
-                Attempt::Decided(Box::new(AcquireOutcome::NoMatch(stats))),
-                None,
-            ));
-        }
-        Selection::Chosen(index) => match request.candidates.get(index) {
-            Some(candidate) => candidate,
-            None => {
-                return Err(LedgerError::Inconsistent(format!(
-                    "selection chose candidate {index} of {}",
-                    request.candidates.len()
-                ))
-                .into());
-            }
-        },
-    };
-    let uid = candidate.proxy.uid.as_str();
-
-    if let (Some(target), Some(_)) = (target, config.max_leases_per_target) {
-        execute(
-            tx,
-            "INSERT INTO target_locks (target, acquires) VALUES ($1, 1) \
-             ON CONFLICT (target) DO UPDATE SET acquires = target_locks.acquires + 1",
-            &[&target],
-        )
-        .await?;
-    }
-    execute(
-        tx,
-        "INSERT INTO proxy_locks (proxy_uid, acquires) VALUES ($1, 1) \
-         ON CONFLICT (proxy_uid) DO UPDATE SET acquires = proxy_locks.acquires + 1",
-        &[&uid],
-    )
-    .await?;
-    // Under the lock: what the proxy holds now, committed by any replica.
-    let row = &query(
-        tx,
-        "SELECT \
-         (SELECT count(*) FROM leases WHERE proxy_uid = $1 AND state = 'active' AND expires_at > $2), \
-         (SELECT count(*) FROM cooldowns WHERE proxy_uid = $1 AND target = $3 AND until > $2), \
-         (SELECT count(*) FROM leases WHERE proxy_uid = $1 AND state = 'active' AND expires_at > $2 \
-          AND target = $3), \
-         (SELECT count(*) FROM leases WHERE state = 'active' AND expires_at > $2 AND target = $3 \
-          AND $4)",
-        &[&uid, &now, &target, &config.max_leases_per_target.is_some()],
-    )
-    .await?[0];
-    let (active, cooled, proxy_target, fleet_target): (i64, i64, i64, i64) =
-        (row.get(0), row.get(1), row.get(2), row.get(3));
-    let over = |count: i64, cap: Option<u32>| cap.is_some_and(|cap| count >= i64::from(cap));
-    if active >= i64::from(candidate.max_leases)
-        || cooled > 0
-        || (target.is_some()
-            && (over(proxy_target, config.max_leases_per_proxy_target)
-                || over(fleet_target, config.max_leases_per_target)))
-    {
-        return Ok((Attempt::Lost, reservation));
-    }
-
-    let expires_at = now.saturating_add(ttl_ms);
-    if let Some(key) = key {
-        let taken = execute(
-            tx,
-            "INSERT INTO acquire_requests (request_id, lease_id, fingerprint, expires_at) \
-             VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO UPDATE SET \
-             lease_id = excluded.lease_id, fingerprint = excluded.fingerprint, \
-             expires_at = excluded.expires_at WHERE acquire_requests.expires_at <= $5",
-            &[&key.id, &id, &key.fingerprint, &expires_at, &now],
-        )
-        .await?;
-        if taken == 0 {
-            return Ok((Attempt::Lost, reservation));
-        }
-    }
-    let proxy = &candidate.proxy;
-    let request_id = key.map(|k| k.id.as_str());
-    let fingerprint = key.map(|k| k.fingerprint.as_str());
-    let client = request.client.as_deref();
-    execute(
-        tx,
-        "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
-         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client) \
-         VALUES ($1, $2, $3, $4, $5, 'active', $6, $7, $8, $9, $10, $11)",
-        &[
-            &id,
-            &proxy.namespace,
-            &proxy.name,
-            &proxy.uid,
-            &target,
-            &now,
-            &expires_at,
-            &ttl_ms,
-            &request_id,
-            &fingerprint,
-            &client,
-        ],
-    )
-    .await?;
-    record(
-        tx,
-        &Event {
-            client,
-            ..Event::new("acquired", now, id, proxy, target, expires_at)
-        },
-    )
-    .await?;
-    let granted = Lease {
-        id: id.to_owned(),
-        proxy: ProxyId::clone(proxy),
-        target: target.map(str::to_owned),
-        state: LeaseState::Active,
-        acquired_at: timestamp(now)?,
-        expires_at: timestamp(expires_at)?,
-        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
-        released_at: None,
-        release_reason: None,
-        client: client.map(str::to_owned),
-    };
-    Ok((
-        Attempt::Decided(Box::new(AcquireOutcome::Granted(granted))),
-        reservation,
-    ))
-}
-
-/// `(proxy UID, count, earliest expiry)` rows as loads by UID.
-fn loads_of(rows: Vec<Row>) -> HashMap<String, ProxyLoad> {
-    rows.iter()
-        .map(|row| {
-            let (uid, active, earliest): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
-            let load = ProxyLoad {
-                active: u32::try_from(active).unwrap_or(u32::MAX),
-                earliest_expiry: Timestamp::from_millisecond(earliest).ok(),
-            };
-            (uid, load)
-        })
-        .collect()
-}
-
-/// What the per-target limits hold back for an acquire's target, from its counts.
-struct TargetHold<'a> {
-    per_proxy: Option<u32>,
-    by_uid: &'a HashMap<String, ProxyLoad>,
-    /// The fleet holds its limit for the target: when the earliest of its leases expires.
-    fleet_full: Option<Option<Timestamp>>,
-}
-
-impl<'a> TargetHold<'a> {
-    fn new(config: &LedgerConfig, by_uid: &'a HashMap<String, ProxyLoad>, named: bool) -> Self {
-        let fleet_full = config
-            .max_leases_per_target
-            .filter(|_| named)
-            .and_then(|cap| {
-                let total: u64 = by_uid.values().map(|l| u64::from(l.active)).sum();
-                (total >= u64::from(cap))
-                    .then(|| by_uid.values().filter_map(|l| l.earliest_expiry).min())
-            });
-        TargetHold {
-            per_proxy: config.max_leases_per_proxy_target.filter(|_| named),
-            by_uid,
-            fleet_full,
-        }
-    }
-
-    fn of(&self, uid: &str) -> Option<Option<Timestamp>> {
-        if let Some(frees_at) = self.fleet_full {
-            return Some(frees_at);
-        }
-        let cap = self.per_proxy?;
-        let load = self.by_uid.get(uid).copied().unwrap_or_default();
-        (load.active >= cap).then_some(load.earliest_expiry)
-    }
 }
 
 /// Extends an active lease to `expires_at`; its request ID's window moves with it.
@@ -471,13 +167,7 @@ pub(crate) async fn report(
     let Some(lease) = lease_by_id(tx, id, now).await? else {
         return Err(LedgerError::UnknownLease(id.to_owned()).into());
     };
-    let target = report
-        .target
-        .as_deref()
-        .filter(|t| !t.is_empty())
-        .or(lease.target.as_deref());
-    let cooldown_ms = (report.result.starts_cooldown() && target.is_some())
-        .then(|| config.cooldown_ms(report.cooldown));
+    let (target, cooldown_ms) = config.report_cooldown(report, lease.target.as_deref());
     record(
         tx,
         &Event {
@@ -595,6 +285,24 @@ pub(crate) async fn counting(tx: &Transaction<'_>, now: i64) -> Result<super::co
     Ok(super::counts::Snapshot { leases, cooldowns })
 }
 
+/// The retained leases with these IDs (in no particular order), as of `now`.
+pub(crate) async fn lease_by_ids(
+    tx: &Transaction<'_>,
+    ids: &[&str],
+    now: i64,
+) -> Result<Vec<Lease>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = query(
+        tx,
+        &format!("SELECT {LEASE_COLUMNS} FROM leases WHERE id = ANY($1)"),
+        &[&ids],
+    )
+    .await?;
+    rows.iter().map(|row| lease_from_row(row, now)).collect()
+}
+
 /// The lease with this ID if its row is retained. An active lease past its expiry reads as
 /// expired even before the sweep marks it.
 pub(crate) async fn lease_by_id(tx: &Transaction<'_>, id: &str, now: i64) -> Result<Option<Lease>> {
@@ -635,7 +343,7 @@ fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
     })
 }
 
-fn timestamp(ms: i64) -> Result<Timestamp> {
+pub(crate) fn timestamp(ms: i64) -> Result<Timestamp> {
     Timestamp::from_millisecond(ms)
         .map_err(|e| LedgerError::Inconsistent(format!("time {ms} ms: {e}")).into())
 }

@@ -473,13 +473,7 @@ impl Writer {
         let Some(lease) = self.lease_now(id, now)? else {
             return Ok(Err(LedgerError::UnknownLease(id.to_owned())));
         };
-        let target = report
-            .target
-            .as_deref()
-            .filter(|t| !t.is_empty())
-            .or(lease.target.as_deref());
-        let cooldown_ms = (report.result.starts_cooldown() && target.is_some())
-            .then(|| self.config.cooldown_ms(report.cooldown));
+        let (target, cooldown_ms) = self.config.report_cooldown(report, lease.target.as_deref());
         store::report(&self.conn, &lease, target, report.result, now, cooldown_ms)?;
         if let (Some(ms), Some(target)) = (cooldown_ms, target) {
             self.state

@@ -19,21 +19,30 @@ use support::postgres::{Database, Postgres};
 const MINUTE: Duration = Duration::from_secs(60);
 
 async fn open(database: &Database, clock: &Arc<ManualClock>) -> PostgresLedger {
-    open_with(database, clock, LedgerConfig::default()).await
-}
-
-async fn open_with(
-    database: &Database,
-    clock: &Arc<ManualClock>,
-    config: LedgerConfig,
-) -> PostgresLedger {
     let options = PostgresOptions {
         password: None,
         pool_size: 8,
     };
-    PostgresLedger::open(&database.url(), options, config, clock.clone())
-        .await
-        .unwrap()
+    PostgresLedger::open(
+        &database.url(),
+        options,
+        LedgerConfig::default(),
+        clock.clone(),
+    )
+    .await
+    .unwrap()
+}
+
+/// `N` ledgers on one fresh database of the shared server, as `N` replicas, with one clock.
+async fn replicas<const N: usize>() -> Option<(Database, Arc<ManualClock>, [PostgresLedger; N])> {
+    let database = Postgres::shared()?.database();
+    let clock = Arc::new(ManualClock::new(start()));
+    let mut ledgers = Vec::with_capacity(N);
+    for _ in 0..N {
+        ledgers.push(open(&database, &clock).await);
+    }
+    let ledgers = ledgers.try_into().ok()?;
+    Some((database, clock, ledgers))
 }
 
 /// An acquire with request ID `id` for `fingerprint`.
@@ -53,16 +62,9 @@ fn keyed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_racing_for_few_slots_never_exceed_max_leases_nor_grant_twice() {
-    let Some(server) = Postgres::shared() else {
+    let Some((database, _, replicas)) = replicas::<3>().await else {
         return;
     };
-    let database = server.database();
-    let clock = Arc::new(ManualClock::new(start()));
-    let replicas = [
-        open(&database, &clock).await,
-        open(&database, &clock).await,
-        open(&database, &clock).await,
-    ];
     // 5 proxies of 3 slots, 120 acquires at once spread over the three replicas.
     let pool = candidates(5, 3);
     let mut tasks = tokio::task::JoinSet::new();
@@ -130,12 +132,9 @@ async fn replicas_racing_for_few_slots_never_exceed_max_leases_nor_grant_twice()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_id_replays_on_another_replica_until_its_lease_expires() {
-    let Some(server) = Postgres::shared() else {
+    let Some((_, clock, [a, b])) = replicas::<2>().await else {
         return;
     };
-    let database = server.database();
-    let clock = Arc::new(ManualClock::new(start()));
-    let (a, b) = (open(&database, &clock).await, open(&database, &clock).await);
     let pool = candidates(3, 1);
     let first = granted(a.acquire(keyed(&pool, "req-1", "fp")).await);
     match b.acquire(keyed(&pool, "req-1", "fp")).await {
@@ -170,12 +169,9 @@ async fn a_request_id_replays_on_another_replica_until_its_lease_expires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_request_id_racing_on_replicas_gets_one_lease() {
-    let Some(server) = Postgres::shared() else {
+    let Some((database, _, replicas)) = replicas::<2>().await else {
         return;
     };
-    let database = server.database();
-    let clock = Arc::new(ManualClock::new(start()));
-    let replicas = [open(&database, &clock).await, open(&database, &clock).await];
     let pool = candidates(20, 5);
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..40 {
@@ -204,16 +200,9 @@ async fn the_same_request_id_racing_on_replicas_gets_one_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sweeping_at_once_record_each_expiry_once() {
-    let Some(server) = Postgres::shared() else {
+    let Some((database, clock, replicas)) = replicas::<3>().await else {
         return;
     };
-    let database = server.database();
-    let clock = Arc::new(ManualClock::new(start()));
-    let replicas = [
-        open(&database, &clock).await,
-        open(&database, &clock).await,
-        open(&database, &clock).await,
-    ];
     let pool = candidates(50, 2);
     for i in 0..100 {
         granted(
