@@ -428,11 +428,13 @@ impl Ledger for PostgresLedger {
             queued_at: Instant::now(),
             reply,
         };
-        self.inner
-            .acquires
-            .send(pending)
-            .await
-            .map_err(|_| LedgerError::Closed)?;
+        self.inner.acquires.try_send(pending).map_err(|e| match e {
+            // A full queue refuses at once, as SQLite's does: nothing was decided.
+            mpsc::error::TrySendError::Full(_) => LedgerError::Overloaded {
+                retry_after: UNAVAILABLE_RETRY_AFTER,
+            },
+            mpsc::error::TrySendError::Closed(_) => LedgerError::Closed,
+        })?;
         answer.await.map_err(|_| LedgerError::Closed)?
     }
 

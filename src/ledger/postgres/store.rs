@@ -113,37 +113,23 @@ pub(crate) async fn release(
         Ended::Lease(id) => ("id", id),
         Ended::Proxy(uid) => ("proxy_uid", uid),
     };
-    let mut rows = query(
+    // One statement: the leases and their `released` events (in lease-ID order, so the
+    // history is deterministic), a single round trip however many end.
+    let rows = query(
         tx,
         &format!(
-            "UPDATE leases SET state = 'released', released_at = $2, release_reason = $3 \
-             WHERE {column} = $1 AND state = 'active' AND expires_at > $2 \
-             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at"
+            "WITH ended AS (UPDATE leases SET state = 'released', released_at = $2, \
+             release_reason = $3 WHERE {column} = $1 AND state = 'active' AND expires_at > $2 \
+             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at) \
+             INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
+             proxy_uid, target, expires_at, reason) SELECT $2, id, 'released', proxy_namespace, \
+             proxy_name, proxy_uid, target, expires_at, $3 FROM ended ORDER BY id \
+             RETURNING proxy_uid, lease_id"
         ),
         &[&value, &now, &reason],
     )
     .await?;
-    rows.sort_by_key(|row| row.get::<_, String>(0));
-    let mut released = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let id: String = row.get(0);
-        let proxy = ProxyId {
-            namespace: row.get(1),
-            name: row.get(2),
-            uid: row.get(3),
-        };
-        let target: Option<String> = row.get(4);
-        record(
-            tx,
-            &Event {
-                reason,
-                ..Event::new("released", now, &id, &proxy, target.as_deref(), row.get(5))
-            },
-        )
-        .await?;
-        released.push((proxy.uid, id));
-    }
-    Ok(released)
+    Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
 }
 
 /// Which leases a release ends.
