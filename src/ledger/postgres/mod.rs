@@ -24,6 +24,7 @@ mod schema;
 mod store;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -78,6 +79,8 @@ struct Inner {
     counts: RwLock<Counts>,
     /// Acquires waiting for their batch (see `batch`).
     acquires: mpsc::Sender<Pending>,
+    /// Releases waiting for theirs.
+    releases: mpsc::Sender<PendingRelease>,
     /// Where it connects, for logs and errors (no password).
     target: String,
     up: AtomicBool,
@@ -168,7 +171,8 @@ impl PostgresLedger {
              migrations applied), TLS {}",
             if resolved.tls { "required" } else { "off" }
         );
-        let (acquires, queued) = mpsc::channel(config.queue_capacity);
+        let (acquires, queued_acquires) = mpsc::channel(config.queue_capacity);
+        let (releases, queued_releases) = mpsc::channel(config.queue_capacity);
         let ledger = PostgresLedger {
             inner: Arc::new(Inner {
                 pool,
@@ -176,6 +180,7 @@ impl PostgresLedger {
                 clock,
                 counts: RwLock::new(Counts::default()),
                 acquires,
+                releases,
                 target,
                 up: AtomicBool::new(true),
                 last_error: Mutex::new(None),
@@ -184,7 +189,8 @@ impl PostgresLedger {
         };
         ledger.refresh().await?;
         tokio::spawn(refresh_counts(Arc::downgrade(&ledger.inner)));
-        tokio::spawn(decide_acquires(Arc::downgrade(&ledger.inner), queued));
+        tokio::spawn(run_batches(Arc::downgrade(&ledger.inner), queued_acquires));
+        tokio::spawn(run_batches(Arc::downgrade(&ledger.inner), queued_releases));
         Ok(ledger)
     }
 
@@ -331,13 +337,38 @@ async fn refresh_counts(inner: Weak<Inner>) {
     }
 }
 
-/// Decides the queued acquires, a batch at a time, until the ledger is dropped.
-async fn decide_acquires(inner: Weak<Inner>, mut queued: mpsc::Receiver<Pending>) {
-    let mut next: VecDeque<Pending> = VecDeque::new();
+/// Writes decided a batch at a time by one task per kind, in one transaction per batch.
+trait Batched: Send + Sized + 'static {
+    /// Decides `batch` and answers its writes; returns those to decide again next time.
+    fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send;
+}
+
+impl Batched for Pending {
+    fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send {
+        ledger.decide_acquires(batch)
+    }
+}
+
+impl Batched for PendingRelease {
+    fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send {
+        ledger.decide_releases(batch)
+    }
+}
+
+/// A release waiting for its batch.
+struct PendingRelease {
+    id: String,
+    reply: oneshot::Sender<Result<(), LedgerError>>,
+}
+
+/// Decides what is queued, a batch at a time (what arrived while the last batch ran, up to
+/// `max_batch`), until the ledger is dropped.
+async fn run_batches<T: Batched>(inner: Weak<Inner>, mut queued: mpsc::Receiver<T>) {
+    let mut next: VecDeque<T> = VecDeque::new();
     loop {
         if next.is_empty() {
             match queued.recv().await {
-                Some(pending) => next.push_back(pending),
+                Some(write) => next.push_back(write),
                 None => return,
             }
         }
@@ -347,19 +378,29 @@ async fn decide_acquires(inner: Weak<Inner>, mut queued: mpsc::Receiver<Pending>
         let ledger = PostgresLedger { inner };
         while next.len() < ledger.inner.config.max_batch {
             match queued.try_recv() {
-                Ok(pending) => next.push_back(pending),
+                Ok(write) => next.push_back(write),
                 Err(_) => break,
             }
         }
-        let batch: Vec<Pending> = next.drain(..).collect();
-        next.extend(ledger.decide_batch(batch).await);
+        let batch: Vec<T> = next.drain(..).collect();
+        next.extend(T::decide(&ledger, batch).await);
     }
+}
+
+/// Queues `write`; a full queue refuses at once, as SQLite's does (nothing was decided).
+fn enqueue<T>(queue: &mpsc::Sender<T>, write: T) -> Result<(), LedgerError> {
+    queue.try_send(write).map_err(|e| match e {
+        mpsc::error::TrySendError::Full(_) => LedgerError::Overloaded {
+            retry_after: UNAVAILABLE_RETRY_AFTER,
+        },
+        mpsc::error::TrySendError::Closed(_) => LedgerError::Closed,
+    })
 }
 
 impl PostgresLedger {
     /// Decides one batch in one transaction and answers what it decided; returns the acquires
     /// to decide again in the next batch.
-    async fn decide_batch(&self, batch: Vec<Pending>) -> Vec<Pending> {
+    async fn decide_acquires(&self, batch: Vec<Pending>) -> Vec<Pending> {
         let deadline = self.inner.config.queue_deadline;
         let (late, batch): (Vec<Pending>, Vec<Pending>) = batch
             .into_iter()
@@ -412,6 +453,36 @@ impl PostgresLedger {
         }
         again
     }
+
+    /// Releases one batch in one statement; a release is never decided again.
+    async fn decide_releases(&self, batch: Vec<PendingRelease>) -> Vec<PendingRelease> {
+        let now = self.now_ms();
+        let ids: Vec<&str> = batch.iter().map(|r| r.id.as_str()).collect();
+        let released = in_transaction!(self, |tx| store::release(
+            &tx,
+            Ended::Leases(&ids),
+            None,
+            now
+        ));
+        match &released {
+            Ok(released) => {
+                for (_, id) in released {
+                    self.change(Change::Ended {
+                        id: id.as_str().into(),
+                    });
+                }
+            }
+            Err(error) => log::debug!("ledger: a batch of releases failed: {error}"),
+        }
+        for release in batch {
+            let answer = match &released {
+                Ok(_) => Ok(()),
+                Err(error) => Err(error.shared()),
+            };
+            let _ = release.reply.send(answer);
+        }
+        Vec::new()
+    }
 }
 
 #[async_trait::async_trait]
@@ -428,13 +499,7 @@ impl Ledger for PostgresLedger {
             queued_at: Instant::now(),
             reply,
         };
-        self.inner.acquires.try_send(pending).map_err(|e| match e {
-            // A full queue refuses at once, as SQLite's does: nothing was decided.
-            mpsc::error::TrySendError::Full(_) => LedgerError::Overloaded {
-                retry_after: UNAVAILABLE_RETRY_AFTER,
-            },
-            mpsc::error::TrySendError::Closed(_) => LedgerError::Closed,
-        })?;
+        enqueue(&self.inner.acquires, pending)?;
         answer.await.map_err(|_| LedgerError::Closed)?
     }
 
@@ -450,14 +515,15 @@ impl Ledger for PostgresLedger {
         Ok(lease)
     }
 
+    /// Queued for the next batch of releases, answered once it committed.
     async fn release(&self, id: &str) -> Result<(), LedgerError> {
-        let now = self.now_ms();
-        let released =
-            in_transaction!(self, |tx| store::release(&tx, Ended::Lease(id), None, now))?;
-        for (_, id) in released {
-            self.change(Change::Ended { id: id.into() });
-        }
-        Ok(())
+        let (reply, answer) = oneshot::channel();
+        let release = PendingRelease {
+            id: id.to_owned(),
+            reply,
+        };
+        enqueue(&self.inner.releases, release)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
     }
 
     async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError> {

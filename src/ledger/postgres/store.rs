@@ -100,7 +100,7 @@ pub(crate) async fn renew(tx: &Transaction<'_>, id: &str, ttl_ms: i64, now: i64)
     Ok(lease)
 }
 
-/// Releases the counting leases `filter` picks (one lease by ID, or a proxy's) at `now`,
+/// Releases the counting leases `ended` picks (leases by ID, or a proxy's) at `now`,
 /// with one `released` event each in lease-ID order, carrying `reason` when the operator
 /// ended them. Returns the proxy UIDs and IDs of those leases.
 pub(crate) async fn release(
@@ -109,9 +109,9 @@ pub(crate) async fn release(
     reason: Option<&str>,
     now: i64,
 ) -> Result<Vec<(String, String)>> {
-    let (column, value) = match ended {
-        Ended::Lease(id) => ("id", id),
-        Ended::Proxy(uid) => ("proxy_uid", uid),
+    let (which, value): (&str, &(dyn ToSql + Sync)) = match &ended {
+        Ended::Leases(ids) => ("id = ANY($1)", ids),
+        Ended::Proxy(uid) => ("proxy_uid = $1", uid),
     };
     // One statement: the leases and their `released` events (in lease-ID order, so the
     // history is deterministic), a single round trip however many end.
@@ -119,14 +119,14 @@ pub(crate) async fn release(
         tx,
         &format!(
             "WITH ended AS (UPDATE leases SET state = 'released', released_at = $2, \
-             release_reason = $3 WHERE {column} = $1 AND state = 'active' AND expires_at > $2 \
+             release_reason = $3 WHERE {which} AND state = 'active' AND expires_at > $2 \
              RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at) \
              INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
              proxy_uid, target, expires_at, reason) SELECT $2, id, 'released', proxy_namespace, \
              proxy_name, proxy_uid, target, expires_at, $3 FROM ended ORDER BY id \
              RETURNING proxy_uid, lease_id"
         ),
-        &[&value, &now, &reason],
+        &[value, &now, &reason],
     )
     .await?;
     Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
@@ -135,8 +135,8 @@ pub(crate) async fn release(
 /// Which leases a release ends.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Ended<'a> {
-    /// The lease with this ID.
-    Lease(&'a str),
+    /// The leases with these IDs.
+    Leases(&'a [&'a str]),
     /// Every counting lease of the proxy with this UID.
     Proxy(&'a str),
 }
