@@ -9,6 +9,13 @@
 //! answers anything but
 //! 201/204 (200 for /healthz) or misses the targets (ratio >= 0.15, pair p99 < 10 ms).
 //!
+//! Then, when PostgreSQL is installed (`apt-get install -y postgresql`), the same on a
+//! PostgreSQL ledger (a server of the bench's own on loopback): one replica, and three
+//! replicas over one database and one inventory with the 32 connections spread over them (one
+//! wrk per replica; the p99 shown is the largest of the three). Targets there: one replica at
+//! least 0.3 × the SQLite pairs/s, pair p99 < 25 ms. A last row, for scale, runs one replica on
+//! a database with `synchronous_commit = off`.
+//!
 //! Run with `cargo bench --bench api` (needs `wrk` and `squid`: `apt-get install -y wrk
 //! squid`). Environment:
 //! - `PROXY_OPERATOR_BENCH_BINARY`: the binary to measure (default: this build's).
@@ -30,6 +37,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use support::operator::metric_sum;
+use support::postgres::Postgres;
 use support::wrk::{self, WrkResult};
 use support::{Squid, Target, free_port};
 
@@ -47,6 +55,9 @@ const WARM_UP: Duration = Duration::from_secs(2);
 const HEALTHY_DEADLINE: Duration = Duration::from_secs(120);
 const RATIO_TARGET: f64 = 0.15;
 const P99_TARGET: Duration = Duration::from_millis(10);
+/// One PostgreSQL replica's pairs/s against the SQLite run's.
+const POSTGRES_RATIO_TARGET: f64 = 0.3;
+const POSTGRES_P99_TARGET: Duration = Duration::from_millis(25);
 
 /// The figures of one binary.
 #[derive(Debug, Clone)]
@@ -87,17 +98,17 @@ struct Operator {
 }
 
 impl Operator {
-    fn start(binary: &Path, dir: &Path, inventory: &Path) -> Operator {
+    /// Starts `binary` on `inventory` with the ledger `ledger` (a file path or a URL).
+    fn start(binary: &Path, dir: &Path, inventory: &Path, ledger: &str) -> Operator {
         let api_port = free_port();
         let metrics_port = free_port();
-        let log = dir.join("operator.log");
+        let log = dir.join(format!("operator-{api_port}.log"));
         let log_file = std::fs::File::create(&log).expect("operator log");
         let rust_log = std::env::var("PROXY_OPERATOR_BENCH_LOG").unwrap_or_else(|_| "info".into());
         let child = Command::new(binary)
             .args(["standalone", "--inventory"])
             .arg(inventory)
-            .arg("--ledger")
-            .arg(dir.join("ledger.db"))
+            .args(["--ledger", ledger])
             .args(["--ledger-durability", "normal"])
             .args(["--discovery-addr", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
@@ -195,33 +206,107 @@ fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult 
     wrk::run(script, url, (WRK_THREADS, WRK_CONNECTIONS), duration, args)
 }
 
-/// Starts `binary` on a fresh ledger, grows the inventory to the full fleet (proxies that
-/// appear after start-up are probed at once, not spread over the 1 h interval), waits until
-/// all are healthy, then measures.
+/// Starts `replicas` processes of `binary` on the ledger `ledger` (`None`: a fresh SQLite
+/// file), grows their inventory to the full fleet (proxies that appear after start-up are
+/// probed at once, not spread over the 1 h interval), waits until all are healthy on every
+/// replica, then measures, the connections spread over the replicas.
 async fn measure(
     label: &str,
     binary: &Path,
-    squids: &[Squid],
-    probe_url: &str,
-    seconds: Duration,
+    fleet: &Fleet<'_>,
+    ledger: Option<&str>,
+    replicas: usize,
 ) -> Figures {
     let dir = tempfile::tempdir().expect("temp dir");
     let inventory = dir.path().join("inventory.yaml");
     std::fs::write(&inventory, "").expect("write the inventory");
-    let mut operator = Operator::start(binary, dir.path(), &inventory);
+    let file = dir.path().join("ledger.db").display().to_string();
+    let ledger = ledger.unwrap_or(&file);
+    let operators: Vec<Operator> = (0..replicas)
+        .map(|_| Operator::start(binary, dir.path(), &inventory, ledger))
+        .collect();
     let http = reqwest::Client::new();
+    for operator in &operators {
+        wait_ready(label, operator, &http).await;
+    }
+    let mut yaml = String::with_capacity(PROXIES * 400);
+    for i in 0..PROXIES {
+        proxy_doc(
+            &mut yaml,
+            i,
+            fleet.squids[i % fleet.squids.len()].port(),
+            fleet.probe_url,
+        );
+    }
+    let staged = dir.path().join("inventory.yaml.new");
+    std::fs::write(&staged, yaml).expect("write the inventory");
+    std::fs::rename(&staged, &inventory).expect("replace the inventory");
+    let started = Instant::now();
+    for operator in &operators {
+        loop {
+            let healthy = healthy_count(&http, &operator.api).await.unwrap_or(0);
+            if healthy == PROXIES as u64 {
+                break;
+            }
+            assert!(
+                started.elapsed() < HEALTHY_DEADLINE,
+                "{label}: {healthy} of {PROXIES} proxies healthy after {HEALTHY_DEADLINE:?}:\n{}",
+                operator.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    eprintln!(
+        "{label}: {PROXIES} proxies healthy in {:.1} s; measuring {} s per run",
+        started.elapsed().as_secs_f64(),
+        fleet.seconds.as_secs()
+    );
+
+    let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
+    pair_runs(&operators, WARM_UP, body);
+    let batches_before = operators[0].batches(&http).await;
+    let cpu_before: f64 = operators.iter().map(Operator::cpu_seconds).sum();
+    let pairs = pair_runs(&operators, fleet.seconds, body);
+    let pairs_cpu = operators.iter().map(Operator::cpu_seconds).sum::<f64>() - cpu_before;
+    let writes_per_batch = batches_before
+        .zip(operators[0].batches(&http).await)
+        .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
+    let healthz = wrk(
+        "healthz.lua",
+        &format!("{}/healthz", operators[0].api),
+        fleet.seconds,
+        &[],
+    );
+    for mut operator in operators {
+        let _ = Command::new("kill")
+            .args(["-TERM", &operator.child.id().to_string()])
+            .status();
+        let _ = operator.child.wait();
+    }
+    Figures {
+        label: label.to_owned(),
+        pairs,
+        healthz,
+        pairs_cpu,
+        writes_per_batch,
+    }
+}
+
+/// What every measurement runs against.
+struct Fleet<'a> {
+    squids: &'a [Squid],
+    probe_url: &'a str,
+    seconds: Duration,
+}
+
+/// Polls `/readyz` until the operator answers 200.
+async fn wait_ready(label: &str, operator: &Operator, http: &reqwest::Client) {
     let started = Instant::now();
     loop {
         if let Ok(r) = http.get(format!("{}/readyz", operator.api)).send().await
             && r.status().is_success()
         {
-            break;
-        }
-        if let Ok(Some(status)) = operator.child.try_wait() {
-            panic!(
-                "{label}: the operator exited ({status}):\n{}",
-                operator.log_tail()
-            );
+            return;
         }
         assert!(
             started.elapsed() < HEALTHY_DEADLINE,
@@ -230,58 +315,41 @@ async fn measure(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut yaml = String::with_capacity(PROXIES * 400);
-    for i in 0..PROXIES {
-        proxy_doc(&mut yaml, i, squids[i % squids.len()].port(), probe_url);
-    }
-    let staged = dir.path().join("inventory.yaml.new");
-    std::fs::write(&staged, yaml).expect("write the inventory");
-    std::fs::rename(&staged, &inventory).expect("replace the inventory");
-    let started = Instant::now();
-    loop {
-        let healthy = healthy_count(&http, &operator.api).await.unwrap_or(0);
-        if healthy == PROXIES as u64 {
-            break;
-        }
-        assert!(
-            started.elapsed() < HEALTHY_DEADLINE,
-            "{label}: {healthy} of {PROXIES} proxies healthy after {HEALTHY_DEADLINE:?}:\n{}",
-            operator.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    eprintln!(
-        "{label}: {PROXIES} proxies healthy in {:.1} s; measuring {} s per run",
-        started.elapsed().as_secs_f64(),
-        seconds.as_secs()
-    );
+}
 
-    let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
-    wrk("lease_pairs.lua", &operator.api, WARM_UP, &[TOKEN, body]);
-    let batches_before = operator.batches(&http).await;
-    let cpu_before = operator.cpu_seconds();
-    let pairs = wrk("lease_pairs.lua", &operator.api, seconds, &[TOKEN, body]);
-    let pairs_cpu = operator.cpu_seconds() - cpu_before;
-    let writes_per_batch = batches_before
-        .zip(operator.batches(&http).await)
-        .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
-    let healthz = wrk(
-        "healthz.lua",
-        &format!("{}/healthz", operator.api),
-        seconds,
-        &[],
-    );
-    let _ = Command::new("kill")
-        .args(["-TERM", &operator.child.id().to_string()])
-        .status();
-    let _ = operator.child.wait();
-    Figures {
-        label: label.to_owned(),
-        pairs,
-        healthz,
-        pairs_cpu,
-        writes_per_batch,
-    }
+/// Acquire+release pairs for `duration`, the connections spread over `operators` (one wrk
+/// each, side by side).
+fn pair_runs(operators: &[Operator], duration: Duration, body: &str) -> WrkResult {
+    let share = WRK_CONNECTIONS / u32::try_from(operators.len()).unwrap_or(1);
+    let runs: Vec<WrkResult> = std::thread::scope(|scope| {
+        let handles: Vec<_> = operators
+            .iter()
+            .enumerate()
+            .map(|(i, operator)| {
+                // The first replica takes what the division leaves over.
+                let connections = if i == 0 {
+                    WRK_CONNECTIONS - share * (u32::try_from(operators.len()).unwrap_or(1) - 1)
+                } else {
+                    share
+                };
+                let threads = WRK_THREADS.min(connections);
+                scope.spawn(move || {
+                    wrk::run(
+                        "lease_pairs.lua",
+                        &operator.api,
+                        (threads, connections),
+                        duration,
+                        &[TOKEN, body],
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a wrk run"))
+            .collect()
+    });
+    WrkResult::combined(&runs)
 }
 
 fn ms(d: Duration) -> String {
@@ -353,15 +421,37 @@ async fn main() -> ExitCode {
     let target = Target::start();
     let probe_url = target.http_url();
     let squids: Vec<Squid> = (0..SQUIDS).map(|_| Squid::start()).collect();
+    let fleet = Fleet {
+        squids: &squids,
+        probe_url: &probe_url,
+        seconds,
+    };
 
     let mut runs = Vec::new();
     // A baseline is measured before and after, so drift in the machine's load shows.
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &squids, &probe_url, seconds).await);
+        runs.push(measure("before", baseline, &fleet, None, 1).await);
     }
-    runs.push(measure("this", &binary, &squids, &probe_url, seconds).await);
+    runs.push(measure("this", &binary, &fleet, None, 1).await);
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &squids, &probe_url, seconds).await);
+        runs.push(measure("before", baseline, &fleet, None, 1).await);
+    }
+    let postgres = Postgres::start();
+    if let Some(postgres) = &postgres {
+        let one = postgres.database().url();
+        runs.push(measure("postgres", &binary, &fleet, Some(&one), 1).await);
+        let three = postgres.database().url();
+        runs.push(measure("postgres×3", &binary, &fleet, Some(&three), 3).await);
+        // For scale, not a target: the same without waiting for the WAL flush of each commit,
+        // about what SQLite's `normal` durability waits for (a crash of the database server
+        // may lose the last commits, one of the operator never).
+        let unflushed = postgres.database();
+        unflushed.psql(&format!(
+            "ALTER DATABASE {} SET synchronous_commit = off",
+            unflushed.name()
+        ));
+        let url = unflushed.url();
+        runs.push(measure("pg unsync", &binary, &fleet, Some(&url), 1).await);
     }
 
     println!(
@@ -392,14 +482,39 @@ async fn main() -> ExitCode {
     let errors = this.pairs.errors() + this.healthz.errors();
     let ratio_ok = this.ratio() >= RATIO_TARGET;
     let p99_ok = this.pairs.p99() < P99_TARGET;
+    let met = |ok: bool| if ok { "met" } else { "MISSED" };
     println!(
         "targets: ratio >= {RATIO_TARGET} {}, pair p99 < {} {}, no errors {}",
-        if ratio_ok { "met" } else { "MISSED" },
+        met(ratio_ok),
         ms(P99_TARGET),
-        if p99_ok { "met" } else { "MISSED" },
-        if errors == 0 { "met" } else { "MISSED" },
+        met(p99_ok),
+        met(errors == 0),
     );
-    if ratio_ok && p99_ok && errors == 0 {
+    let mut postgres_ok = true;
+    if let Some(one) = runs.iter().find(|r| r.label == "postgres") {
+        let against = one.pairs_per_s() / this.pairs_per_s();
+        let ratio_ok = against >= POSTGRES_RATIO_TARGET;
+        let p99_ok = one.pairs.p99() < POSTGRES_P99_TARGET;
+        let errors: u64 = runs
+            .iter()
+            .filter(|r| r.label.starts_with("postgres"))
+            .map(|r| r.pairs.errors() + r.healthz.errors())
+            .sum();
+        println!(
+            "postgres / sqlite pairs/s x{against:.2}: >= {POSTGRES_RATIO_TARGET} {}, pair p99 < {} \
+             {}, no errors {}",
+            met(ratio_ok),
+            ms(POSTGRES_P99_TARGET),
+            met(p99_ok),
+            met(errors == 0),
+        );
+        postgres_ok = ratio_ok && p99_ok && errors == 0;
+    } else {
+        println!(
+            "postgres: not measured (PostgreSQL is not installed: apt-get install -y postgresql)"
+        );
+    }
+    if ratio_ok && p99_ok && errors == 0 && postgres_ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -33,6 +33,26 @@ impl WrkResult {
         })
     }
 
+    /// Several runs side by side (one wrk per replica) as one: counts add up; durations and
+    /// latency percentiles are the largest of the runs' (an upper bound of the combined one).
+    pub fn combined(runs: &[WrkResult]) -> WrkResult {
+        let mut fields: Vec<(String, u64)> = Vec::new();
+        for run in runs {
+            for (key, value) in &run.fields {
+                let largest = key.ends_with("_us");
+                match fields.iter_mut().find(|(k, _)| k == key) {
+                    Some((_, total)) if largest => *total = (*total).max(*value),
+                    Some((_, total)) => *total += value,
+                    None => fields.push((key.clone(), *value)),
+                }
+            }
+        }
+        WrkResult {
+            fields,
+            first_failure: runs.iter().find_map(|r| r.first_failure.clone()),
+        }
+    }
+
     /// A field (0 when absent).
     pub fn get(&self, key: &str) -> u64 {
         self.fields

@@ -67,67 +67,80 @@ pub(crate) async fn decide(
     now: i64,
 ) -> Result<Vec<Verdict>> {
     let mut verdicts: Vec<Option<Verdict>> = batch.iter().map(|_| None).collect();
-    // Grants of an earlier attempt whose answer was lost.
     let ids: Vec<&str> = batch.iter().map(|p| p.id.as_str()).collect();
-    for lease in lease_by_ids(tx, &ids, now).await? {
-        if let Some(i) = batch.iter().position(|p| p.id == lease.id) {
-            verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::Granted(lease))));
-        }
-    }
-    // Request IDs whose window is open.
     let keys: Vec<&str> = batch
         .iter()
         .filter_map(|p| p.request.request.as_ref().map(|k| k.id.as_str()))
         .collect();
-    let mut open: HashMap<String, (String, String)> = HashMap::new();
-    if !keys.is_empty() {
-        for row in query(
-            tx,
-            "SELECT request_id, lease_id, fingerprint FROM acquire_requests \
-             WHERE request_id = ANY($1) AND expires_at > $2",
-            &[&keys, &now],
-        )
-        .await?
-        {
-            open.insert(row.get(0), (row.get(1), row.get(2)));
+    let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
+    let limited =
+        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
+    // The reads are independent: sent together, they cost one round trip.
+    let (earlier, open, loads, cooldowns, for_target) = tokio::try_join!(
+        // Grants of an earlier attempt whose answer was lost.
+        lease_by_ids(tx, &ids, now),
+        // Request IDs whose window is open.
+        async {
+            if keys.is_empty() {
+                return Ok(Vec::new());
+            }
+            query(
+                tx,
+                "SELECT request_id, lease_id, fingerprint FROM acquire_requests \
+                 WHERE request_id = ANY($1) AND expires_at > $2",
+                &[&keys, &now],
+            )
+            .await
+        },
+        async {
+            query(
+                tx,
+                "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
+                 WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid",
+                &[&now],
+            )
+            .await
+        },
+        async {
+            if targets.is_empty() {
+                return Ok(Vec::new());
+            }
+            query(
+                tx,
+                "SELECT proxy_uid, target, until FROM cooldowns \
+                 WHERE target = ANY($1) AND until > $2",
+                &[&targets, &now],
+            )
+            .await
+        },
+        async {
+            if !limited || targets.is_empty() {
+                return Ok(HashMap::new());
+            }
+            target_loads(tx, &targets, now).await
+        },
+    )?;
+    for lease in earlier {
+        if let Some(i) = batch.iter().position(|p| p.id == lease.id) {
+            verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::Granted(lease))));
         }
     }
+    let open: HashMap<String, (String, String)> = open
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect();
     let replayed_ids: Vec<&str> = open.values().map(|(lease, _)| lease.as_str()).collect();
     let replayed: HashMap<String, Lease> = lease_by_ids(tx, &replayed_ids, now)
         .await?
         .into_iter()
         .map(|lease| (lease.id.clone(), lease))
         .collect();
-
-    let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
-    let mut loads = loads_of(
-        query(
-            tx,
-            "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
-             WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid",
-            &[&now],
-        )
-        .await?,
-    );
-    let mut cooldowns: HashMap<(String, String), i64> = HashMap::new();
-    if !targets.is_empty() {
-        for row in query(
-            tx,
-            "SELECT proxy_uid, target, until FROM cooldowns WHERE target = ANY($1) AND until > $2",
-            &[&targets, &now],
-        )
-        .await?
-        {
-            cooldowns.insert((row.get(0), row.get(1)), row.get(2));
-        }
-    }
-    let limited =
-        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
-    let mut for_target = if limited && !targets.is_empty() {
-        target_loads(tx, &targets, now).await?
-    } else {
-        HashMap::new()
-    };
+    let mut loads = loads_of(loads);
+    let cooldowns: HashMap<(String, String), i64> = cooldowns
+        .iter()
+        .map(|row| ((row.get(0), row.get(1)), row.get(2)))
+        .collect();
+    let mut for_target = for_target;
 
     // Every acquire in arrival order, each grant counting for the next.
     let mut planned: Vec<Planned> = Vec::new();
@@ -254,38 +267,42 @@ async fn check_under_locks(
         &[&uids],
     )
     .await?;
-    // Under the locks: what the proxies hold now, committed by any replica.
-    let mut held: HashMap<String, i64> = query(
-        tx,
-        "SELECT proxy_uid, count(*) FROM leases WHERE proxy_uid = ANY($1) \
-         AND state = 'active' AND expires_at > $2 GROUP BY proxy_uid",
-        &[&uids, &now],
-    )
-    .await?
-    .iter()
-    .map(|row| (row.get(0), row.get(1)))
-    .collect();
-    let cooled: HashSet<(String, String)> = if targets.is_empty() {
-        HashSet::new()
-    } else {
-        query(
-            tx,
-            "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = ANY($1) \
-             AND target = ANY($2) AND until > $3",
-            &[&uids, &targets, &now],
-        )
-        .await?
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
-    };
+    // Under the locks: what the proxies hold now, committed by any replica (read together).
     let limited =
         config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
-    let mut per_target = if limited && !targets.is_empty() {
-        target_loads(tx, &targets, now).await?
-    } else {
-        HashMap::new()
-    };
+    let (held, cooled, per_target) = tokio::try_join!(
+        async {
+            query(
+                tx,
+                "SELECT proxy_uid, count(*) FROM leases WHERE proxy_uid = ANY($1) \
+                 AND state = 'active' AND expires_at > $2 GROUP BY proxy_uid",
+                &[&uids, &now],
+            )
+            .await
+        },
+        async {
+            if targets.is_empty() {
+                return Ok(Vec::new());
+            }
+            query(
+                tx,
+                "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = ANY($1) \
+                 AND target = ANY($2) AND until > $3",
+                &[&uids, &targets, &now],
+            )
+            .await
+        },
+        async {
+            if !limited || targets.is_empty() {
+                return Ok(HashMap::new());
+            }
+            target_loads(tx, &targets, now).await
+        },
+    )?;
+    let mut held: HashMap<String, i64> = held.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let cooled: HashSet<(String, String)> =
+        cooled.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let mut per_target = per_target;
 
     let mut verdicts = Vec::with_capacity(planned.len());
     let mut accepted: Vec<&Planned> = Vec::new();

@@ -8,7 +8,7 @@
 //! chosen proxies' rows in `proxy_locks` locked and checked against what is committed; a grant
 //! that no longer fits (another replica's batch got there first) is decided again in the next
 //! batch on fresh loads, so a 409 always comes from a decision on what was committed, never
-//! from a skipped lock.
+//! from a skipped lock. Releases are batched too, one statement per batch.
 //! See `docs/architecture.md` for the choices and the clock skew they tolerate.
 //!
 //! The synchronous counts come from a snapshot refreshed every [`COUNTS_REFRESH`] and moved

@@ -18,19 +18,33 @@ pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
 /// The schema version this binary reads and writes.
 pub const POSTGRES_SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// Creates the version row if this is a new database. Two replicas creating the table at once
-/// may see PostgreSQL's catalog race (a unique violation on the type name); the table is
-/// there either way, so that is tried once more.
+/// Creates the version row if this is a new database. Replicas creating the table at once
+/// meet PostgreSQL's catalog race (`CREATE TABLE IF NOT EXISTS` is not atomic: a unique
+/// violation on the type's name, or the type already existing); the table is there either
+/// way, so that is tried again.
 async fn ensure_version_row(client: &tokio_postgres::Client) -> Result<(), tokio_postgres::Error> {
     let create = "CREATE TABLE IF NOT EXISTS ledger_schema (\
                   id INT NOT NULL PRIMARY KEY CHECK (id = 1), version INT NOT NULL); \
                   INSERT INTO ledger_schema (id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING";
-    match client.batch_execute(create).await {
-        Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {
-            client.batch_execute(create).await
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match client.batch_execute(create).await {
+            Err(e) if attempts < 5 && is_creation_race(&e) => continue,
+            other => return other,
         }
-        other => other,
     }
+}
+
+/// Whether `error` is a concurrent creation of the same catalog object.
+fn is_creation_race(error: &tokio_postgres::Error) -> bool {
+    [
+        SqlState::UNIQUE_VIOLATION,
+        SqlState::DUPLICATE_OBJECT,
+        SqlState::DUPLICATE_TABLE,
+    ]
+    .iter()
+    .any(|code| error.code() == Some(code))
 }
 
 /// Brings the database to [`POSTGRES_SCHEMA_VERSION`] under the version row's lock; returns
