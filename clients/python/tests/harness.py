@@ -223,6 +223,21 @@ class Operator:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+def lost_a_port(operator: Operator) -> bool:
+    """Whether the binary exited at start because a port it was given was taken meanwhile
+    (it binds every port before it serves, so an answering ``/healthz`` means it holds them)."""
+    def settled() -> bool:
+        if operator.process.poll() is not None:
+            return True
+        try:
+            return httpx.get(f"{operator.api}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    eventually("the binary listening or exited", settled)
+    return operator.process.poll() is not None and "Address already in use" in operator.log_text()
+
+
 def start_operator(directory: Path, site: Site, squids: int, extra_args: list[str] | None = None, max_leases: int = 16) -> Operator:
     """Starts ``squids`` squids on 127.0.0.20, .21, ... and the binary on an inventory of them
     (``px-0``, ``px-1``, ...; label ``pool: python``), and waits until every one is healthy."""
@@ -246,37 +261,43 @@ spec:
     ]
     inventory = directory / "inventory.yaml"
     inventory.write_text("---\n".join(documents))
-    api, metrics, gateway = free_port(), free_port(), free_port()
     log = directory / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_OPERATOR_")}
     env.update(DISCOVERY_TOKEN=TOKEN, RUST_LOG=env.get("RUST_LOG", "info"))
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                str(binary()),
-                "standalone",
-                "--inventory", str(inventory),
-                "--ledger", str(directory / "ledger.db"),
-                "--discovery-addr", f"127.0.0.1:{api}",
-                "--metrics-addr", f"127.0.0.1:{metrics}",
-                "--gateway-addr", f"127.0.0.1:{gateway}",
-                "--gateway-allowed-ports", str(site.port),
-                *(extra_args or []),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
+    # A port found free can be taken by another process (other tests run beside these) before
+    # the binary binds it; the binary then exits naming it, and is started on other ports.
+    for attempt in range(3):
+        api, metrics, gateway = free_port(), free_port(), free_port()
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [
+                    str(binary()),
+                    "standalone",
+                    "--inventory", str(inventory),
+                    "--ledger", str(directory / "ledger.db"),
+                    "--discovery-addr", f"127.0.0.1:{api}",
+                    "--metrics-addr", f"127.0.0.1:{metrics}",
+                    "--gateway-addr", f"127.0.0.1:{gateway}",
+                    "--gateway-allowed-ports", str(site.port),
+                    *(extra_args or []),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        operator = Operator(
+            process=process,
+            api=f"http://127.0.0.1:{api}",
+            gateway=f"http://127.0.0.1:{gateway}",
+            metrics=f"http://127.0.0.1:{metrics}",
+            ledger=directory / "ledger.db",
+            log=log,
+            squids=fleet,
         )
-    operator = Operator(
-        process=process,
-        api=f"http://127.0.0.1:{api}",
-        gateway=f"http://127.0.0.1:{gateway}",
-        metrics=f"http://127.0.0.1:{metrics}",
-        ledger=directory / "ledger.db",
-        log=log,
-        squids=fleet,
-    )
+        if not lost_a_port(operator) or attempt == 2:
+            break
+        process.wait()
 
     def all_healthy() -> bool:
         if process.poll() is not None:
