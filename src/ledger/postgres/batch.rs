@@ -73,18 +73,15 @@ pub(crate) async fn decide(
         .filter_map(|p| p.request.request.as_ref().map(|k| k.id.as_str()))
         .collect();
     let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
-    let limited =
-        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
-    // The reads are independent: sent together, they cost one round trip.
-    let (earlier, open, loads, cooldowns, for_target) = tokio::try_join!(
+    // The reads are independent: sent together, they cost one round trip. (Each in a block of
+    // its own, so its parameters live as long as its query.)
+    let (earlier, open, loads, cooldowns, mut for_target) = tokio::try_join!(
         // Grants of an earlier attempt whose answer was lost.
         lease_by_ids(tx, &ids, now),
         // Request IDs whose window is open.
         async {
-            if keys.is_empty() {
-                return Ok(Vec::new());
-            }
-            query(
+            query_if(
+                !keys.is_empty(),
                 tx,
                 "SELECT request_id, lease_id, fingerprint FROM acquire_requests \
                  WHERE request_id = ANY($1) AND expires_at > $2",
@@ -102,10 +99,8 @@ pub(crate) async fn decide(
             .await
         },
         async {
-            if targets.is_empty() {
-                return Ok(Vec::new());
-            }
-            query(
+            query_if(
+                !targets.is_empty(),
                 tx,
                 "SELECT proxy_uid, target, until FROM cooldowns \
                  WHERE target = ANY($1) AND until > $2",
@@ -113,12 +108,7 @@ pub(crate) async fn decide(
             )
             .await
         },
-        async {
-            if !limited || targets.is_empty() {
-                return Ok(HashMap::new());
-            }
-            target_loads(tx, &targets, now).await
-        },
+        target_loads(tx, config, &targets, now),
     )?;
     for lease in earlier {
         if let Some(i) = batch.iter().position(|p| p.id == lease.id) {
@@ -140,7 +130,6 @@ pub(crate) async fn decide(
         .iter()
         .map(|row| ((row.get(0), row.get(1)), row.get(2)))
         .collect();
-    let mut for_target = for_target;
 
     // Every acquire in arrival order, each grant counting for the next.
     let mut planned: Vec<Planned> = Vec::new();
@@ -268,9 +257,7 @@ async fn check_under_locks(
     )
     .await?;
     // Under the locks: what the proxies hold now, committed by any replica (read together).
-    let limited =
-        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
-    let (held, cooled, per_target) = tokio::try_join!(
+    let (held, cooled, mut per_target) = tokio::try_join!(
         async {
             query(
                 tx,
@@ -281,10 +268,8 @@ async fn check_under_locks(
             .await
         },
         async {
-            if targets.is_empty() {
-                return Ok(Vec::new());
-            }
-            query(
+            query_if(
+                !targets.is_empty(),
                 tx,
                 "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = ANY($1) \
                  AND target = ANY($2) AND until > $3",
@@ -292,17 +277,11 @@ async fn check_under_locks(
             )
             .await
         },
-        async {
-            if !limited || targets.is_empty() {
-                return Ok(HashMap::new());
-            }
-            target_loads(tx, &targets, now).await
-        },
+        target_loads(tx, config, &targets, now),
     )?;
     let mut held: HashMap<String, i64> = held.iter().map(|row| (row.get(0), row.get(1))).collect();
     let cooled: HashSet<(String, String)> =
         cooled.iter().map(|row| (row.get(0), row.get(1))).collect();
-    let mut per_target = per_target;
 
     let mut verdicts = Vec::with_capacity(planned.len());
     let mut accepted: Vec<&Planned> = Vec::new();
@@ -468,13 +447,18 @@ fn count_grant(load: &mut ProxyLoad, expires_at: i64) {
     };
 }
 
-/// The counting leases naming each of `targets`, per proxy.
+/// The counting leases naming each of `targets`, per proxy; nothing to read (and empty)
+/// without a per-target limit.
 async fn target_loads(
     tx: &Transaction<'_>,
+    config: &LedgerConfig,
     targets: &[&str],
     now: i64,
 ) -> Result<HashMap<String, HashMap<String, ProxyLoad>>> {
-    let rows = query(
+    let limited =
+        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
+    let rows = query_if(
+        limited && !targets.is_empty(),
         tx,
         "SELECT target, proxy_uid, count(*), min(expires_at) FROM leases \
          WHERE state = 'active' AND expires_at > $1 AND target = ANY($2) \
@@ -484,15 +468,11 @@ async fn target_loads(
     .await?;
     let mut by_target: HashMap<String, HashMap<String, ProxyLoad>> = HashMap::new();
     for row in &rows {
-        let (target, uid, active, earliest): (String, String, i64, i64) =
-            (row.get(0), row.get(1), row.get(2), row.get(3));
-        by_target.entry(target).or_default().insert(
-            uid,
-            ProxyLoad {
-                active: u32::try_from(active).unwrap_or(u32::MAX),
-                earliest_expiry: Timestamp::from_millisecond(earliest).ok(),
-            },
-        );
+        let target: String = row.get(0);
+        by_target
+            .entry(target)
+            .or_default()
+            .insert(row.get(1), load_of(row.get(2), row.get(3)));
     }
     Ok(by_target)
 }
@@ -500,15 +480,31 @@ async fn target_loads(
 /// `(proxy UID, count, earliest expiry)` rows as loads by UID.
 fn loads_of(rows: Vec<Row>) -> HashMap<String, ProxyLoad> {
     rows.iter()
-        .map(|row| {
-            let (uid, active, earliest): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
-            let load = ProxyLoad {
-                active: u32::try_from(active).unwrap_or(u32::MAX),
-                earliest_expiry: Timestamp::from_millisecond(earliest).ok(),
-            };
-            (uid, load)
-        })
+        .map(|row| (row.get(0), load_of(row.get(1), row.get(2))))
         .collect()
+}
+
+/// A `count(*)` of counting leases and their `min(expires_at)` as a load.
+fn load_of(active: i64, earliest: i64) -> ProxyLoad {
+    ProxyLoad {
+        active: u32::try_from(active).unwrap_or(u32::MAX),
+        earliest_expiry: Timestamp::from_millisecond(earliest).ok(),
+    }
+}
+
+/// `sql`'s rows, or none without asking when `run` is false (a batch with nothing to look
+/// up, e.g. no request IDs).
+async fn query_if(
+    run: bool,
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<Row>> {
+    if run {
+        query(tx, sql, params).await
+    } else {
+        Ok(Vec::new())
+    }
 }
 
 /// What the per-target limits hold back for an acquire's target, from its counts.
