@@ -1,20 +1,25 @@
-//! Acquires decided a batch at a time, as SQLite's writer batches them: one transaction reads
-//! the loads once, decides every acquire of the batch in arrival order with the same pure
-//! [`select`] (each grant counting for the next, so concurrent acquires spread over proxies
-//! as on SQLite), locks the rows of the proxies it chose (in UID order, so replicas never
-//! deadlock), checks under those locks what other replicas committed meanwhile, and inserts
-//! the grants that still fit. A grant that no longer fits (another replica's batch took the
-//! slot, a cooldown started) is decided again in the next batch, on fresh loads: nothing is
-//! refused because of a lock.
+//! Acquires decided a batch at a time, as SQLite's writer batches them: every acquire of the
+//! batch decided in arrival order with the same pure [`select`] (each grant counting for the
+//! next, so concurrent acquires spread over proxies as on SQLite), the rows of the proxies it
+//! chose locked (in UID order, so replicas never deadlock), what other replicas committed
+//! meanwhile checked under those locks, and the grants that still fit inserted, in one
+//! transaction. A grant that no longer fits (another replica's batch took the slot, a
+//! cooldown started) is decided again in the next batch, on loads read from the database:
+//! nothing is refused because of a lock.
+//!
+//! Batches without request IDs or per-target limits (the common case) are checked by the
+//! insert itself, so BEGIN, the locks, the insert and COMMIT go out together: one round trip.
+//! The others are checked here, between the locks and the insert (three).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use deadpool_postgres::Transaction;
+use deadpool_postgres::GenericClient;
 use jiff::Timestamp;
 use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
+use super::pipelined::Pipelined;
 use super::store::{self, StoreError, lease_by_ids, query};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
@@ -59,83 +64,213 @@ struct Planned {
 
 type Result<T> = std::result::Result<T, StoreError>;
 
-/// Decides `batch` at `now` in the transaction `tx`; one verdict per acquire, in order.
+/// The counting leases of every proxy that has one.
+const LOADS: &str = "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
+     WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid";
+/// The cooldowns in force for the targets.
+const COOLDOWNS: &str = "SELECT proxy_uid, target, until FROM cooldowns \
+     WHERE target = ANY($1) AND until > $2";
+/// Locks the targets' rows (under a fleet-wide per-target limit), in order.
+const LOCK_TARGETS: &str = "INSERT INTO target_locks (target, acquires) \
+     SELECT t, 1 FROM unnest($1::text[]) AS t ORDER BY t \
+     ON CONFLICT (target) DO UPDATE SET acquires = target_locks.acquires + 1";
+/// Locks the proxies' rows, in UID order (so replicas never deadlock).
+const LOCK_PROXIES: &str = "INSERT INTO proxy_locks (proxy_uid, acquires) \
+     SELECT u, 1 FROM unnest($1::text[]) AS u ORDER BY u \
+     ON CONFLICT (proxy_uid) DO UPDATE SET acquires = proxy_locks.acquires + 1";
+/// The counting leases of the proxies.
+const HELD: &str = "SELECT proxy_uid, count(*) FROM leases WHERE proxy_uid = ANY($1) \
+     AND state = 'active' AND expires_at > $2 GROUP BY proxy_uid";
+/// The (proxy, target) pairs in cooldown.
+const COOLED: &str = "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = ANY($1) \
+     AND target = ANY($2) AND until > $3";
+/// The counting leases naming each target, per proxy.
+const TARGET_LOADS: &str = "SELECT target, proxy_uid, count(*), min(expires_at) FROM leases \
+     WHERE state = 'active' AND expires_at > $1 AND target = ANY($2) \
+     GROUP BY target, proxy_uid";
+/// A statement inserting grants (their rows `g`: `$2`..`$12`, at `$1`) and their `acquired`
+/// events, returning the IDs inserted: those of `$source` after the CTEs `$checks`.
+macro_rules! grant_sql {
+    ($checks:literal, $source:literal) => {
+        concat!(
+            "WITH g AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], \
+             $6::text[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::text[], \
+             $12::bigint[]) WITH ORDINALITY AS g(id, ns, name, uid, target, expires_at, ttl_ms, \
+             request_id, fingerprint, client, max_leases, ord))",
+            $checks,
+            ", granted AS (INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, \
+             target, state, acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, \
+             client) SELECT id, ns, name, uid, target, 'active', $1, expires_at, ttl_ms, \
+             request_id, fingerprint, client FROM ",
+            $source,
+            " RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, client) \
+             INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
+             proxy_uid, target, expires_at, client) SELECT $1, id, 'acquired', proxy_namespace, \
+             proxy_name, proxy_uid, target, expires_at, client FROM granted ORDER BY id \
+             RETURNING lease_id"
+        )
+    };
+}
+/// The grants, checked already.
+const INSERT_LEASES: &str = grant_sql!("", "g");
+/// The grants that still fit, checked by the statement itself under the proxies' locks:
+/// outside a cooldown, and, in arrival order per proxy, within its `maxLeases` on top of the
+/// counting leases committed.
+const INSERT_FITTING_LEASES: &str = grant_sql!(
+    ", free AS (SELECT * FROM g WHERE NOT EXISTS (SELECT 1 FROM cooldowns c \
+     WHERE c.proxy_uid = g.uid AND c.target = g.target AND c.until > $1)), \
+     held AS (SELECT proxy_uid, count(*) AS n FROM leases \
+     WHERE proxy_uid IN (SELECT uid FROM free) AND state = 'active' AND expires_at > $1 \
+     GROUP BY proxy_uid), \
+     fits AS (SELECT f.* FROM (SELECT free.*, row_number() OVER (PARTITION BY uid ORDER BY ord) \
+     AS k FROM free) f LEFT JOIN held h ON h.proxy_uid = f.uid \
+     WHERE coalesce(h.n, 0) + f.k <= f.max_leases)",
+    "fits"
+);
+
+/// Decides `batch` at `now` on `conn`; one verdict per acquire, in order.
+///
+/// The loads the selection starts from are `snapshot` (this replica's counts: its own grants
+/// at once, other replicas' within a refresh) when given, else read from the database; the
+/// check under the locks is what decides either way, so a snapshot that is behind costs a
+/// decision again, never a wrong grant. A batch that would refuse an acquire on the snapshot
+/// is planned again on the loads read from the database, so a 409 always comes from what is
+/// committed. (Reading the loads means reading the index of active leases, which holds an
+/// entry for every lease of the last TTL until a vacuum: the snapshot spares that per batch.)
+///
+/// At most three round trips when something is granted: the reads (outside the transaction:
+/// each statement reads what is committed, as it would inside one in READ COMMITTED; none when
+/// the batch has nothing to look up), BEGIN with the locks and the reads under them, then the
+/// inserts with COMMIT. `retried`: an earlier attempt of this batch failed, perhaps after its
+/// COMMIT went through, so its grants are looked for first.
 pub(crate) async fn decide(
-    tx: &Transaction<'_>,
+    conn: &Pipelined<'_>,
     batch: &[Pending],
     config: &LedgerConfig,
+    snapshot: Option<HashMap<String, ProxyLoad>>,
+    retried: bool,
     now: i64,
 ) -> Result<Vec<Verdict>> {
-    let mut verdicts: Vec<Option<Verdict>> = batch.iter().map(|_| None).collect();
+    let client = conn.client();
     let ids: Vec<&str> = batch.iter().map(|p| p.id.as_str()).collect();
     let keys: Vec<&str> = batch
         .iter()
         .filter_map(|p| p.request.request.as_ref().map(|k| k.id.as_str()))
         .collect();
     let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
+    let open_sql = format!(
+        "SELECT {}, r.request_id, r.lease_id, r.fingerprint FROM acquire_requests r \
+         LEFT JOIN leases l ON l.id = r.lease_id \
+         WHERE r.request_id = ANY($1) AND r.expires_at > $2",
+        store::lease_columns_of("l")
+    );
     // The reads are independent: sent together, they cost one round trip. (Each in a block of
     // its own, so its parameters live as long as its query.)
-    let (earlier, open, loads, cooldowns, mut for_target) = tokio::try_join!(
-        // Grants of an earlier attempt whose answer was lost.
-        lease_by_ids(tx, &ids, now),
-        // Request IDs whose window is open.
+    let (earlier, open_rows, load_rows, cooldown_rows, for_target) = tokio::try_join!(
+        // Grants of an earlier attempt of this batch whose answer was lost.
         async {
-            query_if(
-                !keys.is_empty(),
-                tx,
-                "SELECT request_id, lease_id, fingerprint FROM acquire_requests \
-                 WHERE request_id = ANY($1) AND expires_at > $2",
-                &[&keys, &now],
-            )
-            .await
+            match retried {
+                true => lease_by_ids(client, &ids, now).await,
+                false => Ok(Vec::new()),
+            }
         },
-        async {
-            query(
-                tx,
-                "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
-                 WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid",
-                &[&now],
-            )
-            .await
-        },
-        async {
-            query_if(
-                !targets.is_empty(),
-                tx,
-                "SELECT proxy_uid, target, until FROM cooldowns \
-                 WHERE target = ANY($1) AND until > $2",
-                &[&targets, &now],
-            )
-            .await
-        },
-        target_loads(tx, config, &targets, now),
+        // Request IDs whose window is open, with the leases they name.
+        async { query_if(!keys.is_empty(), client, &open_sql, &[&keys, &now]).await },
+        async { query_if(snapshot.is_none(), client, LOADS, &[&now]).await },
+        async { query_if(!targets.is_empty(), client, COOLDOWNS, &[&targets, &now]).await },
+        target_loads(client, config, &targets, now),
     )?;
-    for lease in earlier {
-        if let Some(i) = batch.iter().position(|p| p.id == lease.id) {
-            verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::Granted(lease))));
+    let mut known = Known {
+        granted: earlier.into_iter().map(|l| (l.id.clone(), l)).collect(),
+        open: HashMap::new(),
+        cooldowns: cooldown_rows
+            .iter()
+            .map(|row| ((row.get(0), row.get(1)), row.get(2)))
+            .collect(),
+        for_target,
+    };
+    for row in &open_rows {
+        let lease = match row.get::<_, Option<String>>(0) {
+            Some(_) => Some(store::lease_from_row(row, now)?),
+            None => None,
+        };
+        known
+            .open
+            .insert(row.get(12), (row.get(13), row.get(14), lease));
+    }
+    let mut planning = match snapshot {
+        Some(loads) => {
+            let planning = plan(batch, &known, loads, config, now);
+            if planning.refuses {
+                let rows = query(client, LOADS, &[&now]).await?;
+                plan(batch, &known, loads_of(rows), config, now)
+            } else {
+                planning
+            }
+        }
+        None => plan(batch, &known, loads_of(load_rows), config, now),
+    };
+    if !planning.planned.is_empty() {
+        let per_target_limit =
+            config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
+        let keyed = planning
+            .planned
+            .iter()
+            .any(|p| batch[p.pending].request.request.is_some());
+        let checked = if per_target_limit || keyed {
+            check_under_locks(conn, batch, &planning.planned, config, now).await?
+        } else {
+            grant_at_once(conn, batch, &planning.planned, now).await?
+        };
+        for (i, verdict) in checked {
+            planning.verdicts[i] = Some(verdict);
         }
     }
-    let open: HashMap<String, (String, String)> = open
-        .iter()
-        .map(|row| (row.get(0), (row.get(1), row.get(2))))
-        .collect();
-    let replayed_ids: Vec<&str> = open.values().map(|(lease, _)| lease.as_str()).collect();
-    let replayed: HashMap<String, Lease> = lease_by_ids(tx, &replayed_ids, now)
-        .await?
+    Ok(planning
+        .verdicts
         .into_iter()
-        .map(|lease| (lease.id.clone(), lease))
-        .collect();
-    let mut loads = loads_of(loads);
-    let cooldowns: HashMap<(String, String), i64> = cooldowns
-        .iter()
-        .map(|row| ((row.get(0), row.get(1)), row.get(2)))
-        .collect();
+        .map(|v| v.unwrap_or(Verdict::Again))
+        .collect())
+}
 
-    // Every acquire in arrival order, each grant counting for the next.
+/// What a batch's reads found, besides the loads.
+struct Known {
+    /// Leases already granted to acquires of the batch (an earlier attempt's), by ID.
+    granted: HashMap<String, Lease>,
+    /// Request ID -> (lease ID, fingerprint, the lease if its row is retained).
+    open: HashMap<String, (String, String, Option<Lease>)>,
+    /// Cooldown end by (proxy UID, target).
+    cooldowns: HashMap<(String, String), i64>,
+    /// Counting leases per proxy, by target (under a per-target limit).
+    for_target: HashMap<String, HashMap<String, ProxyLoad>>,
+}
+
+/// A batch's decisions before the check under the locks.
+struct Planning {
+    /// The verdicts decided without a grant (`None` for a planned grant).
+    verdicts: Vec<Option<Verdict>>,
+    planned: Vec<Planned>,
+    /// Some acquire was answered `NoMatch`.
+    refuses: bool,
+}
+
+/// Decides every acquire of `batch` in arrival order on `loads`, each grant counting for the
+/// next: answers replays, refusals and grants found already made, plans the rest.
+fn plan(
+    batch: &[Pending],
+    known: &Known,
+    mut loads: HashMap<String, ProxyLoad>,
+    config: &LedgerConfig,
+    now: i64,
+) -> Planning {
+    let mut verdicts: Vec<Option<Verdict>> = batch.iter().map(|_| None).collect();
+    let mut for_target = known.for_target.clone();
     let mut planned: Vec<Planned> = Vec::new();
+    let mut refuses = false;
     let mut keys_seen: HashSet<&str> = HashSet::new();
     for (i, pending) in batch.iter().enumerate() {
-        if verdicts[i].is_some() {
+        if let Some(lease) = known.granted.get(&pending.id) {
+            verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::Granted(lease.clone()))));
             continue;
         }
         let request = &pending.request;
@@ -145,13 +280,13 @@ pub(crate) async fn decide(
                 verdicts[i] = Some(Verdict::Again);
                 continue;
             }
-            if let Some((lease_id, fingerprint)) = open.get(&key.id) {
+            if let Some((lease_id, fingerprint, lease)) = known.open.get(&key.id) {
                 verdicts[i] = Some(Verdict::Answer(if *fingerprint != key.fingerprint {
                     Err(LedgerError::RequestIdReused {
                         request_id: key.id.clone(),
                     })
                 } else {
-                    match replayed.get(lease_id) {
+                    match lease {
                         Some(lease) => Ok(AcquireOutcome::Replayed(lease.clone())),
                         None => Err(LedgerError::Inconsistent(format!(
                             "request ID {:?} names lease {lease_id} that the ledger no longer holds",
@@ -171,13 +306,14 @@ pub(crate) async fn decide(
             |uid| loads.get(uid).copied().unwrap_or_default(),
             |uid| {
                 target
-                    .and_then(|t| cooldowns.get(&(uid.to_owned(), t.to_owned())))
+                    .and_then(|t| known.cooldowns.get(&(uid.to_owned(), t.to_owned())))
                     .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
             },
             |uid| hold.of(uid),
         );
         match selection {
             Selection::NoMatch(stats) => {
+                refuses = true;
                 verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::NoMatch(stats))));
             }
             Selection::Chosen(candidate) => {
@@ -210,74 +346,52 @@ pub(crate) async fn decide(
             }
         }
     }
-
-    if !planned.is_empty() {
-        for (plan, verdict) in check_under_locks(tx, batch, &planned, config, now).await? {
-            verdicts[plan] = Some(verdict);
-        }
+    Planning {
+        verdicts,
+        planned,
+        refuses,
     }
-    Ok(verdicts
-        .into_iter()
-        .map(|v| v.unwrap_or(Verdict::Again))
-        .collect())
 }
 
 /// Locks the planned grants' proxies (and, under a fleet-wide per-target limit, targets),
 /// keeps those that still fit what is committed, records them, and returns each planned
 /// acquire's verdict by its index in the batch.
 async fn check_under_locks(
-    tx: &Transaction<'_>,
+    conn: &Pipelined<'_>,
     batch: &[Pending],
     planned: &[Planned],
     config: &LedgerConfig,
     now: i64,
 ) -> Result<Vec<(usize, Verdict)>> {
+    let client = conn.client();
     let mut uids: Vec<&str> = planned.iter().map(|p| p.uid.as_str()).collect();
     uids.sort_unstable();
     uids.dedup();
     let mut targets: Vec<&str> = planned.iter().filter_map(|p| p.target.as_deref()).collect();
     targets.sort_unstable();
     targets.dedup();
-    if config.max_leases_per_target.is_some() && !targets.is_empty() {
-        store::execute(
-            tx,
-            "INSERT INTO target_locks (target, acquires) \
-             SELECT t, 1 FROM unnest($1::text[]) AS t ORDER BY t \
-             ON CONFLICT (target) DO UPDATE SET acquires = target_locks.acquires + 1",
-            &[&targets],
-        )
+    conn.prepare(&[LOCK_TARGETS, LOCK_PROXIES, HELD, COOLED, TARGET_LOADS])
         .await?;
-    }
-    store::execute(
-        tx,
-        "INSERT INTO proxy_locks (proxy_uid, acquires) \
-         SELECT u, 1 FROM unnest($1::text[]) AS u ORDER BY u \
-         ON CONFLICT (proxy_uid) DO UPDATE SET acquires = proxy_locks.acquires + 1",
-        &[&uids],
-    )
-    .await?;
-    // Under the locks: what the proxies hold now, committed by any replica (read together).
-    let (held, cooled, mut per_target) = tokio::try_join!(
+    // BEGIN, the locks, then under them what the proxies hold now, committed by any replica:
+    // one round trip, run by the server in this order.
+    let (_, _, _, held, cooled, mut per_target) = tokio::try_join!(
+        conn.begin(),
         async {
-            query(
-                tx,
-                "SELECT proxy_uid, count(*) FROM leases WHERE proxy_uid = ANY($1) \
-                 AND state = 'active' AND expires_at > $2 GROUP BY proxy_uid",
-                &[&uids, &now],
-            )
-            .await
+            let limited = config.max_leases_per_target.is_some() && !targets.is_empty();
+            query_if(limited, client, LOCK_TARGETS, &[&targets]).await
         },
+        async { query(client, LOCK_PROXIES, &[&uids]).await },
+        async { query(client, HELD, &[&uids, &now]).await },
         async {
             query_if(
                 !targets.is_empty(),
-                tx,
-                "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = ANY($1) \
-                 AND target = ANY($2) AND until > $3",
+                client,
+                COOLED,
                 &[&uids, &targets, &now],
             )
             .await
         },
-        target_loads(tx, config, &targets, now),
+        target_loads(client, config, &targets, now),
     )?;
     let mut held: HashMap<String, i64> = held.iter().map(|row| (row.get(0), row.get(1))).collect();
     let cooled: HashSet<(String, String)> =
@@ -315,7 +429,7 @@ async fn check_under_locks(
         }
         if let Some(key) = &pending.request.request {
             let taken = store::execute(
-                tx,
+                client,
                 "INSERT INTO acquire_requests (request_id, lease_id, fingerprint, expires_at) \
                  VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO UPDATE SET \
                  lease_id = excluded.lease_id, fingerprint = excluded.fingerprint, \
@@ -343,25 +457,69 @@ async fn check_under_locks(
         accepted.push(plan);
     }
     if accepted.is_empty() {
+        conn.commit().await?;
         return Ok(verdicts);
     }
-    let leases = insert_leases(tx, batch, &accepted, now).await?;
-    for (plan, lease) in accepted.iter().zip(leases) {
-        verdicts.push((
-            plan.pending,
-            Verdict::Answer(Ok(AcquireOutcome::Granted(lease))),
-        ));
-    }
+    conn.prepare(&[INSERT_LEASES]).await?;
+    let (granted, ()) = tokio::try_join!(
+        insert_leases(client, INSERT_LEASES, batch, &accepted, now),
+        conn.commit()
+    )?;
+    verdicts.extend(answers(batch, &accepted, granted));
     Ok(verdicts)
 }
 
-/// Inserts the accepted grants and their `acquired` events in two statements.
+/// The common batch (no request IDs, no per-target limit) in one round trip: BEGIN, the
+/// proxies' locks, the grants that still fit inserted by a statement that checks them itself
+/// under those locks, COMMIT. A plan it left out is decided again in the next batch.
+async fn grant_at_once(
+    conn: &Pipelined<'_>,
+    batch: &[Pending],
+    planned: &[Planned],
+    now: i64,
+) -> Result<Vec<(usize, Verdict)>> {
+    let client = conn.client();
+    let mut uids: Vec<&str> = planned.iter().map(|p| p.uid.as_str()).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    let plans: Vec<&Planned> = planned.iter().collect();
+    conn.prepare(&[LOCK_PROXIES, INSERT_FITTING_LEASES]).await?;
+    let (_, _, granted, ()) = tokio::try_join!(
+        conn.begin(),
+        async { query(client, LOCK_PROXIES, &[&uids]).await },
+        insert_leases(client, INSERT_FITTING_LEASES, batch, &plans, now),
+        conn.commit(),
+    )?;
+    Ok(answers(batch, &plans, granted))
+}
+
+/// Each plan's verdict: its lease if `granted` holds it, else decided again.
+fn answers(
+    batch: &[Pending],
+    plans: &[&Planned],
+    mut granted: HashMap<String, Lease>,
+) -> Vec<(usize, Verdict)> {
+    plans
+        .iter()
+        .map(|plan| match granted.remove(&batch[plan.pending].id) {
+            Some(lease) => (
+                plan.pending,
+                Verdict::Answer(Ok(AcquireOutcome::Granted(lease))),
+            ),
+            None => (plan.pending, Verdict::Again),
+        })
+        .collect()
+}
+
+/// Inserts the planned grants and their `acquired` events in the statement `sql` (one of
+/// `grant_sql!`); returns the leases it inserted, by ID.
 async fn insert_leases(
-    tx: &Transaction<'_>,
+    client: &impl GenericClient,
+    sql: &str,
     batch: &[Pending],
     accepted: &[&Planned],
     now: i64,
-) -> Result<Vec<Lease>> {
+) -> Result<HashMap<String, Lease>> {
     let mut leases = Vec::with_capacity(accepted.len());
     for plan in accepted {
         let pending = &batch[plan.pending];
@@ -402,18 +560,18 @@ async fn insert_leases(
     };
     let request_ids = keys(|k| k.id.as_str());
     let fingerprints = keys(|k| k.fingerprint.as_str());
-    store::execute(
-        tx,
-        "WITH granted AS (INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, \
-         state, acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client) \
-         SELECT id, ns, name, uid, target, 'active', $1, expires_at, ttl_ms, request_id, \
-         fingerprint, client FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], \
-         $6::text[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::text[]) \
-         AS g(id, ns, name, uid, target, expires_at, ttl_ms, request_id, fingerprint, client) \
-         RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, client) \
-         INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, expires_at, client) SELECT $1, id, 'acquired', proxy_namespace, proxy_name, \
-         proxy_uid, target, expires_at, client FROM granted ORDER BY id",
+    let max_leases: Vec<i64> = accepted
+        .iter()
+        .map(|p| {
+            let candidates = &batch[p.pending].request.candidates;
+            candidates
+                .get(p.candidate)
+                .map_or(0, |c| i64::from(c.max_leases))
+        })
+        .collect();
+    let inserted = query(
+        client,
+        sql,
         &[
             &now,
             &ids,
@@ -426,10 +584,16 @@ async fn insert_leases(
             &request_ids,
             &fingerprints,
             &clients,
+            &max_leases,
         ],
     )
     .await?;
-    Ok(leases)
+    let inserted: HashSet<String> = inserted.iter().map(|row| row.get(0)).collect();
+    Ok(leases
+        .into_iter()
+        .filter(|lease| inserted.contains(&lease.id))
+        .map(|lease| (lease.id.clone(), lease))
+        .collect())
 }
 
 /// The acquire's target; an empty one is none.
@@ -450,7 +614,7 @@ fn count_grant(load: &mut ProxyLoad, expires_at: i64) {
 /// The counting leases naming each of `targets`, per proxy; nothing to read (and empty)
 /// without a per-target limit.
 async fn target_loads(
-    tx: &Transaction<'_>,
+    client: &impl GenericClient,
     config: &LedgerConfig,
     targets: &[&str],
     now: i64,
@@ -459,10 +623,8 @@ async fn target_loads(
         config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
     let rows = query_if(
         limited && !targets.is_empty(),
-        tx,
-        "SELECT target, proxy_uid, count(*), min(expires_at) FROM leases \
-         WHERE state = 'active' AND expires_at > $1 AND target = ANY($2) \
-         GROUP BY target, proxy_uid",
+        client,
+        TARGET_LOADS,
         &[&now, &targets],
     )
     .await?;
@@ -496,12 +658,12 @@ fn load_of(active: i64, earliest: i64) -> ProxyLoad {
 /// up, e.g. no request IDs).
 async fn query_if(
     run: bool,
-    tx: &Transaction<'_>,
+    client: &impl GenericClient,
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> Result<Vec<Row>> {
     if run {
-        query(tx, sql, params).await
+        query(client, sql, params).await
     } else {
         Ok(Vec::new())
     }

@@ -10,6 +10,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use jiff::Timestamp;
+
+use crate::ledger::selection::ProxyLoad;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
 
 /// One change this replica made, replayed onto a refresh that began before it.
@@ -136,10 +139,31 @@ impl Counts {
 
     /// Leases counting at `now`, by proxy UID (proxies without one are absent).
     pub fn active_counts(&self, now: i64) -> HashMap<String, u32> {
+        self.loads(now)
+            .into_iter()
+            .map(|(uid, load)| (uid, load.active))
+            .collect()
+    }
+
+    /// The load of every proxy with a lease counting at `now`: what an acquire batch starts
+    /// its selection from.
+    pub fn loads(&self, now: i64) -> HashMap<String, ProxyLoad> {
         self.by_proxy
             .iter()
-            .map(|(uid, leases)| (uid.to_string(), counting(leases, now)))
-            .filter(|(_, n)| *n > 0)
+            .filter_map(|(uid, leases)| {
+                let counting = leases.values().filter(|e| **e > now);
+                let active = u32::try_from(counting.clone().count()).unwrap_or(u32::MAX);
+                let earliest = counting
+                    .min()
+                    .and_then(|&ms| Timestamp::from_millisecond(ms).ok());
+                (active > 0).then(|| {
+                    let load = ProxyLoad {
+                        active,
+                        earliest_expiry: earliest,
+                    };
+                    (uid.to_string(), load)
+                })
+            })
             .collect()
     }
 
@@ -208,6 +232,16 @@ mod tests {
             HashMap::from([("q".to_owned(), 1)]),
             "a proxy whose leases all expired is absent"
         );
+        counts.change(lease("l4", "q", 250));
+        assert_eq!(
+            counts.loads(150).get("q"),
+            Some(&ProxyLoad {
+                active: 2,
+                earliest_expiry: Timestamp::from_millisecond(250).ok(),
+            }),
+            "the earliest expiry of the leases still counting"
+        );
+        counts.change(Change::Ended { id: "l4".into() });
         counts.change(lease("l1", "p", 400));
         assert_eq!(counts.active_count("p", 150), 1, "a renew moves the expiry");
         counts.change(Change::Cooldown {

@@ -2,13 +2,17 @@
 //! that run several replicas: every replica writes the same database, and the database
 //! decides, so any number of them agree.
 //!
-//! Every write is a transaction in READ COMMITTED, with its time from the injected clock as
-//! a parameter. Acquires are decided a batch at a time (`batch`): the loads read once, the same
-//! [`select`](super::selection) as the SQLite ledger for each acquire in arrival order, the
-//! chosen proxies' rows in `proxy_locks` locked and checked against what is committed; a grant
-//! that no longer fits (another replica's batch got there first) is decided again in the next
-//! batch on fresh loads, so a 409 always comes from a decision on what was committed, never
-//! from a skipped lock. Releases are batched too, one statement per batch.
+//! Every write is a transaction in READ COMMITTED (or one statement), with its time from the
+//! injected clock as a parameter. Acquires are decided a batch at a time (`batch`): the same
+//! [`select`](super::selection) as the SQLite ledger for each acquire in arrival order,
+//! starting from this replica's counts, the chosen proxies' rows in `proxy_locks` locked and
+//! what is committed checked under those locks; a grant that no longer fits (another
+//! replica's batch got there first) is decided again in the next batch on loads read from the
+//! database, and a batch that would refuse on the counts is planned again on those loads, so
+//! a 409 always comes from a decision on what was committed, never from a skipped lock or a
+//! stale count. Statements that do not wait for each other's answers are sent together
+//! (`pipelined`): the common batch is one round trip. Releases are batched too, one statement
+//! per batch, two batches at once.
 //! See `docs/architecture.md` for the choices and the clock skew they tolerate.
 //!
 //! The synchronous counts come from a snapshot refreshed every [`COUNTS_REFRESH`] and moved
@@ -19,6 +23,7 @@ mod batch;
 mod connect;
 mod counts;
 mod metrics;
+mod pipelined;
 mod retry;
 mod schema;
 mod store;
@@ -39,6 +44,7 @@ pub use schema::POSTGRES_SCHEMA_VERSION;
 
 use self::batch::{Pending, Verdict};
 use self::counts::{Change, Counts};
+use self::pipelined::Pipelined;
 use self::retry::{Failure, UNAVAILABLE_RETRY_AFTER};
 use self::store::{Ended, StoreError};
 use super::clock::Clock;
@@ -99,30 +105,27 @@ impl std::fmt::Debug for PostgresLedger {
     }
 }
 
-/// Runs `$work` (a future using the transaction `$tx`) in a transaction on a pooled
-/// connection and commits when it returns `Ok`, again after a conflict or a lost connection
-/// (see [`PostgresLedger::settle`]); a `$work` that fails rolls the transaction back, and a
-/// connection that failed is closed rather than pooled again. A
-/// macro rather than a function taking a closure, so each call's future stays `Send`.
-macro_rules! in_transaction {
-    ($ledger:expr, |$tx:ident| $work:expr) => {{
+/// Runs `$attempt` (a future using the pooled connection `$client` that gives its outcome and
+/// whether the connection may be pooled again) until [`PostgresLedger::settle`] answers: again
+/// after a conflict or a lost connection. A connection that failed is closed rather than
+/// pooled again. Macros rather than functions taking closures, so each call's future stays
+/// `Send`.
+macro_rules! with_retries {
+    ($ledger:expr, |$client:ident| $attempt:expr) => {{
         let mut attempt = 0u32;
         loop {
             attempt += 1;
             let result = async {
-                let mut client = $ledger.inner.pool.get().await.map_err(Attempted::Pool)?;
-                let outcome = async {
-                    let $tx = client.transaction().await?;
-                    let value = $work.await?;
-                    $tx.commit().await?;
-                    Ok::<_, StoreError>(value)
-                }
-                .await;
-                if let Err(StoreError::Db(error)) = &outcome
-                    && Failure::of(error) == Failure::Connection
-                {
-                    // Never back to the pool: it is broken, or reaches a standby.
-                    drop(deadpool_postgres::Object::take(client));
+                #[allow(
+                    unused_mut,
+                    reason = "a transaction borrows it mutably, a pipeline not"
+                )]
+                let mut $client = $ledger.inner.pool.get().await.map_err(Attempted::Pool)?;
+                let (outcome, reusable): (Result<_, StoreError>, bool) = $attempt.await;
+                if !reusable {
+                    // Never back to the pool: it is broken, reaches a standby, or is left
+                    // inside a transaction.
+                    drop(deadpool_postgres::Object::take($client));
                 }
                 outcome.map_err(Attempted::from)
             }
@@ -133,6 +136,38 @@ macro_rules! in_transaction {
             }
         }
     }};
+}
+
+/// Runs `$work` (a future using the transaction `$tx`) in a transaction and commits when it
+/// returns `Ok`, with the retries of [`with_retries!`]; a `$work` that fails rolls the
+/// transaction back.
+macro_rules! in_transaction {
+    ($ledger:expr, |$tx:ident| $work:expr) => {
+        with_retries!($ledger, |client| async {
+            let outcome = async {
+                let $tx = client.transaction().await?;
+                let value = $work.await?;
+                $tx.commit().await?;
+                Ok::<_, StoreError>(value)
+            }
+            .await;
+            let reusable = !outcome.as_ref().is_err_and(StoreError::breaks_connection);
+            (outcome, reusable)
+        })
+    };
+}
+
+/// Runs `$work` (a future using the [`Pipelined`] connection `$conn`, which opens and commits
+/// its transaction itself, if it needs one) with the retries of [`with_retries!`].
+macro_rules! on_connection {
+    ($ledger:expr, |$conn:ident| $work:expr) => {
+        with_retries!($ledger, |client| async {
+            let $conn = Pipelined::new(&client);
+            let outcome = $work.await;
+            let reusable = $conn.finish(&outcome).await;
+            (outcome, reusable)
+        })
+    };
 }
 
 impl PostgresLedger {
@@ -339,17 +374,27 @@ async fn refresh_counts(inner: Weak<Inner>) {
 
 /// Writes decided a batch at a time by one task per kind, in one transaction per batch.
 trait Batched: Send + Sized + 'static {
+    /// Batches decided at once.
+    const IN_FLIGHT: usize;
+
     /// Decides `batch` and answers its writes; returns those to decide again next time.
     fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send;
 }
 
+/// One at a time: each batch starts from the counts the one before left, so concurrent
+/// acquires spread over proxies as on SQLite.
 impl Batched for Pending {
+    const IN_FLIGHT: usize = 1;
+
     fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send {
         ledger.decide_acquires(batch)
     }
 }
 
+/// Several at once: releases of different leases never wait for each other.
 impl Batched for PendingRelease {
+    const IN_FLIGHT: usize = 2;
+
     fn decide(ledger: &PostgresLedger, batch: Vec<Self>) -> impl Future<Output = Vec<Self>> + Send {
         ledger.decide_releases(batch)
     }
@@ -361,29 +406,49 @@ struct PendingRelease {
     reply: oneshot::Sender<Result<(), LedgerError>>,
 }
 
-/// Decides what is queued, a batch at a time (what arrived while the last batch ran, up to
-/// `max_batch`), until the ledger is dropped.
+/// Decides what is queued, a batch at a time (what arrived while the running batches ran, up
+/// to `max_batch`), at most [`Batched::IN_FLIGHT`] batches at once, until the ledger is
+/// dropped.
 async fn run_batches<T: Batched>(inner: Weak<Inner>, mut queued: mpsc::Receiver<T>) {
     let mut next: VecDeque<T> = VecDeque::new();
+    let mut running = futures::stream::FuturesUnordered::new();
+    let mut closed = false;
     loop {
-        if next.is_empty() {
-            match queued.recv().await {
-                Some(write) => next.push_back(write),
-                None => return,
+        while running.len() < T::IN_FLIGHT {
+            if next.is_empty()
+                && let Ok(write) = queued.try_recv()
+            {
+                next.push_back(write);
             }
+            if next.is_empty() {
+                break;
+            }
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            let ledger = PostgresLedger { inner };
+            while next.len() < ledger.inner.config.max_batch {
+                match queued.try_recv() {
+                    Ok(write) => next.push_back(write),
+                    Err(_) => break,
+                }
+            }
+            let batch: Vec<T> = next.drain(..).collect();
+            running.push(async move { T::decide(&ledger, batch).await });
         }
-        let Some(inner) = inner.upgrade() else {
+        if closed && running.is_empty() {
             return;
-        };
-        let ledger = PostgresLedger { inner };
-        while next.len() < ledger.inner.config.max_batch {
-            match queued.try_recv() {
-                Ok(write) => next.push_back(write),
-                Err(_) => break,
-            }
         }
-        let batch: Vec<T> = next.drain(..).collect();
-        next.extend(T::decide(&ledger, batch).await);
+        let room = running.len() < T::IN_FLIGHT && !closed;
+        tokio::select! {
+            Some(again) = futures::StreamExt::next(&mut running), if !running.is_empty() => {
+                next.extend(again);
+            }
+            write = queued.recv(), if room => match write {
+                Some(write) => next.push_back(write),
+                None => closed = true,
+            },
+        }
     }
 }
 
@@ -416,7 +481,21 @@ impl PostgresLedger {
         }
         let now = self.now_ms();
         let config = &self.inner.config;
-        let decided = in_transaction!(self, |tx| batch::decide(&tx, &batch, config, now));
+        // An acquire decided again lost a race to another replica's grant that the counts
+        // may not show yet: that batch starts from the database's loads.
+        let snapshot = batch
+            .iter()
+            .all(|p| p.retries == 0)
+            .then(|| self.counts().loads(now));
+        let attempted = AtomicBool::new(false);
+        let decided = on_connection!(self, |conn| batch::decide(
+            &conn,
+            &batch,
+            config,
+            snapshot.clone(),
+            attempted.swap(true, Ordering::Relaxed),
+            now
+        ));
         let verdicts = match decided {
             Ok(verdicts) => verdicts,
             Err(error) => {
@@ -458,8 +537,8 @@ impl PostgresLedger {
     async fn decide_releases(&self, batch: Vec<PendingRelease>) -> Vec<PendingRelease> {
         let now = self.now_ms();
         let ids: Vec<&str> = batch.iter().map(|r| r.id.as_str()).collect();
-        let released = in_transaction!(self, |tx| store::release(
-            &tx,
+        let released = on_connection!(self, |conn| store::release(
+            conn.client(),
             Ended::Leases(&ids),
             None,
             now
@@ -531,8 +610,8 @@ impl Ledger for PostgresLedger {
             return Err(LedgerError::InvalidReason(reason.to_owned()));
         }
         let now = self.now_ms();
-        let released = in_transaction!(self, |tx| store::release(
-            &tx,
+        let released = on_connection!(self, |conn| store::release(
+            conn.client(),
             Ended::Proxy(proxy_uid),
             Some(reason),
             now
@@ -568,7 +647,7 @@ impl Ledger for PostgresLedger {
 
     async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
         let now = self.now_ms();
-        in_transaction!(self, |tx| store::lease_by_id(&tx, id, now))
+        on_connection!(self, |conn| store::lease_by_id(conn.client(), id, now))
     }
 
     /// Always ready: a database that does not answer affects every replica alike, so taking

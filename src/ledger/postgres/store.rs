@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::Transaction;
+use deadpool_postgres::GenericClient;
 use jiff::Timestamp;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
+use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{Lease, LeaseReport, LeaseState, SweepStats};
@@ -19,6 +20,13 @@ use crate::proxy::ProxyId;
 pub(crate) enum StoreError {
     Db(tokio_postgres::Error),
     Ledger(LedgerError),
+}
+
+impl StoreError {
+    /// Whether the connection it came from must not be used again.
+    pub(crate) fn breaks_connection(&self) -> bool {
+        matches!(self, StoreError::Db(e) if Failure::of(e) == Failure::Connection)
+    }
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -38,8 +46,17 @@ type Result<T> = std::result::Result<T, StoreError>;
 const LEASE_COLUMNS: &str = "id, proxy_namespace, proxy_name, proxy_uid, target, state, \
                              acquired_at, expires_at, ttl_ms, released_at, release_reason, client";
 
+/// The columns [`lease_from_row`] reads, of the table `alias` names (for joins).
+pub(crate) fn lease_columns_of(alias: &str) -> String {
+    LEASE_COLUMNS
+        .split(", ")
+        .map(|column| format!("{alias}.{column}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub(crate) async fn query(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<Row>> {
@@ -48,7 +65,7 @@ pub(crate) async fn query(
 }
 
 pub(crate) async fn execute(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<u64> {
@@ -57,7 +74,12 @@ pub(crate) async fn execute(
 }
 
 /// Extends an active lease to `expires_at`; its request ID's window moves with it.
-pub(crate) async fn renew(tx: &Transaction<'_>, id: &str, ttl_ms: i64, now: i64) -> Result<Lease> {
+pub(crate) async fn renew(
+    tx: &impl GenericClient,
+    id: &str,
+    ttl_ms: i64,
+    now: i64,
+) -> Result<Lease> {
     let expires_at = now.saturating_add(ttl_ms);
     let rows = query(
         tx,
@@ -104,7 +126,7 @@ pub(crate) async fn renew(tx: &Transaction<'_>, id: &str, ttl_ms: i64, now: i64)
 /// with one `released` event each in lease-ID order, carrying `reason` when the operator
 /// ended them. Returns the proxy UIDs and IDs of those leases.
 pub(crate) async fn release(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     ended: Ended<'_>,
     reason: Option<&str>,
     now: i64,
@@ -144,7 +166,7 @@ pub(crate) enum Ended<'a> {
 /// Records a report on a retained lease; `rate_limited` and `blocked` put (proxy, target)
 /// into cooldown. Returns the lease and the cooldown's `(target, until)` if one started.
 pub(crate) async fn report(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     config: &LedgerConfig,
     id: &str,
     report: &LeaseReport,
@@ -203,7 +225,7 @@ pub(crate) async fn report(
 /// replicas sweep at once: a lease's row is marked by whichever gets its lock first, and the
 /// other finds it no longer active.
 pub(crate) async fn sweep(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     config: &LedgerConfig,
     now: i64,
 ) -> Result<SweepStats> {
@@ -249,7 +271,7 @@ pub(crate) async fn sweep(
 }
 
 /// The active leases and the cooldowns in force at `now`, for the counts' refresh.
-pub(crate) async fn counting(tx: &Transaction<'_>, now: i64) -> Result<super::counts::Snapshot> {
+pub(crate) async fn counting(tx: &impl GenericClient, now: i64) -> Result<super::counts::Snapshot> {
     let leases = query(
         tx,
         "SELECT id, proxy_uid, expires_at FROM leases WHERE state = 'active' AND expires_at > $1",
@@ -273,7 +295,7 @@ pub(crate) async fn counting(tx: &Transaction<'_>, now: i64) -> Result<super::co
 
 /// The retained leases with these IDs (in no particular order), as of `now`.
 pub(crate) async fn lease_by_ids(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     ids: &[&str],
     now: i64,
 ) -> Result<Vec<Lease>> {
@@ -291,7 +313,11 @@ pub(crate) async fn lease_by_ids(
 
 /// The lease with this ID if its row is retained. An active lease past its expiry reads as
 /// expired even before the sweep marks it.
-pub(crate) async fn lease_by_id(tx: &Transaction<'_>, id: &str, now: i64) -> Result<Option<Lease>> {
+pub(crate) async fn lease_by_id(
+    tx: &impl GenericClient,
+    id: &str,
+    now: i64,
+) -> Result<Option<Lease>> {
     let rows = query(
         tx,
         &format!("SELECT {LEASE_COLUMNS} FROM leases WHERE id = $1"),
@@ -301,7 +327,7 @@ pub(crate) async fn lease_by_id(tx: &Transaction<'_>, id: &str, now: i64) -> Res
     rows.first().map(|row| lease_from_row(row, now)).transpose()
 }
 
-fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
+pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
     let state: String = row.get(5);
     let mut state: LeaseState = state
         .parse()
@@ -372,7 +398,7 @@ impl<'a> Event<'a> {
     }
 }
 
-async fn record(tx: &Transaction<'_>, event: &Event<'_>) -> Result<()> {
+async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
     execute(
         tx,
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \

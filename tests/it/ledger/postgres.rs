@@ -130,6 +130,34 @@ async fn replicas_racing_for_few_slots_never_exceed_max_leases_nor_grant_twice()
     }
 }
 
+/// A replica starts its selection from its own counts, which show another replica's writes
+/// only after a refresh (a second): what those counts get wrong either way is decided on what
+/// is committed. Each step runs well within the second (the clock is manual; the refresh is
+/// real time), so these are the counts of before the other replica's write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_decides_on_what_is_committed_when_its_counts_are_behind() {
+    let Some((_, _, [a, b])) = replicas::<2>().await else {
+        return;
+    };
+    // One proxy with one slot.
+    let pool = candidates(1, 1);
+    for round in 0..3 {
+        // b holds the slot, and its counts know; a releases it on b's behalf: b's counts
+        // still show it held, and b's next acquire is granted, not refused.
+        let held = granted(b.acquire(request(pool.clone(), "t.example", MINUTE)).await);
+        a.release(&held.id).await.unwrap();
+        let again = granted(b.acquire(request(pool.clone(), "t.example", MINUTE)).await);
+        assert_ne!(again.id, held.id, "round {round}");
+        // Now a's counts do not show b's grant: a's acquire is refused, and only one lease
+        // holds the slot.
+        match a.acquire(request(pool.clone(), "t.example", MINUTE)).await {
+            Ok(AcquireOutcome::NoMatch(stats)) => assert_eq!(stats.at_capacity, 1, "{stats:?}"),
+            other => panic!("round {round}: {other:?}"),
+        }
+        b.release(&again.id).await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_id_replays_on_another_replica_until_its_lease_expires() {
     let Some((_, clock, [a, b])) = replicas::<2>().await else {
