@@ -364,12 +364,8 @@ async fn check_under_locks(
     now: i64,
 ) -> Result<Vec<(usize, Verdict)>> {
     let client = conn.client();
-    let mut uids: Vec<&str> = planned.iter().map(|p| p.uid.as_str()).collect();
-    uids.sort_unstable();
-    uids.dedup();
-    let mut targets: Vec<&str> = planned.iter().filter_map(|p| p.target.as_deref()).collect();
-    targets.sort_unstable();
-    targets.dedup();
+    let uids = in_lock_order(planned.iter().map(|p| p.uid.as_str()));
+    let targets = in_lock_order(planned.iter().filter_map(|p| p.target.as_deref()));
     conn.prepare(&[LOCK_TARGETS, LOCK_PROXIES, HELD, COOLED, TARGET_LOADS])
         .await?;
     // BEGIN, the locks, then under them what the proxies hold now, committed by any replica:
@@ -479,9 +475,7 @@ async fn grant_at_once(
     now: i64,
 ) -> Result<Vec<(usize, Verdict)>> {
     let client = conn.client();
-    let mut uids: Vec<&str> = planned.iter().map(|p| p.uid.as_str()).collect();
-    uids.sort_unstable();
-    uids.dedup();
+    let uids = in_lock_order(planned.iter().map(|p| p.uid.as_str()));
     let plans: Vec<&Planned> = planned.iter().collect();
     conn.prepare(&[LOCK_PROXIES, INSERT_FITTING_LEASES]).await?;
     let (_, _, granted, ()) = tokio::try_join!(
@@ -491,6 +485,14 @@ async fn grant_at_once(
         conn.commit(),
     )?;
     Ok(answers(batch, &plans, granted))
+}
+
+/// The rows to lock, each once, in the order every replica locks them (so none deadlock).
+fn in_lock_order<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut keys: Vec<&str> = keys.collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
 }
 
 /// Each plan's verdict: its lease if `granted` holds it, else decided again.
@@ -701,5 +703,171 @@ impl<'a> TargetHold<'a> {
         let cap = self.per_proxy?;
         let load = self.by_uid.get(uid).copied().unwrap_or_default();
         (load.active >= cap).then_some(load.earliest_expiry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::ledger::lease::{Candidate, RequestKey};
+
+    fn proxies(count: usize, max_leases: u32) -> Arc<[Candidate]> {
+        (0..count)
+            .map(|i| Candidate {
+                proxy: Arc::new(ProxyId {
+                    namespace: "crawl".into(),
+                    name: format!("p{i}"),
+                    uid: format!("uid-p{i}"),
+                }),
+                max_leases,
+                healthy: true,
+                cordoned: false,
+                draining: false,
+                latency: None,
+            })
+            .collect()
+    }
+
+    fn pending(id: &str, candidates: &Arc<[Candidate]>, key: Option<&str>) -> Pending {
+        Pending {
+            request: AcquireRequest {
+                candidates: candidates.clone(),
+                target: None,
+                ttl: Duration::from_secs(60),
+                request: key.map(|k| RequestKey {
+                    id: k.into(),
+                    fingerprint: "fp".into(),
+                }),
+                client: None,
+            },
+            ttl_ms: 60_000,
+            id: id.into(),
+            retries: 0,
+            queued_at: Instant::now(),
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn known() -> Known {
+        Known {
+            granted: HashMap::new(),
+            open: HashMap::new(),
+            cooldowns: HashMap::new(),
+            for_target: HashMap::new(),
+        }
+    }
+
+    fn held(uid: &str, active: u32) -> (String, ProxyLoad) {
+        let load = ProxyLoad {
+            active,
+            earliest_expiry: Timestamp::from_millisecond(90_000).ok(),
+        };
+        (uid.to_owned(), load)
+    }
+
+    /// What `plan` made of each acquire: the UID planned, "no match", "granted" (found
+    /// already), "again".
+    fn outcomes(batch: &[Pending], planning: &Planning) -> Vec<String> {
+        (0..batch.len())
+            .map(|i| {
+                if let Some(plan) = planning.planned.iter().find(|p| p.pending == i) {
+                    return plan.uid.clone();
+                }
+                match &planning.verdicts[i] {
+                    Some(Verdict::Answer(Ok(AcquireOutcome::NoMatch(_)))) => "no match".into(),
+                    Some(Verdict::Answer(Ok(AcquireOutcome::Granted(_)))) => "granted".into(),
+                    Some(Verdict::Again) => "again".into(),
+                    other => format!("{other:?}"),
+                }
+            })
+            .collect()
+    }
+
+    struct Case {
+        name: &'static str,
+        batch: Vec<Pending>,
+        known: Known,
+        loads: Vec<(String, ProxyLoad)>,
+        expected: Vec<&'static str>,
+        refuses: bool,
+    }
+
+    #[test]
+    fn a_batch_is_planned_in_arrival_order_each_grant_counting_for_the_next() {
+        let two = proxies(2, 1);
+        let already = Lease {
+            id: "a".into(),
+            proxy: ProxyId::clone(&two[0].proxy),
+            target: None,
+            state: LeaseState::Active,
+            acquired_at: Timestamp::UNIX_EPOCH,
+            expires_at: Timestamp::UNIX_EPOCH,
+            ttl: Duration::from_secs(60),
+            released_at: None,
+            release_reason: None,
+            client: None,
+        };
+        let cases = [
+            Case {
+                name: "two free slots, three acquires: the third is refused",
+                batch: vec![
+                    pending("a", &two, None),
+                    pending("b", &two, None),
+                    pending("c", &two, None),
+                ],
+                known: known(),
+                loads: vec![],
+                expected: vec!["uid-p0", "uid-p1", "no match"],
+                refuses: true,
+            },
+            Case {
+                name: "a slot held by the loads is not planned",
+                batch: vec![pending("a", &two, None), pending("b", &two, None)],
+                known: known(),
+                loads: vec![held("uid-p0", 1)],
+                expected: vec!["uid-p1", "no match"],
+                refuses: true,
+            },
+            Case {
+                name: "an acquire an earlier attempt granted is answered with that lease",
+                batch: vec![pending("a", &two, None), pending("b", &two, None)],
+                known: Known {
+                    granted: HashMap::from([("a".to_owned(), already)]),
+                    ..known()
+                },
+                loads: vec![],
+                expected: vec!["granted", "uid-p0"],
+                refuses: false,
+            },
+            Case {
+                name: "a request ID twice in a batch: the second is decided again",
+                batch: vec![pending("a", &two, Some("r")), pending("b", &two, Some("r"))],
+                known: known(),
+                loads: vec![],
+                expected: vec!["uid-p0", "again"],
+                refuses: false,
+            },
+        ];
+        for Case {
+            name,
+            batch,
+            known,
+            loads,
+            expected,
+            refuses,
+        } in cases
+        {
+            let planning = plan(
+                &batch,
+                &known,
+                loads.into_iter().collect(),
+                &LedgerConfig::default(),
+                0,
+            );
+            assert_eq!(outcomes(&batch, &planning), expected, "{name}");
+            assert_eq!(planning.refuses, refuses, "{name}");
+        }
     }
 }
