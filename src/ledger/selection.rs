@@ -148,7 +148,6 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::proxy::ProxyId;
 
     /// `(proxy name, active leases, earliest expiry second)`.
     type Loads = Vec<(&'static str, u32, i64)>;
@@ -161,16 +160,9 @@ mod tests {
 
     fn candidate(name: &str, max_leases: u32, healthy: bool, latency_ms: Option<u64>) -> Candidate {
         Candidate {
-            proxy: Arc::new(ProxyId {
-                namespace: "crawl".into(),
-                name: name.into(),
-                uid: format!("uid-{name}"),
-            }),
-            max_leases,
             healthy,
-            cordoned: false,
-            draining: false,
             latency: latency_ms.map(Duration::from_millis),
+            ..Candidate::for_test(name, max_leases)
         }
     }
 

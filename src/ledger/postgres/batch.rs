@@ -715,18 +715,7 @@ mod tests {
 
     fn proxies(count: usize, max_leases: u32) -> Arc<[Candidate]> {
         (0..count)
-            .map(|i| Candidate {
-                proxy: Arc::new(ProxyId {
-                    namespace: "crawl".into(),
-                    name: format!("p{i}"),
-                    uid: format!("uid-p{i}"),
-                }),
-                max_leases,
-                healthy: true,
-                cordoned: false,
-                draining: false,
-                latency: None,
-            })
+            .map(|i| Candidate::for_test(&format!("p{i}"), max_leases))
             .collect()
     }
 

@@ -701,14 +701,7 @@ mod tests {
     fn candidates(names: &[(&str, u32)]) -> Vec<Candidate> {
         names
             .iter()
-            .map(|&(name, max_leases)| Candidate {
-                proxy: proxy(name),
-                max_leases,
-                healthy: true,
-                cordoned: false,
-                draining: false,
-                latency: None,
-            })
+            .map(|&(name, max_leases)| Candidate::for_test(name, max_leases))
             .collect()
     }
 
