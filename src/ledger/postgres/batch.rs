@@ -12,6 +12,7 @@
 //! The others are checked here, between the locks and the insert (three).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::GenericClient;
@@ -23,7 +24,7 @@ use super::pipelined::Pipelined;
 use super::store::{self, StoreError, lease_by_ids, query};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Lease, LeaseState};
+use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::proxy::ProxyId;
 
@@ -62,11 +63,27 @@ struct Planned {
     target: Option<String>,
 }
 
+impl Planned {
+    /// The candidate it chose, from its acquire in `batch`.
+    fn candidate<'a>(&self, batch: &'a [Pending]) -> Option<&'a Candidate> {
+        batch[self.pending].request.candidates.get(self.candidate)
+    }
+}
+
 type Result<T> = std::result::Result<T, StoreError>;
 
 /// The counting leases of every proxy that has one.
 const LOADS: &str = "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
      WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid";
+/// The request IDs whose window is open, with the leases they name (their columns first).
+static OPEN_REQUESTS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {}, r.request_id, r.lease_id, r.fingerprint FROM acquire_requests r \
+         LEFT JOIN leases l ON l.id = r.lease_id \
+         WHERE r.request_id = ANY($1) AND r.expires_at > $2",
+        store::lease_columns_of("l")
+    )
+});
 /// The cooldowns in force for the targets.
 const COOLDOWNS: &str = "SELECT proxy_uid, target, until FROM cooldowns \
      WHERE target = ANY($1) AND until > $2";
@@ -138,11 +155,11 @@ const INSERT_FITTING_LEASES: &str = grant_sql!(
 /// committed. (Reading the loads means reading the index of active leases, which holds an
 /// entry for every lease of the last TTL until a vacuum: the snapshot spares that per batch.)
 ///
-/// At most three round trips when something is granted: the reads (outside the transaction:
-/// each statement reads what is committed, as it would inside one in READ COMMITTED; none when
-/// the batch has nothing to look up), BEGIN with the locks and the reads under them, then the
-/// inserts with COMMIT. `retried`: an earlier attempt of this batch failed, perhaps after its
-/// COMMIT went through, so its grants are looked for first.
+/// Round trips: the reads, when the batch has anything to look up (outside the transaction:
+/// each statement reads what is committed, as it would inside one in READ COMMITTED); then one
+/// for the common batch ([`grant_at_once`]), or two for one with request IDs or under a
+/// per-target limit ([`check_under_locks`]). `retried`: an earlier attempt of this batch
+/// failed, perhaps after its COMMIT went through, so its grants are looked for first.
 pub(crate) async fn decide(
     conn: &Pipelined<'_>,
     batch: &[Pending],
@@ -158,12 +175,6 @@ pub(crate) async fn decide(
         .filter_map(|p| p.request.request.as_ref().map(|k| k.id.as_str()))
         .collect();
     let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
-    let open_sql = format!(
-        "SELECT {}, r.request_id, r.lease_id, r.fingerprint FROM acquire_requests r \
-         LEFT JOIN leases l ON l.id = r.lease_id \
-         WHERE r.request_id = ANY($1) AND r.expires_at > $2",
-        store::lease_columns_of("l")
-    );
     // The reads are independent: sent together, they cost one round trip. (Each in a block of
     // its own, so its parameters live as long as its query.)
     let (earlier, open_rows, load_rows, cooldown_rows, for_target) = tokio::try_join!(
@@ -175,7 +186,7 @@ pub(crate) async fn decide(
             }
         },
         // Request IDs whose window is open, with the leases they name.
-        async { query_if(!keys.is_empty(), client, &open_sql, &[&keys, &now]).await },
+        async { query_if(!keys.is_empty(), client, &OPEN_REQUESTS, &[&keys, &now]).await },
         async { query_if(snapshot.is_none(), client, LOADS, &[&now]).await },
         async { query_if(!targets.is_empty(), client, COOLDOWNS, &[&targets, &now]).await },
         target_loads(client, config, &targets, now),
@@ -211,13 +222,11 @@ pub(crate) async fn decide(
         None => plan(batch, &known, loads_of(load_rows), config, now),
     };
     if !planning.planned.is_empty() {
-        let per_target_limit =
-            config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
         let keyed = planning
             .planned
             .iter()
             .any(|p| batch[p.pending].request.request.is_some());
-        let checked = if per_target_limit || keyed {
+        let checked = if config.limits_targets() || keyed {
             check_under_locks(conn, batch, &planning.planned, config, now).await?
         } else {
             grant_at_once(conn, batch, &planning.planned, now).await?
@@ -397,11 +406,7 @@ async fn check_under_locks(
     let mut accepted: Vec<&Planned> = Vec::new();
     for plan in planned {
         let pending = &batch[plan.pending];
-        let max = pending
-            .request
-            .candidates
-            .get(plan.candidate)
-            .map_or(0, |c| i64::from(c.max_leases));
+        let max = plan.candidate(batch).map_or(0, |c| i64::from(c.max_leases));
         let holds = held.entry(plan.uid.clone()).or_default();
         let fits_proxy = *holds < max;
         let (fits_target, cooled_down) = match &plan.target {
@@ -523,11 +528,13 @@ async fn insert_leases(
     now: i64,
 ) -> Result<HashMap<String, Lease>> {
     let mut leases = Vec::with_capacity(accepted.len());
+    let mut max_leases: Vec<i64> = Vec::with_capacity(accepted.len());
     for plan in accepted {
         let pending = &batch[plan.pending];
-        let Some(candidate) = pending.request.candidates.get(plan.candidate) else {
+        let Some(candidate) = plan.candidate(batch) else {
             return Err(LedgerError::Inconsistent("a planned candidate vanished".into()).into());
         };
+        max_leases.push(i64::from(candidate.max_leases));
         leases.push(Lease {
             id: pending.id.clone(),
             proxy: ProxyId::clone(&candidate.proxy),
@@ -562,15 +569,6 @@ async fn insert_leases(
     };
     let request_ids = keys(|k| k.id.as_str());
     let fingerprints = keys(|k| k.fingerprint.as_str());
-    let max_leases: Vec<i64> = accepted
-        .iter()
-        .map(|p| {
-            let candidates = &batch[p.pending].request.candidates;
-            candidates
-                .get(p.candidate)
-                .map_or(0, |c| i64::from(c.max_leases))
-        })
-        .collect();
     let inserted = query(
         client,
         sql,
@@ -621,10 +619,8 @@ async fn target_loads(
     targets: &[&str],
     now: i64,
 ) -> Result<HashMap<String, HashMap<String, ProxyLoad>>> {
-    let limited =
-        config.max_leases_per_target.is_some() || config.max_leases_per_proxy_target.is_some();
     let rows = query_if(
-        limited && !targets.is_empty(),
+        config.limits_targets() && !targets.is_empty(),
         client,
         TARGET_LOADS,
         &[&now, &targets],
@@ -711,7 +707,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::ledger::lease::{Candidate, RequestKey};
+    use crate::ledger::lease::RequestKey;
 
     fn proxies(count: usize, max_leases: u32) -> Arc<[Candidate]> {
         (0..count)

@@ -151,9 +151,10 @@ impl Counts {
         self.by_proxy
             .iter()
             .filter_map(|(uid, leases)| {
-                let counting = leases.values().filter(|e| **e > now);
-                let active = u32::try_from(counting.clone().count()).unwrap_or(u32::MAX);
-                let earliest = counting
+                let active = counting(leases, now);
+                let earliest = leases
+                    .values()
+                    .filter(|e| **e > now)
                     .min()
                     .and_then(|&ms| Timestamp::from_millisecond(ms).ok());
                 (active > 0).then(|| {
