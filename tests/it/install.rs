@@ -1,4 +1,4 @@
-//! The install as shipped: the objects of `kubectl kustomize manifests/` (after the README's
+//! The install as shipped: the objects of `kubectl kustomize manifests/` (after docs/install.md's
 //! token step) applied server-side with kubectl to a control plane of their own, and the
 //! Deployment's own Pod run by the test kubelet (`tests/support/pod.rs`): in-cluster config
 //! from the ServiceAccount token, uid 65532 with fsGroup, a 0440 token Secret, a read-only
@@ -6,8 +6,9 @@
 //!
 //! Through that Pod: it becomes Ready; a Proxy of `samples/` (kubernetes provider, probing a
 //! loopback target) and an External one reach Ready; a lease through the Pod's address; the
-//! token rotated the README's way reaches the process without a restart; a Recreate rollout
-//! (SIGTERM within the grace period, a new Pod on the same claim) keeps the lease.
+//! token rotated the way docs/install.md says reaches the process without a restart; a
+//! Recreate rollout (SIGTERM within the grace period, a new Pod on the same claim) keeps the
+//! lease.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,7 +31,7 @@ const DEPLOYMENT: &str = "proxy-operator";
 const POD_READY: Duration = Duration::from_secs(120);
 /// A Proxy's first Ready under the shipped (not shortened) poll intervals.
 const PROXY_READY: Duration = Duration::from_secs(120);
-/// The API's port in the Deployment (`http-api`) and the README.
+/// The API's port in the Deployment (`http-api`) and docs/install.md.
 const API_PORT: u16 = 8090;
 
 /// A random token, as `openssl rand -hex 32` makes one.
@@ -56,7 +57,7 @@ struct Install {
     _dir: tempfile::TempDir,
 }
 
-/// Which of the README's installs.
+/// Which of the installs of docs/install.md.
 enum How {
     /// `kubectl apply --server-side -k` of a copy of `manifests/` with its token file.
     Kustomize(Manifests),
@@ -65,7 +66,7 @@ enum How {
 }
 
 impl Install {
-    /// The README's steps 2 and 3: the token file, then `kubectl apply --server-side -k`.
+    /// The kind install's steps 2 and 3: the token file, then `kubectl apply --server-side -k`.
     fn kustomize(plane: &'static ControlPlane) -> Option<Install> {
         Install::kustomize_edited(plane, |_| {})
     }
@@ -139,8 +140,8 @@ impl Install {
         &self.tokens[0]
     }
 
-    /// The README's rotation: with kustomize the token file edited and applied again; with
-    /// Helm the Secret edited with kubectl.
+    /// The rotation of docs/install.md: with kustomize the token file edited and applied again;
+    /// with Helm the Secret edited with kubectl.
     fn set_tokens(&mut self, tokens: Vec<String>) {
         let text: String = tokens.iter().map(|t| format!("{t}\n")).collect();
         match &self.how {
@@ -330,8 +331,8 @@ async fn the_install_serves(plane: &'static ControlPlane, host: &PodHost, mut in
     let lease_id = lease["leaseID"].as_str().expect("a lease ID").to_owned();
     assert_eq!(lease["proxy"]["name"], managed.as_str(), "{lease}");
 
-    // Rotation, the README's way: add a token, apply; it is accepted without a restart. Then
-    // remove the old one, apply; it is refused.
+    // Rotation, the way docs/install.md says: add a token, apply; it is accepted without a
+    // restart. Then remove the old one, apply; it is refused.
     let old = install.token().to_owned();
     let new = new_token();
     install.set_tokens(vec![old.clone(), new.clone()]);
@@ -417,22 +418,23 @@ async fn a_mount_path_changed_on_one_side_fails_the_pod() {
     );
 }
 
-/// The README's install section says what the tests do and what the Pod runs: the commands,
-/// every flag that names a path with that path, every mount path, every port with its name.
-/// A flag, path or port changed in the manifests alone fails here.
+/// The install page (`docs/install.md`) says what the tests do and what the Pod runs: the
+/// commands, every flag that names a path with that path, every mount path, every port with its
+/// name. A flag, path or port changed in the manifests alone, or the page moved, fails here.
 #[test]
-fn the_readme_documents_what_the_pod_runs() {
+fn the_install_page_documents_what_the_pod_runs() {
     let Some(objects) = Manifests::copy(&new_token()).kustomize() else {
         return;
     };
-    let readme = std::fs::read_to_string(repo().join("README.md")).expect("read README.md");
+    let page = "docs/install.md";
+    let text = std::fs::read_to_string(repo().join(page)).expect("read docs/install.md");
     for command in [
         "kubectl apply --server-side -k manifests/",
         "helm install proxy-operator charts/proxy-operator -n proxy-operator --create-namespace",
     ] {
         assert!(
-            readme.contains(command),
-            "README.md lacks the install command {command:?}"
+            text.contains(command),
+            "{page} lacks the install command {command:?}"
         );
     }
     let deployment = objects
@@ -449,15 +451,12 @@ fn the_readme_documents_what_the_pod_runs() {
     for pair in args.windows(2) {
         if pair[0].starts_with("--") && pair[1].starts_with('/') {
             let documented = format!("`{} {}`", pair[0], pair[1]);
-            assert!(readme.contains(&documented), "README.md lacks {documented}");
+            assert!(text.contains(&documented), "{page} lacks {documented}");
         }
     }
     for mount in container["volumeMounts"].as_array().expect("volume mounts") {
         let path = mount["mountPath"].as_str().expect("a mount path");
-        assert!(
-            readme.contains(path),
-            "README.md lacks the mount path {path}"
-        );
+        assert!(text.contains(path), "{page} lacks the mount path {path}");
     }
     for port in container["ports"].as_array().expect("ports") {
         let documented = format!(
@@ -465,6 +464,6 @@ fn the_readme_documents_what_the_pod_runs() {
             port["containerPort"],
             port["name"].as_str().unwrap_or("")
         );
-        assert!(readme.contains(&documented), "README.md lacks {documented}");
+        assert!(text.contains(&documented), "{page} lacks {documented}");
     }
 }

@@ -174,7 +174,7 @@ fn no_api_token_ships_with_the_install() {
         assert_ne!(object["kind"], "Secret", "{object}");
     }
     // No placeholder anywhere in the install (its opt-in parts and the chart included) or the
-    // README's commands.
+    // commands of the README and the install page.
     let mut files = files_under(&repo().join("manifests"));
     files.extend(files_under(&repo().join("charts")));
     for path in files {
@@ -186,17 +186,20 @@ fn no_api_token_ships_with_the_install() {
         assert!(!text.contains("DISCOVERY_TOKEN:"), "{}", path.display());
     }
     let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
-    assert!(
-        !readme.contains("change-me"),
-        "README.md ships a placeholder token"
-    );
+    let install = std::fs::read_to_string(repo().join("docs/install.md")).unwrap();
+    for (page, text) in [("README.md", &readme), ("docs/install.md", &install)] {
+        assert!(
+            !text.contains("change-me"),
+            "{page} ships a placeholder token"
+        );
+    }
     assert!(
         readme.contains(r#"export DISCOVERY_TOKEN="$(openssl rand -hex 32)""#),
         "the README's first command does not generate a token"
     );
     assert!(
-        readme.contains(&format!("openssl rand -hex 32 > manifests/{TOKEN_FILE}")),
-        "the README does not tell how to create manifests/{TOKEN_FILE}"
+        install.contains(&format!("openssl rand -hex 32 > manifests/{TOKEN_FILE}")),
+        "docs/install.md does not tell how to create manifests/{TOKEN_FILE}"
     );
 }
 

@@ -1,5 +1,5 @@
 //! The PostgreSQL install, `overlays/postgres/`, as `kubectl kustomize` renders it next to a
-//! copy of `manifests/` (its base, with the token file the README has users create), against
+//! copy of `manifests/` (its base, with the token file docs/install.md has users create), against
 //! the base's own rendering: three replicas rolled out one at a time, a PodDisruptionBudget
 //! that selects their Pods, spread over nodes by preference only, no PersistentVolumeClaim,
 //! the ledger URL from the user's Secret and its password a file of that Secret mounted

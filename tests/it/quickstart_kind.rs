@@ -1,4 +1,4 @@
-//! The README's kind quickstart, driven through `kubectl` against a real cluster. These tests
+//! The kind install of docs/install.md, driven through `kubectl` against a real cluster. These tests
 //! need a cluster, so they are `#[ignore]`d; everything they check without a cluster is also
 //! covered by the mock-API and manifest tests.
 //!
@@ -77,7 +77,7 @@ fn install() {
         context.starts_with("kind-") || std::env::var_os("QUICKSTART_ANY_CONTEXT").is_some(),
         "refusing to run against context {context}: not a kind cluster (QUICKSTART_ANY_CONTEXT=1 overrides)"
     );
-    // The README's step 2: the kustomization generates the token Secret from this file.
+    // Step 2 of the kind install: the kustomization generates the token Secret from this file.
     let tokens =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/discovery-tokens");
     if !tokens.exists() {

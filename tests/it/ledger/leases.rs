@@ -1420,7 +1420,7 @@ fn sqlite3(path: &Path, sql: &str) -> String {
         .arg(path)
         .arg(sql)
         .output()
-        .expect("the sqlite3 CLI is installed (see README)");
+        .expect("the sqlite3 CLI is installed (see CONTRIBUTING.md)");
     assert!(
         out.status.success(),
         "{sql}: {}",
