@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use crate::support::python::python_with;
+use crate::support::skip::skip;
 
 #[test]
 fn the_python_client_and_its_scrapy_middleware_pass_their_tests() {
@@ -14,7 +15,7 @@ fn the_python_client_and_its_scrapy_middleware_pass_their_tests() {
     };
     let package = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let output = Command::new(python)
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"])
+        .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-x"])
         .arg(&package)
         .current_dir(&package)
         .env("PROXY_OPERATOR_BIN", env!("CARGO_BIN_EXE_proxy-operator"))
@@ -27,4 +28,15 @@ fn the_python_client_and_its_scrapy_middleware_pass_their_tests() {
     );
     assert!(output.status.success(), "pytest failed:\n{report}");
     eprintln!("{report}");
+    // `-rs` lists each skipped pytest test as a `SKIPPED [n] file:line: reason` line.
+    let skipped: Vec<&str> = report
+        .lines()
+        .filter(|line| line.starts_with("SKIPPED "))
+        .collect();
+    if !skipped.is_empty() {
+        skip(format!(
+            "pytest skipped some of its tests: {}",
+            skipped.join("; ")
+        ));
+    }
 }

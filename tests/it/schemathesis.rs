@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use support::skip::skip;
 use support::standalone::{ExternalProxy, Standalone};
 use support::{Squid, Target};
 
@@ -204,13 +205,9 @@ fn show(text: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemathesis_finds_nothing_with_every_check() {
     let Some(st) = find_schemathesis() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
+        skip(format!(
             "schemathesis is not installed; install it with `{INSTALL}` (then `pyenv rehash` \
              under pyenv)"
-        );
-        show(&format!(
-            "skipped: schemathesis is not installed; install it with `{INSTALL}`\n"
         ));
         return;
     };

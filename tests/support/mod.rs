@@ -19,6 +19,7 @@ pub mod prometheus;
 pub mod python;
 pub mod render;
 pub mod site;
+pub mod skip;
 pub mod squid;
 pub mod standalone;
 pub mod stub_provider;
@@ -36,9 +37,8 @@ use std::time::{Duration, Instant};
 /// Generous deadline for conditions that depend on real processes on a loaded machine.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
-/// `name` when `name <version_args…>` runs and succeeds; otherwise `None` after printing that it
-/// is missing and `how_to_install`, or a panic when `CI` is set (CI installs it, so a missing
-/// one is a broken install, not a skip).
+/// `name` when `name <version_args…>` runs and succeeds; otherwise `None`, skipped (see
+/// [`skip::skip`]) for want of it and saying `how_to_install`.
 pub fn required_tool(
     name: &'static str,
     version_args: &[&str],
@@ -51,9 +51,7 @@ pub fn required_tool(
     if runs {
         return Some(name);
     }
-    let message = format!("{name} is not on PATH ({how_to_install})");
-    assert!(std::env::var_os("CI").is_none(), "{message}");
-    eprintln!("skipped: {message}");
+    skip::skip(format!("{name} is not on PATH ({how_to_install})"));
     None
 }
 

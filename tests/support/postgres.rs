@@ -34,6 +34,7 @@ use rcgen::{
 };
 
 use super::envtest::spawn_tied;
+use super::skip::skip;
 use super::{DEADLINE, free_port};
 
 /// The login role the operator and the tests' psql connect as.
@@ -68,10 +69,11 @@ struct Install {
     user: Option<(u32, u32)>,
 }
 
-/// The shared server's start: skipped (not installed), running, or failed (remembered, so
-/// every test asking for it fails fast with the same message).
+/// The shared server's start: skipped (not installed: why, so every test asking for it is
+/// skipped as the first was), running, or failed (remembered, so every test asking for it
+/// fails fast with the same message).
 enum Shared {
-    Skipped,
+    Skipped(String),
     Running(Postgres),
     Failed(String),
 }
@@ -89,8 +91,9 @@ impl Postgres {
     /// it must not [`stop`](Postgres::stop) it.
     pub fn shared() -> Option<&'static Postgres> {
         let shared = SHARED.get_or_init(|| {
-            let Some(install) = installed() else {
-                return Shared::Skipped;
+            let install = match find_install() {
+                Ok(install) => install,
+                Err(message) => return Shared::Skipped(message),
             };
             // A failed start is remembered rather than retried by every later test.
             match std::panic::catch_unwind(|| Postgres::launch(install)) {
@@ -105,7 +108,10 @@ impl Postgres {
             }
         });
         match shared {
-            Shared::Skipped => None,
+            Shared::Skipped(message) => {
+                skip(message);
+                None
+            }
             Shared::Running(postgres) => Some(postgres),
             Shared::Failed(message) => panic!("the shared PostgreSQL did not start: {message}"),
         }
@@ -554,16 +560,15 @@ impl Database {
     }
 }
 
-/// Where PostgreSQL is, or `None` after printing that it is missing; panics instead when `CI`
-/// is set, as [`required_tool`](super::required_tool) does.
+/// Where PostgreSQL is, or `None`, skipped (see [`skip`]) for want of it.
 fn installed() -> Option<Install> {
-    let message = match find_install() {
-        Ok(install) => return Some(install),
-        Err(message) => message,
-    };
-    assert!(std::env::var_os("CI").is_none(), "{message}");
-    eprintln!("skipped: {message}");
-    None
+    match find_install() {
+        Ok(install) => Some(install),
+        Err(message) => {
+            skip(message);
+            None
+        }
+    }
 }
 
 fn find_install() -> Result<Install, String> {

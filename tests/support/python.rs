@@ -4,9 +4,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// `python3` when it can import every module of `modules`; otherwise `None` after printing
-/// how to install them, or a panic when `CI` is set (CI installs them, so missing ones are a
-/// broken install, not a skip).
+/// `python3` when it can import every module of `modules`; otherwise `None`, skipped (see
+/// [`skip`](super::skip::skip)) saying how to install them.
 pub fn python_with(modules: &[&str]) -> Option<&'static str> {
     let imports = modules.join(", ");
     let found = Command::new("python3")
@@ -16,12 +15,10 @@ pub fn python_with(modules: &[&str]) -> Option<&'static str> {
     if found {
         return Some("python3");
     }
-    let message = format!(
+    super::skip::skip(format!(
         "python3 cannot import {imports}: python3 -m pip install -r tests/python/requirements.txt \
          -e 'clients/python[test]'"
-    );
-    assert!(std::env::var_os("CI").is_none(), "{message}");
-    eprintln!("skipped: {message}");
+    ));
     None
 }
 
