@@ -160,24 +160,41 @@ where
 
 /// The client of every crawler and check: `timeout` per request (a request not answered by
 /// then counts as unanswered), enough idle connections for `crawlers` crawlers on one host.
+/// An idle connection is dropped after 2 s, before the server's 5 s keep-alive closes it: a
+/// request sent on a connection the server is closing at that instant fails to send.
 pub fn http_client(crawlers: usize, timeout: Duration) -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(timeout)
         .pool_max_idle_per_host(crawlers)
+        .pool_idle_timeout(Duration::from_secs(2))
         .build()
         .unwrap()
 }
 
-/// An authenticated GET's status and JSON body; `None` when it fails or the body is not JSON.
-/// Asked again (for up to [`DEADLINE`]) when answered 408: the server did not read the
-/// request within its client request timeout, as on a starved machine, so it did nothing.
-pub async fn get_json(http: &reqwest::Client, url: &str) -> Option<(StatusCode, Value)> {
+/// An authenticated GET's status and JSON body; the error when it fails or the body is not
+/// JSON. A GET changes nothing, so it is asked again (for up to [`DEADLINE`]) when it could not
+/// be sent, as when the server closes an idle connection at the instant it is reused, and when
+/// answered 408: the server did not read the request within its client request timeout, as on
+/// a starved machine, so it did nothing.
+pub async fn get_json(http: &reqwest::Client, url: &str) -> Result<(StatusCode, Value), String> {
     let start = Instant::now();
     loop {
-        let response = http.get(url).bearer_auth(TOKEN).send().await.ok()?;
+        let again = start.elapsed() < DEADLINE;
+        let response = match http.get(url).bearer_auth(TOKEN).send().await {
+            Ok(response) => response,
+            Err(e) if again && !e.is_timeout() => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => return Err(format!("GET {url}: {e:?}")),
+        };
         let status = response.status();
-        if status != StatusCode::REQUEST_TIMEOUT || start.elapsed() > DEADLINE {
-            return Some((status, response.json().await.ok()?));
+        if status != StatusCode::REQUEST_TIMEOUT || !again {
+            let body = response
+                .json()
+                .await
+                .map_err(|e| format!("GET {url}: {status}, body not JSON: {e}"))?;
+            return Ok((status, body));
         }
     }
 }
@@ -193,6 +210,7 @@ pub async fn wait_all_healthy(http: &reqwest::Client, operator: &Operator, deadl
     loop {
         let healthy = get_json(http, &url)
             .await
+            .ok()
             .and_then(|(_, v)| v["count"].as_u64())
             .unwrap_or(0);
         if healthy == PROXIES as u64 {
@@ -510,8 +528,7 @@ pub async fn assert_served(
         .collect()
         .await;
     for (id, answer) in answers {
-        let (status, lease) =
-            answer.unwrap_or_else(|| panic!("{context}: GET lease {id} on {api} failed"));
+        let (status, lease) = answer.unwrap_or_else(|e| panic!("{context}: {e}"));
         assert_eq!(
             status,
             StatusCode::OK,
@@ -528,7 +545,7 @@ pub async fn assert_served(
 pub async fn listed_active(http: &reqwest::Client, api: &str) -> BTreeMap<String, u64> {
     let (_, list) = get_json(http, &format!("{api}/v1/proxies?selector=pool={POOL}"))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{e}"));
     list["proxies"]
         .as_array()
         .unwrap()
