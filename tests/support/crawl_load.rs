@@ -172,24 +172,19 @@ pub fn http_client(crawlers: usize, timeout: Duration) -> reqwest::Client {
 }
 
 /// An authenticated GET's status and JSON body; the error when it fails or the body is not
-/// JSON. A GET changes nothing, so it is asked again (for up to [`DEADLINE`]) when it could not
-/// be sent, as when the server closes an idle connection at the instant it is reused, and when
-/// answered 408: the server did not read the request within its client request timeout, as on
-/// a starved machine, so it did nothing.
+/// JSON. Asked again (for up to [`DEADLINE`]) when answered 408: the server did not read the
+/// request within its client request timeout, as on a starved machine, so it did nothing.
 pub async fn get_json(http: &reqwest::Client, url: &str) -> Result<(StatusCode, Value), String> {
     let start = Instant::now();
     loop {
-        let again = start.elapsed() < DEADLINE;
-        let response = match http.get(url).bearer_auth(TOKEN).send().await {
-            Ok(response) => response,
-            Err(e) if again && !e.is_timeout() => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-            Err(e) => return Err(format!("GET {url}: {e:?}")),
-        };
+        let response = http
+            .get(url)
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .map_err(|e| format!("GET {url}: {e:?}"))?;
         let status = response.status();
-        if status != StatusCode::REQUEST_TIMEOUT || !again {
+        if status != StatusCode::REQUEST_TIMEOUT || start.elapsed() > DEADLINE {
             let body = response
                 .json()
                 .await
