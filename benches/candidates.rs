@@ -17,14 +17,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use proxy_operator::candidates::{CandidateIndex, Selector};
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
 };
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::proxy::Proxy;
+use proxy_operator::serving::candidates::{CandidateIndex, Selector};
 
 const PROXIES: usize = 10_000;
 

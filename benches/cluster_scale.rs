@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::proxy::Proxy;
 use serde_json::json;
 use support::envtest::ControlPlane;
 use support::operator::OperatorProcess;

@@ -99,7 +99,7 @@ fn main() -> ExitCode {
 
     let target = site.http("/ip");
     let gateway = format!("http://{}", operator.gateway());
-    let basic = proxy_operator::credentials::Credentials {
+    let basic = proxy_operator::serving::credentials::Credentials {
         username: "bench".into(),
         password: TOKEN.into(),
     }

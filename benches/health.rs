@@ -21,7 +21,7 @@ use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeClient, ProbeMetrics, ProbeSettings, ProbeTls,
 };
 use proxy_operator::inventory::Inventory;
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::proxy::Proxy;
 use support::{Squid, Target};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;

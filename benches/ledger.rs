@@ -21,7 +21,7 @@ use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
     WriterStats,
 };
-use proxy_operator::proxy::ProxyId;
+use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
 
 const TTL: Duration = Duration::from_secs(300);

@@ -19,12 +19,12 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use jiff::Timestamp;
 use proxy_operator::fixtures;
 use proxy_operator::provider::{Instance, InstanceState, Waiting};
-use proxy_operator::proxy::{
-    ConditionStatus, Disruption, DisruptionReason, ProxySpec, ProxyStatus,
-};
 use proxy_operator::reconcile::phase::Provisioning;
 use proxy_operator::reconcile::status::{FieldChange, StatusChange, desired_status};
 use proxy_operator::reconcile::{Inputs, Observation, decide};
+use proxy_operator::resources::proxy::{
+    ConditionStatus, Disruption, DisruptionReason, ProxySpec, ProxyStatus,
+};
 
 fn now() -> Timestamp {
     Timestamp::from_second(1_800_000_000).unwrap_or(Timestamp::UNIX_EPOCH)

@@ -12,10 +12,10 @@ use serde_json::{Value, json};
 
 use crate::health::HealthTransition;
 use crate::provider::{Instance, InstanceState};
-use crate::proxy::{Proxy, ProxyId, ProxySpec, ProxyStatus};
 use crate::reconcile::remediation::Gate;
 use crate::reconcile::{Inputs, Limits, Observation};
-use crate::spec_hash::SPEC_HASH_VERSION;
+use crate::resources::proxy::{Proxy, ProxyId, ProxySpec, ProxyStatus};
+use crate::resources::spec_hash::SPEC_HASH_VERSION;
 
 /// Namespace of every fixture Proxy unless a test picks another.
 pub const NAMESPACE: &str = "crawl";
@@ -117,7 +117,8 @@ impl ProxyBuilder {
 
     /// With our finalizer.
     pub fn finalized(mut self) -> Self {
-        self.finalizers.push(crate::proxy::FINALIZER.to_owned());
+        self.finalizers
+            .push(crate::resources::proxy::FINALIZER.to_owned());
         self
     }
 
@@ -205,7 +206,7 @@ pub fn limits() -> Limits {
 /// no health verdict yet; `observation` is what the provider said.
 pub fn settled(observation: &Observation, now: Timestamp) -> Inputs<'_> {
     Inputs {
-        mode: crate::proxy::Mode::Managed,
+        mode: crate::resources::proxy::Mode::Managed,
         deleting: false,
         deletion_requested: None,
         finalizer_present: true,
@@ -216,7 +217,7 @@ pub fn settled(observation: &Observation, now: Timestamp) -> Inputs<'_> {
         desired_hash: Some(HASH),
         cloud_init_problem: None,
         failed_this_generation: false,
-        phase: Some(crate::proxy::Phase::Ready),
+        phase: Some(crate::resources::proxy::Phase::Ready),
         had_ip: true,
         not_provisioned_since: None,
         hold_until: None,

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::leader::until_leader;
 use crate::provider::{Instance, Provider};
-use crate::proxy::Proxy;
+use crate::resources::proxy::Proxy;
 
 /// How orphan GC runs.
 #[derive(Debug, Clone, PartialEq)]

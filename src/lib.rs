@@ -2,11 +2,7 @@
 //! health-checks them through the proxy, and leases them to crawlers from an on-disk ledger.
 
 pub mod api;
-pub mod candidates;
 pub mod cli;
-pub mod crd;
-pub mod credentials;
-pub mod duration;
 pub mod events;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
@@ -17,15 +13,10 @@ pub mod inventory;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;
-pub mod naming;
 pub mod process;
 pub mod provider;
-pub mod proxy;
 pub mod proxy_watch;
 pub mod rbac;
 pub mod reconcile;
-pub mod retry_after;
-pub mod sessions;
-pub mod spec_hash;
-pub mod tokens;
-pub mod validation;
+pub mod resources;
+pub mod serving;

@@ -16,7 +16,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
         Command::Crd => {
-            return match proxy_operator::crd::crd_yaml() {
+            return match proxy_operator::resources::crd::crd_yaml() {
                 Ok(yaml) => {
                     print!("{yaml}");
                     ExitCode::SUCCESS

@@ -14,12 +14,12 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::candidates::CandidateIndex;
 use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
-use crate::proxy::Phase;
 use crate::reconcile::phase::shown_phase;
+use crate::resources::proxy::Phase;
+use crate::serving::candidates::CandidateIndex;
 
 /// Scrape-time gauges over the inventory, health snapshot and ledger.
 pub struct FleetCollector {

@@ -1,5 +1,5 @@
 //! Bearer-token authentication of the `/v1` routes (tokens from `DISCOVERY_TOKEN` and
-//! `--discovery-token-file`; see [`crate::tokens`]).
+//! `--discovery-token-file`; see [`crate::serving::tokens`]).
 
 use actix_web::body::BoxBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -9,7 +9,7 @@ use actix_web::middleware::Next;
 use actix_web::{Error, HttpMessage, ResponseError, web};
 
 use super::error::ApiError;
-use crate::tokens::ApiToken;
+use crate::serving::tokens::ApiToken;
 
 /// Middleware answering 401 unless the request carries the bearer token; the token's
 /// identity goes with the request (a crawler's gateway sessions are the token's).

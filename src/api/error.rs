@@ -102,7 +102,7 @@ impl ApiError {
     /// 503 `overloaded` for a write the ledger could not take in time; `retry_after` is
     /// rounded up to whole seconds, at least 1.
     pub fn overloaded(retry_after: std::time::Duration) -> Self {
-        let retry_after_seconds = crate::retry_after::seconds(retry_after);
+        let retry_after_seconds = crate::serving::retry_after::seconds(retry_after);
         ApiError::Unavailable {
             code: "overloaded",
             retry_after_seconds,
@@ -115,7 +115,7 @@ impl ApiError {
     /// 503 `ledger_full` for a write the ledger could not record because its disk or its size
     /// bound is full; `retry_after` is rounded up to whole seconds, at least 1.
     pub fn ledger_full(retry_after: std::time::Duration) -> Self {
-        let retry_after_seconds = crate::retry_after::seconds(retry_after);
+        let retry_after_seconds = crate::serving::retry_after::seconds(retry_after);
         ApiError::Unavailable {
             code: "ledger_full",
             retry_after_seconds,
@@ -129,7 +129,7 @@ impl ApiError {
     /// 503 `ledger_unavailable` for a write the ledger's database could not be reached for
     /// (PostgreSQL); `retry_after` is rounded up to whole seconds, at least 1.
     pub fn ledger_unavailable(retry_after: std::time::Duration) -> Self {
-        let retry_after_seconds = crate::retry_after::seconds(retry_after);
+        let retry_after_seconds = crate::serving::retry_after::seconds(retry_after);
         ApiError::Unavailable {
             code: "ledger_unavailable",
             retry_after_seconds,

@@ -17,15 +17,15 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
     StatusBody, parse_target,
 };
-use crate::candidates::Selector;
 use crate::ledger::{
     self, AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, NoMatch, ReportResult,
     RequestKey,
 };
-use crate::proxy::proxy_url;
-use crate::retry_after;
-use crate::sessions::SessionKey;
-use crate::tokens::TokenId;
+use crate::resources::proxy::proxy_url;
+use crate::serving::candidates::Selector;
+use crate::serving::retry_after;
+use crate::serving::sessions::SessionKey;
+use crate::serving::tokens::TokenId;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
@@ -578,18 +578,4 @@ pub async fn method_not_allowed(allow: &'static str) -> HttpResponse {
         .headers_mut()
         .insert(header::ALLOW, HeaderValue::from_static(allow));
     response
-}
-
-/// The OpenAPI document of this API: the contract the server is checked against.
-#[utoipa::path(
-    get,
-    path = "/v1/openapi.json",
-    responses(
-        (status = 200, description = "The OpenAPI 3 document", content_type = "application/json"),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-    ),
-    security(("bearer" = []))
-)]
-pub async fn openapi_document() -> HttpResponse {
-    HttpResponse::Ok().json(super::openapi::document())
 }

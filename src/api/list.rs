@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use super::types::ProxyView;
 use crate::health::{LastFailure, ProxyHealth};
 use crate::inventory::InventorySnapshot;
-use crate::proxy::{Proxy, ProxyId, proxy_url};
+use crate::resources::proxy::{Proxy, ProxyId, proxy_url};
 
 /// What a [`ProxyView`] with placeholder values for the changing fields serialises to between
 /// its static head and tail. Every string before it is escaped, so its first occurrence is

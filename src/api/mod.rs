@@ -22,7 +22,7 @@ use actix_web::dev::Server;
 use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, Resource, web};
 
-use crate::tokens::ApiToken;
+use crate::serving::tokens::ApiToken;
 
 pub use body::MAX_BODY_BYTES;
 pub use error::{ApiError, ErrorBody, NoMatchBody};
@@ -30,7 +30,7 @@ pub use idempotency::{MAX_REQUEST_ID_LEN, REQUEST_ID_PATTERN, fingerprint, parse
 pub use list::ProxyListCache;
 pub use metrics::LeaseMetrics;
 pub use observe::observe;
-pub use state::{ApiState, DEFAULT_LEASE_TTL};
+pub use state::ApiState;
 
 /// How long a stopping server lets in-flight requests finish.
 pub const SHUTDOWN_GRACE_SECS: u64 = 10;
@@ -66,7 +66,7 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
                     .service(
                         resource("/v1", "/sessions/{name}/report").post(handlers::report_session),
                     )
-                    .service(resource("/v1", "/openapi.json").get(handlers::openapi_document))
+                    .service(resource("/v1", "/openapi.json").get(openapi::openapi_document))
                     .default_service(web::to(handlers::not_found)),
             )
             .default_service(web::to(handlers::not_found));

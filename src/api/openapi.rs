@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
+use actix_web::HttpResponse;
 use utoipa::openapi::link::LinkBuilder;
 use utoipa::openapi::path::PathItem;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -36,7 +37,7 @@ use super::types::{
         handlers::end_session,
         handlers::healthz,
         handlers::readyz,
-        handlers::openapi_document,
+        openapi_document,
     ),
     components(schemas(
         ErrorBody,
@@ -169,6 +170,20 @@ fn allow_values() -> &'static BTreeMap<String, String> {
 /// The `Allow` header value of a documented path (`None` for a path the document lacks).
 pub fn allowed_methods(path: &str) -> Option<&'static str> {
     allow_values().get(path).map(String::as_str)
+}
+
+/// The OpenAPI document of this API: the contract the server is checked against.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    responses(
+        (status = 200, description = "The OpenAPI 3 document", content_type = "application/json"),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn openapi_document() -> HttpResponse {
+    HttpResponse::Ok().json(document())
 }
 
 /// The document.

@@ -5,15 +5,12 @@ use std::time::Duration;
 
 use super::list::ProxyListCache;
 use super::metrics::LeaseMetrics;
-use crate::candidates::CandidateIndex;
-use crate::credentials::CredentialStore;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
-use crate::sessions::Sessions;
-
-/// Default lifetime of a lease whose request names none.
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
+use crate::serving::candidates::CandidateIndex;
+use crate::serving::credentials::CredentialStore;
+use crate::serving::sessions::Sessions;
 
 /// The inventory, health snapshot and ledger the API reads and writes.
 #[derive(Clone)]

@@ -15,9 +15,9 @@ use utoipa::openapi::schema::{KnownFormat, Object, ObjectBuilder, SchemaFormat, 
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use crate::candidates::selector_pattern;
 use crate::health::ProbeErrorKind;
 use crate::ledger::ReportResult;
+use crate::serving::candidates::selector_pattern;
 
 /// Longest `target`, in bytes: a DNS name's limit.
 pub const MAX_TARGET_LEN: usize = 253;

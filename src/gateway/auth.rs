@@ -5,7 +5,7 @@
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 
-use crate::tokens::{ApiToken, TokenId};
+use crate::serving::tokens::{ApiToken, TokenId};
 
 /// The token a request presented (its identity) and the user part it came with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +43,7 @@ pub fn caller(tokens: &ApiToken, header: Option<&[u8]>) -> Option<Caller> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokens::TokenSet;
+    use crate::serving::tokens::TokenSet;
 
     const TOKEN: &str = "gateway-token-0123456789";
 

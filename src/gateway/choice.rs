@@ -3,7 +3,7 @@
 //! A lease is one crawler's claim on a proxy, as in the lease API: without a session, a client
 //! connection holds one lease per target, for as long as the connection lives (renewed by use
 //! at most once per half TTL, released when the connection closes); with a session, one lease
-//! per (token, session name) serves every connection of the session (see [`crate::sessions`]).
+//! per (token, session name) serves every connection of the session (see [`crate::serving::sessions`]).
 //! Either is kept while its proxy stays usable for the target: in the inventory, healthy, not
 //! cordoned or draining, and not cooling down for the target. Otherwise it is given back and
 //! another proxy is leased, through the same selection as the API's.
@@ -17,16 +17,15 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use super::Gateway;
-use super::upstream::HttpUpstream;
+use super::upstream::{HttpUpstream, Upstream};
 use super::user::Options;
-use crate::candidates::Selector;
-use crate::credentials::Credentials;
 use crate::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, LeaseState, LedgerError, NoMatch, RequestKey,
 };
-use crate::proxy::ProxyId;
-use crate::sessions::{self, Session, SessionKey, Uses};
-use crate::tokens::TokenId;
+use crate::resources::proxy::ProxyId;
+use crate::serving::candidates::Selector;
+use crate::serving::sessions::{self, Session, SessionKey, Uses};
+use crate::serving::tokens::TokenId;
 
 /// How many epochs a session's acquire walks through to find (after a restart) the lease its
 /// last move got, before it gives up.
@@ -131,17 +130,6 @@ impl Ask {
             .collect::<Vec<_>>()
             .join(",")
     }
-}
-
-/// Where a proxy is and what it asks for.
-#[derive(Debug, Clone)]
-pub struct Upstream {
-    /// Host to connect to.
-    pub host: String,
-    /// Port to connect to.
-    pub port: u16,
-    /// Credentials it asks for, if any.
-    pub credentials: Option<Credentials>,
 }
 
 /// A lease a request goes through.

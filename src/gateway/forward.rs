@@ -20,22 +20,22 @@ use hyper::header::{
 use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode, Version};
 
-use super::choice::{Ask, ClientConnection, Held, Upstream};
+use super::choice::{Ask, ClientConnection, Held};
 use super::metrics::GatewayMetrics;
-use super::upstream::{Busy, HttpUpstream, UpstreamFailure};
+use super::upstream::{Busy, HttpUpstream, Upstream, UpstreamFailure};
 use super::{
-    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, Outcome, Through, bans, error,
+    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, RequestOutcome, Through, bans, error,
     lease_headers,
 };
 use crate::ledger::LeaseReport;
-use crate::sessions::InUse;
+use crate::serving::sessions::InUse;
 
 /// Forwards `request` and answers with the target's response.
 pub(super) async fn send(
     connection: &ClientConnection,
     request: Request<Incoming>,
     ask: &Ask,
-) -> (Outcome, Response<Body>) {
+) -> (RequestOutcome, Response<Body>) {
     let gateway = &connection.gateway;
     let (mut parts, body) = request.into_parts();
     let body = match Limited::new(body, gateway.config.max_request_body)
@@ -49,12 +49,12 @@ pub(super) async fn send(
                 gateway.config.max_request_body
             );
             let response = error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message);
-            return (Outcome::BadRequest, response);
+            return (RequestOutcome::BadRequest, response);
         }
         Err(e) => {
             let message = format!("reading the request body failed: {e}");
             return (
-                Outcome::BadRequest,
+                RequestOutcome::BadRequest,
                 error(StatusCode::BAD_REQUEST, "bad_request", &message),
             );
         }
@@ -96,7 +96,7 @@ pub(super) async fn send(
         }
         .boxed()
     });
-    (Outcome::Forwarded, response)
+    (RequestOutcome::Forwarded, response)
 }
 
 /// Sends the request through the connection's upstream connection for the lease (a new one
@@ -191,7 +191,7 @@ async fn answer(
     held: &Held,
     ask: &Ask,
     response: Response<Incoming>,
-    moved_from: Option<crate::proxy::ProxyId>,
+    moved_from: Option<crate::resources::proxy::ProxyId>,
 ) -> Response<Incoming> {
     let status = response.status().as_u16();
     let mut reported = None;

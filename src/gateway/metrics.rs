@@ -6,9 +6,9 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
-use super::Outcome;
+use super::RequestOutcome;
 use crate::ledger::ReportResult;
-use crate::sessions::Sessions;
+use crate::serving::sessions::Sessions;
 
 /// Counters the gateway increments.
 #[derive(Clone, Debug)]
@@ -68,7 +68,7 @@ impl GatewayMetrics {
             registry.register(metric)?;
         }
         for kind in ["connect", "http"] {
-            for outcome in Outcome::ALL {
+            for outcome in RequestOutcome::ALL {
                 requests.with_label_values(&[kind, outcome.as_str()]);
             }
         }
@@ -93,7 +93,7 @@ impl GatewayMetrics {
     }
 
     /// Counts a request of `kind` (`connect`, `http`) that ended with `outcome`.
-    pub fn request(&self, kind: &str, outcome: Outcome) {
+    pub fn request(&self, kind: &str, outcome: RequestOutcome) {
         self.requests
             .with_label_values(&[kind, outcome.as_str()])
             .inc();

@@ -21,6 +21,7 @@
 mod auth;
 mod bans;
 mod choice;
+mod drain;
 mod forward;
 mod metrics;
 mod tunnel;
@@ -49,17 +50,17 @@ use tokio_util::task::TaskTracker;
 pub use bans::BanRule;
 pub use metrics::GatewayMetrics;
 
-use crate::candidates::CandidateIndex;
-use crate::credentials::CredentialStore;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, LeaseReport, Ledger, LedgerError, NoMatch, ReportResult};
-use crate::proxy::ProxyId;
-use crate::retry_after;
-use crate::sessions::Sessions;
-use crate::tokens::ApiToken;
-use choice::{Ask, ClientConnection, Held, Refusal, Target, TargetError, Upstream};
-use upstream::UpstreamFailure;
+use crate::resources::proxy::ProxyId;
+use crate::serving::candidates::CandidateIndex;
+use crate::serving::credentials::CredentialStore;
+use crate::serving::retry_after;
+use crate::serving::sessions::Sessions;
+use crate::serving::tokens::ApiToken;
+use choice::{Ask, ClientConnection, Held, Refusal, Target, TargetError};
+use upstream::{Upstream, UpstreamFailure};
 
 /// Header naming the upstream proxy a request went through (`namespace/name`).
 pub const PROXY_NAME_HEADER: &str = "x-proxy-name";
@@ -133,7 +134,7 @@ pub struct Gateway {
     /// Settings.
     pub config: GatewayConfig,
     /// Upstream connections, for closing a draining proxy's idle ones.
-    upstreams: upstream::Upstreams,
+    upstreams: drain::Upstreams,
     /// Client connections and tunnels, awaited at shutdown.
     tasks: TaskTracker,
     /// Fired at shutdown: connections and tunnels end and give their leases back.
@@ -165,7 +166,7 @@ impl Gateway {
             metrics,
             clock,
             config,
-            upstreams: upstream::Upstreams::default(),
+            upstreams: drain::Upstreams::default(),
             tasks: TaskTracker::new(),
             stopping: CancellationToken::new(),
         }
@@ -174,7 +175,7 @@ impl Gateway {
 
 /// How a gateway request ended (the `outcome` label of its counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum RequestOutcome {
     /// A tunnel was opened.
     Tunneled,
     /// A plain request was answered by its target.
@@ -193,30 +194,30 @@ pub enum Outcome {
     UpstreamFailed,
 }
 
-impl Outcome {
+impl RequestOutcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 8] = [
-        Outcome::Tunneled,
-        Outcome::Forwarded,
-        Outcome::AuthRequired,
-        Outcome::BadRequest,
-        Outcome::PortRefused,
-        Outcome::NoProxy,
-        Outcome::Unavailable,
-        Outcome::UpstreamFailed,
+    pub const ALL: [RequestOutcome; 8] = [
+        RequestOutcome::Tunneled,
+        RequestOutcome::Forwarded,
+        RequestOutcome::AuthRequired,
+        RequestOutcome::BadRequest,
+        RequestOutcome::PortRefused,
+        RequestOutcome::NoProxy,
+        RequestOutcome::Unavailable,
+        RequestOutcome::UpstreamFailed,
     ];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
-            Outcome::Tunneled => "tunneled",
-            Outcome::Forwarded => "forwarded",
-            Outcome::AuthRequired => "auth_required",
-            Outcome::BadRequest => "bad_request",
-            Outcome::PortRefused => "port_refused",
-            Outcome::NoProxy => "no_proxy",
-            Outcome::Unavailable => "unavailable",
-            Outcome::UpstreamFailed => "upstream_failed",
+            RequestOutcome::Tunneled => "tunneled",
+            RequestOutcome::Forwarded => "forwarded",
+            RequestOutcome::AuthRequired => "auth_required",
+            RequestOutcome::BadRequest => "bad_request",
+            RequestOutcome::PortRefused => "port_refused",
+            RequestOutcome::NoProxy => "no_proxy",
+            RequestOutcome::Unavailable => "unavailable",
+            RequestOutcome::UpstreamFailed => "upstream_failed",
         }
     }
 }
@@ -232,7 +233,7 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
         gateway.clone(),
         shutdown.clone(),
     ));
-    let drains = tokio::spawn(upstream::close_on_drain(gateway.clone(), shutdown.clone()));
+    let drains = tokio::spawn(drain::close_on_drain(gateway.clone(), shutdown.clone()));
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -302,20 +303,20 @@ impl ClientConnection {
         response
     }
 
-    async fn route(&self, request: Request<Incoming>) -> (Outcome, Response<Body>) {
+    async fn route(&self, request: Request<Incoming>) -> (RequestOutcome, Response<Body>) {
         let gateway = &self.gateway;
         let header = request
             .headers()
             .get(PROXY_AUTHORIZATION)
             .map(HeaderValue::as_bytes);
         let Some(caller) = auth::caller(&gateway.tokens, header) else {
-            return (Outcome::AuthRequired, proxy_auth_required());
+            return (RequestOutcome::AuthRequired, proxy_auth_required());
         };
         let options = match user::parse(&caller.user) {
             Ok(options) => options,
             Err(problem) => {
                 return (
-                    Outcome::BadRequest,
+                    RequestOutcome::BadRequest,
                     error(StatusCode::BAD_REQUEST, "bad_proxy_user", &problem),
                 );
             }
@@ -325,7 +326,7 @@ impl ClientConnection {
             Ok(target) => target,
             Err(TargetError::Bad(problem)) => {
                 return (
-                    Outcome::BadRequest,
+                    RequestOutcome::BadRequest,
                     error(StatusCode::BAD_REQUEST, "bad_request", problem),
                 );
             }
@@ -335,7 +336,7 @@ impl ClientConnection {
                      (--gateway-allowed-ports), not {port}"
                 );
                 return (
-                    Outcome::PortRefused,
+                    RequestOutcome::PortRefused,
                     error(StatusCode::FORBIDDEN, "port_not_allowed", &message),
                 );
             }
@@ -437,7 +438,7 @@ impl ClientConnection {
         lease_for: LeaseFor,
         what: &str,
         mut attempt: impl FnMut(Held, Upstream) -> Fut,
-    ) -> Result<Through<T>, (Outcome, Response<Body>)>
+    ) -> Result<Through<T>, (RequestOutcome, Response<Body>)>
     where
         Fut: std::future::Future<Output = Result<T, Failed>>,
     {
@@ -519,7 +520,7 @@ impl Attempts {
     }
 
     /// 502 saying what was tried.
-    fn failed(&self) -> (Outcome, Response<Body>) {
+    fn failed(&self) -> (RequestOutcome, Response<Body>) {
         let tried: Vec<serde_json::Value> = self
             .tried
             .iter()
@@ -536,7 +537,7 @@ impl Attempts {
             "tried": tried,
         });
         (
-            Outcome::UpstreamFailed,
+            RequestOutcome::UpstreamFailed,
             json_response(StatusCode::BAD_GATEWAY, &body),
         )
     }
@@ -595,9 +596,9 @@ fn full(bytes: impl Into<Bytes>) -> Body {
 
 /// The answer to a refused lease: 503 with `Retry-After`; for no match, the same counts as the
 /// lease API's 409.
-fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (Outcome, Response<Body>) {
+fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (RequestOutcome, Response<Body>) {
     match refusal {
-        Refusal::NoMatch(no_match) => (Outcome::NoProxy, no_match_response(no_match, now)),
+        Refusal::NoMatch(no_match) => (RequestOutcome::NoProxy, no_match_response(no_match, now)),
         Refusal::Ledger(LedgerError::Overloaded { retry_after })
         | Refusal::Ledger(LedgerError::Full { retry_after })
         | Refusal::Ledger(LedgerError::Unavailable { retry_after, .. }) => {
@@ -607,7 +608,7 @@ fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (Outcome, Response<Body>)
                 "the lease ledger could not take the lease; retry later",
             );
             set_retry_after(&mut response, *retry_after);
-            (Outcome::Unavailable, response)
+            (RequestOutcome::Unavailable, response)
         }
         Refusal::Ledger(e) => {
             log::error!("gateway: acquiring a lease failed: {e}");
@@ -617,7 +618,7 @@ fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (Outcome, Response<Body>)
                 "the lease ledger failed; retry later",
             );
             set_retry_after(&mut response, Duration::from_secs(1));
-            (Outcome::Unavailable, response)
+            (RequestOutcome::Unavailable, response)
         }
     }
 }

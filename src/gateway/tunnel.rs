@@ -14,14 +14,14 @@ use tokio::net::TcpStream;
 
 use super::choice::{Ask, ClientConnection, Held};
 use super::upstream;
-use super::{Body, Failed, LeaseFor, Outcome, Through, full, lease_headers};
+use super::{Body, Failed, LeaseFor, RequestOutcome, Through, full, lease_headers};
 
 /// Opens the tunnel `request` asks for and answers it.
 pub(super) async fn open(
     connection: &ClientConnection,
     mut request: Request<Incoming>,
     ask: &Ask,
-) -> (Outcome, Response<Body>) {
+) -> (RequestOutcome, Response<Body>) {
     let gateway = &connection.gateway;
     let authority = ask.target.authority();
     let timeout = gateway.config.upstream_timeout;
@@ -54,7 +54,7 @@ pub(super) async fn open(
     gateway
         .tasks
         .spawn(relay(gateway.clone(), held, client_io, upstream_io));
-    (Outcome::Tunneled, response)
+    (RequestOutcome::Tunneled, response)
 }
 
 /// Copies bytes both ways until either side closes, renewing the lease meanwhile; then gives

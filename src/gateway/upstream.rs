@@ -1,11 +1,9 @@
-//! Connections to upstream proxies: a kept-alive HTTP/1.1 connection per client connection and
-//! lease for plain requests, a `CONNECT` per tunnel, and the sweep that closes what a draining
-//! or deleted proxy still has open and idle, so a drain does not wait for keep-alive.
+//! Connections to upstream proxies: where a proxy is ([`Upstream`]), a kept-alive HTTP/1.1
+//! connection per client connection and lease for plain requests, and a `CONNECT` per tunnel.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,15 +14,20 @@ use hyper::upgrade::Upgraded;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 
-use super::Gateway;
-use super::choice::{ClientConnection, Upstream};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
+use crate::serving::credentials::Credentials;
 
-/// How often the drain sweep runs besides on every inventory change (a lease in use when a
-/// drain began is given back once its last request ends).
-const DRAIN_SWEEP: Duration = Duration::from_secs(1);
+/// Where a proxy is and what it asks for.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    /// Host to connect to.
+    pub host: String,
+    /// Port to connect to.
+    pub port: u16,
+    /// Credentials it asks for, if any.
+    pub credentials: Option<Credentials>,
+}
 
 /// Why an upstream proxy could not carry a request (said in the `502` answer).
 #[derive(Debug)]
@@ -197,60 +200,5 @@ pub struct Busy(Arc<AtomicBool>);
 impl Drop for Busy {
     fn drop(&mut self) {
         self.0.store(false, Ordering::Release);
-    }
-}
-
-/// The client connections being served, for the drain sweep.
-#[derive(Default)]
-pub struct Upstreams {
-    connections: Mutex<HashMap<u64, Weak<ClientConnection>>>,
-    next: AtomicU64,
-}
-
-impl Upstreams {
-    /// Adds a client connection; its number takes it out again.
-    pub fn add(&self, connection: &Arc<ClientConnection>) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, Arc::downgrade(connection));
-        id
-    }
-
-    /// Takes a client connection out.
-    pub fn remove(&self, id: u64) {
-        self.lock().remove(&id);
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<ClientConnection>>> {
-        self.connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn live(&self) -> Vec<Arc<ClientConnection>> {
-        self.lock().values().filter_map(Weak::upgrade).collect()
-    }
-}
-
-/// On every inventory change (and every [`DRAIN_SWEEP`]) until `shutdown`: gives back the
-/// unused leases the gateway holds on draining or deleted proxies, sessions' included, and
-/// closes their idle upstream connections.
-pub(super) async fn close_on_drain(gateway: Arc<Gateway>, shutdown: CancellationToken) {
-    let mut changes = gateway.inventory.subscribe();
-    let mut ticker = tokio::time::interval(DRAIN_SWEEP);
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = changes.changed() => if changed.is_err() { return },
-            _ = ticker.tick() => {}
-        }
-        let snapshot = gateway.inventory.snapshot();
-        let gone =
-            |proxy: &ProxyId| snapshot.position(proxy).is_none() || snapshot.is_draining(proxy);
-        for lease_id in gateway.sessions.release_where(gone) {
-            gateway.give_back(&lease_id).await;
-        }
-        for connection in gateway.upstreams.live() {
-            connection.let_go_of(gone).await;
-        }
     }
 }

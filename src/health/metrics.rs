@@ -20,7 +20,7 @@ use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 
 use super::probe::{ProbeErrorKind, ProbeResult};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// Upper bounds of the probe latency histogram, in seconds.
 const DURATION_BUCKETS: [f64; 11] = [

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::CertificateDer;
 
-use crate::credentials::{self, Credentials, SecretName};
-use crate::proxy::Proxy;
+use crate::resources::proxy::Proxy;
+use crate::serving::credentials::{self, Credentials, SecretName};
 
 /// Why a probe failed. The names are the `result` label of the probe counter and the
 /// `lastFailure.kind` of the proxy list (schema `ProbeFailureKind` in the OpenAPI document).
@@ -386,7 +386,7 @@ fn is_tls(error: &reqwest::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::ProxySpec;
+    use crate::resources::proxy::ProxySpec;
 
     fn proxy(spec: serde_json::Value) -> Proxy {
         let spec: ProxySpec = serde_json::from_value(spec).unwrap();

@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use super::probe::ProbeErrorKind;
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// What is known about one proxy's health.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -28,7 +28,7 @@ pub struct Thresholds {
 
 impl Thresholds {
     /// The thresholds of a proxy's health check.
-    pub fn of(check: &crate::proxy::HealthCheck) -> Thresholds {
+    pub fn of(check: &crate::resources::proxy::HealthCheck) -> Thresholds {
         Thresholds {
             failure: check.failure_threshold(),
             success: check.success_threshold(),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::proxy::{Proxy, ProxyId};
+use crate::resources::proxy::{Proxy, ProxyId};
 
 /// What an acquire needs of one proxy besides its health, computed once per replacement so
 /// an acquire over thousands of proxies scans this table instead of the Proxy objects and
@@ -204,7 +204,7 @@ fn key_order(a: &ProxyId, b: &ProxyId) -> std::cmp::Ordering {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{
+    use crate::resources::proxy::{
         CONDITION_PROVISIONED, Condition, ConditionStatus, ProxySpec, ProxyStatus, REASON_DRAINING,
     };
 
@@ -301,7 +301,7 @@ mod tests {
                 )
             })
             .collect();
-        let default = crate::proxy::DEFAULT_MAX_LEASES.unsigned_abs();
+        let default = crate::resources::proxy::DEFAULT_MAX_LEASES.unsigned_abs();
         assert_eq!(
             facts,
             [

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// Where a lease is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -18,9 +18,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ApiState, LeaseMetrics, ProxyListCache};
-use crate::candidates::CandidateIndex;
 use crate::cli::CommonArgs;
-use crate::credentials::CredentialStore;
 use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -29,8 +27,10 @@ use crate::ledger::{
     PostgresLedgerCollector, PostgresOptions, SqliteLedger, SqliteLedgerCollector, SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
-use crate::sessions::Sessions;
-use crate::tokens::{self, ApiToken, LoadedTokens, TokenSources};
+use crate::serving::candidates::CandidateIndex;
+use crate::serving::credentials::CredentialStore;
+use crate::serving::sessions::Sessions;
+use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);

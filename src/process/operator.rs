@@ -12,17 +12,17 @@ use tokio::sync::mpsc;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::RunArgs;
-use crate::credentials;
 use crate::gc::{self, GcConfig};
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
 use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
-use crate::proxy::Proxy;
 use crate::proxy_watch::{self, WatchMetrics};
 use crate::reconcile::metrics::RemediationGauge;
 use crate::reconcile::{self, Context, ReconcilerMetrics};
-use crate::tokens::LoadedTokens;
+use crate::resources::proxy::Proxy;
+use crate::serving::credentials;
+use crate::serving::tokens::LoadedTokens;
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {

@@ -25,7 +25,7 @@ use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
     machine_labels, op,
 };
-use crate::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
+use crate::resources::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
 
 /// Machine type when neither the placement nor the config names one.
 pub const DEFAULT_MACHINE_TYPE: &str = "e2-small";
@@ -44,7 +44,7 @@ pub const EXTERNAL_NAT: &str = "External NAT";
 pub const USER_DATA_KEY: &str = "user-data";
 /// Metadata key holding the machine's squid password-file line (`user:$6$...`), for a Proxy's
 /// own cloud-init to read from the metadata server (the default cloud-init has it already).
-pub const HTPASSWD_KEY: &str = "proxy-operator-htpasswd";
+pub const HTPASSWD_METADATA_KEY: &str = "proxy-operator-htpasswd";
 /// OAuth scope given to an attached service account; its IAM roles decide what it can do.
 pub const SERVICE_ACCOUNT_SCOPE: &str = "https://www.googleapis.com/auth/cloud-platform";
 /// Per-attempt timeout of a Compute API call.
@@ -261,7 +261,11 @@ pub fn insert_request(
             .set_value(user_data),
     ];
     if let Some(line) = htpasswd {
-        metadata.push(metadata::Items::new().set_key(HTPASSWD_KEY).set_value(line));
+        metadata.push(
+            metadata::Items::new()
+                .set_key(HTPASSWD_METADATA_KEY)
+                .set_value(line),
+        );
     }
     let service_account = placement
         .service_account
@@ -571,7 +575,7 @@ fn bad_id(id: &str) -> String {
 mod tests {
     use super::*;
     use crate::provider::MachineCredentials;
-    use crate::proxy::Placement;
+    use crate::resources::proxy::Placement;
 
     const UID: &str = "6a1f4c9e-2b7d-4e8a-b1c3-d5e6f7a8b9c0";
 
@@ -590,7 +594,7 @@ mod tests {
             namespace: "crawl".to_owned(),
             proxy_name: "eu-1".to_owned(),
             proxy_uid: UID.to_owned(),
-            machine_name: crate::naming::machine_name(UID),
+            machine_name: crate::resources::naming::machine_name(UID),
             port: 3128,
             placement: None,
             cloud_init: Some("#cloud-config\nruncmd: [[echo, hi]]\n".to_owned()),
@@ -782,7 +786,7 @@ mod tests {
             metadata_value(body(&insert), USER_DATA_KEY),
             Some(squid_cloud_init(8080, None).as_str())
         );
-        assert_eq!(metadata_value(body(&insert), HTPASSWD_KEY), None);
+        assert_eq!(metadata_value(body(&insert), HTPASSWD_METADATA_KEY), None);
 
         // Generated credentials: the default cloud-init checks them, and a Proxy's own
         // cloud-init finds the password-file line in the metadata.
@@ -796,13 +800,13 @@ mod tests {
             Some(squid_cloud_init(8080, Some("proxy-operator:$6$s$h")).as_str())
         );
         assert_eq!(
-            metadata_value(body(&insert), HTPASSWD_KEY),
+            metadata_value(body(&insert), HTPASSWD_METADATA_KEY),
             Some("proxy-operator:$6$s$h")
         );
         req.cloud_init = Some("#cloud-config\n".into());
         let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
         assert_eq!(
-            metadata_value(body(&insert), HTPASSWD_KEY),
+            metadata_value(body(&insert), HTPASSWD_METADATA_KEY),
             Some("proxy-operator:$6$s$h")
         );
     }

@@ -26,8 +26,8 @@ use super::squid_conf::{
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
-use crate::credentials::HTPASSWD_KEY;
-use crate::proxy::{MANAGED_LABEL, PROXY_ANNOTATION};
+use crate::resources::proxy::{MANAGED_LABEL, PROXY_ANNOTATION};
+use crate::serving::credentials::HTPASSWD_SECRET_KEY;
 
 /// Name of the squid container (and of its port).
 const CONTAINER_NAME: &str = "squid";
@@ -149,7 +149,7 @@ pub fn build_pod_with(
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
                     name: credentials.secret_name.clone(),
-                    key: HTPASSWD_KEY.to_owned(),
+                    key: HTPASSWD_SECRET_KEY.to_owned(),
                     optional: Some(false),
                 }),
                 ..EnvVarSource::default()
@@ -382,7 +382,7 @@ impl Provider for KubernetesProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{PROXY_UID_LABEL, Placement};
+    use crate::resources::proxy::{PROXY_UID_LABEL, Placement};
 
     const UID: &str = "0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234";
 
@@ -391,7 +391,7 @@ mod tests {
             namespace: "crawl".to_owned(),
             proxy_name: "eu-1".to_owned(),
             proxy_uid: UID.to_owned(),
-            machine_name: crate::naming::machine_name(UID),
+            machine_name: crate::resources::naming::machine_name(UID),
             port: 3129,
             placement: None,
             cloud_init: None,
@@ -409,7 +409,7 @@ mod tests {
         let pod = build_pod(&request(), "ubuntu/squid", "prod");
         assert_eq!(
             pod.metadata.name.as_deref(),
-            Some(crate::naming::machine_name(UID).as_str())
+            Some(crate::resources::naming::machine_name(UID).as_str())
         );
         assert_eq!(pod.metadata.namespace.as_deref(), Some("crawl"));
         let labels = pod.metadata.labels.as_ref().unwrap();

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 pub use config::{ConfigError, ProviderEntry, ProviderType, ProvidersConfig};
 pub use error::{ErrorClass, ProviderError, class_of};
 
-use crate::proxy::{MANAGED_LABEL, PROXY_UID_LABEL, Placement};
+use crate::resources::proxy::{MANAGED_LABEL, PROXY_UID_LABEL, Placement};
 
 /// Label naming the operator install that created a machine, so two installs sharing a
 /// cloud project or cluster never touch each other's machines.
@@ -91,7 +91,7 @@ pub struct CreateRequest {
     pub proxy_name: String,
     /// UID of the Proxy.
     pub proxy_uid: String,
-    /// Deterministic machine name ([`crate::naming::machine_name`]).
+    /// Deterministic machine name ([`crate::resources::naming::machine_name`]).
     pub machine_name: String,
     /// Squid listen port.
     pub port: i32,

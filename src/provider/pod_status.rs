@@ -5,7 +5,7 @@
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod, PodStatus};
 
 use super::{Instance, InstanceState, Waiting};
-use crate::proxy::PROXY_UID_LABEL;
+use crate::resources::proxy::PROXY_UID_LABEL;
 
 /// Container waiting reasons that are part of a normal start and explain nothing.
 const ROUTINE_WAITING: &[&str] = &["ContainerCreating", "PodInitializing"];

@@ -385,7 +385,7 @@ pub(crate) mod tests {
         config: impl Fn(i32, &str, bool) -> String,
         emptydir: bool,
         user: Option<(u32, u32)>,
-        credentials: Option<&crate::credentials::Credentials>,
+        credentials: Option<&crate::serving::credentials::Credentials>,
         check: impl FnOnce(u32),
     ) {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -476,7 +476,7 @@ pub(crate) mod tests {
                     "{refused}\n{}",
                     stderr()
                 );
-                let wrong = crate::credentials::Credentials {
+                let wrong = crate::serving::credentials::Credentials {
                     password: "wrong".into(),
                     ..credentials.clone()
                 };
@@ -514,7 +514,7 @@ pub(crate) mod tests {
 
     #[test]
     fn the_pod_command_with_credentials_serves_only_those_who_send_them() {
-        let credentials = crate::credentials::Credentials::generate();
+        let credentials = crate::serving::credentials::Credentials::generate();
         launch_and_proxy(pod_squid_config, false, None, Some(&credentials), |_| {});
     }
 
@@ -532,7 +532,7 @@ pub(crate) mod tests {
                 "proxy is uid/gid 13 in Debian and Ubuntu"
             );
         }
-        let credentials = crate::credentials::Credentials::generate();
+        let credentials = crate::serving::credentials::Credentials::generate();
         launch_and_proxy(
             pod_squid_config_unprivileged,
             true,

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 pub use skip::{DecodeError, SkipList, StoreChange, Triage, Undecodable, decode};
 
 use crate::inventory::Inventory;
-use crate::proxy::Proxy;
+use crate::resources::proxy::Proxy;
 
 /// Longest a change waits before the inventory is rebuilt: a burst of N events costs one
 /// rebuild per batch instead of N.

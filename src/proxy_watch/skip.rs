@@ -11,7 +11,7 @@ use kube::api::DynamicObject;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 
-use crate::proxy::{DEFAULT_NAMESPACE, Proxy};
+use crate::resources::proxy::{DEFAULT_NAMESPACE, Proxy};
 
 /// Why a raw object is not a readable Proxy: the path of the offending field and the
 /// decoder's reason, e.g. `spec.healthCheck.interval: "30" is not a duration: ...`.

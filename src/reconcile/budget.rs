@@ -12,7 +12,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Mutex, PoisonError};
 
-use crate::proxy::{Mode, Proxy};
+use crate::resources::proxy::{Mode, Proxy};
 
 /// A part of the Managed proxies: a count (`3`) or a percentage (`25%`). Used for the
 /// replacement budget and for the unhealthy share that pauses remediation.
@@ -215,7 +215,7 @@ pub fn managed<'a>(proxies: impl IntoIterator<Item = &'a Proxy>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{Disruption, ProxyStatus};
+    use crate::resources::proxy::{Disruption, ProxyStatus};
 
     #[test]
     fn parses_and_displays_the_accepted_forms() {

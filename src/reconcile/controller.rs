@@ -1,153 +1,27 @@
-//! The controller around the reconciler: what every reconcile shares ([`Context`]), one
-//! reconcile from start to end ([`reconcile`]: gather, decide, execute, write), its errors and
-//! their backoff, and the trigger streams that start reconciles (the Proxy store, cloud-init
-//! Secrets, managed Pods, health transitions).
+//! The controller around the reconciler: one reconcile from start to end ([`reconcile`]:
+//! gather, decide, execute, write), the backoff after its errors, and the trigger streams that
+//! start reconciles (the Proxy store, cloud-init Secrets, managed Pods, health transitions).
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::collections::HashSet;
+use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::runtime::controller::{self, Controller};
-use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 
-use super::budget::{self, Share};
+use super::context::Context;
 use super::decide::decide;
-use super::execute::{self, Outcome};
-use super::health::HealthStates;
-use super::metrics::ReconcilerMetrics;
+use super::error::Error;
+use super::execute::{self, RetryEffect};
 use super::observe::{self, Gathered};
-use super::pacing::Pacing;
 use super::write;
-use crate::ledger::Ledger;
-use crate::provider::{INSTALL_LABEL, Provider};
-use crate::proxy::{
+use crate::provider::INSTALL_LABEL;
+use crate::resources::proxy::{
     CLOUD_INIT_SECRET_LABEL, MANAGED_LABEL, PROXY_ANNOTATION, PROXY_UID_LABEL, Proxy,
 };
-
-/// How often the reconciler looks again, per situation. Configuration so tests can shrink them.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReconcilerConfig {
-    /// While a machine is being created.
-    pub provisioning_poll: Duration,
-    /// While a machine runs (catches machines that die or vanish).
-    pub drift_poll: Duration,
-    /// While a machine is being deleted (replacement or Proxy deletion).
-    pub deletion_poll: Duration,
-    /// After the provider refused for quota.
-    pub quota_requeue: Duration,
-    /// First wait after a failure; doubles per failure in a row up to `error_requeue_max`.
-    pub error_requeue: Duration,
-    /// Longest wait after failures in a row.
-    pub error_requeue_max: Duration,
-    /// How long a machine may take to run before it is replaced.
-    pub startup_timeout: Duration,
-    /// How long past its deletion deadline a machine is left before it is force-deleted.
-    pub force_delete_margin: Duration,
-    /// How often a permanent provider refusal is tried again.
-    pub permanent_failure_retry: Duration,
-    /// Longest drain before a machine is deleted anyway.
-    pub drain_timeout: Duration,
-    /// Most voluntary replacements under way at once.
-    pub replacement_budget: Share,
-    /// How long a proxy may fail health checks before its machine is replaced.
-    pub remediate_after: Duration,
-    /// Above this share of a provider's proxies unhealthy, none is remediated.
-    pub max_unhealthy: Share,
-    /// Most reconciles running at once.
-    pub concurrency: u16,
-}
-
-impl Default for ReconcilerConfig {
-    fn default() -> Self {
-        ReconcilerConfig {
-            provisioning_poll: Duration::from_secs(10),
-            drift_poll: Duration::from_secs(300),
-            deletion_poll: Duration::from_secs(5),
-            quota_requeue: Duration::from_secs(300),
-            error_requeue: Duration::from_secs(5),
-            error_requeue_max: Duration::from_secs(300),
-            startup_timeout: Duration::from_secs(600),
-            force_delete_margin: Duration::from_secs(30),
-            permanent_failure_retry: Duration::from_secs(1800),
-            drain_timeout: Duration::from_secs(900),
-            replacement_budget: Share::Percent(10),
-            remediate_after: Duration::from_secs(600),
-            max_unhealthy: Share::Percent(40),
-            concurrency: 16,
-        }
-    }
-}
-
-/// Source of "now" for condition transition times; injected so tests are deterministic.
-pub type Clock = fn() -> jiff::Timestamp;
-
-/// Everything a reconcile needs; one per process, shared by every reconcile.
-pub struct Context {
-    /// Kubernetes client.
-    pub client: Client,
-    /// Providers by their config name.
-    pub providers: HashMap<String, Arc<dyn Provider>>,
-    /// Value of the install label put on every machine.
-    pub install: String,
-    /// Poll intervals.
-    pub config: ReconcilerConfig,
-    /// Last health transitions.
-    pub health: HealthStates,
-    /// Retry memory: failures in a row and holds on creates.
-    pub pacing: Pacing,
-    /// The lease ledger, to end the leases of machines that are gone.
-    pub ledger: Arc<dyn Ledger>,
-    /// Publishes Kubernetes Events.
-    pub recorder: Recorder,
-    /// Current time.
-    pub clock: Clock,
-    /// Replacement budget slots granted by this process and not yet visible in the store.
-    pub grants: budget::Grants,
-    /// Every Proxy, as the controller's store has them: set once the store has its first
-    /// complete list, so the replacement budget never counts from a partial one.
-    pub fleet: OnceLock<Store<Proxy>>,
-    /// Reconcile timings, errors and actions; drains and their timeouts.
-    pub metrics: ReconcilerMetrics,
-}
-
-impl Context {
-    /// A context with empty health and retry memory, publishing Events as `proxy-operator`,
-    /// on the system clock.
-    pub fn new(
-        client: Client,
-        providers: HashMap<String, Arc<dyn Provider>>,
-        install: String,
-        config: ReconcilerConfig,
-        ledger: Arc<dyn Ledger>,
-        metrics: ReconcilerMetrics,
-    ) -> Self {
-        Context {
-            recorder: Recorder::new(client.clone(), "proxy-operator".into()),
-            client,
-            providers,
-            install,
-            config,
-            health: HealthStates::default(),
-            pacing: Pacing::default(),
-            ledger,
-            clock: jiff::Timestamp::now,
-            grants: budget::Grants::default(),
-            fleet: OnceLock::new(),
-            metrics,
-        }
-    }
-
-    /// Every Proxy the controller knows now; `None` until the store has its first complete
-    /// list.
-    pub fn fleet(&self) -> Option<Vec<Arc<Proxy>>> {
-        self.fleet.get().map(Store::state)
-    }
-}
 
 /// One reconcile of one Proxy: gather what is known about it and its machine, [`decide`] the
 /// one action, execute it, and write the result (at most one status write, guarded by the
@@ -170,44 +44,11 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
     };
     let uid = proxy.uid().unwrap_or_default();
     match step.outcome {
-        Outcome::Progress => ctx.pacing.succeeded(&uid, false),
-        Outcome::Running => ctx.pacing.succeeded(&uid, true),
-        Outcome::Neutral => {}
+        RetryEffect::Progress => ctx.pacing.succeeded(&uid, false),
+        RetryEffect::Running => ctx.pacing.succeeded(&uid, true),
+        RetryEffect::Neutral => {}
     }
     write::write(&proxy, &current, step, &api, &ctx).await
-}
-
-/// Why a reconcile failed; the controller retries with exponential backoff from
-/// [`ReconcilerConfig::error_requeue`].
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// A Kubernetes API call failed.
-    #[error("kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    /// A provider call failed transiently (or answered nothing usable).
-    #[error("provider: {0}")]
-    Provider(String),
-    /// The object lacks a field the API server always sets.
-    #[error("object has no {0}")]
-    MissingField(&'static str),
-    /// The machine's credentials cannot be made or read.
-    #[error("machine credentials: {0}")]
-    Credentials(String),
-}
-
-impl Error {
-    /// Every [`Error::metric_label`].
-    pub const KINDS: [&'static str; 4] = ["kube", "provider", "missing_field", "credentials"];
-
-    /// Short label for metrics and logs.
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Kube(_) => "kube",
-            Error::Provider(_) => "provider",
-            Error::MissingField(_) => "missing_field",
-            Error::Credentials(_) => "credentials",
-        }
-    }
 }
 
 /// The Proxies in `namespace` whose cloud-init comes from the Secret `name`: the objects to

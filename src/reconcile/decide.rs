@@ -2,7 +2,7 @@
 //!
 //! [`decide`] turns what is known about a Proxy (its metadata, its status, the spec hash of what
 //! it asks for, and what the provider said about its machine) into exactly one [`Action`]. The
-//! I/O that carries an action out lives in `apply`, so every row of the design's table is tested
+//! I/O that carries an action out lives in `execute`, so every row of the design's table is tested
 //! here without a cluster or a cloud.
 
 use std::time::Duration;
@@ -11,9 +11,10 @@ use jiff::Timestamp;
 
 use super::remediation::{self, Gate};
 use super::rotation;
+use super::time::after;
 use crate::provider::{ErrorClass, Instance, InstanceState, Waiting};
-use crate::proxy::{Disruption, DisruptionReason, Mode, Phase};
-use crate::spec_hash::SPEC_HASH_VERSION;
+use crate::resources::proxy::{Disruption, DisruptionReason, Mode, Phase};
+use crate::resources::spec_hash::SPEC_HASH_VERSION;
 
 /// What the provider said about the machine recorded in `status.providerID`.
 #[derive(Debug, Clone, PartialEq)]
@@ -370,14 +371,6 @@ pub fn on_provider_error(class: ErrorClass, message: String) -> Action {
         // other call it is unexpected, and retrying is the safe answer.
         ErrorClass::Transient | ErrorClass::NotFound => Action::Backoff { message },
     }
-}
-
-/// `at` plus `duration` (saturating).
-pub fn after(at: Timestamp, duration: Duration) -> Timestamp {
-    jiff::SignedDuration::try_from(duration)
-        .ok()
-        .and_then(|d| at.checked_add(d).ok())
-        .unwrap_or(Timestamp::MAX)
 }
 
 /// When the machine's stuck deletion is force-deleted, if its deletion was asked for.

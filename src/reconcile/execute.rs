@@ -19,8 +19,9 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 
 use super::budget::{self, Admission};
-use super::controller::{Context, Error, ReconcilerConfig};
-use super::decide::{Action, Loss, Observation, after, on_provider_error};
+use super::context::{Context, ReconcilerConfig};
+use super::decide::{Action, Loss, Observation, on_provider_error};
+use super::error::Error;
 use super::metrics::DELETED;
 use super::pacing::{At, Hold, hold_for};
 use super::phase::Provisioning;
@@ -32,21 +33,22 @@ use super::status::{
     REASON_RUNNING, REASON_STARTUP_TIMEOUT, REASON_UNKNOWN_PROVIDER, StatusChange,
     annotations_patch,
 };
-use crate::credentials::{
-    CREDENTIALS_SECRET_LABEL, Credentials, HTPASSWD_KEY, PASSWORD_KEY, USERNAME_KEY,
-    machine_secret_name,
-};
+use super::time::after;
 use crate::events::event;
-use crate::naming::machine_name;
 use crate::provider::{
     CreateRequest, MachineCredentials, Provider, ProviderError, Waiting, machine_labels,
 };
-use crate::proxy::{
+use crate::resources::naming::machine_name;
+use crate::resources::proxy::{
     CONDITION_PROVISIONED, CREATE_PENDING_ANNOTATION, ConditionStatus, Disruption,
     DisruptionReason, FINALIZER, Phase, Proxy, ProxySpec, ProxyStatus, REASON_DRAINING,
     ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION, SPEC_HASH_VERSION_ANNOTATION,
 };
-use crate::spec_hash::SPEC_HASH_VERSION;
+use crate::resources::spec_hash::SPEC_HASH_VERSION;
+use crate::serving::credentials::{
+    CREDENTIALS_SECRET_LABEL, Credentials, HTPASSWD_SECRET_KEY, PASSWORD_KEY, USERNAME_KEY,
+    machine_secret_name,
+};
 
 /// Ledger reason of leases ended because their machine was force-deleted.
 pub const LEASES_MACHINE_LOST: &str = "machine_lost";
@@ -61,7 +63,7 @@ pub const REASON_DRAIN_TIMED_OUT: &str = "DrainTimedOut";
 
 /// What a reconcile's outcome means for the retry memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Outcome {
+pub(super) enum RetryEffect {
     /// It did what it set out to: failures in a row start over.
     Progress,
     /// The machine runs: machines that never ran are forgiven too.
@@ -81,7 +83,7 @@ pub(super) struct Step {
     /// When to look again.
     pub requeue: controller::Action,
     /// What it means for the retry memory.
-    pub outcome: Outcome,
+    pub outcome: RetryEffect,
     /// The resourceVersion returned by a metadata patch made before the status write.
     pub resource_version: Option<String>,
     /// The disruption (its metric label) this step starts: counted once its status is written,
@@ -96,7 +98,7 @@ impl Step {
             annotations: None,
             event: None,
             requeue,
-            outcome: Outcome::Progress,
+            outcome: RetryEffect::Progress,
             resource_version: None,
             disruption_started: None,
         }
@@ -116,7 +118,7 @@ impl Step {
         self
     }
 
-    fn with_outcome(mut self, outcome: Outcome) -> Self {
+    fn with_outcome(mut self, outcome: RetryEffect) -> Self {
         self.outcome = outcome;
         self
     }
@@ -357,7 +359,7 @@ async fn act(
                     hold_message(&hold),
                 )
             });
-            Step::new(status, requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
+            Step::new(status, requeue_at(until, machine.now)).with_outcome(RetryEffect::Neutral)
         }
         Action::AwaitProvisioning { waiting, deadline } => {
             let requeue = poll_or_at(config.provisioning_poll, deadline, machine.now);
@@ -450,7 +452,7 @@ async fn act(
                 )
                 .await?
             };
-            if step.outcome == Outcome::Progress {
+            if step.outcome == RetryEffect::Progress {
                 step.requeue = requeue;
             }
             step
@@ -527,7 +529,7 @@ async fn act(
             controller::Action::await_change(),
         ),
         Action::StayFailed { until } => {
-            Step::requeue(requeue_at(until, machine.now)).with_outcome(Outcome::Neutral)
+            Step::requeue(requeue_at(until, machine.now)).with_outcome(RetryEffect::Neutral)
         }
         Action::AwaitCloudInit { message } => cloud_init_missing(&message, config),
         failed @ (Action::Backoff { .. }
@@ -584,7 +586,7 @@ fn running(
         poll_or_at(poll, recheck, machine.now),
     )
     .with_event(event)
-    .with_outcome(Outcome::Running);
+    .with_outcome(RetryEffect::Running);
     // A machine from before `status.port` existed: its spec hash is current (or this would
     // be a replacement), so it listens on `spec.port`.
     if current.port.is_none() {
@@ -608,7 +610,7 @@ fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReaso
     let Some(fleet) = ctx.fleet() else {
         // Right after start-up: the holders are not known until the first list is in.
         return Step::requeue(controller::Action::requeue(ctx.config.provisioning_poll))
-            .with_outcome(Outcome::Neutral);
+            .with_outcome(RetryEffect::Neutral);
     };
     let limit = ctx
         .config
@@ -667,7 +669,7 @@ fn disrupt(machine: &Machine<'_>, current: &ProxyStatus, reason: DisruptionReaso
                 controller::Action::requeue(ctx.config.provisioning_poll),
             )
             .with_event(event)
-            .with_outcome(Outcome::Neutral)
+            .with_outcome(RetryEffect::Neutral)
         }
     }
 }
@@ -897,7 +899,7 @@ async fn machine_credentials(machine: &Machine<'_>) -> Result<MachineCredentials
     };
     let htpasswd = existing.as_ref().and_then(htpasswd_of).ok_or_else(|| {
         Error::Credentials(format!(
-            "Secret {}/{name} has no key {HTPASSWD_KEY:?}: delete it, and the next machine \
+            "Secret {}/{name} has no key {HTPASSWD_SECRET_KEY:?}: delete it, and the next machine \
              gets new credentials",
             id.namespace
         ))
@@ -925,7 +927,7 @@ fn credentials_secret(machine: &Machine<'_>, name: &str) -> Result<Secret, Error
         string_data: Some(BTreeMap::from([
             (USERNAME_KEY.to_owned(), credentials.username),
             (PASSWORD_KEY.to_owned(), credentials.password),
-            (HTPASSWD_KEY.to_owned(), htpasswd),
+            (HTPASSWD_SECRET_KEY.to_owned(), htpasswd),
         ])),
         type_: Some("Opaque".to_owned()),
         ..Secret::default()
@@ -938,13 +940,13 @@ fn htpasswd_of(secret: &Secret) -> Option<String> {
     secret
         .data
         .as_ref()
-        .and_then(|d| d.get(HTPASSWD_KEY))
+        .and_then(|d| d.get(HTPASSWD_SECRET_KEY))
         .and_then(|b| String::from_utf8(b.0.clone()).ok())
         .or_else(|| {
             secret
                 .string_data
                 .as_ref()
-                .and_then(|d| d.get(HTPASSWD_KEY))
+                .and_then(|d| d.get(HTPASSWD_SECRET_KEY))
                 .cloned()
         })
         .filter(|line| !line.is_empty())
@@ -1235,7 +1237,7 @@ fn failure_step(
         controller::Action::requeue(delay),
     )
     .with_event(event)
-    .with_outcome(Outcome::Neutral))
+    .with_outcome(RetryEffect::Neutral))
 }
 
 /// The machine is being created.

@@ -10,9 +10,10 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::controller::{Context, run_controller};
-use crate::proxy::Proxy;
+use super::context::Context;
+use super::controller::run_controller;
 use crate::proxy_watch::ReconcilerFeed;
+use crate::resources::proxy::Proxy;
 
 /// Waits for the Lease, then runs the controller until shutdown. Until the Lease is held the
 /// watch's triggers and the health transitions are drained (the watch must never wait on a

@@ -14,10 +14,10 @@ use prometheus::{
 };
 
 use super::budget::Share;
-use super::controller::Error;
 use super::decide::Action;
+use super::error::Error;
 use super::remediation::{self, Gate};
-use crate::proxy::{DisruptionReason, Proxy};
+use crate::resources::proxy::{DisruptionReason, Proxy};
 
 /// Label of drains before a Proxy's deletion (the others are [`DisruptionReason::label`]s).
 pub const DELETED: &str = "deleted";

@@ -5,14 +5,16 @@
 //! object, the provider's answer and the rest of [`Inputs`]; the pure [`decide`] turns them into
 //! one [`Action`]; `execute` carries it out (provider calls, metadata needed before them) and
 //! returns a step; `write` builds the status from it with the pure [`status::desired_status`]
-//! and writes it at most once, then the annotations and the Event. `controller` holds what every
-//! reconcile shares and the streams that trigger them.
+//! and writes it at most once, then the annotations and the Event. `context` holds what every
+//! reconcile shares, `controller` the streams that trigger them.
 
 pub mod budget;
+mod context;
 pub mod controller;
 pub mod decide;
+mod error;
 mod execute;
-pub mod health;
+pub mod health_transitions;
 mod leading;
 pub mod metrics;
 mod observe;
@@ -21,19 +23,19 @@ pub mod phase;
 pub mod remediation;
 pub mod rotation;
 pub mod status;
+mod time;
 mod write;
 
 pub use budget::Share;
-pub use controller::{
-    Clock, Context, Error, ReconcilerConfig, proxies_using_secret, proxy_of_pod, reconcile,
-    run_controller,
-};
+pub use context::{Context, ReconcilerConfig, TimeSource};
+pub use controller::{proxies_using_secret, proxy_of_pod, reconcile, run_controller};
 pub use decide::{Action, Inputs, Limits, Loss, Observation, decide, on_provider_error};
+pub use error::Error;
 pub use execute::{
     LEASES_DRAIN_TIMEOUT, LEASES_MACHINE_GONE, LEASES_MACHINE_LOST, LEASES_MACHINE_REPLACED,
     REASON_DRAIN_TIMED_OUT,
 };
-pub use health::{HealthStates, health_triggers};
+pub use health_transitions::{HealthStates, health_triggers};
 pub use leading::run_while_leading;
 pub use metrics::ReconcilerMetrics;
 pub use observe::cloud_init_from_secret;

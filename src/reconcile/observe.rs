@@ -9,19 +9,20 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 
-use super::controller::{Context, Error};
+use super::context::Context;
 use super::decide::{Inputs, Limits, Observation};
+use super::error::Error;
 use super::execute::Machine;
 use super::remediation::{self, Gate};
 use super::rotation;
 use crate::provider::Provider;
-use crate::proxy::{
+use crate::reconcile::status::REASON_PROVIDER_FAILED;
+use crate::resources::proxy::{
     CONDITION_HEALTHY, CONDITION_PROVISIONED, CREATE_PENDING_ANNOTATION, ConditionStatus, Mode,
     Proxy, ProxySpec, ProxyStatus, ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION,
     SPEC_HASH_VERSION_ANNOTATION, SecretKeyRef,
 };
-use crate::reconcile::status::REASON_PROVIDER_FAILED;
-use crate::spec_hash::SpecHashInput;
+use crate::resources::spec_hash::SpecHashInput;
 
 /// What a reconcile starts from.
 pub(super) enum Gathered<'a> {
@@ -211,7 +212,7 @@ fn has_finalizer(proxy: &Proxy) -> bool {
     proxy
         .finalizers()
         .iter()
-        .any(|f| f == crate::proxy::FINALIZER)
+        .any(|f| f == crate::resources::proxy::FINALIZER)
 }
 
 async fn observe(provider: &dyn Provider, id: &str) -> Observation {

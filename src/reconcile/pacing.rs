@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use super::decide::after;
+use super::time::after;
 
 /// The delay after `failures` failures in a row: `base`, doubled per further failure, at most
 /// `cap` (and never less than `base`).

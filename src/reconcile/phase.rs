@@ -1,7 +1,7 @@
 //! The phase shown in `status.phase`, derived from provisioning and health only, so that no
 //! code path sets a phase by hand and two paths can never disagree.
 
-use crate::proxy::{Mode, Phase, Proxy};
+use crate::resources::proxy::{Mode, Phase, Proxy};
 
 /// Where the machine behind a proxy is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +101,7 @@ mod tests {
             );
         }
         let written = fixtures::managed("w", "local")
-            .status(crate::proxy::ProxyStatus {
+            .status(crate::resources::proxy::ProxyStatus {
                 phase: Some(Phase::Replacing),
                 ..Default::default()
             })

@@ -10,8 +10,8 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use super::budget::Share;
-use super::decide::after;
-use crate::proxy::{Mode, Proxy};
+use super::time::after;
+use crate::resources::proxy::{Mode, Proxy};
 
 /// Health of one provider's Managed proxies that are not being deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -85,7 +85,7 @@ pub fn due_at(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{CONDITION_HEALTHY, Condition, ConditionStatus, ProxyStatus};
+    use crate::resources::proxy::{CONDITION_HEALTHY, Condition, ConditionStatus, ProxyStatus};
 
     fn proxy(
         name: &str,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use sha2::{Digest, Sha256};
 
-use super::decide::after;
+use super::time::after;
 
 /// Nanoseconds in a second.
 const NANOS_PER_SEC: u128 = 1_000_000_000;

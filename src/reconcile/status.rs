@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::phase::{Provisioning, compute_phase};
 use crate::health::HealthTransition;
-use crate::proxy::{
+use crate::resources::proxy::{
     CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, Disruption, ProxySpec,
     ProxyStatus,
 };
@@ -299,7 +299,7 @@ pub fn annotations_patch(changes: &[(&str, Option<&str>)]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{Disruption, DisruptionReason, Phase};
+    use crate::resources::proxy::{Disruption, DisruptionReason, Phase};
 
     fn ts(seconds: i64) -> jiff::Timestamp {
         jiff::Timestamp::from_second(seconds).unwrap()

@@ -9,10 +9,11 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::controller;
 use kube::{Api, Resource, ResourceExt};
 
-use super::controller::{Context, Error};
+use super::context::Context;
+use super::error::Error;
 use super::execute::Step;
 use super::status::{desired_status, status_patch};
-use crate::proxy::{Proxy, ProxyStatus};
+use crate::resources::proxy::{Proxy, ProxyStatus};
 
 /// Carries out `step` for `proxy`, whose status was `current` when the reconcile read it;
 /// returns when to reconcile again.

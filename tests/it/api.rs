@@ -14,17 +14,17 @@ use actix_web::dev::ServerHandle;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{self, ApiState, ProxyListCache};
-use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     Clock, Ledger, LedgerConfig, ManualClock, PostgresLedger, PostgresOptions, SqliteLedger,
 };
-use proxy_operator::proxy::{
+use proxy_operator::resources::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
-use proxy_operator::tokens::{ApiToken, TokenSet};
+use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::tokens::{ApiToken, TokenSet};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, ProxyListCache};
-use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SystemClock};
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::proxy::Proxy;
+use proxy_operator::serving::candidates::CandidateIndex;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{DEADLINE, Squid, Target};

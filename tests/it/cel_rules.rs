@@ -1,7 +1,7 @@
 //! The CRD's CEL rules, read from the generated CRD and evaluated client-side the way the API
 //! server evaluates them (defaults first; `oldSelf` rules skipped on create).
 
-use proxy_operator::validation::ProxyValidator;
+use proxy_operator::resources::validation::ProxyValidator;
 use serde_json::{Value, json};
 
 fn object(spec: Value) -> Value {
@@ -32,7 +32,7 @@ fn with(mut spec: Value, key: &str, value: Value) -> Value {
 
 /// Asserts the verdict; on rejection, that some violation message contains `expected`.
 fn check(
-    result: Result<(), Vec<proxy_operator::validation::RuleViolation>>,
+    result: Result<(), Vec<proxy_operator::resources::validation::RuleViolation>>,
     expected: Option<&str>,
     case: &str,
 ) {
@@ -234,7 +234,7 @@ fn defaults_are_applied_before_rules() {
 
 #[test]
 fn max_lifetime_rules() {
-    use proxy_operator::duration::{FIELD_MESSAGE, MAX_LIFETIME_MESSAGE};
+    use proxy_operator::resources::duration::{FIELD_MESSAGE, MAX_LIFETIME_MESSAGE};
     let v = ProxyValidator::new().unwrap();
     let external_set = "maxLifetime must not be set when mode is External";
     let cases: Vec<(&str, Value, Option<&str>)> = vec![

@@ -1,6 +1,6 @@
 //! The committed CRD matches the Rust types, and its schema is one the API server accepts.
 
-use proxy_operator::crd;
+use proxy_operator::resources::crd;
 use serde_json::Value;
 
 fn committed() -> String {
@@ -268,7 +268,7 @@ fn every_default_passes_the_rules_of_its_own_schema() {
 
 #[test]
 fn max_lifetime_is_checked_like_the_health_check_durations() {
-    use proxy_operator::duration;
+    use proxy_operator::resources::duration;
     let schema = crd::openapi_schema();
     let spec = &schema["properties"]["spec"];
     let lifetime = &spec["properties"]["maxLifetime"];

@@ -11,10 +11,10 @@ use crate::support;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
-use proxy_operator::duration;
 use proxy_operator::inventory::file::InventoryFile;
-use proxy_operator::proxy::Proxy;
-use proxy_operator::validation::{ProxyValidator, RuleViolation};
+use proxy_operator::resources::duration;
+use proxy_operator::resources::proxy::Proxy;
+use proxy_operator::resources::validation::{ProxyValidator, RuleViolation};
 use serde::Deserialize;
 use serde_json::{Value, json};
 

@@ -15,9 +15,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use proxy_operator::naming::machine_name;
 use proxy_operator::provider::kubernetes::build_pod;
 use proxy_operator::provider::{CreateRequest, machine_labels};
+use proxy_operator::resources::naming::machine_name;
 use serde_json::json;
 
 use support::envtest::parse_yaml_documents;

@@ -14,7 +14,7 @@ use crate::support::stub_provider::StubProvider;
 
 use proxy_operator::gc::{GcConfig, GcError, run_gc, sweep};
 use proxy_operator::provider::{Instance, InstanceState, Provider};
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::proxy::Proxy;
 
 fn machine(id: &str, uid: &str) -> Instance {
     Instance {

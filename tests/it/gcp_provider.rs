@@ -126,7 +126,7 @@ async fn provider_at(endpoint: &str, default_zone: Option<&str>) -> GcpProvider 
 }
 
 fn machine() -> String {
-    proxy_operator::naming::machine_name(UID)
+    proxy_operator::resources::naming::machine_name(UID)
 }
 
 fn request() -> CreateRequest {

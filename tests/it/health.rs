@@ -10,7 +10,7 @@ use proxy_operator::health::{
     ProbeMetrics, ProbeSettings, ProbeTls,
 };
 use proxy_operator::inventory::Inventory;
-use proxy_operator::proxy::{Proxy, ProxyId};
+use proxy_operator::resources::proxy::{Proxy, ProxyId};
 use support::{DEADLINE, Squid, SquidOptions, Target, wait_until};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use proxy_operator::cli::{Cli, Command, RunArgs};
-use proxy_operator::tokens::TokenSet;
+use proxy_operator::serving::tokens::TokenSet;
 
 use crate::support::ControlPlane;
 use crate::support::render::{

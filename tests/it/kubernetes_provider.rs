@@ -8,7 +8,7 @@ use proxy_operator::provider::kubernetes::KubernetesProvider;
 use proxy_operator::provider::{
     CreateRequest, ErrorClass, INSTALL_LABEL, InstanceState, Provider, machine_labels,
 };
-use proxy_operator::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
+use proxy_operator::resources::proxy::{MANAGED_LABEL, PROXY_UID_LABEL};
 use serde_json::{Value, json};
 
 use crate::support::mock_api::{ApiHandle, Call, mock_client, status, with_server};
@@ -28,7 +28,7 @@ fn provider() -> (KubernetesProvider, ApiHandle) {
 }
 
 fn machine() -> String {
-    proxy_operator::naming::machine_name(UID)
+    proxy_operator::resources::naming::machine_name(UID)
 }
 
 fn request() -> CreateRequest {

@@ -13,8 +13,8 @@ use serde_json::Value;
 use proxy_operator::cli::{Cli, Command};
 use proxy_operator::ledger::LedgerLocation;
 use proxy_operator::provider::ProvidersConfig;
-use proxy_operator::proxy::Proxy;
 use proxy_operator::rbac::{API_CALLS, Scope};
+use proxy_operator::resources::proxy::Proxy;
 
 const NAMESPACE: &str = "proxy-operator";
 const SERVICE_ACCOUNT: &str = "proxy-operator";

@@ -14,7 +14,6 @@ use std::time::Duration;
 use prometheus::{Encoder, Registry, TextEncoder};
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, ProxyListCache};
-use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::fixtures;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
@@ -26,7 +25,8 @@ use proxy_operator::ledger::{
     SqliteLedger, SqliteLedgerCollector, SystemClock,
 };
 use proxy_operator::metrics::{self, FleetCollector};
-use proxy_operator::proxy::{Proxy, ProxyId};
+use proxy_operator::resources::proxy::{Proxy, ProxyId};
+use proxy_operator::serving::candidates::CandidateIndex;
 use support::skip::skip;
 use support::{DEADLINE, Squid, Target};
 use tokio_util::sync::CancellationToken;

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use proxy_operator::naming::machine_name;
+use proxy_operator::resources::naming::machine_name;
 
 const NAMESPACE: &str = "proxy-operator";
 const SAMPLE: &str = "samples/proxy_kubernetes.yaml";

@@ -13,15 +13,15 @@ use serde_json::{Value, json};
 use crate::support::mock_api::{Call, mock_client, status};
 use crate::support::stub_provider::StubProvider;
 
-use proxy_operator::credentials::machine_secret_name;
 use proxy_operator::health::HealthTransition;
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
 use proxy_operator::provider::{ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider};
-use proxy_operator::proxy::{Proxy, ProxyId};
 use proxy_operator::reconcile::{
     Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
 };
-use proxy_operator::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
+use proxy_operator::resources::proxy::{Proxy, ProxyId};
+use proxy_operator::resources::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
+use proxy_operator::serving::credentials::machine_secret_name;
 
 const NS: &str = "crawl";
 const NAME: &str = "p1";
@@ -346,7 +346,7 @@ async fn create_marks_pending_creates_records_status_then_hash() {
     let request = stub.created.lock().unwrap().clone().unwrap();
     assert_eq!(
         request.machine_name,
-        proxy_operator::naming::machine_name(UID)
+        proxy_operator::resources::naming::machine_name(UID)
     );
     assert_eq!(request.cloud_init.as_deref(), Some(CLOUD_INIT));
     assert_eq!(request.labels["crawl.example.com/managed"], "true");
@@ -386,7 +386,7 @@ async fn interrupted_create_is_recovered_by_name_without_a_second_create() {
         ],
     )
     .await;
-    let name = proxy_operator::naming::machine_name(UID);
+    let name = proxy_operator::resources::naming::machine_name(UID);
     assert_eq!(stub.calls(), ["list".to_owned(), format!("create {name}")]);
 }
 
@@ -844,7 +844,7 @@ async fn missing_cloud_init_secret_is_a_condition_not_a_crash() {
 async fn interrupted_create_finds_the_machine_by_name_and_records_the_pending_hash() {
     let stub = Arc::new(StubProvider::new("local"));
     let mut machine = instance(InstanceState::Provisioning, None);
-    machine.name = proxy_operator::naming::machine_name(UID);
+    machine.name = proxy_operator::resources::naming::machine_name(UID);
     *stub.machines.lock().unwrap() = vec![instance(InstanceState::Running, None), machine];
     stub.machines.lock().unwrap()[0].name = "proxy-someoneelse".into();
     stub.machines.lock().unwrap()[0].provider_id = "crawl/proxy-someoneelse".into();

@@ -18,8 +18,8 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use proxy_operator::events::{NOTE_LIMIT, event};
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
-use proxy_operator::proxy::{Proxy, ProxySpec};
 use proxy_operator::reconcile::{Context, ReconcilerConfig, ReconcilerMetrics, reconcile};
+use proxy_operator::resources::proxy::{Proxy, ProxySpec};
 use serde_json::json;
 use support::envtest::ControlPlane;
 

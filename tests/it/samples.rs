@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use proxy_operator::provider::ProvidersConfig;
-use proxy_operator::proxy::{Mode, Proxy};
-use proxy_operator::validation::ProxyValidator;
+use proxy_operator::resources::proxy::{Mode, Proxy};
+use proxy_operator::resources::validation::ProxyValidator;
 
 fn samples_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("samples")

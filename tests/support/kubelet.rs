@@ -29,7 +29,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use proxy_operator::provider::squid_conf::{POD_RUN_DIR, SQUID_CONFIG_ENV, SQUID_PASSWD_ENV};
-use proxy_operator::proxy::MANAGED_LABEL;
+use proxy_operator::resources::proxy::MANAGED_LABEL;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 

@@ -16,7 +16,7 @@ use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
     ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger,
 };
-use proxy_operator::proxy::ProxyId;
+use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
 
 use super::postgres::{Database, Postgres};

@@ -117,7 +117,7 @@ pub fn serve_api(
     token: &str,
 ) -> (String, actix_web::dev::ServerHandle) {
     use proxy_operator::api;
-    use proxy_operator::tokens::{ApiToken, TokenSet};
+    use proxy_operator::serving::tokens::{ApiToken, TokenSet};
     let listener = loopback_listener();
     let base = format!("http://{}", listener.local_addr().expect("its address"));
     let tokens = TokenSet::single(token.as_bytes(), "TOKEN").expect("a valid test token");

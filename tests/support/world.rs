@@ -11,10 +11,10 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use proxy_operator::naming::machine_name;
 use proxy_operator::provider::CreateRequest;
 use proxy_operator::provider::kubernetes::build_pod;
-use proxy_operator::proxy::Proxy;
+use proxy_operator::resources::naming::machine_name;
+use proxy_operator::resources::proxy::Proxy;
 use serde_json::{Value, json};
 
 use super::envtest::ControlPlane;

@@ -26,7 +26,7 @@ use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// One acquire waiting for its batch.
 #[derive(Debug)]

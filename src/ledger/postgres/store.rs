@@ -13,7 +13,7 @@ use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{Lease, LeaseReport, LeaseState, SweepStats};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
 #[derive(Debug)]

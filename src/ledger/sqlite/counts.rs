@@ -192,7 +192,7 @@ fn counting(expiries: &[i64], now: i64) -> u32 {
 mod tests {
     use super::*;
     use crate::ledger::sqlite::state::ActiveLease;
-    use crate::proxy::ProxyId;
+    use crate::resources::proxy::ProxyId;
 
     fn lease(uid: &str, expires_at: i64) -> ActiveLease {
         ActiveLease {

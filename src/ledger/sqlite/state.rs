@@ -10,7 +10,7 @@ use jiff::Timestamp;
 
 use crate::ledger::lease::{Candidate, NoMatch, RequestKey};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// The maps of the state. An acquire looks every candidate's UID up, so the hasher matters:
 /// foldhash is several times faster than SipHash on UID-sized keys and still seeded per

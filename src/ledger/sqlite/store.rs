@@ -18,7 +18,7 @@ use super::state::{ActiveLease, LedgerState, RequestEntry, TargetLimits};
 use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
-use crate::proxy::ProxyId;
+use crate::resources::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);

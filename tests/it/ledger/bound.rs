@@ -17,14 +17,14 @@ use std::time::{Duration, Instant};
 use actix_web::dev::ServerHandle;
 use proxy_operator::api::LeaseMetrics;
 use proxy_operator::api::{ApiState, ProxyListCache};
-use proxy_operator::candidates::CandidateIndex;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
     LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger,
 };
-use proxy_operator::proxy::{Proxy, ProxySpec};
+use proxy_operator::resources::proxy::{Proxy, ProxySpec};
+use proxy_operator::serving::candidates::CandidateIndex;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::ledger::{candidates, count, granted, request, start};

@@ -15,7 +15,7 @@ use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, LeaseState, Ledger, LedgerConfig, RequestKey,
     SqliteLedger, SystemClock,
 };
-use proxy_operator::proxy::ProxyId;
+use proxy_operator::resources::proxy::ProxyId;
 
 /// Set in the child's environment to the ledger path it writes to.
 const CHILD_ENV: &str = "PROXY_OPERATOR_LEDGER_CRASH_CHILD";

@@ -14,7 +14,7 @@ use crate::support;
 use std::path::Path;
 
 use kube::ResourceExt;
-use proxy_operator::proxy::SPEC_HASH_ANNOTATION;
+use proxy_operator::resources::proxy::SPEC_HASH_ANNOTATION;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::Squid;

@@ -29,8 +29,10 @@ use kube::ResourceExt;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
-use proxy_operator::naming::machine_name;
-use proxy_operator::proxy::{ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION};
+use proxy_operator::resources::naming::machine_name;
+use proxy_operator::resources::proxy::{
+    ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION,
+};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::operator::{OperatorProcess, lease_id, metric_sum};

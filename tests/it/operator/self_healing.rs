@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use kube::ResourceExt;
 use kube::api::{DeleteParams, EvictParams, Patch, PatchParams, PostParams};
-use proxy_operator::naming::machine_name;
-use proxy_operator::proxy::FINALIZER;
+use proxy_operator::resources::naming::machine_name;
+use proxy_operator::resources::proxy::FINALIZER;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::Behaviour;

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use proxy_operator::proxy::Proxy;
 use proxy_operator::proxy_watch::{REASON_INVALID_SPEC, UNDECODABLE_METRIC};
+use proxy_operator::resources::proxy::Proxy;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 use support::envtest::{ControlPlane, parse_yaml_documents};

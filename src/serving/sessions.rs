@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-use crate::proxy::ProxyId;
-use crate::tokens::TokenId;
+use super::tokens::TokenId;
+use crate::resources::proxy::ProxyId;
 
 /// A session: the token that opened it and its name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -209,7 +209,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokens::{ApiToken, TokenSet};
+    use crate::serving::tokens::{ApiToken, TokenSet};
 
     fn token(text: &str) -> TokenId {
         let set = TokenSet::single(text.as_bytes(), "t").unwrap();

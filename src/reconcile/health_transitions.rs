@@ -9,7 +9,7 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 
 use crate::health::HealthTransition;
-use crate::proxy::{Proxy, ProxyId};
+use crate::resources::proxy::{Proxy, ProxyId};
 
 /// The last health transition per proxy, fed by the health engine and read by reconciles.
 #[derive(Debug, Clone, Default)]

@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::proxy::{Placement, ProxySpec};
+use super::proxy::{Placement, ProxySpec};
 
 /// Version of the hash inputs. Bump it when [`SpecHashInput`] gains or loses a field; the
 /// reconciler treats a version mismatch as "adopt" (re-record the hash), not as drift.

@@ -22,8 +22,8 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
-use crate::naming::machine_name;
-use crate::proxy::{Mode, Proxy};
+use crate::resources::naming::machine_name;
+use crate::resources::proxy::{Mode, Proxy};
 
 /// Label of the Secrets holding proxy credentials: the operator watches those (and labels the
 /// ones it generates with it).
@@ -34,7 +34,7 @@ pub const USERNAME_KEY: &str = "username";
 pub const PASSWORD_KEY: &str = "password";
 /// Key of the squid password-file line (`user:$6$...`) in a generated credentials Secret: what
 /// the machine's squid checks against.
-pub const HTPASSWD_KEY: &str = "htpasswd";
+pub const HTPASSWD_SECRET_KEY: &str = "htpasswd";
 
 /// The Secret holding the credentials the operator generated for the machine of the Proxy with
 /// UID `uid` (in the Proxy's namespace): the machine's name with `-credentials`.
@@ -199,7 +199,7 @@ pub fn from_secrets<'a>(
             .metadata
             .namespace
             .clone()
-            .unwrap_or_else(|| crate::proxy::DEFAULT_NAMESPACE.to_owned());
+            .unwrap_or_else(|| crate::resources::proxy::DEFAULT_NAMESPACE.to_owned());
         let name = secret.metadata.name.clone().unwrap_or_default();
         match Credentials::from_secret(secret) {
             Ok(credentials) => {

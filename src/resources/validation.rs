@@ -9,7 +9,7 @@
 use kube_cel::{CompiledSchema, Validator, compile_schema};
 use serde_json::Value;
 
-use crate::crd;
+use super::crd;
 
 /// The Proxy schema with its constraints and rules compiled once.
 pub struct ProxyValidator {

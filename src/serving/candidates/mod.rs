@@ -251,7 +251,7 @@ mod tests {
     use crate::fixtures;
     use crate::health::ProxyHealth;
     use crate::inventory::Inventory;
-    use crate::proxy::Proxy;
+    use crate::resources::proxy::Proxy;
 
     fn proxy(name: &str, geo: &str, max_leases: i32, external: bool) -> Proxy {
         let proxy = if external {

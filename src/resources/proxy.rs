@@ -108,7 +108,7 @@ pub const DEFAULT_EXPECTED_STATUS_CODES: [i32; 2] = [200, 204];
     validation = Rule::new("self.mode != 'External' || !has(self.maxLifetime)")
         .message("maxLifetime must not be set when mode is External")
 )]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxySpec {
     /// Managed: the operator creates the machine through `provider` and replaces it on any
@@ -163,13 +163,13 @@ pub struct ProxySpec {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        deserialize_with = "crate::duration::deserialize_option"
+        deserialize_with = "super::duration::deserialize_option"
     )]
     #[schemars(length(max = 64))]
     #[x_kube(
-        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE),
-        validation = Rule::new(crate::duration::at_least_rule(crate::duration::MIN_MAX_LIFETIME))
-            .message(crate::duration::MAX_LIFETIME_MESSAGE)
+        validation = Rule::new(super::duration::field_rule()).message(super::duration::FIELD_MESSAGE),
+        validation = Rule::new(super::duration::at_least_rule(super::duration::MIN_MAX_LIFETIME))
+            .message(super::duration::MAX_LIFETIME_MESSAGE)
     )]
     pub max_lifetime: Option<kube::core::Duration>,
 
@@ -190,7 +190,7 @@ pub enum Mode {
 
 /// A `host:port` an External proxy listens on.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// Hostname or IP address of the proxy.
@@ -210,7 +210,7 @@ pub struct Endpoint {
 
 /// A Secret of the Proxy's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 pub struct SecretRef {
     /// Name of the Secret.
     #[schemars(length(min = 1))]
@@ -219,7 +219,7 @@ pub struct SecretRef {
 
 /// Provider-specific placement of a Managed machine. Every field is part of the spec hash.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Placement {
     /// Zone to create the machine in (gcp), e.g. `europe-west1-b`.
@@ -255,7 +255,7 @@ pub struct Placement {
     validation = Rule::new("has(self.inline) != has(self.secretRef)")
         .message("exactly one of inline or secretRef must be set")
 )]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct CloudInit {
     /// The cloud-init document itself.
@@ -270,7 +270,7 @@ pub struct CloudInit {
 
 /// A key in a Secret of the Proxy's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 pub struct SecretKeyRef {
     /// Name of the Secret.
     #[schemars(length(min = 1))]
@@ -283,9 +283,9 @@ pub struct SecretKeyRef {
 /// How a proxy is probed: a request to `probeURL` sent *through* the proxy.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(
-    validation = Rule::new(crate::duration::timeout_rule()).message(crate::duration::TIMEOUT_MESSAGE)
+    validation = Rule::new(super::duration::timeout_rule()).message(super::duration::TIMEOUT_MESSAGE)
 )]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct HealthCheck {
     /// URL requested through the proxy; `https://` URLs go through a CONNECT tunnel.
@@ -296,22 +296,22 @@ pub struct HealthCheck {
     /// `us`, `ns`), e.g. `30s`, `1m30s`, `1.5h`.
     #[serde(
         default = "default_probe_interval",
-        deserialize_with = "crate::duration::deserialize"
+        deserialize_with = "super::duration::deserialize"
     )]
     #[schemars(length(max = 64))]
     #[x_kube(
-        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE)
+        validation = Rule::new(super::duration::field_rule()).message(super::duration::FIELD_MESSAGE)
     )]
     pub interval: kube::core::Duration,
     /// Connect, TLS and response timeout of one probe, above zero and at most `interval`, in
     /// the same syntax as `interval`.
     #[serde(
         default = "default_probe_timeout",
-        deserialize_with = "crate::duration::deserialize"
+        deserialize_with = "super::duration::deserialize"
     )]
     #[schemars(length(max = 64))]
     #[x_kube(
-        validation = Rule::new(crate::duration::field_rule()).message(crate::duration::FIELD_MESSAGE)
+        validation = Rule::new(super::duration::field_rule()).message(super::duration::FIELD_MESSAGE)
     )]
     pub timeout: kube::core::Duration,
     /// Consecutive failed probes that mark the proxy unhealthy.
@@ -365,7 +365,7 @@ impl HealthCheck {
 
 /// Observed state, written only by the reconciler.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyStatus {
     /// Lifecycle phase derived from provisioning and health.
@@ -410,7 +410,7 @@ pub struct ProxyStatus {
 
 /// A voluntary replacement of a Managed proxy's machine.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Disruption {
     /// Why the machine is replaced.
@@ -505,7 +505,7 @@ impl Phase {
 
 /// A status condition (the Kubernetes `metav1.Condition` shape).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[schemars(transform = crate::crd::strip_nullable)]
+#[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Condition {
     /// Condition type: `Provisioned` or `Healthy`.
@@ -633,7 +633,7 @@ impl ProxySpec {
     /// into a replacement loop.
     pub fn max_lifetime(&self) -> Option<Duration> {
         self.max_lifetime
-            .map(|lifetime| Duration::from(lifetime).max(crate::duration::MIN_MAX_LIFETIME_VALUE))
+            .map(|lifetime| Duration::from(lifetime).max(super::duration::MIN_MAX_LIFETIME_VALUE))
     }
 }
 
