@@ -2,7 +2,7 @@
 
 mod bound;
 mod crash;
+mod durability;
 mod end_leases;
 mod leases;
-mod postgres;
 mod writer;

@@ -4,6 +4,9 @@
 //! (`sqlite::<name>`, `postgres::<name>`); the tests of the SQLite writer's queue are
 //! SQLite-only.
 
+mod health_view;
+mod schemathesis;
+
 use std::collections::BTreeMap;
 use std::convert::identity;
 use std::path::PathBuf;
