@@ -32,6 +32,7 @@ mod e2e_standalone;
 mod envtest_harness;
 mod gateway;
 mod health;
+mod house;
 mod install;
 mod ledger;
 mod metrics;
