@@ -28,7 +28,7 @@ mod write;
 
 pub use budget::Share;
 pub use context::{Context, ReconcilerConfig, TimeSource};
-pub use controller::{proxies_using_secret, proxy_of_pod, reconcile, run_controller};
+pub use controller::{reconcile, run_controller};
 pub use decide::{Action, Inputs, Limits, Loss, Observation, decide, on_provider_error};
 pub use error::Error;
 pub use execute::{
@@ -38,6 +38,5 @@ pub use execute::{
 pub use health_transitions::{HealthStates, health_triggers};
 pub use leading::run_while_leading;
 pub use metrics::ReconcilerMetrics;
-pub use observe::cloud_init_from_secret;
 pub use pacing::Pacing;
 pub use phase::{Provisioning, compute_phase};
