@@ -161,48 +161,29 @@ mod tests {
 
     #[test]
     fn a_drain_names_what_it_comes_before() {
-        let disrupted = |reason| ProxyStatus {
-            disruption: Some(Disruption {
-                reason,
-                since: Timestamp::UNIX_EPOCH,
-                replaced_at: None,
-            }),
-            ..ProxyStatus::default()
-        };
+        use DisruptionReason::{MaxLifetime, RotateRequested, SpecChange, Unhealthy};
         let cases = [
-            (true, ProxyStatus::default(), "the Proxy's deletion"),
-            (
-                true,
-                disrupted(DisruptionReason::SpecChange),
-                "the Proxy's deletion",
-            ),
-            (false, ProxyStatus::default(), "a replacement"),
-            (
-                false,
-                disrupted(DisruptionReason::SpecChange),
-                "a replacement for a spec change",
-            ),
-            (
-                false,
-                disrupted(DisruptionReason::MaxLifetime),
-                "a rotation",
-            ),
-            (
-                false,
-                disrupted(DisruptionReason::RotateRequested),
-                "a rotation",
-            ),
-            (
-                false,
-                disrupted(DisruptionReason::Unhealthy),
-                "a remediation",
-            ),
+            (true, None, "the Proxy's deletion"),
+            (true, Some(SpecChange), "the Proxy's deletion"),
+            (false, None, "a replacement"),
+            (false, Some(SpecChange), "a replacement for a spec change"),
+            (false, Some(MaxLifetime), "a rotation"),
+            (false, Some(RotateRequested), "a rotation"),
+            (false, Some(Unhealthy), "a remediation"),
         ];
-        for (deleting, status, want) in cases {
+        for (deleting, reason, want) in cases {
+            let status = ProxyStatus {
+                disruption: reason.map(|reason| Disruption {
+                    reason,
+                    since: Timestamp::UNIX_EPOCH,
+                    replaced_at: None,
+                }),
+                ..ProxyStatus::default()
+            };
             assert_eq!(
                 drain_cause(deleting, &status),
                 want,
-                "{deleting} {status:?}"
+                "{deleting} {reason:?}"
             );
         }
     }

@@ -180,57 +180,30 @@ mod tests {
 
     #[test]
     fn failures_classify_by_action_and_whether_a_machine_was_asked_for() {
-        let message = || "m".to_owned();
+        type Make = fn(String) -> Action;
+        let quota: Make = |message| Action::QuotaWait { message };
+        let refused: Make = |message| Action::Refused { message };
+        let fail: Make = |message| Action::Fail { message };
+        use Provisioning::{Failed, InProgress, Waiting};
+        // (action, reason, wait, state with no machine yet, state with one asked for)
         let cases = [
+            (quota, REASON_QUOTA, Wait::Quota, Waiting, InProgress),
+            (refused, REASON_REFUSED, Wait::Backoff, Waiting, InProgress),
             (
-                Action::QuotaWait { message: message() },
-                None,
-                (Provisioning::Waiting, REASON_QUOTA, Wait::Quota),
-            ),
-            (
-                Action::QuotaWait { message: message() },
-                Some("vm-1"),
-                (Provisioning::InProgress, REASON_QUOTA, Wait::Quota),
-            ),
-            (
-                Action::Refused { message: message() },
-                None,
-                (Provisioning::Waiting, REASON_REFUSED, Wait::Backoff),
-            ),
-            (
-                Action::Refused { message: message() },
-                Some("vm-1"),
-                (Provisioning::InProgress, REASON_REFUSED, Wait::Backoff),
-            ),
-            (
-                Action::Fail { message: message() },
-                None,
-                (
-                    Provisioning::Failed,
-                    REASON_PROVIDER_FAILED,
-                    Wait::PermanentRetry,
-                ),
-            ),
-            (
-                Action::Fail { message: message() },
-                Some("vm-1"),
-                (
-                    Provisioning::Failed,
-                    REASON_PROVIDER_FAILED,
-                    Wait::PermanentRetry,
-                ),
+                fail,
+                REASON_PROVIDER_FAILED,
+                Wait::PermanentRetry,
+                Failed,
+                Failed,
             ),
         ];
-        for (action, provider_id, (state, reason, wait)) in cases {
-            let label = format!("{action:?} with {provider_id:?}");
-            let (got_state, got_reason, got_message, got_wait) =
-                classify(action, &status(provider_id)).unwrap();
-            assert_eq!(
-                (got_state, got_reason, got_wait),
-                (state, reason, wait),
-                "{label}"
-            );
-            assert_eq!(got_message, "m", "{label}");
+        for (make, reason, wait, without, with) in cases {
+            for (provider_id, state) in [(None, without), (Some("vm-1"), with)] {
+                let action = make("m".into());
+                let label = format!("{action:?} with {provider_id:?}");
+                let got = classify(action, &status(provider_id)).unwrap();
+                assert_eq!(got, (state, reason, "m".to_owned(), wait), "{label}");
+            }
         }
     }
 
