@@ -94,11 +94,6 @@ impl Default for LedgerConfig {
 }
 
 impl LedgerConfig {
-    /// Whether a per-target limit (fleet-wide or per proxy) is set.
-    pub(crate) fn limits_targets(&self) -> bool {
-        self.max_leases_per_target.is_some() || self.max_leases_per_proxy_target.is_some()
-    }
-
     pub(crate) fn validate(&self) -> Result<(), LedgerError> {
         let config_error = |message: String| Err(LedgerError::Config(message));
         if self.max_ttl < Duration::from_millis(1) {

@@ -39,6 +39,7 @@ mod migration;
 mod postgres;
 mod selection;
 mod sqlite;
+mod target_hold;
 mod targets;
 
 use std::collections::HashMap;

@@ -91,7 +91,7 @@ use super::{
     SweepStats, TargetCooldowns,
 };
 use crate::ledger::lease::is_release_reason;
-use state::TargetLimits;
+use crate::ledger::target_hold::TargetLimits;
 
 pub use metrics::SqliteLedgerCollector;
 pub use schema::SCHEMA_VERSION;
@@ -139,13 +139,11 @@ impl SqliteLedger {
         config.validate()?;
         let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
         let now = clock.now().as_millisecond();
-        let limits = TargetLimits {
-            fleet: config.max_leases_per_target,
-            per_proxy: config.max_leases_per_proxy_target,
-        };
-        let state = store::load_state(&conn, now, limits).map_err(|source| LedgerError::Open {
-            path: path.to_owned(),
-            source,
+        let state = store::load_state(&conn, now, TargetLimits::of(&config)).map_err(|source| {
+            LedgerError::Open {
+                path: path.to_owned(),
+                source,
+            }
         })?;
         let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
         let pool = store::reader_pool(path, config.durability)?;

@@ -14,10 +14,11 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
 use super::schema;
-use super::state::{ActiveLease, LedgerState, RequestEntry, TargetLimits};
+use super::state::{ActiveLease, LedgerState, RequestEntry};
 use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
+use crate::ledger::target_hold::TargetLimits;
 use crate::resources::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.
