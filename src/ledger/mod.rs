@@ -33,6 +33,7 @@
 mod clock;
 mod config;
 mod error;
+mod history;
 mod lease;
 mod location;
 mod migration;

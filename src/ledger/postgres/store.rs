@@ -12,7 +12,8 @@ use tokio_postgres::types::ToSql;
 use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{Lease, LeaseReport, LeaseState, SweepStats};
+use crate::ledger::history::{Event, EventKind};
+use crate::ledger::lease::{Lease, LeaseReport, LeaseState, ReportResult, SweepStats};
 use crate::resources::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
@@ -110,7 +111,7 @@ pub(crate) async fn renew(
     record(
         tx,
         &Event::new(
-            "renewed",
+            EventKind::Renewed,
             now,
             id,
             &lease.proxy,
@@ -179,10 +180,10 @@ pub(crate) async fn report(
     record(
         tx,
         &Event {
-            result: Some(report.result.as_str()),
+            result: Some(report.result),
             cooldown_ms,
             ..Event::new(
-                "reported",
+                EventKind::Reported,
                 now,
                 id,
                 &lease.proxy,
@@ -360,45 +361,10 @@ pub(crate) fn timestamp(ms: i64) -> Result<Timestamp> {
         .map_err(|e| LedgerError::Inconsistent(format!("time {ms} ms: {e}")).into())
 }
 
-/// One history row.
-struct Event<'a> {
-    kind: &'static str,
-    at: i64,
-    lease_id: &'a str,
-    proxy: &'a ProxyId,
-    target: Option<&'a str>,
-    result: Option<&'static str>,
-    expires_at: i64,
-    reason: Option<&'a str>,
-    cooldown_ms: Option<i64>,
-    client: Option<&'a str>,
-}
-
-impl<'a> Event<'a> {
-    fn new(
-        kind: &'static str,
-        at: i64,
-        lease_id: &'a str,
-        proxy: &'a ProxyId,
-        target: Option<&'a str>,
-        expires_at: i64,
-    ) -> Self {
-        Event {
-            kind,
-            at,
-            lease_id,
-            proxy,
-            target,
-            result: None,
-            expires_at,
-            reason: None,
-            cooldown_ms: None,
-            client: None,
-        }
-    }
-}
-
+/// Appends one row to the lease history.
 async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
+    let kind = event.kind.as_str();
+    let result = event.result.map(ReportResult::as_str);
     execute(
         tx,
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
@@ -407,12 +373,12 @@ async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
         &[
             &event.at,
             &event.lease_id,
-            &event.kind,
+            &kind,
             &event.proxy.namespace,
             &event.proxy.name,
             &event.proxy.uid,
             &event.target,
-            &event.result,
+            &result,
             &event.expires_at,
             &event.reason,
             &event.cooldown_ms,

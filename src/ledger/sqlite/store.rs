@@ -17,6 +17,7 @@ use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
 use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
+use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
 use crate::ledger::target_hold::TargetLimits;
 use crate::resources::proxy::ProxyId;
@@ -274,7 +275,7 @@ pub(crate) fn insert_lease(
     ])?;
     record(
         conn,
-        &Event::of(EventKind::Acquired, lease.acquired_at, id, lease),
+        &event_of(EventKind::Acquired, lease.acquired_at, id, lease),
     )
 }
 
@@ -296,7 +297,7 @@ pub(crate) fn release_lease(
         conn,
         &Event {
             reason,
-            ..Event::of(EventKind::Released, now, id, lease)
+            ..event_of(EventKind::Released, now, id, lease)
         },
     )
 }
@@ -324,7 +325,7 @@ pub(crate) fn renew_lease(
 ) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE leases SET expires_at = ?2, ttl_ms = ?3 WHERE id = ?1")?
         .execute(rusqlite::params![id, lease.expires_at, lease.ttl_ms])?;
-    record(conn, &Event::of(EventKind::Renewed, now, id, lease))
+    record(conn, &event_of(EventKind::Renewed, now, id, lease))
 }
 
 /// Records a report; a `cooldown_ms` puts `(proxy, target)` into cooldown until `now` plus
@@ -340,16 +341,16 @@ pub(crate) fn report(
     record(
         conn,
         &Event {
-            kind: EventKind::Reported,
-            at: now,
-            lease_id: &lease.id,
-            proxy: &lease.proxy,
-            target,
             result: Some(result),
-            expires_at: lease.expires_at.as_millisecond(),
-            reason: None,
             cooldown_ms,
-            client: None,
+            ..Event::new(
+                EventKind::Reported,
+                now,
+                &lease.id,
+                &lease.proxy,
+                target,
+                lease.expires_at.as_millisecond(),
+            )
         },
     )?;
     let until = cooldown_ms.map(|ms| now.saturating_add(ms));
@@ -424,60 +425,21 @@ pub(crate) fn sweep(
     })
 }
 
-/// What happened to a lease, as written to `lease_events.kind`.
-#[derive(Debug, Clone, Copy)]
-enum EventKind {
-    Acquired,
-    Renewed,
-    Released,
-    Reported,
-}
-
-impl EventKind {
-    fn as_str(self) -> &'static str {
-        match self {
-            EventKind::Acquired => "acquired",
-            EventKind::Renewed => "renewed",
-            EventKind::Released => "released",
-            EventKind::Reported => "reported",
-        }
-    }
-}
-
-/// One history row, borrowed from whatever the writer holds.
-struct Event<'a> {
-    kind: EventKind,
-    at: i64,
-    lease_id: &'a str,
-    proxy: &'a ProxyId,
-    target: Option<&'a str>,
-    result: Option<ReportResult>,
-    expires_at: i64,
-    /// Why the operator released the lease (`released` events only).
-    reason: Option<&'a str>,
-    /// The cooldown a report started (`reported` events only).
-    cooldown_ms: Option<i64>,
-    /// The crawler that took the lease (`acquired` events only).
-    client: Option<&'a str>,
-}
-
-impl<'a> Event<'a> {
-    fn of(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLease) -> Self {
-        Event {
+/// A `kind` event on an in-memory lease; an `acquired` one names the crawler that took it.
+fn event_of<'a>(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLease) -> Event<'a> {
+    Event {
+        client: match kind {
+            EventKind::Acquired => lease.client.as_deref(),
+            _ => None,
+        },
+        ..Event::new(
             kind,
             at,
             lease_id,
-            proxy: &lease.proxy,
-            target: lease.target.as_deref(),
-            result: None,
-            expires_at: lease.expires_at,
-            reason: None,
-            cooldown_ms: None,
-            client: match kind {
-                EventKind::Acquired => lease.client.as_deref(),
-                _ => None,
-            },
-        }
+            &lease.proxy,
+            lease.target.as_deref(),
+            lease.expires_at,
+        )
     }
 }
 
