@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use deadpool_postgres::GenericClient;
 use jiff::Timestamp;
@@ -24,7 +24,9 @@ use super::pipelined::Pipelined;
 use super::store::{self, StoreError, lease_by_ids, query};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState};
+use crate::ledger::lease::{
+    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseRow, LeaseState,
+};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
 use crate::resources::proxy::ProxyId;
@@ -532,18 +534,19 @@ async fn insert_leases(
             return Err(LedgerError::Inconsistent("a planned candidate vanished".into()).into());
         };
         max_leases.push(i64::from(candidate.max_leases));
-        leases.push(Lease {
+        let lease = LeaseRow {
             id: pending.id.clone(),
             proxy: ProxyId::clone(&candidate.proxy),
             target: plan.target.clone(),
-            state: LeaseState::Active,
-            acquired_at: store::timestamp(now)?,
-            expires_at: store::timestamp(now.saturating_add(pending.ttl_ms))?,
-            ttl: Duration::from_millis(pending.ttl_ms.unsigned_abs()),
+            state: LeaseState::Active.as_str(),
+            acquired_at: now,
+            expires_at: now.saturating_add(pending.ttl_ms),
+            ttl_ms: pending.ttl_ms,
             released_at: None,
             release_reason: None,
             client: pending.request.client.clone(),
-        });
+        };
+        leases.push(lease.decode(now)?);
     }
     let column =
         |f: fn(&Lease) -> Option<&str>| -> Vec<Option<&str>> { leases.iter().map(f).collect() };
@@ -679,6 +682,7 @@ fn target_hold<'a>(
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use super::*;
     use crate::ledger::lease::RequestKey;

@@ -2,10 +2,7 @@
 //! transaction per call. Each takes the time from the caller (the ledger's injected clock),
 //! never from the database.
 
-use std::time::Duration;
-
 use deadpool_postgres::GenericClient;
-use jiff::Timestamp;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -13,7 +10,7 @@ use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
-use crate::ledger::lease::{Lease, LeaseReport, LeaseState, ReportResult, SweepStats};
+use crate::ledger::lease::{Lease, LeaseReport, LeaseRow, LeaseRowError, ReportResult, SweepStats};
 use crate::resources::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
@@ -33,6 +30,13 @@ impl StoreError {
 impl From<tokio_postgres::Error> for StoreError {
     fn from(error: tokio_postgres::Error) -> Self {
         StoreError::Db(error)
+    }
+}
+
+/// A lease row that names no lease: the database holds what no binary of ours wrote.
+impl From<LeaseRowError> for StoreError {
+    fn from(error: LeaseRowError) -> Self {
+        StoreError::Ledger(LedgerError::Inconsistent(error.to_string()))
     }
 }
 
@@ -329,16 +333,7 @@ pub(crate) async fn lease_by_id(
 }
 
 pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
-    let state: String = row.get(5);
-    let mut state: LeaseState = state
-        .parse()
-        .map_err(|e| LedgerError::Inconsistent(format!("lease row: {e}")))?;
-    let expires_at: i64 = row.get(7);
-    if state == LeaseState::Active && expires_at <= now {
-        state = LeaseState::Expired;
-    }
-    let ttl_ms: i64 = row.get(8);
-    Ok(Lease {
+    Ok(LeaseRow {
         id: row.get(0),
         proxy: ProxyId {
             namespace: row.get(1),
@@ -346,19 +341,15 @@ pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
             uid: row.get(3),
         },
         target: row.get(4),
-        state,
-        acquired_at: timestamp(row.get(6))?,
-        expires_at: timestamp(expires_at)?,
-        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
-        released_at: row.get::<_, Option<i64>>(9).map(timestamp).transpose()?,
+        state: row.get(5),
+        acquired_at: row.get(6),
+        expires_at: row.get(7),
+        ttl_ms: row.get(8),
+        released_at: row.get(9),
         release_reason: row.get(10),
         client: row.get(11),
-    })
-}
-
-pub(crate) fn timestamp(ms: i64) -> Result<Timestamp> {
-    Timestamp::from_millisecond(ms)
-        .map_err(|e| LedgerError::Inconsistent(format!("time {ms} ms: {e}")).into())
+    }
+    .decode(now)?)
 }
 
 /// Appends one row to the lease history.

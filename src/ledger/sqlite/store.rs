@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jiff::Timestamp;
 use r2d2::Pool;
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::types::Type;
@@ -18,7 +17,7 @@ use super::state::{ActiveLease, LedgerState, RequestEntry};
 use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
-use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
+use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};
 use crate::ledger::target_hold::TargetLimits;
 use crate::resources::proxy::ProxyId;
 
@@ -483,16 +482,8 @@ pub(crate) fn lease_by_id(
 }
 
 fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
-    let state_text: String = row.get(5)?;
-    let mut state: LeaseState = state_text
-        .parse()
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(5, Type::Text, Box::new(e)))?;
-    let expires_at: i64 = row.get(7)?;
-    if state == LeaseState::Active && expires_at <= now {
-        state = LeaseState::Expired;
-    }
-    let ttl_ms: i64 = row.get(8)?;
-    Ok(Lease {
+    let state: String = row.get(5)?;
+    LeaseRow {
         id: row.get(0)?,
         proxy: ProxyId {
             namespace: row.get(1)?,
@@ -500,40 +491,46 @@ fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
             uid: row.get(3)?,
         },
         target: row.get(4)?,
-        state,
-        acquired_at: timestamp(row.get(6)?)?,
-        expires_at: timestamp(expires_at)?,
-        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
-        released_at: row.get::<_, Option<i64>>(9)?.map(timestamp).transpose()?,
+        state: &state,
+        acquired_at: row.get(6)?,
+        expires_at: row.get(7)?,
+        ttl_ms: row.get(8)?,
+        released_at: row.get(9)?,
         release_reason: row.get(10)?,
         client: row.get(11)?,
-    })
+    }
+    .decode(now)
+    .map_err(row_error)
 }
 
 /// The lease an in-memory active lease describes, as of `now`.
 pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Result<Lease> {
-    Ok(Lease {
+    LeaseRow {
         id: id.to_owned(),
         proxy: ProxyId::clone(&lease.proxy),
         target: lease.target.as_deref().map(str::to_owned),
-        state: if lease.expires_at > now {
-            LeaseState::Active
-        } else {
-            LeaseState::Expired
-        },
-        acquired_at: timestamp(lease.acquired_at)?,
-        expires_at: timestamp(lease.expires_at)?,
-        ttl: Duration::from_millis(lease.ttl_ms.unsigned_abs()),
+        state: LeaseState::Active.as_str(),
+        acquired_at: lease.acquired_at,
+        expires_at: lease.expires_at,
+        ttl_ms: lease.ttl_ms,
         released_at: None,
         release_reason: None,
         client: lease.client.as_deref().map(str::to_owned),
-    })
+    }
+    .decode(now)
+    .map_err(row_error)
 }
 
-/// A stored time (milliseconds since the epoch) as a timestamp.
-fn timestamp(ms: i64) -> rusqlite::Result<Timestamp> {
-    Timestamp::from_millisecond(ms)
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, Type::Integer, Box::new(e)))
+/// A row that names no lease, as the conversion failure of the column at fault.
+fn row_error(error: LeaseRowError) -> rusqlite::Error {
+    match error {
+        LeaseRowError::State(e) => {
+            rusqlite::Error::FromSqlConversionFailure(5, Type::Text, Box::new(e))
+        }
+        LeaseRowError::Time { source, .. } => {
+            rusqlite::Error::FromSqlConversionFailure(0, Type::Integer, Box::new(source))
+        }
+    }
 }
 
 #[cfg(test)]
