@@ -32,6 +32,7 @@
 
 mod clock;
 mod config;
+mod counts;
 mod error;
 mod history;
 mod lease;
@@ -43,11 +44,11 @@ mod sqlite;
 mod target_hold;
 mod targets;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
+pub use counts::LedgerCounts;
 pub use error::LedgerError;
 pub use lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
@@ -73,8 +74,9 @@ pub struct DatabaseStatus {
 /// A lease ledger, whichever backend keeps it.
 ///
 /// Writes and lease reads are `async`: a backend may wait for a writer, a disk or a database.
-/// The counts are synchronous snapshots, read on hot paths (every proxy list, every metrics
-/// scrape, every reconcile) without a round trip; each backend says how stale they may be.
+/// The [`counts`](Ledger::counts) are synchronous snapshots, read on hot paths (every proxy
+/// list, every metrics scrape, every reconcile) without a round trip; each backend says how
+/// stale they may be.
 #[async_trait::async_trait]
 pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// Grants a lease on the best candidate (in the order of `selection::select`) or says why
@@ -134,23 +136,7 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Active leases per proxy UID (proxies without any are absent).
-    fn active_counts(&self) -> HashMap<String, u32>;
-
-    /// Active leases of one proxy.
-    fn active_count(&self, uid: &str) -> u32;
-
-    /// Number of active leases.
-    fn active_total(&self) -> u64;
-
-    /// Whether proxy `proxy_uid` is cooling down for `target`.
-    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool;
-
-    /// Number of (proxy, target) pairs in cooldown.
-    fn cooldowns_active(&self) -> u64;
-
-    /// (proxy, target) cooldowns in force per target: the [`NAMED_TARGETS`] targets with the
-    /// most (ties by name) and the sum over the others ([`rank_targets`]); an ended cooldown
-    /// never counts.
-    fn target_cooldowns(&self) -> TargetCooldowns;
+    /// The counts (active leases, cooldowns) at this moment, from memory: a short-lived view
+    /// to read and drop at once (see [`LedgerCounts`]).
+    fn counts(&self) -> LedgerCounts<'_>;
 }

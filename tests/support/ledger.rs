@@ -152,11 +152,19 @@ impl Fixture {
                 let active = self.count(&format!(
                     "SELECT count(*) FROM leases WHERE state = 'active' AND expires_at > {now}"
                 ));
-                assert_eq!(self.ledger.active_total(), active as u64, "active leases");
+                assert_eq!(
+                    self.ledger.counts().active_total(),
+                    active as u64,
+                    "active leases"
+                );
                 let cooling = self.count(&format!(
                     "SELECT count(*) FROM cooldowns WHERE until > {now}"
                 ));
-                assert_eq!(self.ledger.cooldowns_active(), cooling as u64, "cooldowns");
+                assert_eq!(
+                    self.ledger.counts().cooldowns_active(),
+                    cooling as u64,
+                    "cooldowns"
+                );
             }
         }
     }

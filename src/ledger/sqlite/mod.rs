@@ -70,7 +70,6 @@ mod stats;
 mod store;
 mod writer;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
@@ -87,8 +86,8 @@ use store::ReaderPool;
 use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
 
 use super::{
-    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerError,
-    SweepStats, TargetCooldowns,
+    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerCounts,
+    LedgerError, SweepStats,
 };
 use crate::ledger::lease::is_release_reason;
 use crate::ledger::target_hold::TargetLimits;
@@ -281,13 +280,6 @@ impl SqliteLedger {
         answer.await.unwrap_or(Err(LedgerError::Closed))
     }
 
-    fn counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
-        self.inner
-            .counts
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn now_ms(&self) -> i64 {
         self.inner.clock.now().as_millisecond()
     }
@@ -369,35 +361,12 @@ impl Ledger for SqliteLedger {
         self.get("readyz").await.map(drop)
     }
 
-    /// From memory, as of the last commit.
-    fn active_counts(&self) -> HashMap<String, u32> {
-        self.counts().active_counts(self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn active_count(&self, uid: &str) -> u32 {
-        self.counts().active_count(uid, self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn active_total(&self) -> u64 {
-        self.counts().active_total(self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool {
-        self.counts().in_cooldown(proxy_uid, target, self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn cooldowns_active(&self) -> u64 {
-        self.counts().cooldowns_active(self.now_ms())
-    }
-
-    /// From memory: a scrape copies the ranking the writer made at its last commit that
-    /// changed a cooldown, or ranks the targets itself once a cooldown counted there has ended.
-    fn target_cooldowns(&self) -> TargetCooldowns {
-        self.counts().target_cooldowns(self.now_ms())
+    /// From memory, as of the last commit: the writer refreshes what a batch touched after
+    /// its COMMIT and before answering. A scrape copies the ranking of targets the writer made
+    /// at its last commit that changed a cooldown, or ranks them itself once a cooldown
+    /// counted there has ended.
+    fn counts(&self) -> LedgerCounts<'_> {
+        LedgerCounts::new(&*self.inner.counts, &*self.inner.clock)
     }
 }
 

@@ -119,7 +119,7 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
         "{stats:?}"
     );
     assert_eq!(stats.pruned_leases, 0, "history sufficed: {stats:?}");
-    assert_eq!(ledger.active_total(), 0);
+    assert_eq!(ledger.counts().active_total(), 0);
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await
@@ -293,10 +293,10 @@ impl Full {
     /// anything of it: no phantom lease counted, no lease lost.
     async fn refuses_a_mixed_batch_whole(&self) {
         let ledger = &self.ledger;
-        let counts = ledger.active_counts();
-        let total = ledger.active_total();
+        let counts = ledger.counts().active_counts();
+        let total = ledger.counts().active_total();
         assert_eq!(total, 1 + self.granted.len() as u64);
-        assert_eq!(ledger.cooldowns_active(), 1);
+        assert_eq!(ledger.counts().cooldowns_active(), 1);
         let rows = file_leases(&self.path);
         assert_eq!(
             rows.len() as u64,
@@ -336,12 +336,16 @@ impl Full {
         }
 
         assert_eq!(
-            ledger.active_counts(),
+            ledger.counts().active_counts(),
             counts,
             "no phantom lease is counted"
         );
-        assert_eq!(ledger.active_total(), total);
-        assert_eq!(ledger.cooldowns_active(), 1, "the batch's cooldown is gone");
+        assert_eq!(ledger.counts().active_total(), total);
+        assert_eq!(
+            ledger.counts().cooldowns_active(),
+            1,
+            "the batch's cooldown is gone"
+        );
         assert_eq!(file_leases(&self.path), rows, "the file kept nothing of it");
         let held = ledger.get(&self.held.id).await.unwrap().unwrap();
         assert_eq!(held, self.held, "released and renewed in neither");
@@ -389,7 +393,7 @@ async fn a_full_batch_at_the_page_limit_is_refused_whole_and_the_sweep_makes_roo
     f.clock.advance(11 * MINUTE);
     let swept = f.ledger.sweep().await.unwrap();
     assert_eq!(swept.expired, 1 + f.granted.len() as u64);
-    assert_eq!(f.ledger.active_total(), 0);
+    assert_eq!(f.ledger.counts().active_total(), 0);
     f.writes_again().await;
 }
 
@@ -582,7 +586,7 @@ impl Api {
         let mut expected = granted.to_vec();
         expected.sort();
         assert_eq!(in_file.lines().collect::<Vec<_>>(), expected);
-        assert_eq!(self.ledger.active_total(), granted.len() as u64);
+        assert_eq!(self.ledger.counts().active_total(), granted.len() as u64);
         self.ledger.self_check().await.unwrap();
     }
 
@@ -631,7 +635,7 @@ async fn the_api_answers_503_ledger_full_on_a_full_disk_and_recovers_when_space_
     let answer = api.acquire().await;
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     api.ledger.self_check().await.unwrap();
-    assert_eq!(api.ledger.active_total(), granted.len() as u64 + 1);
+    assert_eq!(api.ledger.counts().active_total(), granted.len() as u64 + 1);
     api.stop().await;
 }
 

@@ -172,7 +172,7 @@ fn acknowledged_leases_survive_sigkill() {
             .unwrap();
         assert_eq!(replay, AcquireOutcome::Replayed(lease), "{request_id}");
     }
-    let total = ledger.active_total();
+    let total = ledger.counts().active_total();
     assert!(
         total >= acknowledged.len() as u64,
         "{total} active < {} acknowledged",
