@@ -127,7 +127,15 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// reads as expired even before the sweep marks it.
     async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError>;
 
-    /// Whether the ledger can serve: `Ok` when writes are taken and reads answer (readiness).
+    /// Whether this replica can serve leases (`/readyz` answers 503 on an error).
+    ///
+    /// - SQLite: the writer thread runs (not shut down, not died) and a read of a lease on a
+    ///   pooled connection answers; [`LedgerError::Closed`] or the read's error otherwise.
+    /// - PostgreSQL: always `Ok`, without asking the database: one that does not answer
+    ///   fails every replica alike, so taking this one out of the Service would help no
+    ///   crawler. Whether it answers is [`database`](Ledger::database)'s: down after a
+    ///   statement (or the refresh of the counts, every [`COUNTS_REFRESH`]) could not reach
+    ///   it, up again after one that did, with the last failure's reason.
     async fn check(&self) -> Result<(), LedgerError>;
 
     /// The state of the database behind the ledger, for `/readyz` and the metrics; `None`
