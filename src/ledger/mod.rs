@@ -47,7 +47,7 @@ mod targets;
 use std::time::Duration;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
+pub use config::LedgerConfig;
 pub use counts::LedgerCounts;
 pub use error::LedgerError;
 pub use lease::{
@@ -59,7 +59,10 @@ pub use postgres::{
     COUNTS_REFRESH, POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector,
     PostgresOptions,
 };
-pub use sqlite::{SCHEMA_VERSION, SqliteLedger, SqliteLedgerCollector, WriterStats};
+pub use sqlite::{
+    DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SCHEMA_VERSION, SqliteLedger,
+    SqliteLedgerCollector, SqliteOptions, WriterStats,
+};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
 
 /// Whether a ledger's database answers.

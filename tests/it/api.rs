@@ -19,6 +19,7 @@ use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     Clock, Ledger, LedgerConfig, ManualClock, PostgresLedger, PostgresOptions, SqliteLedger,
+    SqliteOptions,
 };
 use proxy_operator::resources::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
@@ -76,8 +77,13 @@ impl Store {
     ) -> (Arc<dyn Ledger>, Option<SqliteLedger>) {
         match self {
             Store::Sqlite(dir) => {
-                let ledger =
-                    SqliteLedger::open(&dir.path().join("ledger.db"), config, clock).unwrap();
+                let ledger = SqliteLedger::open(
+                    &dir.path().join("ledger.db"),
+                    SqliteOptions::default(),
+                    config,
+                    clock,
+                )
+                .unwrap();
                 (Arc::new(ledger.clone()), Some(ledger))
             }
             Store::Postgres(database) => {

@@ -23,6 +23,7 @@ mod batch;
 mod connect;
 mod counts;
 mod metrics;
+mod options;
 mod pipelined;
 mod retry;
 mod schema;
@@ -40,6 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 use deadpool_postgres::{Pool, PoolError};
 
 pub use metrics::PostgresLedgerCollector;
+pub use options::PostgresOptions;
 pub use schema::POSTGRES_SCHEMA_VERSION;
 
 use self::batch::{Pending, Verdict};
@@ -62,15 +64,6 @@ pub const COUNTS_REFRESH: Duration = Duration::from_secs(1);
 /// Batches an acquire may be decided in when each finds its chosen proxy taken by another
 /// replica's batch first; then it is answered `Overloaded`.
 const RACE_ATTEMPTS: u32 = 64;
-
-/// How to reach the database, besides the URL.
-#[derive(Debug, Clone, Default)]
-pub struct PostgresOptions {
-    /// The password (from `--ledger-password-file`); wins over the URL's and `PGPASSWORD`.
-    pub password: Option<String>,
-    /// Connections in the pool.
-    pub pool_size: usize,
-}
 
 /// A lease ledger in a PostgreSQL database. Clones share the pool and the counts.
 #[derive(Clone)]

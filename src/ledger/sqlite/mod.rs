@@ -63,6 +63,7 @@
 mod bound;
 mod counts;
 mod metrics;
+mod options;
 mod schema;
 mod space;
 mod state;
@@ -93,6 +94,7 @@ use crate::ledger::lease::is_release_reason;
 use crate::ledger::target_hold::TargetLimits;
 
 pub use metrics::SqliteLedgerCollector;
+pub use options::{DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SqliteOptions};
 pub use schema::SCHEMA_VERSION;
 pub use stats::WriterStats;
 
@@ -106,6 +108,7 @@ pub struct SqliteLedger {
 
 struct Inner {
     path: PathBuf,
+    options: SqliteOptions,
     config: LedgerConfig,
     clock: Arc<dyn Clock>,
     pool: ReaderPool,
@@ -120,23 +123,27 @@ impl std::fmt::Debug for SqliteLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteLedger")
             .field("path", &self.inner.path)
+            .field("options", &self.inner.options)
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
 
 impl SqliteLedger {
-    /// Opens (creating if needed) the ledger file at `path`, switches it to WAL, applies
-    /// pending migrations, loads the lease state into memory and starts the writer thread.
+    /// Opens (creating if needed) the ledger file at `path`, kept as `options` say, switches
+    /// it to WAL, applies pending migrations, loads the lease state into memory and starts the
+    /// writer thread.
     /// Refuses a file written by a newer binary. Blocks on SQLite: call it before serving, or
     /// from a blocking thread.
     pub fn open(
         path: &Path,
+        options: SqliteOptions,
         config: LedgerConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteLedger, LedgerError> {
         config.validate()?;
-        let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
+        options.validate()?;
+        let (conn, bound) = store::open_writer(path, options.durability, options.max_size)?;
         let now = clock.now().as_millisecond();
         let state = store::load_state(&conn, now, TargetLimits::of(&config)).map_err(|source| {
             LedgerError::Open {
@@ -145,7 +152,7 @@ impl SqliteLedger {
             }
         })?;
         let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
-        let pool = store::reader_pool(path, config.durability)?;
+        let pool = store::reader_pool(path, options.durability)?;
         let (queue, receiver) = sync_channel(config.queue_capacity);
         let shared = Arc::new(Shared::default());
         let writer = Writer {
@@ -165,6 +172,7 @@ impl SqliteLedger {
         Ok(SqliteLedger {
             inner: Arc::new(Inner {
                 path: path.to_owned(),
+                options,
                 config,
                 clock,
                 pool,

@@ -12,9 +12,9 @@ use rusqlite::types::Type;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
+use super::options::Durability;
 use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
-use crate::ledger::config::Durability;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};

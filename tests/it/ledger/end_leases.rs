@@ -14,7 +14,7 @@ use std::time::Duration;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, LeaseState, Ledger,
     LedgerConfig, LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
-    SqliteLedger,
+    SqliteLedger, SqliteOptions,
 };
 use support::ledger::{Backend, Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
@@ -581,7 +581,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         .unwrap();
     }
     let clock = Arc::new(ManualClock::new(start()));
-    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
+    let ledger =
+        SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
     assert_eq!(SCHEMA_VERSION, 4);
     assert_eq!(count(&path, "PRAGMA user_version"), 4);
@@ -774,11 +775,16 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
 /// memory rolled back); once the sweep has made room, the end goes through.
 #[tokio::test]
 async fn a_full_ledger_refuses_the_end_whole() {
-    let f = Fixture::new(LedgerConfig {
-        max_size: MIN_MAX_SIZE,
-        cooldown: MINUTE,
-        ..LedgerConfig::default()
-    });
+    let f = Fixture::with_options(
+        SqliteOptions {
+            max_size: MIN_MAX_SIZE,
+            ..SqliteOptions::default()
+        },
+        LedgerConfig {
+            cooldown: MINUTE,
+            ..LedgerConfig::default()
+        },
+    );
     let (a, b) = (candidate("a", 1_000_000), candidate("b", 1_000_000));
     let on_a = f.hold(&a, 50, 10 * MINUTE).await;
     // Fill the file with leases on b (which expire first) until not even pruning makes room.

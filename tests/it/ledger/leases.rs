@@ -19,7 +19,7 @@ use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseReport, LeaseState, Ledger,
     LedgerConfig, LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION,
-    SqliteLedger, SweepStats, SystemClock,
+    SqliteLedger, SqliteOptions, SweepStats, SystemClock,
 };
 use support::ledger::{Backend, Fixture, candidate, granted, no_match, start};
 
@@ -30,7 +30,6 @@ fn config() -> LedgerConfig {
         max_ttl: Duration::from_secs(3600),
         cooldown: 10 * MINUTE,
         history_retention: Duration::from_secs(24 * 3600),
-        durability: Durability::Normal,
         ..LedgerConfig::default()
     }
 }
@@ -1270,7 +1269,8 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
         )
         .unwrap();
     }
-    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
+    let ledger =
+        SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
     assert_eq!(ledger.counts().active_total(), 1);
     let c = [candidate("a", 1)];
     no_match(acquire(&ledger, &c, None, MINUTE).await);
@@ -1284,13 +1284,17 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
 
 #[tokio::test]
 async fn full_durability_opens_and_keeps_leases_across_reopening() {
-    let f = Fixture::new(LedgerConfig {
-        durability: Durability::Full,
-        ..config()
-    });
+    let f = Fixture::with_options(
+        SqliteOptions {
+            durability: Durability::Full,
+            ..SqliteOptions::default()
+        },
+        config(),
+    );
     let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
-    // Reopened with the default (Normal) durability of `config()`.
-    let reopened = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap();
+    // Reopened with the default (Normal) durability.
+    let reopened =
+        SqliteLedger::open(&f.path, SqliteOptions::default(), config(), f.clock.clone()).unwrap();
     assert_eq!(reopened.get(&lease.id).await.unwrap(), Some(lease));
 }
 
@@ -1300,7 +1304,8 @@ async fn a_database_from_a_newer_binary_is_refused() {
     f.raw()
         .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
         .unwrap();
-    let err = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap_err();
+    let err = SqliteLedger::open(&f.path, SqliteOptions::default(), config(), f.clock.clone())
+        .unwrap_err();
     match &err {
         LedgerError::Newer {
             path,
@@ -1321,7 +1326,13 @@ async fn a_database_from_a_newer_binary_is_refused() {
 async fn open_errors_name_the_file_and_bad_config_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("missing-dir").join("ledger.db");
-    let err = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(
+        &path,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap_err();
     assert!(matches!(err, LedgerError::Open { .. }), "{err:?}");
     assert!(err.to_string().contains("missing-dir"), "{err}");
 
@@ -1331,7 +1342,13 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
         "this is not a database, just some text ".repeat(200),
     )
     .unwrap();
-    let err = SqliteLedger::open(&not_a_db, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(
+        &not_a_db,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("notes.txt"), "{err}");
 
     for bad in [
@@ -1344,8 +1361,13 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
             ..config()
         },
     ] {
-        let err =
-            SqliteLedger::open(&dir.path().join("x.db"), bad, Arc::new(SystemClock)).unwrap_err();
+        let err = SqliteLedger::open(
+            &dir.path().join("x.db"),
+            SqliteOptions::default(),
+            bad,
+            Arc::new(SystemClock),
+        )
+        .unwrap_err();
         assert!(matches!(err, LedgerError::Config(_)), "{err:?}");
     }
 }
@@ -1447,7 +1469,13 @@ fn sqlite3(path: &Path, sql: &str) -> String {
 async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
-    let ledger = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap();
+    let ledger = SqliteLedger::open(
+        &path,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
     let c = [candidate("a", 5), measured("b", 5, 3)];
     let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
