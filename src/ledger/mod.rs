@@ -2,11 +2,13 @@
 //! restart, so an acknowledged lease is never lost and an engineer can read what happened.
 //!
 //! This module holds what every backend shares: the [`Ledger`] trait the API, the metrics
-//! collector, the reconciler and the process wiring use; the values it takes and hands out
-//! (`lease`); the pure selection of a proxy for an acquire (`selection::select`); the ranking of cooldowns
-//! per target (`targets`); the clock, the configuration and the errors. A backend decides every
-//! write against its own record of the leases, and calls the same `select` so both backends
-//! choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
+//! collector, the reconciler and the process wiring use; the values it takes and hands out,
+//! and the decoding of a lease row (`lease`); the pure selection of a proxy for an acquire
+//! (`selection::select`) and the per-target limits it is held to (`target_hold`); the view of
+//! the counts ([`LedgerCounts`], `counts`); the history rows (`history`); the ranking of
+//! cooldowns per target (`targets`); the clock, the configuration every backend keeps and the
+//! errors. A backend decides every write against its own record of the leases, and calls the
+//! same `select` and `TargetHold` so both backends choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
 //! commit, one replica. [`PostgresLedger`] (`postgres/`): one database any number of replicas
 //! share, the database deciding each write in a transaction of its own.
 //!
