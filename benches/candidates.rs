@@ -21,7 +21,8 @@ use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SqliteOptions,
+    SystemClock,
 };
 use proxy_operator::resources::proxy::Proxy;
 use proxy_operator::serving::candidates::{CandidateIndex, Selector};
@@ -120,6 +121,7 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         Arc::new(SystemClock),
     )

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SystemClock,
-    WriterStats,
+    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SqliteOptions,
+    SystemClock, WriterStats,
 };
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
@@ -42,6 +42,7 @@ impl LedgerSide {
         let dir = tempfile::tempdir().expect("temporary directory");
         let ledger = SqliteLedger::open(
             &dir.path().join("ledger.db"),
+            SqliteOptions::default(),
             LedgerConfig::default(),
             Arc::new(SystemClock),
         )

@@ -86,7 +86,7 @@ impl Collector for FleetCollector {
         let mut counts = [0i64; Phase::ALL.len()];
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
         let proxy_leases = {
-            let leases = self.ledger.active_counts();
+            let leases = self.ledger.counts().active_counts();
             let snapshot = self.inventory.snapshot();
             let health = self.positions.health(&snapshot, &self.health);
             let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
@@ -116,16 +116,16 @@ impl Collector for FleetCollector {
         let mut families = self.proxies.collect();
         // The ledger's snapshot: no query per scrape.
         self.leases_active
-            .set(i64::try_from(self.ledger.active_total()).unwrap_or(i64::MAX));
+            .set(i64::try_from(self.ledger.counts().active_total()).unwrap_or(i64::MAX));
         self.cooldowns_active
-            .set(i64::try_from(self.ledger.cooldowns_active()).unwrap_or(i64::MAX));
+            .set(i64::try_from(self.ledger.counts().cooldowns_active()).unwrap_or(i64::MAX));
         families.extend(self.leases_active.collect());
         families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
         // At most 51 numbers copied from the ledger's memory; none when nothing cools down.
         if let Some(family) = self
             .target_cooldowns
-            .family(&self.ledger.target_cooldowns())
+            .family(&self.ledger.counts().target_cooldowns())
         {
             families.push(family);
         }

@@ -156,7 +156,7 @@ pub async fn list_proxies(
     };
     let selector = Selector::parse(query.selector.as_deref().unwrap_or_default())
         .map_err(|e| ApiError::bad_request("invalid_query", format!("`selector`: {e}")))?;
-    let counts = state.ledger.active_counts();
+    let counts = state.ledger.counts().active_counts();
     let snapshot = state.inventory.snapshot();
     let fragments = state.proxy_list.fragments(&snapshot);
     let positions = state.candidates.matching(&snapshot, &selector);

@@ -348,7 +348,7 @@ impl Gateway {
         if self.health.get(proxy).and_then(|h| h.healthy) != Some(true) {
             return None;
         }
-        if self.ledger.in_cooldown(&proxy.uid, target) {
+        if self.ledger.counts().in_cooldown(&proxy.uid, target) {
             return None;
         }
         let object = snapshot.proxies().get(position)?;

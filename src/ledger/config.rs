@@ -5,41 +5,12 @@ use std::time::Duration;
 use super::error::LedgerError;
 use super::lease::LeaseReport;
 
-/// Smallest size bound accepted (`max_size`): room for the schema, the WAL allowance and a
-/// few thousand leases.
-pub const MIN_MAX_SIZE: u64 = 1 << 20;
-/// Default size bound: half of the 1 GiB volume the manifests ship, leaving the other half for
-/// the `-shm` file, a temporary copy by an offline `VACUUM`, and slack.
-pub const DEFAULT_MAX_SIZE: u64 = 512 << 20;
-
 /// Upper bound of every configured duration, so timestamps stay in range.
 const MAX_CONFIG_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-/// What a commit must survive.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Durability {
-    /// WAL with `synchronous = NORMAL`: a commit is in the WAL file (the OS page cache) before
-    /// the call returns, so an acknowledged lease survives the process being killed (`kill -9`,
-    /// OOM, crash). A power loss or kernel crash may lose the last commits; the file stays
-    /// consistent. No fsync per commit.
-    #[default]
-    Normal,
-    /// WAL with `synchronous = FULL`: the WAL is fsynced at every commit, so acknowledged
-    /// leases also survive a power loss, at the cost of one fsync per batch.
-    Full,
-}
-
-impl Durability {
-    pub(crate) fn synchronous(self) -> &'static str {
-        match self {
-            Durability::Normal => "NORMAL",
-            Durability::Full => "FULL",
-        }
-    }
-}
-
-/// Tunables of the ledger. `max_size`, `durability`, `queue_capacity`, `queue_deadline` and
-/// `max_batch` are the SQLite backend's; the others are every backend's rules.
+/// Tunables every backend shares: the lease rules, and the queue and batches every backend
+/// decides its writes in. What only one backend has is in its options (`SqliteOptions`,
+/// `PostgresOptions`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LedgerConfig {
     /// Longest TTL granted; longer requests are cut to it (`--max-lease-ttl`).
@@ -58,11 +29,6 @@ pub struct LedgerConfig {
     pub max_leases_per_proxy_target: Option<u32>,
     /// How long lease history is kept.
     pub history_retention: Duration,
-    /// Bytes the database file and its WAL may take together (`--ledger-max-size`); the
-    /// oldest history is pruned to stay within it (see the `bound` module).
-    pub max_size: u64,
-    /// What an acknowledged write survives.
-    pub durability: Durability,
     /// Writes that may wait for the writer; one more is refused at once with
     /// [`LedgerError::Overloaded`] instead of queueing behind work its client may abandon.
     pub queue_capacity: usize,
@@ -84,8 +50,6 @@ impl Default for LedgerConfig {
             max_leases_per_target: None,
             max_leases_per_proxy_target: None,
             history_retention: Duration::from_secs(7 * 24 * 3600),
-            max_size: DEFAULT_MAX_SIZE,
-            durability: Durability::Normal,
             queue_capacity: 4096,
             queue_deadline: Duration::from_secs(2),
             max_batch: 256,
@@ -94,11 +58,6 @@ impl Default for LedgerConfig {
 }
 
 impl LedgerConfig {
-    /// Whether a per-target limit (fleet-wide or per proxy) is set.
-    pub(crate) fn limits_targets(&self) -> bool {
-        self.max_leases_per_target.is_some() || self.max_leases_per_proxy_target.is_some()
-    }
-
     pub(crate) fn validate(&self) -> Result<(), LedgerError> {
         let config_error = |message: String| Err(LedgerError::Config(message));
         if self.max_ttl < Duration::from_millis(1) {
@@ -116,7 +75,6 @@ impl LedgerConfig {
                 self.queue_capacity, self.max_batch
             ));
         }
-        check_max_size(self.max_size).map_err(LedgerError::Config)?;
         for (name, value) in [
             ("max_ttl", self.max_ttl),
             ("cooldown", self.cooldown),
@@ -167,17 +125,6 @@ impl LedgerConfig {
     }
 }
 
-/// Refuses a bound too small to hold anything.
-pub(crate) fn check_max_size(max_size: u64) -> Result<(), String> {
-    if max_size < MIN_MAX_SIZE {
-        return Err(format!(
-            "max_size {max_size} bytes is too small for the ledger: at least {MIN_MAX_SIZE} \
-             bytes (1 MiB) hold the schema, the WAL and a few thousand leases"
-        ));
-    }
-    Ok(())
-}
-
 /// A duration in whole milliseconds (configured durations are bounded, so this never clips).
 pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
@@ -189,7 +136,7 @@ mod tests {
 
     #[test]
     fn configs_that_cannot_work_are_refused() {
-        let cases: [(&str, LedgerConfig, bool); 7] = [
+        let cases: [(&str, LedgerConfig, bool); 6] = [
             ("defaults", LedgerConfig::default(), true),
             (
                 "zero max TTL",
@@ -219,14 +166,6 @@ mod tests {
                 "empty batches",
                 LedgerConfig {
                     max_batch: 0,
-                    ..LedgerConfig::default()
-                },
-                false,
-            ),
-            (
-                "a size bound that holds nothing",
-                LedgerConfig {
-                    max_size: 64 * 1024,
                     ..LedgerConfig::default()
                 },
                 false,

@@ -172,6 +172,61 @@ pub struct Lease {
     pub client: Option<String>,
 }
 
+/// A lease row's columns as a backend read them, turned into a [`Lease`] by one rule
+/// whichever database they came from.
+#[derive(Debug)]
+pub(crate) struct LeaseRow<'a> {
+    pub id: String,
+    pub proxy: ProxyId,
+    pub target: Option<String>,
+    /// The `state` column, as stored.
+    pub state: &'a str,
+    /// Times in milliseconds since the epoch, as stored.
+    pub acquired_at: i64,
+    pub expires_at: i64,
+    pub ttl_ms: i64,
+    pub released_at: Option<i64>,
+    pub release_reason: Option<String>,
+    pub client: Option<String>,
+}
+
+/// A lease row that names no [`Lease`]: a state or a time no binary of ours wrote.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LeaseRowError {
+    #[error("lease row: {0}")]
+    State(#[from] UnknownValue),
+    #[error("time {ms} ms: {source}")]
+    Time { ms: i64, source: jiff::Error },
+}
+
+impl LeaseRow<'_> {
+    /// The lease as of `now`: an active lease past its expiry reads as expired even before
+    /// the sweep marks it, since a lease stops counting by time alone.
+    pub fn decode(self, now: i64) -> Result<Lease, LeaseRowError> {
+        let mut state: LeaseState = self.state.parse()?;
+        if state == LeaseState::Active && self.expires_at <= now {
+            state = LeaseState::Expired;
+        }
+        Ok(Lease {
+            id: self.id,
+            proxy: self.proxy,
+            target: self.target,
+            state,
+            acquired_at: timestamp(self.acquired_at)?,
+            expires_at: timestamp(self.expires_at)?,
+            ttl: Duration::from_millis(self.ttl_ms.unsigned_abs()),
+            released_at: self.released_at.map(timestamp).transpose()?,
+            release_reason: self.release_reason,
+            client: self.client,
+        })
+    }
+}
+
+/// A stored time (milliseconds since the epoch) as a timestamp.
+pub(crate) fn timestamp(ms: i64) -> Result<Timestamp, LeaseRowError> {
+    Timestamp::from_millisecond(ms).map_err(|source| LeaseRowError::Time { ms, source })
+}
+
 /// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
@@ -540,6 +595,61 @@ mod tests {
         assert_eq!(limited(0, 3, 0).reason(), NoMatchReason::TargetLimit);
         assert_eq!(limited(0, 1, 2).reason(), NoMatchReason::TargetLimit);
         assert_eq!(limited(1, 2, 0).reason(), NoMatchReason::Capacity);
+    }
+
+    #[test]
+    fn a_lease_row_reads_as_of_now() {
+        let row = |state, expires_at, released_at| LeaseRow {
+            id: "l".into(),
+            proxy: ProxyId {
+                namespace: "crawl".into(),
+                name: "a".into(),
+                uid: "uid-a".into(),
+            },
+            target: None,
+            state,
+            acquired_at: 0,
+            expires_at,
+            ttl_ms: expires_at,
+            released_at,
+            release_reason: None,
+            client: None,
+        };
+        let cases = [
+            (
+                "active before its expiry",
+                row("active", 100, None),
+                Some(LeaseState::Active),
+            ),
+            (
+                "active at its expiry",
+                row("active", 50, None),
+                Some(LeaseState::Expired),
+            ),
+            (
+                "released",
+                row("released", 100, Some(10)),
+                Some(LeaseState::Released),
+            ),
+            (
+                "expired",
+                row("expired", 100, None),
+                Some(LeaseState::Expired),
+            ),
+            ("a state no binary wrote", row("gone", 100, None), None),
+            ("a time out of range", row("active", i64::MAX, None), None),
+        ];
+        for (name, row, state) in cases {
+            let lease = row.decode(50);
+            assert_eq!(lease.as_ref().ok().map(|l| l.state), state, "{name}");
+        }
+        let lease = row("released", 100, Some(10)).decode(50).unwrap();
+        assert_eq!(lease.ttl, Duration::from_millis(100));
+        assert_eq!(lease.released_at, Timestamp::from_millisecond(10).ok());
+        assert_eq!(
+            row("gone", 100, None).decode(0).unwrap_err().to_string(),
+            "lease row: unknown lease state \"gone\""
+        );
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //! restart, so an acknowledged lease is never lost and an engineer can read what happened.
 //!
 //! This module holds what every backend shares: the [`Ledger`] trait the API, the metrics
-//! collector, the reconciler and the process wiring use; the values it takes and hands out
-//! (`lease`); the pure selection of a proxy for an acquire (`selection::select`); the ranking of cooldowns
-//! per target (`targets`); the clock, the configuration and the errors. A backend decides every
-//! write against its own record of the leases, and calls the same `select` so both backends
-//! choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
+//! collector, the reconciler and the process wiring use; the values it takes and hands out,
+//! and the decoding of a lease row (`lease`); the pure selection of a proxy for an acquire
+//! (`selection::select`) and the per-target limits it is held to (`target_hold`); the view of
+//! the counts ([`LedgerCounts`], `counts`); the history rows (`history`); the ranking of
+//! cooldowns per target (`targets`); the clock, the configuration every backend keeps and the
+//! errors. A backend decides every write against its own record of the leases, and calls the
+//! same `select` and `TargetHold` so both backends choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
 //! commit, one replica. [`PostgresLedger`] (`postgres/`): one database any number of replicas
 //! share, the database deciding each write in a transaction of its own.
 //!
@@ -32,20 +34,23 @@
 
 mod clock;
 mod config;
+mod counts;
 mod error;
+mod history;
 mod lease;
 mod location;
 mod migration;
 mod postgres;
 mod selection;
 mod sqlite;
+mod target_hold;
 mod targets;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{DEFAULT_MAX_SIZE, Durability, LedgerConfig, MIN_MAX_SIZE};
+pub use config::LedgerConfig;
+pub use counts::LedgerCounts;
 pub use error::LedgerError;
 pub use lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
@@ -56,7 +61,10 @@ pub use postgres::{
     COUNTS_REFRESH, POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector,
     PostgresOptions,
 };
-pub use sqlite::{SCHEMA_VERSION, SqliteLedger, SqliteLedgerCollector, WriterStats};
+pub use sqlite::{
+    DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SCHEMA_VERSION, SqliteLedger,
+    SqliteLedgerCollector, SqliteOptions, WriterStats,
+};
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
 
 /// Whether a ledger's database answers.
@@ -71,8 +79,9 @@ pub struct DatabaseStatus {
 /// A lease ledger, whichever backend keeps it.
 ///
 /// Writes and lease reads are `async`: a backend may wait for a writer, a disk or a database.
-/// The counts are synchronous snapshots, read on hot paths (every proxy list, every metrics
-/// scrape, every reconcile) without a round trip; each backend says how stale they may be.
+/// The [`counts`](Ledger::counts) are synchronous snapshots, read on hot paths (every proxy
+/// list, every metrics scrape, every reconcile) without a round trip; each backend says how
+/// stale they may be.
 #[async_trait::async_trait]
 pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// Grants a lease on the best candidate (in the order of `selection::select`) or says why
@@ -123,7 +132,15 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// reads as expired even before the sweep marks it.
     async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError>;
 
-    /// Whether the ledger can serve: `Ok` when writes are taken and reads answer (readiness).
+    /// Whether this replica can serve leases (`/readyz` answers 503 on an error).
+    ///
+    /// - SQLite: the writer thread runs (not shut down, not died) and a read of a lease on a
+    ///   pooled connection answers; [`LedgerError::Closed`] or the read's error otherwise.
+    /// - PostgreSQL: always `Ok`, without asking the database: one that does not answer
+    ///   fails every replica alike, so taking this one out of the Service would help no
+    ///   crawler. Whether it answers is [`database`](Ledger::database)'s: down after a
+    ///   statement (or the refresh of the counts, every [`COUNTS_REFRESH`]) could not reach
+    ///   it, up again after one that did, with the last failure's reason.
     async fn check(&self) -> Result<(), LedgerError>;
 
     /// The state of the database behind the ledger, for `/readyz` and the metrics; `None`
@@ -132,23 +149,7 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Active leases per proxy UID (proxies without any are absent).
-    fn active_counts(&self) -> HashMap<String, u32>;
-
-    /// Active leases of one proxy.
-    fn active_count(&self, uid: &str) -> u32;
-
-    /// Number of active leases.
-    fn active_total(&self) -> u64;
-
-    /// Whether proxy `proxy_uid` is cooling down for `target`.
-    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool;
-
-    /// Number of (proxy, target) pairs in cooldown.
-    fn cooldowns_active(&self) -> u64;
-
-    /// (proxy, target) cooldowns in force per target: the [`NAMED_TARGETS`] targets with the
-    /// most (ties by name) and the sum over the others ([`rank_targets`]); an ended cooldown
-    /// never counts.
-    fn target_cooldowns(&self) -> TargetCooldowns;
+    /// The counts (active leases, cooldowns) at this moment, from memory: a short-lived view
+    /// to read and drop at once (see [`LedgerCounts`]).
+    fn counts(&self) -> LedgerCounts<'_>;
 }

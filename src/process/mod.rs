@@ -24,7 +24,8 @@ use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition
 use crate::inventory::Inventory;
 use crate::ledger::{
     Clock, Durability, Ledger, LedgerConfig, LedgerError, LedgerLocation, PostgresLedger,
-    PostgresLedgerCollector, PostgresOptions, SqliteLedger, SqliteLedgerCollector, SystemClock,
+    PostgresLedgerCollector, PostgresOptions, SqliteLedger, SqliteLedgerCollector, SqliteOptions,
+    SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
 use crate::serving::candidates::CandidateIndex;
@@ -92,8 +93,6 @@ impl Core {
             max_leases_per_target: common.max_leases_per_target,
             max_leases_per_proxy_target: common.max_leases_per_proxy_target,
             history_retention: common.history_retention,
-            max_size: common.ledger_max_size,
-            durability: common.ledger_durability.into(),
             queue_capacity: usize::try_from(common.ledger_queue_capacity).unwrap_or(usize::MAX),
             queue_deadline: common.ledger_queue_deadline,
             ..LedgerConfig::default()
@@ -109,8 +108,12 @@ impl Core {
         let ledger_error = |e: LedgerError| StartError::from_display("--ledger", e);
         let ledger: Arc<dyn Ledger> = match &common.ledger {
             LedgerLocation::Sqlite(path) => {
-                let sqlite =
-                    SqliteLedger::open(path, config, clock.clone()).map_err(ledger_error)?;
+                let options = SqliteOptions {
+                    max_size: common.ledger_max_size,
+                    durability: common.ledger_durability.into(),
+                };
+                let sqlite = SqliteLedger::open(path, options, config, clock.clone())
+                    .map_err(ledger_error)?;
                 let file = SqliteLedgerCollector::new(sqlite.clone()).map_err(metric_error)?;
                 registry.register(Box::new(file)).map_err(metric_error)?;
                 Arc::new(sqlite)
@@ -168,7 +171,7 @@ fn read_password(path: Option<&std::path::Path>) -> Result<Option<String>, Start
 
 /// Says which SQLite-only settings a PostgreSQL ledger leaves aside, when they were changed.
 fn log_sqlite_only_flags(common: &CommonArgs) {
-    let defaults = LedgerConfig::default();
+    let defaults = SqliteOptions::default();
     if common.ledger_max_size != defaults.max_size {
         log::info!(
             "--ledger-max-size applies to an SQLite ledger only; PostgreSQL's room is its own \

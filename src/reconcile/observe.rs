@@ -137,7 +137,7 @@ pub(super) async fn gather<'a>(
         observation,
         failed_this_generation,
         hold_until,
-        active_leases: ctx.ledger.active_count(&uid),
+        active_leases: ctx.ledger.counts().active_count(&uid),
         uid,
         unhealthy_since,
         health,

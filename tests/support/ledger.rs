@@ -14,7 +14,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger,
+    ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger, SqliteOptions,
 };
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
@@ -72,16 +72,24 @@ pub struct Fixture {
     pub backend: Backend,
     sqlite: Option<SqliteLedger>,
     database: Option<Database>,
+    /// How the SQLite file is kept (unused on PostgreSQL).
+    options: SqliteOptions,
     config: LedgerConfig,
 }
 
 impl Fixture {
     /// Opens a new SQLite ledger with `config`, its clock at [`start`].
     pub fn new(config: LedgerConfig) -> Self {
+        Self::with_options(SqliteOptions::default(), config)
+    }
+
+    /// Opens a new SQLite ledger kept as `options` say, with `config`, its clock at
+    /// [`start`].
+    pub fn with_options(options: SqliteOptions, config: LedgerConfig) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.db");
         let clock = Arc::new(ManualClock::new(start()));
-        let ledger = SqliteLedger::open(&path, config.clone(), clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(&path, options, config.clone(), clock.clone()).unwrap();
         Self {
             _dir: dir,
             path,
@@ -90,6 +98,7 @@ impl Fixture {
             backend: Backend::Sqlite,
             sqlite: Some(ledger),
             database: None,
+            options,
             config,
         }
     }
@@ -111,6 +120,7 @@ impl Fixture {
                     backend,
                     sqlite: None,
                     database: Some(database),
+                    options: SqliteOptions::default(),
                     config,
                 })
             }
@@ -124,15 +134,19 @@ impl Fixture {
             .expect("an SQLite-only test runs on the SQLite backend")
     }
 
-    /// Opens the ledger again with the config and clock it was opened with, as a restarted
+    /// Opens the ledger again with the options, config and clock it was opened with, as a restarted
     /// operator would, then drops the old handle (the last clone of an SQLite ledger stops
     /// its writer).
     pub async fn reopen(&mut self) {
         match &self.database {
             None => {
-                let ledger =
-                    SqliteLedger::open(&self.path, self.config.clone(), self.clock.clone())
-                        .unwrap();
+                let ledger = SqliteLedger::open(
+                    &self.path,
+                    self.options,
+                    self.config.clone(),
+                    self.clock.clone(),
+                )
+                .unwrap();
                 self.ledger = Arc::new(ledger.clone());
                 self.sqlite = Some(ledger);
             }
@@ -152,11 +166,19 @@ impl Fixture {
                 let active = self.count(&format!(
                     "SELECT count(*) FROM leases WHERE state = 'active' AND expires_at > {now}"
                 ));
-                assert_eq!(self.ledger.active_total(), active as u64, "active leases");
+                assert_eq!(
+                    self.ledger.counts().active_total(),
+                    active as u64,
+                    "active leases"
+                );
                 let cooling = self.count(&format!(
                     "SELECT count(*) FROM cooldowns WHERE until > {now}"
                 ));
-                assert_eq!(self.ledger.cooldowns_active(), cooling as u64, "cooldowns");
+                assert_eq!(
+                    self.ledger.counts().cooldowns_active(),
+                    cooling as u64,
+                    "cooldowns"
+                );
             }
         }
     }

@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use deadpool_postgres::GenericClient;
 use jiff::Timestamp;
@@ -24,8 +24,11 @@ use super::pipelined::Pipelined;
 use super::store::{self, StoreError, lease_by_ids, query};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseState};
+use crate::ledger::lease::{
+    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseRow, LeaseState,
+};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
+use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
 use crate::resources::proxy::ProxyId;
 
 /// One acquire waiting for its batch.
@@ -226,7 +229,7 @@ pub(crate) async fn decide(
             .planned
             .iter()
             .any(|p| batch[p.pending].request.request.is_some());
-        let checked = if config.limits_targets() || keyed {
+        let checked = if TargetLimits::of(config).any() || keyed {
             check_under_locks(conn, batch, &planning.planned, config, now).await?
         } else {
             grant_at_once(conn, batch, &planning.planned, now).await?
@@ -309,17 +312,19 @@ fn plan(
         let target = target_of(request);
         let empty = HashMap::new();
         let by_uid = target.and_then(|t| for_target.get(t)).unwrap_or(&empty);
-        let hold = TargetHold::new(config, by_uid, target.is_some());
-        let selection = select(
-            &request.candidates,
-            |uid| loads.get(uid).copied().unwrap_or_default(),
-            |uid| {
-                target
-                    .and_then(|t| known.cooldowns.get(&(uid.to_owned(), t.to_owned())))
-                    .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
-            },
-            |uid| hold.of(uid),
-        );
+        let selection = {
+            let hold = target.and_then(|_| target_hold(config, by_uid));
+            select(
+                &request.candidates,
+                |uid| loads.get(uid).copied().unwrap_or_default(),
+                |uid| {
+                    target
+                        .and_then(|t| known.cooldowns.get(&(uid.to_owned(), t.to_owned())))
+                        .and_then(|&ms| Timestamp::from_millisecond(ms).ok())
+                },
+                |uid| hold.as_ref().and_then(|hold| hold.of(uid)),
+            )
+        };
         match selection {
             Selection::NoMatch(stats) => {
                 refuses = true;
@@ -412,14 +417,8 @@ async fn check_under_locks(
         let (fits_target, cooled_down) = match &plan.target {
             Some(target) => {
                 let by_uid = per_target.entry(target.clone()).or_default();
-                let fleet: u64 = by_uid.values().map(|l| u64::from(l.active)).sum();
-                let on_proxy = by_uid.get(&plan.uid).map_or(0, |l| l.active);
-                let fits = config
-                    .max_leases_per_target
-                    .is_none_or(|cap| fleet < u64::from(cap))
-                    && config
-                        .max_leases_per_proxy_target
-                        .is_none_or(|cap| on_proxy < cap);
+                let fits =
+                    target_hold(config, by_uid).is_none_or(|hold| hold.of(&plan.uid).is_none());
                 (fits, cooled.contains(&(plan.uid.clone(), target.clone())))
             }
             None => (true, false),
@@ -535,18 +534,19 @@ async fn insert_leases(
             return Err(LedgerError::Inconsistent("a planned candidate vanished".into()).into());
         };
         max_leases.push(i64::from(candidate.max_leases));
-        leases.push(Lease {
+        let lease = LeaseRow {
             id: pending.id.clone(),
             proxy: ProxyId::clone(&candidate.proxy),
             target: plan.target.clone(),
-            state: LeaseState::Active,
-            acquired_at: store::timestamp(now)?,
-            expires_at: store::timestamp(now.saturating_add(pending.ttl_ms))?,
-            ttl: Duration::from_millis(pending.ttl_ms.unsigned_abs()),
+            state: LeaseState::Active.as_str(),
+            acquired_at: now,
+            expires_at: now.saturating_add(pending.ttl_ms),
+            ttl_ms: pending.ttl_ms,
             released_at: None,
             release_reason: None,
             client: pending.request.client.clone(),
-        });
+        };
+        leases.push(lease.decode(now)?);
     }
     let column =
         |f: fn(&Lease) -> Option<&str>| -> Vec<Option<&str>> { leases.iter().map(f).collect() };
@@ -620,7 +620,7 @@ async fn target_loads(
     now: i64,
 ) -> Result<HashMap<String, HashMap<String, ProxyLoad>>> {
     let rows = query_if(
-        config.limits_targets() && !targets.is_empty(),
+        TargetLimits::of(config).any() && !targets.is_empty(),
         client,
         TARGET_LOADS,
         &[&now, &targets],
@@ -667,44 +667,22 @@ async fn query_if(
     }
 }
 
-/// What the per-target limits hold back for an acquire's target, from its counts.
-struct TargetHold<'a> {
-    per_proxy: Option<u32>,
+/// What the per-target limits hold back for a target, from its leases counting per proxy.
+fn target_hold<'a>(
+    config: &LedgerConfig,
     by_uid: &'a HashMap<String, ProxyLoad>,
-    /// The fleet holds its limit for the target: when the earliest of its leases expires.
-    fleet_full: Option<Option<Timestamp>>,
-}
-
-impl<'a> TargetHold<'a> {
-    fn new(config: &LedgerConfig, by_uid: &'a HashMap<String, ProxyLoad>, named: bool) -> Self {
-        let fleet_full = config
-            .max_leases_per_target
-            .filter(|_| named)
-            .and_then(|cap| {
-                let total: u64 = by_uid.values().map(|l| u64::from(l.active)).sum();
-                (total >= u64::from(cap))
-                    .then(|| by_uid.values().filter_map(|l| l.earliest_expiry).min())
-            });
-        TargetHold {
-            per_proxy: config.max_leases_per_proxy_target.filter(|_| named),
-            by_uid,
-            fleet_full,
-        }
-    }
-
-    fn of(&self, uid: &str) -> Option<Option<Timestamp>> {
-        if let Some(frees_at) = self.fleet_full {
-            return Some(frees_at);
-        }
-        let cap = self.per_proxy?;
-        let load = self.by_uid.get(uid).copied().unwrap_or_default();
-        (load.active >= cap).then_some(load.earliest_expiry)
-    }
+) -> Option<TargetHold<impl Fn(&str) -> ProxyLoad + 'a>> {
+    TargetHold::new(
+        TargetLimits::of(config),
+        || total_load(by_uid.values().copied()),
+        |uid| by_uid.get(uid).copied().unwrap_or_default(),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use super::*;
     use crate::ledger::lease::RequestKey;

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use jiff::Timestamp;
 
+use crate::ledger::counts::CountsView;
 use crate::ledger::selection::ProxyLoad;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
 
@@ -130,21 +131,6 @@ impl Counts {
         }
     }
 
-    /// Leases of `uid` counting at `now`.
-    pub fn active_count(&self, uid: &str, now: i64) -> u32 {
-        self.by_proxy
-            .get(uid)
-            .map_or(0, |leases| counting(leases, now))
-    }
-
-    /// Leases counting at `now`, by proxy UID (proxies without one are absent).
-    pub fn active_counts(&self, now: i64) -> HashMap<String, u32> {
-        self.loads(now)
-            .into_iter()
-            .map(|(uid, load)| (uid, load.active))
-            .collect()
-    }
-
     /// The load of every proxy with a lease counting at `now`: what an acquire batch starts
     /// its selection from.
     pub fn loads(&self, now: i64) -> HashMap<String, ProxyLoad> {
@@ -167,21 +153,39 @@ impl Counts {
             })
             .collect()
     }
+}
+
+/// From the snapshot, moved by this replica's writes.
+impl CountsView for Counts {
+    /// Leases of `uid` counting at `now`.
+    fn active_count(&self, uid: &str, now: i64) -> u32 {
+        self.by_proxy
+            .get(uid)
+            .map_or(0, |leases| counting(leases, now))
+    }
+
+    /// Leases counting at `now`, by proxy UID (proxies without one are absent).
+    fn active_counts(&self, now: i64) -> HashMap<String, u32> {
+        self.loads(now)
+            .into_iter()
+            .map(|(uid, load)| (uid, load.active))
+            .collect()
+    }
 
     /// Every lease counting at `now`.
-    pub fn active_total(&self, now: i64) -> u64 {
+    fn active_total(&self, now: i64) -> u64 {
         self.leases.values().filter(|(_, e)| *e > now).count() as u64
     }
 
     /// Whether `(uid, target)` cools down at `now`.
-    pub fn in_cooldown(&self, uid: &str, target: &str, now: i64) -> bool {
+    fn in_cooldown(&self, uid: &str, target: &str, now: i64) -> bool {
         self.cooldowns
             .get(&(Arc::from(uid), Arc::from(target)))
             .is_some_and(|until| *until > now)
     }
 
     /// Cooldowns in force at `now`.
-    pub fn cooldowns_active(&self, now: i64) -> u64 {
+    fn cooldowns_active(&self, now: i64) -> u64 {
         self.cooldowns
             .values()
             .filter(|until| **until > now)
@@ -189,7 +193,7 @@ impl Counts {
     }
 
     /// Cooldowns in force at `now` per target, ranked as the metric shows them.
-    pub fn target_cooldowns(&self, now: i64) -> TargetCooldowns {
+    fn target_cooldowns(&self, now: i64) -> TargetCooldowns {
         let mut per_target: HashMap<Arc<str>, u64> = HashMap::new();
         for ((_, target), until) in &self.cooldowns {
             if *until > now {

@@ -23,12 +23,13 @@ mod batch;
 mod connect;
 mod counts;
 mod metrics;
+mod options;
 mod pipelined;
 mod retry;
 mod schema;
 mod store;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,6 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 use deadpool_postgres::{Pool, PoolError};
 
 pub use metrics::PostgresLedgerCollector;
+pub use options::PostgresOptions;
 pub use schema::POSTGRES_SCHEMA_VERSION;
 
 use self::batch::{Pending, Verdict};
@@ -49,11 +51,11 @@ use self::retry::{Failure, UNAVAILABLE_RETRY_AFTER};
 use self::store::{Ended, StoreError};
 use super::clock::Clock;
 use super::config::LedgerConfig;
+use super::counts::LedgerCounts;
 use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
 };
-use super::targets::TargetCooldowns;
 use super::{DatabaseStatus, Ledger};
 
 /// How often the counts are read again from the database (other replicas' writes show
@@ -62,15 +64,6 @@ pub const COUNTS_REFRESH: Duration = Duration::from_secs(1);
 /// Batches an acquire may be decided in when each finds its chosen proxy taken by another
 /// replica's batch first; then it is answered `Overloaded`.
 const RACE_ATTEMPTS: u32 = 64;
-
-/// How to reach the database, besides the URL.
-#[derive(Debug, Clone, Default)]
-pub struct PostgresOptions {
-    /// The password (from `--ledger-password-file`); wins over the URL's and `PGPASSWORD`.
-    pub password: Option<String>,
-    /// Connections in the pool.
-    pub pool_size: usize,
-}
 
 /// A lease ledger in a PostgreSQL database. Clones share the pool and the counts.
 #[derive(Clone)]
@@ -233,7 +226,7 @@ impl PostgresLedger {
         self.inner.clock.now().as_millisecond()
     }
 
-    fn counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
+    fn read_counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
         self.inner
             .counts
             .read()
@@ -320,7 +313,7 @@ impl PostgresLedger {
 
     /// Reads the counts again, and whether the database answers.
     async fn refresh(&self) -> Result<(), LedgerError> {
-        let began = self.counts().begin_refresh();
+        let began = self.read_counts().begin_refresh();
         let now = self.now_ms();
         let snapshot = in_transaction!(self, |tx| store::counting(&tx, now))?;
         self.inner
@@ -486,7 +479,7 @@ impl PostgresLedger {
         let snapshot = batch
             .iter()
             .all(|p| p.retries == 0)
-            .then(|| self.counts().loads(now));
+            .then(|| self.read_counts().loads(now));
         let attempted = AtomicBool::new(false);
         let decided = on_connection!(self, |conn| batch::decide(
             &conn,
@@ -672,27 +665,7 @@ impl Ledger for PostgresLedger {
     }
 
     /// From the snapshot (see the module docs).
-    fn active_counts(&self) -> HashMap<String, u32> {
-        self.counts().active_counts(self.now_ms())
-    }
-
-    fn active_count(&self, uid: &str) -> u32 {
-        self.counts().active_count(uid, self.now_ms())
-    }
-
-    fn active_total(&self) -> u64 {
-        self.counts().active_total(self.now_ms())
-    }
-
-    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool {
-        self.counts().in_cooldown(proxy_uid, target, self.now_ms())
-    }
-
-    fn cooldowns_active(&self) -> u64 {
-        self.counts().cooldowns_active(self.now_ms())
-    }
-
-    fn target_cooldowns(&self) -> TargetCooldowns {
-        self.counts().target_cooldowns(self.now_ms())
+    fn counts(&self) -> LedgerCounts<'_> {
+        LedgerCounts::new(&self.inner.counts, &*self.inner.clock)
     }
 }

@@ -2,17 +2,15 @@
 //! transaction per call. Each takes the time from the caller (the ledger's injected clock),
 //! never from the database.
 
-use std::time::Duration;
-
 use deadpool_postgres::GenericClient;
-use jiff::Timestamp;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{Lease, LeaseReport, LeaseState, SweepStats};
+use crate::ledger::history::{Event, EventKind};
+use crate::ledger::lease::{Lease, LeaseReport, LeaseRow, LeaseRowError, ReportResult, SweepStats};
 use crate::resources::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
@@ -32,6 +30,13 @@ impl StoreError {
 impl From<tokio_postgres::Error> for StoreError {
     fn from(error: tokio_postgres::Error) -> Self {
         StoreError::Db(error)
+    }
+}
+
+/// A lease row that names no lease: the database holds what no binary of ours wrote.
+impl From<LeaseRowError> for StoreError {
+    fn from(error: LeaseRowError) -> Self {
+        StoreError::Ledger(LedgerError::Inconsistent(error.to_string()))
     }
 }
 
@@ -110,7 +115,7 @@ pub(crate) async fn renew(
     record(
         tx,
         &Event::new(
-            "renewed",
+            EventKind::Renewed,
             now,
             id,
             &lease.proxy,
@@ -179,10 +184,10 @@ pub(crate) async fn report(
     record(
         tx,
         &Event {
-            result: Some(report.result.as_str()),
+            result: Some(report.result),
             cooldown_ms,
             ..Event::new(
-                "reported",
+                EventKind::Reported,
                 now,
                 id,
                 &lease.proxy,
@@ -328,16 +333,7 @@ pub(crate) async fn lease_by_id(
 }
 
 pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
-    let state: String = row.get(5);
-    let mut state: LeaseState = state
-        .parse()
-        .map_err(|e| LedgerError::Inconsistent(format!("lease row: {e}")))?;
-    let expires_at: i64 = row.get(7);
-    if state == LeaseState::Active && expires_at <= now {
-        state = LeaseState::Expired;
-    }
-    let ttl_ms: i64 = row.get(8);
-    Ok(Lease {
+    Ok(LeaseRow {
         id: row.get(0),
         proxy: ProxyId {
             namespace: row.get(1),
@@ -345,60 +341,21 @@ pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
             uid: row.get(3),
         },
         target: row.get(4),
-        state,
-        acquired_at: timestamp(row.get(6))?,
-        expires_at: timestamp(expires_at)?,
-        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
-        released_at: row.get::<_, Option<i64>>(9).map(timestamp).transpose()?,
+        state: row.get(5),
+        acquired_at: row.get(6),
+        expires_at: row.get(7),
+        ttl_ms: row.get(8),
+        released_at: row.get(9),
         release_reason: row.get(10),
         client: row.get(11),
-    })
-}
-
-pub(crate) fn timestamp(ms: i64) -> Result<Timestamp> {
-    Timestamp::from_millisecond(ms)
-        .map_err(|e| LedgerError::Inconsistent(format!("time {ms} ms: {e}")).into())
-}
-
-/// One history row.
-struct Event<'a> {
-    kind: &'static str,
-    at: i64,
-    lease_id: &'a str,
-    proxy: &'a ProxyId,
-    target: Option<&'a str>,
-    result: Option<&'static str>,
-    expires_at: i64,
-    reason: Option<&'a str>,
-    cooldown_ms: Option<i64>,
-    client: Option<&'a str>,
-}
-
-impl<'a> Event<'a> {
-    fn new(
-        kind: &'static str,
-        at: i64,
-        lease_id: &'a str,
-        proxy: &'a ProxyId,
-        target: Option<&'a str>,
-        expires_at: i64,
-    ) -> Self {
-        Event {
-            kind,
-            at,
-            lease_id,
-            proxy,
-            target,
-            result: None,
-            expires_at,
-            reason: None,
-            cooldown_ms: None,
-            client: None,
-        }
     }
+    .decode(now)?)
 }
 
+/// Appends one row to the lease history.
 async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
+    let kind = event.kind.as_str();
+    let result = event.result.map(ReportResult::as_str);
     execute(
         tx,
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
@@ -407,12 +364,12 @@ async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
         &[
             &event.at,
             &event.lease_id,
-            &event.kind,
+            &kind,
             &event.proxy.namespace,
             &event.proxy.name,
             &event.proxy.uid,
             &event.target,
-            &event.result,
+            &result,
             &event.expires_at,
             &event.reason,
             &event.cooldown_ms,

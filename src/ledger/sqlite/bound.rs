@@ -17,7 +17,7 @@
 //!   kept for housekeeping (the sweep and pruning), which frees space and so must still run
 //!   when client writes no longer can.
 
-use crate::ledger::config::check_max_size;
+use super::options::check_max_size;
 
 /// Largest WAL allowance: enough for SQLite's usual checkpoint interval (about 1000 pages)
 /// twice over; a longer WAL only slows readers down.
@@ -136,7 +136,7 @@ pub(crate) fn wal_allowance(max_size: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::config::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
+    use crate::ledger::sqlite::options::{DEFAULT_MAX_SIZE, MIN_MAX_SIZE};
 
     const MIB: u64 = 1 << 20;
 

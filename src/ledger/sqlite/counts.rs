@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::state::{LedgerState, Touched};
+use crate::ledger::counts::CountsView;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
 
 /// The ranking the writer made at its last commit that changed a cooldown.
@@ -122,10 +123,13 @@ impl Counts {
         });
         rank_targets(counts, NAMED_TARGETS)
     }
+}
 
+/// From memory, as of the last commit.
+impl CountsView for Counts {
     /// Cooldowns in force at `now` per target, bounded (see the module documentation): a copy
     /// of the writer's ranking while it is exact, else ranked here.
-    pub fn target_cooldowns(&self, now: i64) -> TargetCooldowns {
+    fn target_cooldowns(&self, now: i64) -> TargetCooldowns {
         if self.ranking.is_exact_at(now) {
             self.ranking.targets.clone()
         } else {
@@ -134,7 +138,7 @@ impl Counts {
     }
 
     /// Leases counting at `now`, by proxy UID (proxies without any are absent).
-    pub fn active_counts(&self, now: i64) -> HashMap<String, u32> {
+    fn active_counts(&self, now: i64) -> HashMap<String, u32> {
         self.leases
             .iter()
             .filter_map(|(uid, expiries)| {
@@ -145,12 +149,12 @@ impl Counts {
     }
 
     /// Leases counting towards `uid`'s capacity at `now`.
-    pub fn active_count(&self, uid: &str, now: i64) -> u32 {
+    fn active_count(&self, uid: &str, now: i64) -> u32 {
         self.leases.get(uid).map_or(0, |e| counting(e, now))
     }
 
     /// Leases counting at `now`.
-    pub fn active_total(&self, now: i64) -> u64 {
+    fn active_total(&self, now: i64) -> u64 {
         self.leases
             .values()
             .map(|expiries| u64::from(counting(expiries, now)))
@@ -158,14 +162,14 @@ impl Counts {
     }
 
     /// Whether `(uid, target)` is cooling down at `now`.
-    pub fn in_cooldown(&self, uid: &str, target: &str, now: i64) -> bool {
+    fn in_cooldown(&self, uid: &str, target: &str, now: i64) -> bool {
         self.cooldowns
             .get(&(Arc::from(uid), Arc::from(target)))
             .is_some_and(|&until| until > now)
     }
 
     /// `(proxy, target)` pairs cooling down at `now`: the ranking's total while it is exact.
-    pub fn cooldowns_active(&self, now: i64) -> u64 {
+    fn cooldowns_active(&self, now: i64) -> u64 {
         if self.ranking.is_exact_at(now) {
             return self.ranking.targets.total();
         }

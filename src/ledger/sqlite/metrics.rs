@@ -33,7 +33,7 @@ impl SqliteLedgerCollector {
             "proxy_operator_ledger_max_bytes",
             "The size bound of the lease ledger's file plus write-ahead log (--ledger-max-size).",
         )?;
-        max_bytes.set(i64::try_from(ledger.inner.config.max_size).unwrap_or(i64::MAX));
+        max_bytes.set(i64::try_from(ledger.inner.options.max_size).unwrap_or(i64::MAX));
         let batches = IntCounter::new(
             "proxy_operator_ledger_batches_total",
             "Transactions the ledger's writer ran, each carrying a batch of writes.",

@@ -63,6 +63,7 @@
 mod bound;
 mod counts;
 mod metrics;
+mod options;
 mod schema;
 mod space;
 mod state;
@@ -70,7 +71,6 @@ mod stats;
 mod store;
 mod writer;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
@@ -87,13 +87,14 @@ use store::ReaderPool;
 use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
 
 use super::{
-    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerError,
-    SweepStats, TargetCooldowns,
+    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerCounts,
+    LedgerError, SweepStats,
 };
 use crate::ledger::lease::is_release_reason;
-use state::TargetLimits;
+use crate::ledger::target_hold::TargetLimits;
 
 pub use metrics::SqliteLedgerCollector;
+pub use options::{DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SqliteOptions};
 pub use schema::SCHEMA_VERSION;
 pub use stats::WriterStats;
 
@@ -107,6 +108,7 @@ pub struct SqliteLedger {
 
 struct Inner {
     path: PathBuf,
+    options: SqliteOptions,
     config: LedgerConfig,
     clock: Arc<dyn Clock>,
     pool: ReaderPool,
@@ -121,34 +123,36 @@ impl std::fmt::Debug for SqliteLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteLedger")
             .field("path", &self.inner.path)
+            .field("options", &self.inner.options)
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
 
 impl SqliteLedger {
-    /// Opens (creating if needed) the ledger file at `path`, switches it to WAL, applies
-    /// pending migrations, loads the lease state into memory and starts the writer thread.
+    /// Opens (creating if needed) the ledger file at `path`, kept as `options` say, switches
+    /// it to WAL, applies pending migrations, loads the lease state into memory and starts the
+    /// writer thread.
     /// Refuses a file written by a newer binary. Blocks on SQLite: call it before serving, or
     /// from a blocking thread.
     pub fn open(
         path: &Path,
+        options: SqliteOptions,
         config: LedgerConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteLedger, LedgerError> {
         config.validate()?;
-        let (conn, bound) = store::open_writer(path, config.durability, config.max_size)?;
+        options.validate()?;
+        let (conn, bound) = store::open_writer(path, options.durability, options.max_size)?;
         let now = clock.now().as_millisecond();
-        let limits = TargetLimits {
-            fleet: config.max_leases_per_target,
-            per_proxy: config.max_leases_per_proxy_target,
-        };
-        let state = store::load_state(&conn, now, limits).map_err(|source| LedgerError::Open {
-            path: path.to_owned(),
-            source,
+        let state = store::load_state(&conn, now, TargetLimits::of(&config)).map_err(|source| {
+            LedgerError::Open {
+                path: path.to_owned(),
+                source,
+            }
         })?;
         let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
-        let pool = store::reader_pool(path, config.durability)?;
+        let pool = store::reader_pool(path, options.durability)?;
         let (queue, receiver) = sync_channel(config.queue_capacity);
         let shared = Arc::new(Shared::default());
         let writer = Writer {
@@ -168,6 +172,7 @@ impl SqliteLedger {
         Ok(SqliteLedger {
             inner: Arc::new(Inner {
                 path: path.to_owned(),
+                options,
                 config,
                 clock,
                 pool,
@@ -283,13 +288,6 @@ impl SqliteLedger {
         answer.await.unwrap_or(Err(LedgerError::Closed))
     }
 
-    fn counts(&self) -> std::sync::RwLockReadGuard<'_, Counts> {
-        self.inner
-            .counts
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn now_ms(&self) -> i64 {
         self.inner.clock.now().as_millisecond()
     }
@@ -371,35 +369,12 @@ impl Ledger for SqliteLedger {
         self.get("readyz").await.map(drop)
     }
 
-    /// From memory, as of the last commit.
-    fn active_counts(&self) -> HashMap<String, u32> {
-        self.counts().active_counts(self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn active_count(&self, uid: &str) -> u32 {
-        self.counts().active_count(uid, self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn active_total(&self) -> u64 {
-        self.counts().active_total(self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn in_cooldown(&self, proxy_uid: &str, target: &str) -> bool {
-        self.counts().in_cooldown(proxy_uid, target, self.now_ms())
-    }
-
-    /// From memory, as of the last commit.
-    fn cooldowns_active(&self) -> u64 {
-        self.counts().cooldowns_active(self.now_ms())
-    }
-
-    /// From memory: a scrape copies the ranking the writer made at its last commit that
-    /// changed a cooldown, or ranks the targets itself once a cooldown counted there has ended.
-    fn target_cooldowns(&self) -> TargetCooldowns {
-        self.counts().target_cooldowns(self.now_ms())
+    /// From memory, as of the last commit: the writer refreshes what a batch touched after
+    /// its COMMIT and before answering. A scrape copies the ranking of targets the writer made
+    /// at its last commit that changed a cooldown, or ranks them itself once a cooldown
+    /// counted there has ended.
+    fn counts(&self) -> LedgerCounts<'_> {
+        LedgerCounts::new(&*self.inner.counts, &*self.inner.clock)
     }
 }
 

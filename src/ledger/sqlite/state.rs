@@ -10,6 +10,7 @@ use jiff::Timestamp;
 
 use crate::ledger::lease::{Candidate, NoMatch, RequestKey};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
+use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
 use crate::resources::proxy::ProxyId;
 
 /// The maps of the state. An acquire looks every candidate's UID up, so the hasher matters:
@@ -29,21 +30,6 @@ pub(crate) struct ActiveLease {
     pub request_id: Option<Arc<str>>,
     /// The crawler that took it, when it said.
     pub client: Option<Arc<str>>,
-}
-
-/// The per-target limits an acquire naming a target is held to (`None`: no limit).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct TargetLimits {
-    /// Leases counting at once for one target, across the fleet.
-    pub fleet: Option<u32>,
-    /// Leases counting at once for one target on one proxy.
-    pub per_proxy: Option<u32>,
-}
-
-impl TargetLimits {
-    fn any(self) -> bool {
-        self.fleet.is_some() || self.per_proxy.is_some()
-    }
 }
 
 /// Which lease a request ID got, while its window is open (until the lease's `expires_at`).
@@ -212,25 +198,28 @@ impl LedgerState {
     }
 
     /// What the per-target limits hold back for `target` at `now`, when a limit is set.
-    fn target_hold(&self, target: &str, now: i64) -> Option<TargetHold<'_>> {
-        if !self.limits.any() {
-            return None;
-        }
+    fn target_hold(
+        &self,
+        target: &str,
+        now: i64,
+    ) -> Option<TargetHold<impl Fn(&str) -> ProxyLoad + '_>> {
         let by_uid = self.by_target.get(target);
-        let fleet_full = self.limits.fleet.and_then(|cap| {
-            let counting = by_uid
-                .into_iter()
-                .flat_map(|m| m.values())
-                .flatten()
-                .filter(|(e, _)| *e > now);
-            held_until(counting, cap)
-        });
-        Some(TargetHold {
-            by_uid,
-            per_proxy: self.limits.per_proxy,
-            fleet_full,
-            now,
-        })
+        TargetHold::new(
+            self.limits,
+            || {
+                total_load(
+                    by_uid
+                        .into_iter()
+                        .flat_map(|m| m.values())
+                        .map(|l| counting_load(l, now)),
+                )
+            },
+            move |uid| {
+                by_uid
+                    .and_then(|m| m.get(uid))
+                    .map_or_else(ProxyLoad::default, |l| counting_load(l, now))
+            },
+        )
     }
 
     /// The request ID's entry if its window is still open at `now`.
@@ -243,17 +232,9 @@ impl LedgerState {
         if self.by_proxy.is_empty() {
             return ProxyLoad::default();
         }
-        let Some(leases) = self.by_proxy.get(uid) else {
-            return ProxyLoad::default();
-        };
-        let mut load = ProxyLoad::default();
-        let mut earliest: Option<i64> = None;
-        for &(expires_at, _) in leases.iter().filter(|(e, _)| *e > now) {
-            load.active += 1;
-            earliest = Some(earliest.map_or(expires_at, |e| e.min(expires_at)));
-        }
-        load.earliest_expiry = earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok());
-        load
+        self.by_proxy
+            .get(uid)
+            .map_or_else(ProxyLoad::default, |leases| counting_load(leases, now))
     }
 
     /// The active lease with this ID, counting or not.
@@ -642,46 +623,22 @@ impl LedgerState {
     }
 }
 
-/// What the per-target limits hold back for one acquire's target.
-struct TargetHold<'a> {
-    by_uid: Option<&'a ExpiriesByProxy>,
-    per_proxy: Option<u32>,
-    /// The fleet holds its limit for the target: when the earliest of those leases expires.
-    fleet_full: Option<Option<Timestamp>>,
-    now: i64,
-}
-
-impl TargetHold<'_> {
-    /// Whether proxy `uid` may not take one more lease for the target, and then when the
-    /// earliest lease holding it back expires.
-    fn of(&self, uid: &str) -> Option<Option<Timestamp>> {
-        if let Some(frees_at) = self.fleet_full {
-            return Some(frees_at);
-        }
-        let cap = self.per_proxy?;
-        let counting = self
-            .by_uid
-            .and_then(|by_uid| by_uid.get(uid))
-            .into_iter()
-            .flatten()
-            .filter(|(e, _)| *e > self.now);
-        held_until(counting, cap)
+/// How many of `leases` (`(expires_at, lease ID)`) count at `now`, and the earliest expiry
+/// among those.
+fn counting_load(leases: &[(i64, Arc<str>)], now: i64) -> ProxyLoad {
+    let (active, earliest) = leases.iter().filter(|(e, _)| *e > now).fold(
+        (0u32, None::<i64>),
+        |(n, earliest), &(expires_at, _)| {
+            (
+                n.saturating_add(1),
+                Some(earliest.map_or(expires_at, |e| e.min(expires_at))),
+            )
+        },
+    );
+    ProxyLoad {
+        active,
+        earliest_expiry: earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok()),
     }
-}
-
-/// When `cap` or more of `counting` leases hold a limit: `Some` with the earliest expiry among
-/// them; `None` while fewer count.
-fn held_until<'a>(
-    counting: impl Iterator<Item = &'a (i64, Arc<str>)>,
-    cap: u32,
-) -> Option<Option<Timestamp>> {
-    let (count, earliest) = counting.fold((0u32, None::<i64>), |(n, e), (expires_at, _)| {
-        (
-            n.saturating_add(1),
-            Some(e.map_or(*expires_at, |e| e.min(*expires_at))),
-        )
-    });
-    (count >= cap).then(|| earliest.and_then(|ms| Timestamp::from_millisecond(ms).ok()))
 }
 
 #[cfg(test)]

@@ -6,18 +6,19 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jiff::Timestamp;
 use r2d2::Pool;
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::types::Type;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
+use super::options::Durability;
 use super::schema;
-use super::state::{ActiveLease, LedgerState, RequestEntry, TargetLimits};
-use crate::ledger::config::Durability;
+use super::state::{ActiveLease, LedgerState, RequestEntry};
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{Lease, LeaseState, ReportResult, SweepStats};
+use crate::ledger::history::{Event, EventKind};
+use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};
+use crate::ledger::target_hold::TargetLimits;
 use crate::resources::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.
@@ -273,7 +274,7 @@ pub(crate) fn insert_lease(
     ])?;
     record(
         conn,
-        &Event::of(EventKind::Acquired, lease.acquired_at, id, lease),
+        &event_of(EventKind::Acquired, lease.acquired_at, id, lease),
     )
 }
 
@@ -295,7 +296,7 @@ pub(crate) fn release_lease(
         conn,
         &Event {
             reason,
-            ..Event::of(EventKind::Released, now, id, lease)
+            ..event_of(EventKind::Released, now, id, lease)
         },
     )
 }
@@ -323,7 +324,7 @@ pub(crate) fn renew_lease(
 ) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE leases SET expires_at = ?2, ttl_ms = ?3 WHERE id = ?1")?
         .execute(rusqlite::params![id, lease.expires_at, lease.ttl_ms])?;
-    record(conn, &Event::of(EventKind::Renewed, now, id, lease))
+    record(conn, &event_of(EventKind::Renewed, now, id, lease))
 }
 
 /// Records a report; a `cooldown_ms` puts `(proxy, target)` into cooldown until `now` plus
@@ -339,16 +340,16 @@ pub(crate) fn report(
     record(
         conn,
         &Event {
-            kind: EventKind::Reported,
-            at: now,
-            lease_id: &lease.id,
-            proxy: &lease.proxy,
-            target,
             result: Some(result),
-            expires_at: lease.expires_at.as_millisecond(),
-            reason: None,
             cooldown_ms,
-            client: None,
+            ..Event::new(
+                EventKind::Reported,
+                now,
+                &lease.id,
+                &lease.proxy,
+                target,
+                lease.expires_at.as_millisecond(),
+            )
         },
     )?;
     let until = cooldown_ms.map(|ms| now.saturating_add(ms));
@@ -423,60 +424,21 @@ pub(crate) fn sweep(
     })
 }
 
-/// What happened to a lease, as written to `lease_events.kind`.
-#[derive(Debug, Clone, Copy)]
-enum EventKind {
-    Acquired,
-    Renewed,
-    Released,
-    Reported,
-}
-
-impl EventKind {
-    fn as_str(self) -> &'static str {
-        match self {
-            EventKind::Acquired => "acquired",
-            EventKind::Renewed => "renewed",
-            EventKind::Released => "released",
-            EventKind::Reported => "reported",
-        }
-    }
-}
-
-/// One history row, borrowed from whatever the writer holds.
-struct Event<'a> {
-    kind: EventKind,
-    at: i64,
-    lease_id: &'a str,
-    proxy: &'a ProxyId,
-    target: Option<&'a str>,
-    result: Option<ReportResult>,
-    expires_at: i64,
-    /// Why the operator released the lease (`released` events only).
-    reason: Option<&'a str>,
-    /// The cooldown a report started (`reported` events only).
-    cooldown_ms: Option<i64>,
-    /// The crawler that took the lease (`acquired` events only).
-    client: Option<&'a str>,
-}
-
-impl<'a> Event<'a> {
-    fn of(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLease) -> Self {
-        Event {
+/// A `kind` event on an in-memory lease; an `acquired` one names the crawler that took it.
+fn event_of<'a>(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLease) -> Event<'a> {
+    Event {
+        client: match kind {
+            EventKind::Acquired => lease.client.as_deref(),
+            _ => None,
+        },
+        ..Event::new(
             kind,
             at,
             lease_id,
-            proxy: &lease.proxy,
-            target: lease.target.as_deref(),
-            result: None,
-            expires_at: lease.expires_at,
-            reason: None,
-            cooldown_ms: None,
-            client: match kind {
-                EventKind::Acquired => lease.client.as_deref(),
-                _ => None,
-            },
-        }
+            &lease.proxy,
+            lease.target.as_deref(),
+            lease.expires_at,
+        )
     }
 }
 
@@ -520,16 +482,8 @@ pub(crate) fn lease_by_id(
 }
 
 fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
-    let state_text: String = row.get(5)?;
-    let mut state: LeaseState = state_text
-        .parse()
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(5, Type::Text, Box::new(e)))?;
-    let expires_at: i64 = row.get(7)?;
-    if state == LeaseState::Active && expires_at <= now {
-        state = LeaseState::Expired;
-    }
-    let ttl_ms: i64 = row.get(8)?;
-    Ok(Lease {
+    let state: String = row.get(5)?;
+    LeaseRow {
         id: row.get(0)?,
         proxy: ProxyId {
             namespace: row.get(1)?,
@@ -537,40 +491,46 @@ fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
             uid: row.get(3)?,
         },
         target: row.get(4)?,
-        state,
-        acquired_at: timestamp(row.get(6)?)?,
-        expires_at: timestamp(expires_at)?,
-        ttl: Duration::from_millis(ttl_ms.unsigned_abs()),
-        released_at: row.get::<_, Option<i64>>(9)?.map(timestamp).transpose()?,
+        state: &state,
+        acquired_at: row.get(6)?,
+        expires_at: row.get(7)?,
+        ttl_ms: row.get(8)?,
+        released_at: row.get(9)?,
         release_reason: row.get(10)?,
         client: row.get(11)?,
-    })
+    }
+    .decode(now)
+    .map_err(row_error)
 }
 
 /// The lease an in-memory active lease describes, as of `now`.
 pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Result<Lease> {
-    Ok(Lease {
+    LeaseRow {
         id: id.to_owned(),
         proxy: ProxyId::clone(&lease.proxy),
         target: lease.target.as_deref().map(str::to_owned),
-        state: if lease.expires_at > now {
-            LeaseState::Active
-        } else {
-            LeaseState::Expired
-        },
-        acquired_at: timestamp(lease.acquired_at)?,
-        expires_at: timestamp(lease.expires_at)?,
-        ttl: Duration::from_millis(lease.ttl_ms.unsigned_abs()),
+        state: LeaseState::Active.as_str(),
+        acquired_at: lease.acquired_at,
+        expires_at: lease.expires_at,
+        ttl_ms: lease.ttl_ms,
         released_at: None,
         release_reason: None,
         client: lease.client.as_deref().map(str::to_owned),
-    })
+    }
+    .decode(now)
+    .map_err(row_error)
 }
 
-/// A stored time (milliseconds since the epoch) as a timestamp.
-fn timestamp(ms: i64) -> rusqlite::Result<Timestamp> {
-    Timestamp::from_millisecond(ms)
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, Type::Integer, Box::new(e)))
+/// A row that names no lease, as the conversion failure of the column at fault.
+fn row_error(error: LeaseRowError) -> rusqlite::Error {
+    match error {
+        LeaseRowError::State(e) => {
+            rusqlite::Error::FromSqlConversionFailure(5, Type::Text, Box::new(e))
+        }
+        LeaseRowError::Time { source, .. } => {
+            rusqlite::Error::FromSqlConversionFailure(0, Type::Integer, Box::new(source))
+        }
+    }
 }
 
 #[cfg(test)]

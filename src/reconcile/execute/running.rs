@@ -105,7 +105,7 @@ pub(super) fn disrupt(
     let why = why(reason);
     match ctx.grants.try_admit(&machine.uid(), holders, limit) {
         Admission::Granted | Admission::AlreadyHeld => {
-            let leases = ctx.ledger.active_count(&machine.uid());
+            let leases = ctx.ledger.counts().active_count(&machine.uid());
             let deadline = after(machine.now, ctx.config.drain_timeout);
             let cause = cause(reason);
             log::info!(

@@ -11,7 +11,7 @@ use proxy_operator::api::{ApiState, ProxyListCache};
 use proxy_operator::fixtures;
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
-use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SystemClock};
+use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::resources::proxy::Proxy;
 use proxy_operator::serving::candidates::CandidateIndex;
 use reqwest::StatusCode;
@@ -104,6 +104,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         clock.clone(),
     )

@@ -21,7 +21,7 @@ use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
-    LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger,
+    LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger, SqliteOptions,
 };
 use proxy_operator::resources::proxy::{Proxy, ProxySpec};
 use proxy_operator::serving::candidates::CandidateIndex;
@@ -59,12 +59,15 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
     let clock = Arc::new(ManualClock::new(start()));
-    let config = LedgerConfig {
+    let options = SqliteOptions {
         max_size: BOUND,
+        ..SqliteOptions::default()
+    };
+    let config = LedgerConfig {
         cooldown: MINUTE,
         ..LedgerConfig::default()
     };
-    let ledger = SqliteLedger::open(&path, config, clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, options, config, clock.clone()).unwrap();
     let pool = candidates(8, 1_000);
     let next = Arc::new(AtomicU64::new(0));
     let largest = Arc::new(AtomicU64::new(0));
@@ -119,7 +122,7 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
         "{stats:?}"
     );
     assert_eq!(stats.pruned_leases, 0, "history sufficed: {stats:?}");
-    assert_eq!(ledger.active_total(), 0);
+    assert_eq!(ledger.counts().active_total(), 0);
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await
@@ -249,9 +252,14 @@ struct Full {
 impl Full {
     /// Opens the ledger at `path`, takes `held`, runs `fill`, then acquires until the ledger
     /// answers `Full` with the `Retry-After` of nothing freed: from then on no write fits.
-    async fn open(path: PathBuf, config: LedgerConfig, fill: impl FnOnce()) -> Full {
+    async fn open(
+        path: PathBuf,
+        options: SqliteOptions,
+        config: LedgerConfig,
+        fill: impl FnOnce(),
+    ) -> Full {
         let clock = Arc::new(ManualClock::new(start()));
-        let ledger = SqliteLedger::open(&path, config, clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(&path, options, config, clock.clone()).unwrap();
         let pool = candidates(4, 100_000);
         let held = granted(ledger.acquire(keyed(&pool, "held")).await);
         ledger
@@ -293,10 +301,10 @@ impl Full {
     /// anything of it: no phantom lease counted, no lease lost.
     async fn refuses_a_mixed_batch_whole(&self) {
         let ledger = &self.ledger;
-        let counts = ledger.active_counts();
-        let total = ledger.active_total();
+        let counts = ledger.counts().active_counts();
+        let total = ledger.counts().active_total();
         assert_eq!(total, 1 + self.granted.len() as u64);
-        assert_eq!(ledger.cooldowns_active(), 1);
+        assert_eq!(ledger.counts().cooldowns_active(), 1);
         let rows = file_leases(&self.path);
         assert_eq!(
             rows.len() as u64,
@@ -336,12 +344,16 @@ impl Full {
         }
 
         assert_eq!(
-            ledger.active_counts(),
+            ledger.counts().active_counts(),
             counts,
             "no phantom lease is counted"
         );
-        assert_eq!(ledger.active_total(), total);
-        assert_eq!(ledger.cooldowns_active(), 1, "the batch's cooldown is gone");
+        assert_eq!(ledger.counts().active_total(), total);
+        assert_eq!(
+            ledger.counts().cooldowns_active(),
+            1,
+            "the batch's cooldown is gone"
+        );
         assert_eq!(file_leases(&self.path), rows, "the file kept nothing of it");
         let held = ledger.get(&self.held.id).await.unwrap().unwrap();
         assert_eq!(held, self.held, "released and renewed in neither");
@@ -375,12 +387,15 @@ fn keyed(pool: &Arc<[Candidate]>, request_id: &str) -> AcquireRequest {
 #[tokio::test]
 async fn a_full_batch_at_the_page_limit_is_refused_whole_and_the_sweep_makes_room() {
     let dir = tempfile::tempdir().unwrap();
-    let config = LedgerConfig {
+    let options = SqliteOptions {
         max_size: proxy_operator::ledger::MIN_MAX_SIZE,
+        ..SqliteOptions::default()
+    };
+    let config = LedgerConfig {
         cooldown: MINUTE,
         ..LedgerConfig::default()
     };
-    let f = Full::open(dir.path().join("ledger.db"), config, || {}).await;
+    let f = Full::open(dir.path().join("ledger.db"), options, config, || {}).await;
     assert!(f.granted.len() > 1_000, "{} leases fit", f.granted.len());
     f.refuses_a_mixed_batch_whole().await;
     assert!(f.ledger.disk_bytes() <= proxy_operator::ledger::MIN_MAX_SIZE + MIB);
@@ -389,7 +404,7 @@ async fn a_full_batch_at_the_page_limit_is_refused_whole_and_the_sweep_makes_roo
     f.clock.advance(11 * MINUTE);
     let swept = f.ledger.sweep().await.unwrap();
     assert_eq!(swept.expired, 1 + f.granted.len() as u64);
-    assert_eq!(f.ledger.active_total(), 0);
+    assert_eq!(f.ledger.counts().active_total(), 0);
     f.writes_again().await;
 }
 
@@ -404,6 +419,7 @@ async fn a_full_disk_fails_the_commit_and_writes_resume_when_space_is_back() {
     let mut filler = None;
     let f = Full::open(
         tmpfs.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         || {
             filler = Some(tmpfs.fill(0));
@@ -440,10 +456,10 @@ struct Api {
 }
 
 impl Api {
-    fn start(path: &Path, config: LedgerConfig) -> Api {
+    fn start(path: &Path, options: SqliteOptions, config: LedgerConfig) -> Api {
         let clock = Arc::new(ManualClock::new(start()));
         let dyn_clock: Arc<dyn Clock> = clock.clone();
-        let ledger = SqliteLedger::open(path, config, dyn_clock.clone()).unwrap();
+        let ledger = SqliteLedger::open(path, options, config, dyn_clock.clone()).unwrap();
         let inventory = Inventory::new();
         let health = HealthSnapshot::new();
         let proxies: Vec<Proxy> = (0..4)
@@ -582,7 +598,7 @@ impl Api {
         let mut expected = granted.to_vec();
         expected.sort();
         assert_eq!(in_file.lines().collect::<Vec<_>>(), expected);
-        assert_eq!(self.ledger.active_total(), granted.len() as u64);
+        assert_eq!(self.ledger.counts().active_total(), granted.len() as u64);
         self.ledger.self_check().await.unwrap();
     }
 
@@ -619,7 +635,11 @@ async fn the_api_answers_503_ledger_full_on_a_full_disk_and_recovers_when_space_
     let Some(tmpfs) = Tmpfs::mount("1m") else {
         return;
     };
-    let api = Api::start(&tmpfs.path().join("ledger.db"), LedgerConfig::default());
+    let api = Api::start(
+        &tmpfs.path().join("ledger.db"),
+        SqliteOptions::default(),
+        LedgerConfig::default(),
+    );
     let filler = tmpfs.fill(64 * 1024);
     let (granted, full) = api.acquire_until_full(1).await;
     assert!(!granted.is_empty(), "some acquires fit in the space left");
@@ -631,7 +651,7 @@ async fn the_api_answers_503_ledger_full_on_a_full_disk_and_recovers_when_space_
     let answer = api.acquire().await;
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     api.ledger.self_check().await.unwrap();
-    assert_eq!(api.ledger.active_total(), granted.len() as u64 + 1);
+    assert_eq!(api.ledger.counts().active_total(), granted.len() as u64 + 1);
     api.stop().await;
 }
 
@@ -643,11 +663,11 @@ async fn the_api_answers_503_ledger_full_on_a_full_disk_and_recovers_when_space_
 async fn the_api_answers_503_ledger_full_at_the_size_bound_and_recovers_when_leases_end() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
-    let config = LedgerConfig {
+    let options = SqliteOptions {
         max_size: proxy_operator::ledger::MIN_MAX_SIZE,
-        ..LedgerConfig::default()
+        ..SqliteOptions::default()
     };
-    let api = Api::start(&path, config);
+    let api = Api::start(&path, options, LedgerConfig::default());
     let (granted, full) = api.acquire_until_full(8).await;
     assert!(granted.len() > 1_000, "{} leases fit", granted.len());
     is_ledger_full(&full);
@@ -682,12 +702,16 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
     let clock = Arc::new(ManualClock::new(start()));
-    let config = |max_size| LedgerConfig {
+    let options = |max_size| SqliteOptions {
         max_size,
+        ..SqliteOptions::default()
+    };
+    let config = LedgerConfig {
         cooldown: MINUTE,
         ..LedgerConfig::default()
     };
-    let ledger = SqliteLedger::open(&path, config(16 * MIB), clock.clone()).unwrap();
+    let ledger =
+        SqliteLedger::open(&path, options(16 * MIB), config.clone(), clock.clone()).unwrap();
     let pool = candidates(8, 1_000);
     let mut cycles = tokio::task::JoinSet::new();
     for caller in 0..64 {
@@ -715,7 +739,7 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
 
     // 4 MiB: 512 KiB of WAL, 896 pages for the file, pruned down to 672.
     let reopened = Instant::now();
-    let ledger = SqliteLedger::open(&path, config(4 * MIB), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, options(4 * MIB), config, clock.clone()).unwrap();
     wait_until("the writer prunes the file down to the new bound", || {
         used_pages(&path) <= 672
     })

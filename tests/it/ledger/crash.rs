@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, LeaseState, Ledger, LedgerConfig, RequestKey,
-    SqliteLedger, SystemClock,
+    SqliteLedger, SqliteOptions, SystemClock,
 };
 use proxy_operator::resources::proxy::ProxyId;
 
@@ -48,7 +48,13 @@ fn candidates() -> Arc<[Candidate]> {
 }
 
 fn open(path: &Path) -> SqliteLedger {
-    SqliteLedger::open(path, LedgerConfig::default(), Arc::new(SystemClock)).unwrap()
+    SqliteLedger::open(
+        path,
+        SqliteOptions::default(),
+        LedgerConfig::default(),
+        Arc::new(SystemClock),
+    )
+    .unwrap()
 }
 
 fn acquire_request(request_id: &str) -> AcquireRequest {
@@ -172,7 +178,7 @@ fn acknowledged_leases_survive_sigkill() {
             .unwrap();
         assert_eq!(replay, AcquireOutcome::Replayed(lease), "{request_id}");
     }
-    let total = ledger.active_total();
+    let total = ledger.counts().active_total();
     assert!(
         total >= acknowledged.len() as u64,
         "{total} active < {} acknowledged",

@@ -14,7 +14,7 @@ use std::time::Duration;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, LeaseState, Ledger,
     LedgerConfig, LedgerError, MIN_MAX_SIZE, ManualClock, ReportResult, RequestKey, SCHEMA_VERSION,
-    SqliteLedger,
+    SqliteLedger, SqliteOptions,
 };
 use support::ledger::{Backend, Fixture, candidate, count, granted, no_match, request, start};
 use support::{FileLock, queue, sqlite3, wait_until};
@@ -76,15 +76,15 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys(backend
     let (a, b) = (candidate("a", 5), candidate("b", 5));
     let on_a = f.hold(&a, 4, MINUTE).await;
     let on_b = f.hold(&b, 2, MINUTE).await;
-    assert_eq!(f.ledger.active_count("uid-a"), 4);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 4);
     f.clock.advance(Duration::from_secs(5));
 
     let ended = f.ledger.end_leases("uid-a", "machine_lost").await.unwrap();
 
     assert_eq!(ended, 4);
-    assert_eq!(f.ledger.active_count("uid-a"), 0);
-    assert_eq!(f.ledger.active_count("uid-b"), 2);
-    assert_eq!(f.ledger.active_total(), 2);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 0);
+    assert_eq!(f.ledger.counts().active_count("uid-b"), 2);
+    assert_eq!(f.ledger.counts().active_total(), 2);
     let now = f.clock.now();
     for lease in &on_a {
         let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
@@ -136,10 +136,10 @@ async fn the_replacement_gets_the_proxys_full_capacity_at_once(backend: Backend)
     );
 
     // No sweep, no waiting: the three slots are free now.
-    assert_eq!(f.ledger.active_counts().get("uid-a"), None);
+    assert_eq!(f.ledger.counts().active_counts().get("uid-a"), None);
     let again = f.hold(&a, 3, MINUTE).await;
     assert_eq!(again.len(), 3);
-    assert_eq!(f.ledger.active_count("uid-a"), 3);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 3);
     no_match(
         f.ledger
             .acquire(request(std::slice::from_ref(&a), "t.example", MINUTE))
@@ -195,7 +195,7 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
         let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
         assert_eq!(read.state, LeaseState::Released);
     }
-    assert_eq!(f.ledger.active_count("uid-a"), 2);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 2);
     let stats = f.sqlite().writer_stats();
     assert!(stats.batch_sizes.get(5) >= Some(&1), "{stats:?}");
     f.self_check().await;
@@ -429,7 +429,7 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease(backend: Bac
         .await
         .unwrap();
     assert_eq!(reported, ended);
-    assert_eq!(f.ledger.cooldowns_active(), 1);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 1);
     assert_eq!(
         f.rows(&format!(
             "SELECT kind, result, reason FROM lease_history WHERE lease_id = '{}' ORDER BY seq",
@@ -460,7 +460,7 @@ async fn a_lease_past_its_expiry_is_left_for_the_sweep(backend: Backend) {
     let short = f.hold(&a, 1, MINUTE).await.remove(0);
     let long = f.hold(&a, 1, 10 * MINUTE).await.remove(0);
     f.clock.advance(2 * MINUTE);
-    assert_eq!(f.ledger.active_count("uid-a"), 1);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 1);
 
     assert_eq!(
         f.ledger.end_leases("uid-a", "machine_lost").await.unwrap(),
@@ -522,11 +522,11 @@ async fn ended_leases_and_their_reason_survive_reopening(backend: Backend) {
     f.shut_down_and_reopen().await;
 
     assert_eq!(
-        f.ledger.active_count("uid-a"),
+        f.ledger.counts().active_count("uid-a"),
         0,
         "not counted after reopening"
     );
-    assert_eq!(f.ledger.active_count("uid-b"), 1);
+    assert_eq!(f.ledger.counts().active_count("uid-b"), 1);
     for lease in &on_a {
         let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
         assert_eq!(read.state, LeaseState::Released);
@@ -581,7 +581,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         .unwrap();
     }
     let clock = Arc::new(ManualClock::new(start()));
-    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
+    let ledger =
+        SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
     assert_eq!(SCHEMA_VERSION, 4);
     assert_eq!(count(&path, "PRAGMA user_version"), 4);
@@ -611,7 +612,7 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         (old.state, old.release_reason),
         (LeaseState::Released, None)
     );
-    assert_eq!(ledger.active_count("uid-a"), 1);
+    assert_eq!(ledger.counts().active_count("uid-a"), 1);
 
     assert_eq!(ledger.end_leases("uid-a", "machine_lost").await.unwrap(), 1);
     assert_eq!(
@@ -670,7 +671,7 @@ async fn a_reason_that_is_not_a_machine_code_is_refused_and_nothing_ends(backend
             other => panic!("{reason:?}: expected InvalidReason, got {other:?}"),
         }
     }
-    assert_eq!(f.ledger.active_count("uid-a"), 2);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 2);
     assert_eq!(
         f.count("SELECT COUNT(*) FROM leases WHERE state = 'active'"),
         2
@@ -742,8 +743,8 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
             }
         }
 
-        assert_eq!(f.ledger.active_count("uid-a"), 3, "{name}");
-        assert_eq!(f.ledger.active_count("uid-b"), 0, "{name}");
+        assert_eq!(f.ledger.counts().active_count("uid-a"), 3, "{name}");
+        assert_eq!(f.ledger.counts().active_count("uid-b"), 0, "{name}");
         let file_rows =
             f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
         assert_eq!(file_rows, rows, "{name}");
@@ -765,7 +766,7 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
             3,
             "{name}"
         );
-        assert_eq!(f.ledger.active_count("uid-a"), 0, "{name}");
+        assert_eq!(f.ledger.counts().active_count("uid-a"), 0, "{name}");
         f.self_check().await;
     }
 }
@@ -774,11 +775,16 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
 /// memory rolled back); once the sweep has made room, the end goes through.
 #[tokio::test]
 async fn a_full_ledger_refuses_the_end_whole() {
-    let f = Fixture::new(LedgerConfig {
-        max_size: MIN_MAX_SIZE,
-        cooldown: MINUTE,
-        ..LedgerConfig::default()
-    });
+    let f = Fixture::with_options(
+        SqliteOptions {
+            max_size: MIN_MAX_SIZE,
+            ..SqliteOptions::default()
+        },
+        LedgerConfig {
+            cooldown: MINUTE,
+            ..LedgerConfig::default()
+        },
+    );
     let (a, b) = (candidate("a", 1_000_000), candidate("b", 1_000_000));
     let on_a = f.hold(&a, 50, 10 * MINUTE).await;
     // Fill the file with leases on b (which expire first) until not even pruning makes room.
@@ -806,7 +812,11 @@ async fn a_full_ledger_refuses_the_end_whole() {
         other => panic!("expected the ledger to be full, got {other:?}"),
     }
 
-    assert_eq!(f.ledger.active_count("uid-a"), 50, "memory was rolled back");
+    assert_eq!(
+        f.ledger.counts().active_count("uid-a"),
+        50,
+        "memory was rolled back"
+    );
     let file_rows =
         f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(file_rows, rows, "the file kept nothing of it");
@@ -831,7 +841,7 @@ async fn a_full_ledger_refuses_the_end_whole() {
         }
     }
     assert_eq!(ended, Some(50));
-    assert_eq!(f.ledger.active_count("uid-a"), 0);
+    assert_eq!(f.ledger.counts().active_count("uid-a"), 0);
     f.self_check().await;
 }
 

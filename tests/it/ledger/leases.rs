@@ -19,7 +19,7 @@ use jiff::Timestamp;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseReport, LeaseState, Ledger,
     LedgerConfig, LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION,
-    SqliteLedger, SweepStats, SystemClock,
+    SqliteLedger, SqliteOptions, SweepStats, SystemClock,
 };
 use support::ledger::{Backend, Fixture, candidate, granted, no_match, start};
 
@@ -30,7 +30,6 @@ fn config() -> LedgerConfig {
         max_ttl: Duration::from_secs(3600),
         cooldown: 10 * MINUTE,
         history_retention: Duration::from_secs(24 * 3600),
-        durability: Durability::Normal,
         ..LedgerConfig::default()
     }
 }
@@ -174,9 +173,9 @@ async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history(backe
         f.events(&lease.id),
         [("acquired".to_owned(), Some("example.com".to_owned()), None)]
     );
-    assert_eq!(f.ledger.active_total(), 7);
+    assert_eq!(f.ledger.counts().active_total(), 7);
     assert_eq!(
-        f.ledger.active_counts(),
+        f.ledger.counts().active_counts(),
         HashMap::from([
             ("uid-slow".to_owned(), 2),
             ("uid-fast".to_owned(), 2),
@@ -207,7 +206,7 @@ async fn unhealthy_and_zero_capacity_proxies_are_never_leased(backend: Backend) 
             ..NoMatch::default()
         }
     );
-    assert_eq!(f.ledger.active_total(), 0);
+    assert_eq!(f.ledger.counts().active_total(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
     let stats = no_match(f.acquire(&[], None, MINUTE).await);
@@ -254,7 +253,7 @@ async fn an_expired_lease_stops_counting_before_the_sweep(backend: Backend) {
         f.ledger.get(&first.id).await.unwrap().unwrap().state,
         LeaseState::Expired
     );
-    assert_eq!(f.ledger.active_total(), 1);
+    assert_eq!(f.ledger.counts().active_total(), 1);
     assert_eq!(
         f.count("SELECT COUNT(*) FROM leases WHERE state = 'active'"),
         2,
@@ -281,7 +280,11 @@ async fn renew_extends_active_leases_only(backend: Backend) {
         Some(renewed.clone())
     );
     f.clock.advance(MINUTE);
-    assert_eq!(f.ledger.active_total(), 1, "renewed lease still counts");
+    assert_eq!(
+        f.ledger.counts().active_total(),
+        1,
+        "renewed lease still counts"
+    );
     assert_eq!(
         f.events(&lease.id),
         [
@@ -384,9 +387,15 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target(ba
             .await
             .unwrap();
         assert_eq!(reported.id, lease.id);
-        assert_eq!(f.ledger.cooldowns_active(), 1);
-        assert!(f.ledger.in_cooldown("uid-a", "shop.example"), "{result}");
-        assert!(!f.ledger.in_cooldown("uid-a", "news.example"), "{result}");
+        assert_eq!(f.ledger.counts().cooldowns_active(), 1);
+        assert!(
+            f.ledger.counts().in_cooldown("uid-a", "shop.example"),
+            "{result}"
+        );
+        assert!(
+            !f.ledger.counts().in_cooldown("uid-a", "news.example"),
+            "{result}"
+        );
         assert_eq!(
             f.events(&lease.id)[1],
             (
@@ -426,7 +435,7 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target(ba
             cooldown_end.as_millisecond()
         );
         f.clock.set(cooldown_end);
-        assert_eq!(f.ledger.cooldowns_active(), 0);
+        assert_eq!(f.ledger.counts().cooldowns_active(), 0);
         let back = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(back.proxy.name, "a");
     }
@@ -483,7 +492,7 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
     let r = report(ReportResult::RateLimited, Some("news.example"), None);
     f.ledger.report(&lease.id, r).await.unwrap();
     assert_eq!(retry_after("news.example").await, Some(t0 + 10 * MINUTE));
-    assert_eq!(f.ledger.cooldowns_active(), 2);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 2);
     assert_eq!(
         f.rows("SELECT target, until, result FROM cooldowns ORDER BY until"),
         [
@@ -535,10 +544,10 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
     );
 
     f.clock.set(t0 + 10 * MINUTE);
-    assert_eq!(f.ledger.cooldowns_active(), 1);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 1);
     granted(f.acquire(&c, Some("news.example"), MINUTE).await);
     f.clock.set(t0 + Duration::from_secs(3600));
-    assert_eq!(f.ledger.cooldowns_active(), 0);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 0);
     granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
     f.self_check().await;
 }
@@ -558,7 +567,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
         )
         .await
         .unwrap();
-    assert_eq!(f.ledger.cooldowns_active(), 0);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM cooldowns"), 0);
     assert_eq!(
         f.events(&untargeted.id)[1],
@@ -573,7 +582,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
         )
         .await
         .unwrap();
-    assert_eq!(f.ledger.cooldowns_active(), 1);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 1);
     assert_eq!(
         f.events(&untargeted.id)[2],
         (
@@ -591,7 +600,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
             .report(&lease.id, LeaseReport::new(result, None))
             .await
             .unwrap();
-        assert_eq!(f.ledger.cooldowns_active(), 1, "{result}");
+        assert_eq!(f.ledger.counts().cooldowns_active(), 1, "{result}");
         assert_eq!(
             f.events(&lease.id)[1],
             (
@@ -635,7 +644,7 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
         .await
         .unwrap();
     assert_eq!(reported.state, LeaseState::Expired);
-    assert_eq!(f.ledger.cooldowns_active(), 1);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 1);
     let stats = no_match(f.acquire(&c, Some("shop.example"), MINUTE).await);
     assert_eq!(stats.in_cooldown, 1);
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
@@ -683,7 +692,7 @@ async fn a_late_report_on_a_released_lease_lands_and_cools_down(backend: Backend
         .unwrap();
     assert_eq!(reported.state, LeaseState::Released);
     assert_eq!(reported.released_at, Some(start() + Duration::from_secs(5)));
-    assert!(f.ledger.in_cooldown("uid-a", "shop.example"));
+    assert!(f.ledger.counts().in_cooldown("uid-a", "shop.example"));
     let stats = no_match(f.acquire(&c, Some("shop.example"), MINUTE).await);
     assert_eq!(
         stats.retry_after,
@@ -791,8 +800,8 @@ async fn leases_cooldowns_and_history_survive_reopening(backend: Backend) {
         f.ledger.get(&cooled.id).await.unwrap().unwrap().state,
         LeaseState::Released
     );
-    assert_eq!(f.ledger.active_total(), 1);
-    assert_eq!(f.ledger.cooldowns_active(), 1);
+    assert_eq!(f.ledger.counts().active_total(), 1);
+    assert_eq!(f.ledger.counts().cooldowns_active(), 1);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), history);
     let stats = no_match(f.acquire(&c[1..], Some("t"), MINUTE).await);
     assert_eq!(
@@ -832,7 +841,11 @@ async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it
     assert_eq!(first.proxy.name, "a");
     let again = replayed(f.acquire_once(&c, "job-1", "fp").await);
     assert_eq!(again, first);
-    assert_eq!(f.ledger.active_total(), 1, "a replay grants nothing");
+    assert_eq!(
+        f.ledger.counts().active_total(),
+        1,
+        "a replay grants nothing"
+    );
     assert_eq!(f.events(&first.id).len(), 1, "a replay records nothing");
 
     let err = f.acquire_once(&c, "job-1", "other").await.unwrap_err();
@@ -1114,7 +1127,7 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
                             // release freed before the release's own count moved: there the
                             // committed state (the checker) is what must hold.
                             if f.backend == Backend::Sqlite {
-                                observe(f.ledger.active_counts());
+                                observe(f.ledger.counts().active_counts());
                             }
                             held.push_back(lease.id);
                         }
@@ -1157,8 +1170,8 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
         "capacity was never reached: the test proves nothing"
     );
     assert_eq!(*worst.lock().unwrap(), MAX, "capacity was never filled");
-    assert_eq!(f.ledger.active_total(), 0);
-    assert_eq!(f.ledger.active_counts(), HashMap::new());
+    assert_eq!(f.ledger.counts().active_total(), 0);
+    assert_eq!(f.ledger.counts().active_counts(), HashMap::new());
     assert_eq!(
         f.count("SELECT COUNT(*) FROM leases WHERE state = 'active'"),
         0
@@ -1256,8 +1269,9 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
         )
         .unwrap();
     }
-    let ledger = SqliteLedger::open(&path, config(), clock.clone()).unwrap();
-    assert_eq!(ledger.active_total(), 1);
+    let ledger =
+        SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
+    assert_eq!(ledger.counts().active_total(), 1);
     let c = [candidate("a", 1)];
     no_match(acquire(&ledger, &c, None, MINUTE).await);
     let version: u32 = rusqlite::Connection::open(&path)
@@ -1270,13 +1284,17 @@ async fn a_file_from_before_request_ids_is_migrated_and_its_leases_count() {
 
 #[tokio::test]
 async fn full_durability_opens_and_keeps_leases_across_reopening() {
-    let f = Fixture::new(LedgerConfig {
-        durability: Durability::Full,
-        ..config()
-    });
+    let f = Fixture::with_options(
+        SqliteOptions {
+            durability: Durability::Full,
+            ..SqliteOptions::default()
+        },
+        config(),
+    );
     let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
-    // Reopened with the default (Normal) durability of `config()`.
-    let reopened = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap();
+    // Reopened with the default (Normal) durability.
+    let reopened =
+        SqliteLedger::open(&f.path, SqliteOptions::default(), config(), f.clock.clone()).unwrap();
     assert_eq!(reopened.get(&lease.id).await.unwrap(), Some(lease));
 }
 
@@ -1286,7 +1304,8 @@ async fn a_database_from_a_newer_binary_is_refused() {
     f.raw()
         .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
         .unwrap();
-    let err = SqliteLedger::open(&f.path, config(), f.clock.clone()).unwrap_err();
+    let err = SqliteLedger::open(&f.path, SqliteOptions::default(), config(), f.clock.clone())
+        .unwrap_err();
     match &err {
         LedgerError::Newer {
             path,
@@ -1307,7 +1326,13 @@ async fn a_database_from_a_newer_binary_is_refused() {
 async fn open_errors_name_the_file_and_bad_config_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("missing-dir").join("ledger.db");
-    let err = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(
+        &path,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap_err();
     assert!(matches!(err, LedgerError::Open { .. }), "{err:?}");
     assert!(err.to_string().contains("missing-dir"), "{err}");
 
@@ -1317,7 +1342,13 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
         "this is not a database, just some text ".repeat(200),
     )
     .unwrap();
-    let err = SqliteLedger::open(&not_a_db, config(), Arc::new(SystemClock)).unwrap_err();
+    let err = SqliteLedger::open(
+        &not_a_db,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("notes.txt"), "{err}");
 
     for bad in [
@@ -1330,8 +1361,13 @@ async fn open_errors_name_the_file_and_bad_config_is_refused() {
             ..config()
         },
     ] {
-        let err =
-            SqliteLedger::open(&dir.path().join("x.db"), bad, Arc::new(SystemClock)).unwrap_err();
+        let err = SqliteLedger::open(
+            &dir.path().join("x.db"),
+            SqliteOptions::default(),
+            bad,
+            Arc::new(SystemClock),
+        )
+        .unwrap_err();
         assert!(matches!(err, LedgerError::Config(_)), "{err:?}");
     }
 }
@@ -1363,9 +1399,9 @@ async fn observable(f: &Fixture, c: &[Candidate], ids: &[&str]) -> Observed {
         replays.push(answer);
     }
     (
-        f.ledger.active_counts(),
-        f.ledger.active_total(),
-        f.ledger.cooldowns_active(),
+        f.ledger.counts().active_counts(),
+        f.ledger.counts().active_total(),
+        f.ledger.counts().cooldowns_active(),
         replays,
     )
 }
@@ -1433,7 +1469,13 @@ fn sqlite3(path: &Path, sql: &str) -> String {
 async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.db");
-    let ledger = SqliteLedger::open(&path, config(), Arc::new(SystemClock)).unwrap();
+    let ledger = SqliteLedger::open(
+        &path,
+        SqliteOptions::default(),
+        config(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
     let c = [candidate("a", 5), measured("b", 5, 3)];
     let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);

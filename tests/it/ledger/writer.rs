@@ -80,7 +80,7 @@ async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
     }
     assert_eq!(f.sqlite().queue_depth(), 20);
     assert_eq!(
-        f.ledger.active_total(),
+        f.ledger.counts().active_total(),
         0,
         "nothing is answered before the commit"
     );
@@ -91,7 +91,7 @@ async fn everything_queued_while_the_writer_waits_is_committed_in_one_batch() {
     let stats = f.sqlite().writer_stats();
     assert_eq!(stats.batches, 1, "{stats:?}");
     assert_eq!(stats.batch_sizes.get(21), Some(&1), "{stats:?}");
-    assert_eq!(f.ledger.active_total(), 21);
+    assert_eq!(f.ledger.counts().active_total(), 21);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 21);
 }
 
@@ -129,7 +129,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
     for write in queued {
         overloaded(write.await);
     }
-    assert_eq!(f.ledger.active_total(), 0);
+    assert_eq!(f.ledger.counts().active_total(), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
     assert_eq!(f.count("SELECT COUNT(*) FROM lease_events"), 0);
     let stats = f.sqlite().writer_stats();
@@ -147,7 +147,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
     f.clock.advance(Duration::from_millis(1999));
     lock.release();
     granted(late.await);
-    assert_eq!(f.ledger.active_total(), 1);
+    assert_eq!(f.ledger.counts().active_total(), 1);
 }
 
 #[tokio::test]
@@ -169,7 +169,7 @@ async fn an_acquire_whose_caller_left_before_its_turn_is_not_granted() {
     granted(kept.await);
     let retried = granted(retry.await);
     assert_eq!(
-        f.ledger.active_total(),
+        f.ledger.counts().active_total(),
         2,
         "the abandoned attempts hold nothing"
     );
@@ -224,9 +224,12 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
             )
             .await
             .unwrap();
-        let counts = f.ledger.active_counts();
+        let counts = f.ledger.counts().active_counts();
         assert_eq!(
-            (f.ledger.active_total(), f.ledger.cooldowns_active()),
+            (
+                f.ledger.counts().active_total(),
+                f.ledger.counts().cooldowns_active()
+            ),
             (1, 1)
         );
         let rows =
@@ -266,8 +269,8 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         assert_eq!(f.sqlite().writer_stats().failed_batches, 1, "{name}");
 
         // Memory is what the file says: the held lease, its cooldown, nothing of the batch.
-        assert_eq!(f.ledger.active_counts(), counts, "{name}");
-        assert_eq!(f.ledger.cooldowns_active(), 1, "{name}");
+        assert_eq!(f.ledger.counts().active_counts(), counts, "{name}");
+        assert_eq!(f.ledger.counts().cooldowns_active(), 1, "{name}");
         let file_rows =
             f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
         assert_eq!(file_rows, rows, "{name}");
@@ -286,12 +289,18 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         assert_eq!(replay, AcquireOutcome::Replayed(held.clone()), "{name}");
         // A later batch without the poison commits, and a reopened ledger agrees.
         f.ledger.release(&held.id).await.unwrap();
-        assert_eq!(f.ledger.active_total(), 1, "{name}");
+        assert_eq!(f.ledger.counts().active_total(), 1, "{name}");
         f.self_check().await;
-        let before = (f.ledger.active_counts(), f.ledger.cooldowns_active());
+        let before = (
+            f.ledger.counts().active_counts(),
+            f.ledger.counts().cooldowns_active(),
+        );
         f.reopen().await;
         assert_eq!(
-            (f.ledger.active_counts(), f.ledger.cooldowns_active()),
+            (
+                f.ledger.counts().active_counts(),
+                f.ledger.counts().cooldowns_active()
+            ),
             before,
             "{name}"
         );
@@ -323,5 +332,5 @@ async fn shutdown_commits_what_was_queued_and_refuses_the_rest() {
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 2);
     let refused = f.ledger.acquire(f.request("t.example", None)).await;
     assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");
-    assert_eq!(f.ledger.active_total(), 2, "reads still answer");
+    assert_eq!(f.ledger.counts().active_total(), 2, "reads still answer");
 }

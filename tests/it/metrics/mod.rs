@@ -24,7 +24,7 @@ use proxy_operator::health::{
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerConfig, ManualClock,
-    SqliteLedger, SqliteLedgerCollector, SystemClock,
+    SqliteLedger, SqliteLedgerCollector, SqliteOptions, SystemClock,
 };
 use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::resources::proxy::{Proxy, ProxyId};
@@ -68,6 +68,7 @@ fn open_ledger(dir: &tempfile::TempDir) -> SqliteLedger {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     SqliteLedger::open(
         &dir.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         clock,
     )
@@ -218,7 +219,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         // The bound beside the size, for the size alert.
         (
             "proxy_operator_ledger_max_bytes",
-            Some(LedgerConfig::default().max_size as f64),
+            Some(SqliteOptions::default().max_size as f64),
         ),
     ] {
         assert_eq!(line_value(&text, series), want, "{series} in {text}");
@@ -374,6 +375,7 @@ impl CooldownWorld {
         let dyn_clock: Arc<dyn Clock> = clock.clone();
         let ledger = SqliteLedger::open(
             &path,
+            SqliteOptions::default(),
             LedgerConfig {
                 cooldown: COOLDOWN,
                 ..LedgerConfig::default()

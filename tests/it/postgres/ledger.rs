@@ -119,11 +119,11 @@ async fn replicas_racing_for_few_slots_never_exceed_max_leases_nor_grant_twice()
     let expected: u64 = 15;
     for replica in &replicas {
         let started = std::time::Instant::now();
-        while replica.active_total() != expected {
+        while replica.counts().active_total() != expected {
             assert!(
                 started.elapsed() < support::DEADLINE,
                 "{}",
-                replica.active_total()
+                replica.counts().active_total()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -330,7 +330,7 @@ async fn a_database_that_goes_down_answers_unavailable_and_is_used_again_when_ba
     // Readiness stays: every replica shares the database.
     ledger.check().await.unwrap();
     // What was counted before is still counted while the database is away.
-    assert_eq!(ledger.active_total(), 1);
+    assert_eq!(ledger.counts().active_total(), 1);
 
     server.resume();
     let started = std::time::Instant::now();

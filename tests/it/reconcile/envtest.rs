@@ -17,7 +17,7 @@ use kube::runtime::controller::Action as Requeue;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use proxy_operator::events::{NOTE_LIMIT, event};
-use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
+use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::reconcile::{Context, ReconcilerConfig, ReconcilerMetrics, reconcile};
 use proxy_operator::resources::proxy::{Proxy, ProxySpec};
 use serde_json::json;
@@ -35,6 +35,7 @@ fn context(client: Client) -> (Arc<Context>, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         Arc::new(SystemClock),
     )

@@ -14,7 +14,7 @@ use crate::support::mock_api::{Call, mock_client, status};
 use crate::support::stub_provider::StubProvider;
 
 use proxy_operator::health::HealthTransition;
-use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SystemClock};
+use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::provider::{ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider};
 use proxy_operator::reconcile::{
     Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
@@ -111,6 +111,7 @@ fn context(
     let dir = tempfile::tempdir().unwrap();
     let ledger = SqliteLedger::open(
         &dir.path().join("ledger.db"),
+        SqliteOptions::default(),
         LedgerConfig::default(),
         Arc::new(SystemClock),
     )
