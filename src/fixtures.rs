@@ -1,9 +1,10 @@
 //! Builders of the objects tests and benches start from, in one place (behind the `fixtures`
 //! feature, which the crate's own tests and benches turn on): Proxies in the state a test
 //! needs, the reconciler's inputs for a settled machine, a provider's instance, a health
-//! transition. Each builder starts from the common case; a test says only what differs.
+//! transition, a lease candidate. Each builder starts from the common case; a test says only what differs.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -11,6 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 
 use crate::health::HealthTransition;
+use crate::ledger::Candidate;
 use crate::provider::{Instance, InstanceState};
 use crate::reconcile::remediation::Gate;
 use crate::reconcile::{Inputs, Limits, Observation};
@@ -232,5 +234,23 @@ pub fn settled(observation: &Observation, now: Timestamp) -> Inputs<'_> {
         unhealthy_since: None,
         health: None,
         remediation: Gate::Allowed,
+    }
+}
+
+/// A healthy proxy `crawl/<name>` (UID `uid-<name>`) without a measured latency, granting
+/// `max_leases` at once: the candidate of an acquire. Tests that need another health or a
+/// latency set those fields with `Candidate { .., ..candidate(name, max_leases) }`.
+pub fn candidate(name: &str, max_leases: u32) -> Candidate {
+    Candidate {
+        proxy: Arc::new(ProxyId {
+            namespace: NAMESPACE.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }),
+        max_leases,
+        healthy: true,
+        cordoned: false,
+        draining: false,
+        latency: None,
     }
 }

@@ -247,25 +247,6 @@ pub struct Candidate {
     pub latency: Option<Duration>,
 }
 
-#[cfg(test)]
-impl Candidate {
-    /// A healthy candidate `name` in namespace `crawl` with UID `uid-{name}`, for tests.
-    pub(crate) fn for_test(name: &str, max_leases: u32) -> Candidate {
-        Candidate {
-            proxy: std::sync::Arc::new(ProxyId {
-                namespace: "crawl".into(),
-                name: name.into(),
-                uid: format!("uid-{name}"),
-            }),
-            max_leases,
-            healthy: true,
-            cordoned: false,
-            draining: false,
-            latency: None,
-        }
-    }
-}
-
 /// One acquire, as the API hands it to the ledger.
 #[derive(Debug, Clone)]
 pub struct AcquireRequest {

@@ -162,7 +162,7 @@ mod tests {
         Candidate {
             healthy,
             latency: latency_ms.map(Duration::from_millis),
-            ..Candidate::for_test(name, max_leases)
+            ..crate::fixtures::candidate(name, max_leases)
         }
     }
 

@@ -19,6 +19,8 @@ use proxy_operator::ledger::{
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
 
+pub use proxy_operator::fixtures::candidate;
+
 use super::postgres::{Database, Postgres};
 
 /// Where every test's `ManualClock` starts: a fixed instant, so times written to the ledger
@@ -293,24 +295,6 @@ pub fn count(path: &Path, sql: &str) -> i64 {
         .unwrap()
         .query_row(sql, [], |r| r.get(0))
         .unwrap()
-}
-
-/// A healthy proxy `crawl/<name>` (UID `uid-<name>`) without a measured latency, granting
-/// `max_leases` at once. Tests that need another health or a latency set those fields with
-/// `Candidate { .., ..candidate(name, max_leases) }`.
-pub fn candidate(name: &str, max_leases: u32) -> Candidate {
-    Candidate {
-        proxy: Arc::new(ProxyId {
-            namespace: "crawl".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-        }),
-        max_leases,
-        healthy: true,
-        cordoned: false,
-        draining: false,
-        latency: None,
-    }
 }
 
 /// `count` proxies `p0`, `p1`, … as [`candidate`]s with `max_leases` each, shared so

@@ -689,7 +689,7 @@ mod tests {
 
     fn proxies(count: usize, max_leases: u32) -> Arc<[Candidate]> {
         (0..count)
-            .map(|i| Candidate::for_test(&format!("p{i}"), max_leases))
+            .map(|i| crate::fixtures::candidate(&format!("p{i}"), max_leases))
             .collect()
     }
 

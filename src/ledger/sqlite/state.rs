@@ -658,7 +658,7 @@ mod tests {
     fn candidates(names: &[(&str, u32)]) -> Vec<Candidate> {
         names
             .iter()
-            .map(|&(name, max_leases)| Candidate::for_test(name, max_leases))
+            .map(|&(name, max_leases)| crate::fixtures::candidate(name, max_leases))
             .collect()
     }
 
