@@ -39,6 +39,5 @@ mod metrics;
 mod operator;
 mod postgres;
 mod providers;
-mod python_client;
 mod reconcile;
 mod resources;

@@ -5,6 +5,7 @@
 //! SQLite-only.
 
 mod health_view;
+mod python_client;
 mod schemathesis;
 
 use std::collections::BTreeMap;
