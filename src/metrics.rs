@@ -84,9 +84,19 @@ impl Collector for FleetCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
         let mut counts = [0i64; Phase::ALL.len()];
+        // The ledger's counts, read once from its memory (no query per scrape) and released
+        // before the walk over the inventory, so a scrape never holds up the ledger's writes.
+        let (leases, active_total, cooldowns_active, target_cooldowns) = {
+            let ledger = self.ledger.counts();
+            (
+                ledger.active_counts(),
+                ledger.active_total(),
+                ledger.cooldowns_active(),
+                ledger.target_cooldowns(),
+            )
+        };
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
         let proxy_leases = {
-            let leases = self.ledger.counts().active_counts();
             let snapshot = self.inventory.snapshot();
             let health = self.positions.health(&snapshot, &self.health);
             let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
@@ -114,19 +124,15 @@ impl Collector for FleetCollector {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
         }
         let mut families = self.proxies.collect();
-        // The ledger's snapshot: no query per scrape.
         self.leases_active
-            .set(i64::try_from(self.ledger.counts().active_total()).unwrap_or(i64::MAX));
+            .set(i64::try_from(active_total).unwrap_or(i64::MAX));
         self.cooldowns_active
-            .set(i64::try_from(self.ledger.counts().cooldowns_active()).unwrap_or(i64::MAX));
+            .set(i64::try_from(cooldowns_active).unwrap_or(i64::MAX));
         families.extend(self.leases_active.collect());
         families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
         // At most 51 numbers copied from the ledger's memory; none when nothing cools down.
-        if let Some(family) = self
-            .target_cooldowns
-            .family(&self.ledger.counts().target_cooldowns())
-        {
+        if let Some(family) = self.target_cooldowns.family(&target_cooldowns) {
             families.push(family);
         }
         families
