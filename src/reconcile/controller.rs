@@ -43,7 +43,7 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
         }
     };
     let uid = proxy.uid().unwrap_or_default();
-    match step.outcome {
+    match step.retry {
         RetryEffect::Progress => ctx.pacing.succeeded(&uid, false),
         RetryEffect::Running => ctx.pacing.succeeded(&uid, true),
         RetryEffect::Neutral => {}

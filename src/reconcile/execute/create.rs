@@ -81,7 +81,7 @@ pub(super) fn hold_create(machine: &Machine<'_>, until: Timestamp) -> Step {
             hold_message(&hold),
         )
     });
-    Step::new(status, requeue_at(until, machine.now)).with_outcome(RetryEffect::Neutral)
+    Step::new(status, requeue_at(until, machine.now)).with_retry(RetryEffect::Neutral)
 }
 
 /// The machine is not running yet: say why, with an Event when the provider's reason is new.

@@ -102,7 +102,7 @@ pub(super) async fn delete_dead(
         )
         .await?
     };
-    if step.outcome == RetryEffect::Progress {
+    if step.retry == RetryEffect::Progress {
         step.requeue = requeue;
     }
     Ok(step)

@@ -4,10 +4,9 @@
 use jiff::Timestamp;
 use kube::runtime::events::EventType;
 
-use super::LEASES_DRAIN_TIMEOUT;
-use super::REASON_DRAIN_TIMED_OUT;
 use super::machine::Machine;
 use super::step::{Step, condition_reason_is, poll_or_at};
+use super::{LEASES_DRAIN_TIMEOUT, REASON_DRAIN_TIMED_OUT};
 use crate::events::event;
 use crate::reconcile::metrics::DELETED;
 use crate::reconcile::phase::Provisioning;

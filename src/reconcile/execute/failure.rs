@@ -131,7 +131,7 @@ pub(super) fn failure_step(
         controller::Action::requeue(delay),
     )
     .with_event(event)
-    .with_outcome(RetryEffect::Neutral))
+    .with_retry(RetryEffect::Neutral))
 }
 
 /// The cloud-init a Managed Proxy names cannot be read yet.

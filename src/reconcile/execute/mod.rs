@@ -120,7 +120,7 @@ async fn act(
             .with_annotations(Some(create::record_hash(&hash))),
         Action::External => external(machine.proxy),
         Action::StayFailed { until } => {
-            Step::requeue(requeue_at(until, machine.now)).with_outcome(RetryEffect::Neutral)
+            Step::requeue(requeue_at(until, machine.now)).with_retry(RetryEffect::Neutral)
         }
         Action::AwaitCloudInit { message } => failure::cloud_init_missing(&message, config),
         failed @ (Action::Backoff { .. }

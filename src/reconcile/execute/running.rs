@@ -67,7 +67,7 @@ pub(super) fn running(
         poll_or_at(poll, recheck, machine.now),
     )
     .with_event(event)
-    .with_outcome(RetryEffect::Running);
+    .with_retry(RetryEffect::Running);
     // A machine from before `status.port` existed: its spec hash is current (or this would
     // be a replacement), so it listens on `spec.port`.
     if current.port.is_none() {
@@ -95,7 +95,7 @@ pub(super) fn disrupt(
     let Some(fleet) = ctx.fleet() else {
         // Right after start-up: the holders are not known until the first list is in.
         return Step::requeue(controller::Action::requeue(ctx.config.provisioning_poll))
-            .with_outcome(RetryEffect::Neutral);
+            .with_retry(RetryEffect::Neutral);
     };
     let limit = ctx
         .config
@@ -146,7 +146,7 @@ pub(super) fn disrupt(
                 controller::Action::requeue(ctx.config.provisioning_poll),
             )
             .with_event(event)
-            .with_outcome(RetryEffect::Neutral)
+            .with_retry(RetryEffect::Neutral)
         }
     }
 }

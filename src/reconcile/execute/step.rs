@@ -38,7 +38,7 @@ pub(crate) struct Step {
     /// When to look again.
     pub requeue: controller::Action,
     /// What it means for the retry memory.
-    pub outcome: RetryEffect,
+    pub retry: RetryEffect,
     /// The resourceVersion returned by a metadata patch made before the status write.
     pub resource_version: Option<String>,
     /// The disruption (its metric label) this step starts: counted once its status is written,
@@ -53,7 +53,7 @@ impl Step {
             annotations: None,
             event: None,
             requeue,
-            outcome: RetryEffect::Progress,
+            retry: RetryEffect::Progress,
             resource_version: None,
             disruption_started: None,
         }
@@ -73,8 +73,8 @@ impl Step {
         self
     }
 
-    pub(super) fn with_outcome(mut self, outcome: RetryEffect) -> Self {
-        self.outcome = outcome;
+    pub(super) fn with_retry(mut self, retry: RetryEffect) -> Self {
+        self.retry = retry;
         self
     }
 
