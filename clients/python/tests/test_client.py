@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -18,6 +24,7 @@ from proxy_operator import (
     Client,
     ConfigError,
     NoMatch,
+    PoolWaking,
     RetryPolicy,
     TransportError,
     gateway_proxy_url,
@@ -25,6 +32,7 @@ from proxy_operator import (
 from proxy_operator.calls import NO_WAIT
 
 TARGET = "127.0.0.1"
+ACQUIRE_WAITING = Path(__file__).parent / "acquire_waiting.py"
 
 
 def test_list_acquire_use_renew_report_release(operator: Operator, site: Site) -> None:
@@ -178,3 +186,109 @@ def test_the_async_client_and_gateway_sessions(operator: Operator, site: Site) -
     assert operator.sql(
         f"SELECT result, cooldown_seconds FROM lease_history WHERE lease_id = '{session_lease}' AND kind = 'reported'"
     ) == [("blocked", 60.0)]
+
+
+class WakingApi:
+    """A loopback stand-in for the lease API in front of a pool scaled to zero (standalone has
+    no pools): its first ``waking`` acquires are answered ``503 pool_waking`` (``Retry-After:
+    0``, ``wakeTimeoutSeconds``: ``wake_timeout``), then one is granted; releases succeed."""
+
+    def __init__(self, waking: int, wake_timeout: float = 10):
+        self.waking = waking
+        self.request_ids: list[str] = []
+        self.released: list[str] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api.request_ids.append(body["requestID"])
+                if len(api.request_ids) <= api.waking:
+                    answer = {"error": "pool_waking", "message": "waking", "pools": ["crawl/eu"], "wakeTimeoutSeconds": wake_timeout}
+                    self._send(503, answer, {"Retry-After": "0"})
+                else:
+                    self._send(201, {
+                        "leaseID": "lease-1",
+                        "proxy": {"name": "eu-abc12", "namespace": "crawl", "host": "127.0.0.9", "port": 3128, "url": "http://127.0.0.9:3128"},
+                        "state": "active",
+                        "acquiredAt": "2026-12-01T10:00:00Z",
+                        "expiresAt": "2026-12-01T10:05:00Z",
+                        "ttlSeconds": 300,
+                    })
+
+            def do_DELETE(self) -> None:
+                api.released.append(self.path.rsplit("/", 1)[-1])
+                self._send(204, None)
+
+            def _send(self, status: int, body: object, headers: dict[str, str] | None = None) -> None:
+                data = b"" if body is None else json.dumps(body).encode()
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                if data:
+                    self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def waking_api() -> Iterator[WakingApi]:
+    api = WakingApi(waking=3)
+    yield api
+    api.close()
+
+
+def test_a_waking_pool_is_waited_on_past_attempts_and_max_wait(waking_api: WakingApi) -> None:
+    # Three answers with Retry-After 0 (asked again a second apart): past attempts=1 and
+    # max_wait=0, within the pool's wakeTimeoutSeconds.
+    with Client(waking_api.url, token=TOKEN, retry=RetryPolicy(attempts=1, max_wait=0.0)) as client:
+        lease = client.acquire(selector={"geo": "eu"})
+    assert lease.lease_id == "lease-1" and len(waking_api.request_ids) == 4
+    assert len(set(waking_api.request_ids)) == 1, "one request ID for every ask"
+    with Client(waking_api.url, token=TOKEN, retry=NO_WAIT) as client:
+        waking_api.request_ids.clear()
+        with pytest.raises(PoolWaking) as waking:
+            client.acquire()
+        assert waking.value.pools == ["crawl/eu"] and waking.value.wake_timeout == 10
+
+
+def _acquire_waiting(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ACQUIRE_WAITING), *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_the_acquire_waiting_script_counts_the_answers_it_waited_through(waking_api: WakingApi) -> None:
+    done = _acquire_waiting(waking_api.url, TOKEN, '{"geo": "eu"}', "30")
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["leaseID"] == "lease-1" and line["proxy"] == "crawl/eu-abc12"
+    assert line["poolWakingAnswers"] == 3 and line["waitedSeconds"] >= 3.0
+    assert waking_api.released == ["lease-1"]
+
+
+def test_the_acquire_waiting_script_against_the_binary(operator: Operator) -> None:
+    env = {"DISCOVERY_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+    done = _acquire_waiting(operator.api, "-", '{"pool": "python"}', "30", env=env)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["proxy"] in ("default/px-0", "default/px-1") and line["poolWakingAnswers"] == 0
+    assert operator.sql(f"SELECT state FROM leases WHERE id = '{line['leaseID']}'") == [("released",)]
+    refused = _acquire_waiting(operator.api, TOKEN, '{"pool": "elsewhere"}', "30")
+    assert refused.returncode == 1 and json.loads(refused.stdout)["code"] == "no_match"
+    assert _acquire_waiting(operator.api, TOKEN, "[]", "30").returncode == 2

@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 
-from proxy_operator import ConfigError, NoMatch, RetryPolicy, Unavailable, gateway_proxy_url
-from proxy_operator.calls import error_of
+from proxy_operator import ConfigError, NoMatch, PoolWaking, RetryPolicy, Unavailable, gateway_proxy_url
+from proxy_operator.calls import NO_WAIT, error_of
 from proxy_operator.models import parse_time
 from proxy_operator.scrapy import retry_after_seconds
 from proxy_operator.sessions import SessionPool
@@ -75,6 +75,65 @@ def test_which_refusals_are_waited_on(status, body, retry_after, waited, attempt
     error = error_of(_answer(status, body, retry_after))
     assert error.status == status and error.code == body["error"]
     assert RetryPolicy(attempts=3, max_wait=30.0).wait(error, waited, attempt) == wait
+
+
+def _waking(wake_timeout: object = 60) -> dict[str, object]:
+    body: dict[str, object] = {"error": "pool_waking", "message": "waking", "pools": ["crawl/eu"]}
+    if wake_timeout is not None:
+        body["wakeTimeoutSeconds"] = wake_timeout
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "retry_after", "waited", "attempt", "wait"),
+    [
+        (_waking(), "2", 0.0, 0, 2.0),
+        (_waking(), "2", 28.0, 14, 2.0),  # past attempts and max_wait's 30 s ...
+        (_waking(), "2", 40.0, 20, 2.0),
+        (_waking(), "2", 58.0, 29, 2.0),  # ... up to wakeTimeoutSeconds
+        (_waking(), "2", 60.0, 30, None),  # then raised
+        (_waking(), "7", 56.0, 8, 4.0),  # the last wait ends at the limit: asked once more then
+        (_waking(), "0", 10.0, 5, 1.0),  # a Retry-After of 0 does not spin
+        (_waking(), None, 0.0, 0, None),  # only answers with Retry-After are waited on
+        (_waking(90.5), "2", 89.0, 44, 1.5),
+        (_waking(10), "2", 20.0, 10, 2.0),  # a shorter wake timeout: max_wait holds
+        (_waking(10), "2", 30.0, 15, None),
+        (_waking(None), "2", 20.0, 10, 2.0),  # no wakeTimeoutSeconds: max_wait
+        (_waking(None), "2", 30.0, 15, None),
+        (_waking("60"), "2", 30.0, 15, None),  # not a number: max_wait
+        (_waking(True), "2", 30.0, 15, None),
+        ({"error": "overloaded", "message": "m", "wakeTimeoutSeconds": 60}, "2", 0.0, 3, None),  # other codes: attempts
+        ({"error": "overloaded", "message": "m", "wakeTimeoutSeconds": 60}, "2", 29.0, 1, None),  # and max_wait
+    ],
+)
+def test_a_waking_pool_is_waited_on_up_to_its_wake_timeout(body, retry_after, waited, attempt, wait) -> None:
+    error = error_of(_answer(503, body, retry_after))
+    assert isinstance(error, PoolWaking) == (body["error"] == "pool_waking")
+    assert RetryPolicy(attempts=3, max_wait=30.0).wait(error, waited, attempt) == wait
+
+
+def test_a_whole_wake_is_waited_through_and_no_wait_never_waits() -> None:
+    error = error_of(_answer(503, _waking(60), "2"))
+    waited, waits = 0.0, 0
+    while (wait := RetryPolicy().wait(error, waited, waits)) is not None:
+        waited, waits = waited + wait, waits + 1
+    assert (waited, waits) == (60.0, 30)
+    assert NO_WAIT.wait(error, 0.0, 0) is None
+    assert RetryPolicy(attempts=0, max_wait=100).wait(error, 0.0, 0) is None
+
+
+def test_a_pool_waking_answer_is_read_into_its_fields() -> None:
+    body = {"error": "pool_waking", "message": "pool crawl/eu is waking", "pools": ["crawl/eu", "crawl/eu-2"], "wakeTimeoutSeconds": 90}
+    error = error_of(_answer(503, body, "2"))
+    assert isinstance(error, PoolWaking) and isinstance(error, Unavailable)
+    assert (error.status, error.code, error.message) == (503, "pool_waking", "pool crawl/eu is waking")
+    assert error.pools == ["crawl/eu", "crawl/eu-2"] and error.wake_timeout == 90.0
+    assert error.retry_after == 2.0 and error.body == body
+    bare = error_of(_answer(503, {"error": "pool_waking", "message": "m"}))
+    assert isinstance(bare, PoolWaking) and bare.pools == [] and bare.wake_timeout is None
+    assert not isinstance(error_of(_answer(503, {"error": "overloaded", "message": "m"}, "1")), PoolWaking)
+    # Only a 503 is a waking pool.
+    assert type(error_of(_answer(409, body, "2"))) is not PoolWaking
 
 
 def test_errors_carry_their_kind_and_code() -> None:

@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .errors import ApiError, NoMatch, Unavailable
+from .errors import ApiError, NoMatch, PoolWaking, Unavailable
 from .models import Lease, ProxyInfo
 
 T = TypeVar("T")
@@ -22,7 +22,14 @@ REPORT_RESULTS = ("ok", "blocked", "rate_limited", "error")
 class RetryPolicy:
     """How long a call waits on ``409 no_match`` and ``503`` answers that carry
     ``Retry-After`` before it raises: at most ``attempts`` waits and ``max_wait`` seconds in
-    all. A wait longer than what is left is not started: the error is raised at once."""
+    all. A wait longer than what is left is not started: the error is raised at once.
+
+    A ``503 pool_waking`` (:class:`PoolWaking`: a pool scaled to zero is waking) is waited on
+    for as long as the pool may take to wake: up to its ``wakeTimeoutSeconds`` when that is
+    longer than ``max_wait`` (else, or without one, up to ``max_wait``), asking again every
+    ``Retry-After`` seconds (at least ``WAKE_POLL`` apart) however many answers that takes;
+    its last wait is cut short to end at the limit, so the pool is asked once more then.
+    ``attempts=0`` (:data:`NO_WAIT`) never waits. ``waited`` counts every wait of the call."""
 
     attempts: int = 3
     max_wait: float = 30.0
@@ -31,11 +38,19 @@ class RetryPolicy:
         """Seconds to wait before trying again after ``error``, or ``None`` to raise it."""
         if not isinstance(error, (NoMatch, Unavailable)) or error.retry_after is None:
             return None
+        if self.attempts <= 0:
+            return None
+        if isinstance(error, PoolWaking):
+            limit = max(self.max_wait, error.wake_timeout or 0.0)
+            left = limit - waited
+            return min(max(error.retry_after, WAKE_POLL), left) if left > 0 else None
         if attempt >= self.attempts or waited + error.retry_after > self.max_wait:
             return None
         return error.retry_after
 
 
+#: Shortest wait between two asks while a pool wakes (a ``Retry-After: 0`` would spin).
+WAKE_POLL = 1.0
 NO_WAIT = RetryPolicy(attempts=0, max_wait=0.0)
 
 
@@ -77,7 +92,7 @@ def error_of(response: httpx.Response) -> ApiError:
     if response.status_code == 409 and code == "no_match":
         kind = NoMatch
     elif response.status_code == 503:
-        kind = Unavailable
+        kind = PoolWaking if code == "pool_waking" else Unavailable
     return kind(response.status_code, code, message, body, retry_after(response))
 
 

@@ -99,8 +99,9 @@ class _Base:
 
 class Client(_Base):
     """A blocking client. Every call has a timeout (``timeout`` seconds); ``409 no_match`` and
-    ``503`` answers are waited on as ``retry`` says, then raised as :class:`NoMatch` or
-    :class:`Unavailable`; other refusals raise :class:`ApiError` with the JSON error code."""
+    ``503`` answers are waited on as ``retry`` says (a waking pool up to its wake timeout),
+    then raised as :class:`NoMatch` or :class:`Unavailable` (:class:`PoolWaking`); other
+    refusals raise :class:`ApiError` with the JSON error code."""
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)

@@ -3,6 +3,7 @@ the JSON error code (``no_match``, ``unknown_lease``, ``overloaded``, ...)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -49,7 +50,31 @@ class NoMatch(ApiError):
 
 class Unavailable(ApiError):
     """503: the ledger could not take the write in time (``overloaded``) or is full
-    (``ledger_full``); nothing was written."""
+    (``ledger_full``), or the pool is waking (:class:`PoolWaking`); nothing was written."""
+
+
+class PoolWaking(Unavailable):
+    """503 ``pool_waking``: the selector matches pools scaled to zero that are waking, with
+    no Ready member yet. ``pools`` names them (``namespace/name``); ``wake_timeout`` is the
+    body's ``wakeTimeoutSeconds``, the longest any of them may take to wake (``None`` when the
+    body has none). :class:`RetryPolicy` waits that long for them."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, code, message, body, retry_after)
+        pools = self.body.get("pools")
+        self.pools: list[str] = [str(p) for p in pools] if isinstance(pools, list) else []
+        timeout = self.body.get("wakeTimeoutSeconds")
+        self.wake_timeout: float | None = None
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            if math.isfinite(timeout) and timeout >= 0:
+                self.wake_timeout = float(timeout)
 
 
 class Banned(ProxyOperatorError):

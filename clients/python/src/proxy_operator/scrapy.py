@@ -24,6 +24,11 @@ dropped, and the request is retried on a new one, at most ``PROXY_OPERATOR_MAX_R
 then the response goes through as it is. Transport errors are retried the same way. A
 ``request.meta["proxy_operator_session"]`` pins a request to a session name of its own.
 
+A **pool scaled to zero** wakes on the crawl's first requests: the gateway holds each one
+until a member is Ready (at most the pool's ``wakeTimeout``; Scrapy's ``DOWNLOAD_TIMEOUT``,
+180 s, must be longer), and in lease mode the acquire waits through ``503 pool_waking`` for
+up to the ``wakeTimeout``, even past ``PROXY_OPERATOR_MAX_WAIT`` (see :class:`RetryPolicy`).
+
 Settings (defaults): ``PROXY_OPERATOR_MODE`` (``"gateway"``), ``PROXY_OPERATOR_URL`` and
 ``PROXY_OPERATOR_GATEWAY`` (the environment variables of the same names),
 ``PROXY_OPERATOR_TOKEN`` / ``PROXY_OPERATOR_TOKEN_FILE`` (likewise), ``PROXY_OPERATOR_CRAWLER``
@@ -374,6 +379,7 @@ class ProxyOperatorMiddleware:
         """The route, made on first use inside the running event loop (httpx's async client
         belongs to the loop it first runs in)."""
         if self._route is None:
+            # A waking pool's 503 pool_waking is waited on up to its wakeTimeout, past max_wait.
             retry = RetryPolicy(attempts=10, max_wait=self.max_wait)
             self._api = AsyncClient(self.url, tokens=self.token, timeout=self.timeout, retry=retry)
             if self.gateway is not None:
