@@ -445,6 +445,9 @@ pub struct SweepStats {
     pub cooldowns_pruned: u64,
     /// History rows older than the retention period, deleted.
     pub events_pruned: u64,
+    /// Buckets of unmet demand (one per pool each) that ended before the last
+    /// [`DEMAND_RETENTION`](super::DEMAND_RETENTION), deleted.
+    pub demand_pruned: u64,
 }
 
 #[cfg(test)]

@@ -5,9 +5,9 @@
 //! collector, the reconciler and the process wiring use; the values it takes and hands out,
 //! and the decoding of a lease row (`lease`); the pure selection of a proxy for an acquire
 //! (`selection::select`) and the per-target limits it is held to (`target_hold`); the view of
-//! the counts ([`LedgerCounts`], `counts`); the history rows (`history`); the ranking of
-//! cooldowns per target (`targets`); the clock, the configuration every backend keeps and the
-//! errors. A backend decides every write against its own record of the leases, and calls the
+//! the counts ([`LedgerCounts`], `counts`); the history rows (`history`); the buckets of
+//! ProxyPools' unmet demand (`demand`); the ranking of cooldowns per target (`targets`); the
+//! clock, the configuration every backend keeps and the errors. A backend decides every write against its own record of the leases, and calls the
 //! same `select` and `TargetHold` so both backends choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
 //! commit, one replica. [`PostgresLedger`] (`postgres/`): one database any number of replicas
 //! share, the database deciding each write in a transaction of its own.
@@ -31,10 +31,16 @@
 //!   lease.
 //! - **History**: every acquire, renew, release, expiry and report is appended to the history,
 //!   pruned after the retention period.
+//! - **Demand**: a refused request a ProxyPool's member would have served counts once per
+//!   distinct pool in the [`DEMAND_BUCKET`] holding the ledger's clock's time (`demand`),
+//!   acknowledged once durable like any write and kept where the leader reads it (the one
+//!   SQLite file, the database every replica shares); the sweep deletes the buckets that end
+//!   before the last [`DEMAND_RETENTION`].
 
 mod clock;
 mod config;
 mod counts;
+mod demand;
 mod error;
 mod history;
 mod lease;
@@ -46,6 +52,7 @@ mod sqlite;
 mod target_hold;
 mod targets;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -66,6 +73,15 @@ pub use sqlite::{
     SqliteLedgerCollector, SqliteOptions, WriterStats,
 };
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
+
+/// The length of one bucket of ProxyPools' unmet demand: a refusal counts in the bucket
+/// (aligned to the Unix epoch) holding the ledger's clock's time, and a window of
+/// [`Ledger::recent_demand`] reads the buckets overlapping it.
+pub const DEMAND_BUCKET: Duration = Duration::from_secs(10);
+
+/// How long unmet demand is kept: [`Ledger::sweep`] deletes the buckets that end before the
+/// last `DEMAND_RETENTION`, so a window up to this long reads complete buckets.
+pub const DEMAND_RETENTION: Duration = Duration::from_secs(600);
 
 /// Whether a ledger's database answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,9 +140,25 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
 
     /// Marks leases past their expiry as expired (one `expired` event each, timed at the
     /// expiry), deletes finished leases whose expiry is older than the cooldown window (their
-    /// request IDs go with them), ended cooldowns, and history older than the retention
-    /// period.
+    /// request IDs go with them), ended cooldowns, history older than the retention period,
+    /// and demand buckets that end before the last [`DEMAND_RETENTION`].
     async fn sweep(&self) -> Result<SweepStats, LedgerError>;
+
+    /// Records one refused request (an acquire or a gateway connection refused for capacity,
+    /// or because no member was Ready) that a member of each pool in `pools` would have
+    /// served: the pools' unmet demand, counted per pool per [`DEMAND_BUCKET`] at the ledger's
+    /// clock, so a refusal on any replica reaches the leader. Pools are `namespace/name` keys;
+    /// a pool named more than once counts once, and an empty slice records nothing. Answered
+    /// once durable, like any write, with the same errors (`Overloaded`, `Full`,
+    /// `Unavailable`, …: retry or drop it). Counted at least once: a PostgreSQL statement
+    /// tried again after a lost connection may have committed the first time.
+    async fn record_demand(&self, pools: &[String]) -> Result<(), LedgerError>;
+
+    /// Unmet demand per pool (`namespace/name`) recorded in the buckets that overlap the last
+    /// `window` at the ledger's clock (the bucket holding now always does); pools without any
+    /// are absent. Buckets older than [`DEMAND_RETENTION`] may be swept, so a longer window
+    /// reads only what is left.
+    async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError>;
 
     /// The lease with this ID, if it is still retained, as recorded. A lease past its expiry
     /// reads as expired even before the sweep marks it.

@@ -29,7 +29,7 @@ mod retry;
 mod schema;
 mod store;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -52,6 +52,7 @@ use self::store::{Ended, StoreError};
 use super::clock::Clock;
 use super::config::LedgerConfig;
 use super::counts::LedgerCounts;
+use super::demand;
 use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
@@ -629,6 +630,33 @@ impl Ledger for PostgresLedger {
             });
         }
         Ok(lease)
+    }
+
+    /// One statement on a pooled connection, like `end_leases`: every replica counts into the
+    /// same rows, so the leader reads every replica's refusals. Waits at most the queue
+    /// deadline for a connection (then `Overloaded`), like the writes outside the batches;
+    /// tried again on a fresh connection after a lost one, which may count a refusal twice
+    /// when the first attempt committed unanswered: harmless for demand.
+    async fn record_demand(&self, pools: &[String]) -> Result<(), LedgerError> {
+        if pools.is_empty() {
+            return Ok(());
+        }
+        let pools = demand::distinct_pools(pools);
+        let now = self.now_ms();
+        on_connection!(self, |conn| store::record_demand(
+            conn.client(),
+            &pools,
+            now
+        ))
+    }
+
+    async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError> {
+        let now = self.now_ms();
+        on_connection!(self, |conn| store::recent_demand(
+            conn.client(),
+            window,
+            now
+        ))
     }
 
     /// Safe on every replica at once (see `store::sweep`).

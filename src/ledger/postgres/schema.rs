@@ -10,10 +10,16 @@ use crate::ledger::migration::Migration;
 use crate::ledger::postgres::connect;
 
 /// Every migration, in order; migration `i` brings the schema to version `i + 1`.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    name: "0001_lease_ledger.sql",
-    sql: include_str!("../../../migrations/postgres/0001_lease_ledger.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        name: "0001_lease_ledger.sql",
+        sql: include_str!("../../../migrations/postgres/0001_lease_ledger.sql"),
+    },
+    Migration {
+        name: "0002_pool_demand.sql",
+        sql: include_str!("../../../migrations/postgres/0002_pool_demand.sql"),
+    },
+];
 
 /// The schema version this binary reads and writes.
 pub const POSTGRES_SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;

@@ -2,12 +2,16 @@
 //! transaction per call. Each takes the time from the caller (the ledger's injected clock),
 //! never from the database.
 
+use std::collections::HashMap;
+use std::time::Duration;
+
 use deadpool_postgres::GenericClient;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::retry::Failure;
 use crate::ledger::config::LedgerConfig;
+use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseReport, LeaseRow, LeaseRowError, ReportResult, SweepStats};
@@ -267,12 +271,58 @@ pub(crate) async fn sweep(
         &[&history_since],
     )
     .await?;
+    let demand_pruned = execute(
+        tx,
+        "DELETE FROM pool_demand WHERE bucket_start_ms <= $1",
+        &[&demand::retention_cutoff(now)],
+    )
+    .await?;
     Ok(SweepStats {
         expired,
         leases_pruned,
         cooldowns_pruned,
         events_pruned,
+        demand_pruned,
     })
+}
+
+/// Counts one refused request for each of `pools` (distinct) in the bucket holding `now`, in
+/// one statement. The rows are upserted in pool order, so replicas counting refusals of the
+/// same pools at once take the rows' locks in the same order and never deadlock.
+pub(crate) async fn record_demand(tx: &impl GenericClient, pools: &[&str], now: i64) -> Result<()> {
+    execute(
+        tx,
+        "INSERT INTO pool_demand (pool, bucket_start_ms, requests) \
+         SELECT pool, $2, 1 FROM unnest($1::TEXT[]) AS p (pool) ORDER BY pool \
+         ON CONFLICT (pool, bucket_start_ms) DO UPDATE \
+         SET requests = pool_demand.requests + excluded.requests",
+        &[&pools, &demand::bucket_start(now)],
+    )
+    .await?;
+    Ok(())
+}
+
+/// The refusals per pool in the buckets overlapping the last `window` at `now`.
+pub(crate) async fn recent_demand(
+    tx: &impl GenericClient,
+    window: Duration,
+    now: i64,
+) -> Result<HashMap<String, u64>> {
+    let (after, until) = demand::window_bounds(now, window);
+    let rows = query(
+        tx,
+        "SELECT pool, sum(requests)::BIGINT FROM pool_demand \
+         WHERE bucket_start_ms > $1 AND bucket_start_ms <= $2 GROUP BY pool",
+        &[&after, &until],
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let requests: i64 = row.get(1);
+            (row.get(0), u64::try_from(requests).unwrap_or(0))
+        })
+        .collect())
 }
 
 /// The active leases and the cooldowns in force at `now`, for the counts' refresh.

@@ -3,14 +3,15 @@
 //!
 //! # One writer
 //!
-//! Every write (acquire, renew, release, the end of a proxy's leases, report, sweep) is
-//! decided by one writer thread that owns the write connection and the lease state in memory
-//! (`state.rs`): the leases whose row says active with their expiry times (a lease counts
-//! while `expires_at > now`, so capacity is counted by time, not by a counter), the cooldowns
-//! per (proxy UID, target), and the request-ID index. The state is rebuilt from the file at
-//! open. Writes are decided one after the other in arrival order against that state, so
-//! concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans the leases
-//! table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
+//! Every write (acquire, renew, release, the end of a proxy's leases, report, a refusal's
+//! unmet demand, sweep) is decided by one writer thread that owns the write connection and
+//! the lease state in memory (`state.rs`): the leases whose row says active with their expiry
+//! times (a lease counts while `expires_at > now`, so capacity is counted by time, not by a
+//! counter), the cooldowns per (proxy UID, target), and the request-ID index. The state is
+//! rebuilt from the file at open; unmet demand is not part of it (it is only added to, and
+//! read from the file). Writes are decided one after the other in arrival order against that
+//! state, so concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans
+//! the leases table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
 //! block, the connection stays on one thread, the ledger works without (and never starves) an
 //! async runtime, and callers only enqueue and await a oneshot answer.
 //!
@@ -71,6 +72,7 @@ mod stats;
 mod store;
 mod writer;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
@@ -90,6 +92,7 @@ use super::{
     AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerCounts,
     LedgerError, SweepStats,
 };
+use crate::ledger::demand;
 use crate::ledger::lease::is_release_reason;
 use crate::ledger::target_hold::TargetLimits;
 
@@ -246,6 +249,13 @@ impl SqliteLedger {
         Ok(store::lease_by_id(&conn, id, now)?)
     }
 
+    /// Unmet demand per pool over the last `window` on a pooled read connection; blocks.
+    fn read_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError> {
+        let now = self.now_ms();
+        let conn = self.inner.pool.get()?;
+        Ok(store::recent_demand(&conn, window, now)?)
+    }
+
     async fn call<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, LedgerError> {
         self.submit_and_wait(job, true).await
     }
@@ -343,6 +353,38 @@ impl Ledger for SqliteLedger {
     async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError> {
         let id = id.to_owned();
         self.call(|reply| Job::Report { id, report, reply }).await
+    }
+
+    /// A write like any other, through the writer: it joins the batch queued with it (group
+    /// commit), so it never contends with the writer for the file's write lock, and a batch
+    /// failure answers it like the rest (`BatchFailed`, `Full`: nothing recorded). Not
+    /// housekeeping: it must not run alone, nor take the pages kept back for the sweep.
+    ///
+    /// No queue deadline, like `end_leases`: deciding it late is harmless (the refusal counts
+    /// in the bucket of the moment it is decided, a queue's wait later), and dropping it
+    /// while the writer is slow would hide demand exactly when pools are short. It never
+    /// refuses an acquire: it is bounded by the queue like every write (refused itself with
+    /// [`LedgerError::Overloaded`] when the queue is full, never waiting for room), and in a
+    /// batch it costs one small upsert per pool.
+    async fn record_demand(&self, pools: &[String]) -> Result<(), LedgerError> {
+        if pools.is_empty() {
+            return Ok(());
+        }
+        let pools = demand::distinct_pools(pools)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        self.submit_and_wait(|reply| Job::RecordDemand { pools, reply }, false)
+            .await
+    }
+
+    /// As committed, on a pooled read connection (never waiting for the writer), on a blocking
+    /// thread, like `get`.
+    async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError> {
+        let ledger = self.clone();
+        tokio::task::spawn_blocking(move || ledger.read_demand(window))
+            .await
+            .map_err(|e| LedgerError::Read(e.to_string()))?
     }
 
     /// Housekeeping has no queue deadline: it waits for its turn.

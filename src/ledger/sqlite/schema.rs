@@ -26,6 +26,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0004_clients_and_cooldown_lengths.sql",
         sql: include_str!("../../../migrations/0004_clients_and_cooldown_lengths.sql"),
     },
+    Migration {
+        name: "0005_pool_demand.sql",
+        sql: include_str!("../../../migrations/0005_pool_demand.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -2,6 +2,7 @@
 //! the writer's state at open, and the statements each write runs inside the writer's batch
 //! transaction.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,7 @@ use super::bound::{SizeBound, Usage};
 use super::options::Durability;
 use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
+use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};
@@ -415,13 +417,51 @@ pub(crate) fn sweep(
              (SELECT max(seq) + 1 FROM lease_events), 0)",
         )?
         .execute([now.saturating_sub(retention_ms)])?;
+    let demand_pruned = conn
+        .prepare_cached("DELETE FROM pool_demand WHERE bucket_start_ms <= ?1")?
+        .execute([demand::retention_cutoff(now)])?;
     let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     Ok(SweepStats {
         expired: count(expired),
         leases_pruned: count(leases_pruned),
         cooldowns_pruned: count(cooldowns_pruned),
         events_pruned: count(events_pruned),
+        demand_pruned: count(demand_pruned),
     })
+}
+
+/// Counts one refused request for each of `pools` (distinct) in the bucket holding `now`.
+pub(crate) fn record_demand(
+    conn: &Connection,
+    pools: &[impl AsRef<str>],
+    now: i64,
+) -> rusqlite::Result<()> {
+    let mut upsert = conn.prepare_cached(
+        "INSERT INTO pool_demand (pool, bucket_start_ms, requests) VALUES (?1, ?2, 1) \
+         ON CONFLICT (pool, bucket_start_ms) DO UPDATE SET requests = requests + 1",
+    )?;
+    let bucket = demand::bucket_start(now);
+    for pool in pools {
+        upsert.execute(rusqlite::params![pool.as_ref(), bucket])?;
+    }
+    Ok(())
+}
+
+/// The refusals per pool in the buckets overlapping the last `window` at `now`.
+pub(crate) fn recent_demand(
+    conn: &Connection,
+    window: Duration,
+    now: i64,
+) -> rusqlite::Result<HashMap<String, u64>> {
+    let (after, until) = demand::window_bounds(now, window);
+    conn.prepare_cached(
+        "SELECT pool, SUM(requests) FROM pool_demand \
+         WHERE bucket_start_ms > ?1 AND bucket_start_ms <= ?2 GROUP BY pool",
+    )?
+    .query_map([after, until], |row| {
+        Ok((row.get::<_, String>(0)?, from_sql_int(row.get(1)?)))
+    })?
+    .collect()
 }
 
 /// A `kind` event on an in-memory lease; an `acquired` one names the crawler that took it.
@@ -629,6 +669,58 @@ mod tests {
         assert_eq!(ids(&conn), ["active", "released-open-window"]);
         assert_eq!(prune_oldest(&conn, 100, now).unwrap(), Pruned::default());
         assert_eq!(history_rows(&conn).unwrap(), 0);
+    }
+
+    #[test]
+    fn demand_is_one_row_per_pool_and_bucket_read_by_window_and_swept_after_the_retention() {
+        let dir = tempfile::tempdir().unwrap();
+        let (conn, _) = open_writer(
+            &dir.path().join("ledger.db"),
+            Durability::Normal,
+            crate::ledger::DEFAULT_MAX_SIZE,
+        )
+        .unwrap();
+        let rows = || -> Vec<(String, i64, i64)> {
+            let mut statement = conn
+                .prepare("SELECT pool, bucket_start_ms, requests FROM pool_demand ORDER BY 1, 2")
+                .unwrap();
+            statement
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let bucket = 1_767_225_600_000;
+        record_demand(&conn, &["crawl/a", "crawl/b"], bucket + 1).unwrap();
+        record_demand(&conn, &["crawl/a"], bucket + 9_999).unwrap();
+        record_demand(&conn, &["crawl/a"], bucket + 10_000).unwrap();
+        assert_eq!(
+            rows(),
+            [
+                ("crawl/a".to_owned(), bucket, 2),
+                ("crawl/a".to_owned(), bucket + 10_000, 1),
+                ("crawl/b".to_owned(), bucket, 1),
+            ]
+        );
+        let now = bucket + 15_000;
+        let recent = |window| recent_demand(&conn, Duration::from_secs(window), now).unwrap();
+        assert_eq!(recent(5), HashMap::from([("crawl/a".to_owned(), 1)]));
+        assert_eq!(
+            recent(6),
+            HashMap::from([("crawl/a".to_owned(), 3), ("crawl/b".to_owned(), 1)])
+        );
+        // The first bucket ended 10 minutes before `bucket + 610 s`.
+        let swept = sweep(&conn, bucket + 610_000, 1, 1, true).unwrap();
+        assert_eq!(swept.demand_pruned, 2);
+        assert_eq!(rows(), [("crawl/a".to_owned(), bucket + 10_000, 1)]);
+        // Counts only ever grow by whole refusals: zero and negative counts are refused.
+        assert!(
+            conn.execute(
+                "INSERT INTO pool_demand (pool, bucket_start_ms, requests) VALUES ('x', 0, 0)",
+                []
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -52,6 +52,11 @@ pub(crate) enum Job {
         report: LeaseReport,
         reply: Reply<Lease>,
     },
+    /// One refused request a member of each of `pools` (distinct) would have served.
+    RecordDemand {
+        pools: Vec<String>,
+        reply: Reply<()>,
+    },
     Sweep {
         reply: Reply<SweepStats>,
     },
@@ -135,6 +140,7 @@ impl Job {
             Job::Acquire { reply, .. } => send(reply, error()),
             Job::Renew { reply, .. } | Job::Report { reply, .. } => send(reply, error()),
             Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
+            Job::RecordDemand { reply, .. } => send(reply, error()),
             Job::Sweep { reply } => send(reply, error()),
             Job::EndLeases { reply, .. } => send(reply, error()),
         }
@@ -319,6 +325,7 @@ impl Writer {
                 reply,
             } => answer(reply, self.end_leases(&proxy_uid, &reason, now)),
             Job::Report { id, report, reply } => answer(reply, self.report(&id, &report, now)),
+            Job::RecordDemand { pools, reply } => answer(reply, self.record_demand(&pools, now)),
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
@@ -337,6 +344,13 @@ impl Writer {
         let ended = self.state.end_leases(uid, now);
         store::end_leases(&self.conn, &ended, reason, now)?;
         Ok(Ok(u64::try_from(ended.len()).unwrap_or(u64::MAX)))
+    }
+
+    /// Counts a refusal for each pool in the bucket holding `now`. Memory holds no demand, so
+    /// nothing is journalled: a failed batch rolls the rows back with the rest.
+    fn record_demand(&self, pools: &[String], now: i64) -> Decision<()> {
+        store::record_demand(&self.conn, pools, now)?;
+        Ok(Ok(()))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page

@@ -584,8 +584,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     let ledger =
         SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
-    assert_eq!(SCHEMA_VERSION, 4);
-    assert_eq!(count(&path, "PRAGMA user_version"), 4);
+    assert_eq!(SCHEMA_VERSION, 5);
+    assert_eq!(count(&path, "PRAGMA user_version"), 5);
     let columns = |table: &str| {
         sqlite3(
             &path,
@@ -599,6 +599,11 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     );
     assert!(columns("lease_events").ends_with("reason\nclient\ncooldown_ms"));
     assert!(columns("lease_history").ends_with("reason\ncooldown_seconds\nclient"));
+    assert_eq!(
+        columns("pool_demand"),
+        "pool\nbucket_start_ms\nrequests",
+        "the demand table comes with version 5"
+    );
     assert_eq!(
         sqlite3(
             &path,

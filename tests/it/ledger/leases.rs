@@ -1038,7 +1038,7 @@ async fn the_views_and_tables_have_the_same_columns_on_both_backends() {
         assert_eq!(postgres.columns(view), columns, "view {view}");
     }
     // Tables too, in the same order, so even `SELECT *` reads alike.
-    for table in ["leases", "cooldowns", "lease_events"] {
+    for table in ["leases", "cooldowns", "lease_events", "pool_demand"] {
         let columns = sqlite.columns(table);
         assert!(!columns.is_empty(), "{table}");
         assert_eq!(postgres.columns(table), columns, "table {table}");

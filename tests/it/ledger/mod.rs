@@ -2,6 +2,7 @@
 
 mod bound;
 mod crash;
+mod demand;
 mod durability;
 mod end_leases;
 mod leases;
