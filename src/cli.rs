@@ -33,8 +33,17 @@ pub enum Command {
     Standalone(StandaloneArgs),
     /// Run the operator against a Kubernetes cluster (in-cluster config or kubeconfig).
     Run(RunArgs),
-    /// Print the Proxy CustomResourceDefinition as YAML (what `crd/proxy.yaml` holds).
-    Crd,
+    /// Print the CustomResourceDefinitions as YAML: Proxy then ProxyPool, as two documents
+    /// (what `crd/proxy.yaml` and `crd/proxypool.yaml` hold), or only the one named.
+    Crd(CrdArgs),
+}
+
+/// Flags of `crd`.
+#[derive(Args, Debug, Clone)]
+pub struct CrdArgs {
+    /// Print only this resource's CRD.
+    #[arg(value_enum)]
+    pub kind: Option<crate::resources::crd::Kind>,
 }
 
 /// Flags shared by `standalone` and `run`.
@@ -429,8 +438,8 @@ pub struct RunArgs {
     #[arg(long, env = "PROXY_OPERATOR_DRAIN_TIMEOUT", default_value = "15m", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
 
-    /// Most Managed proxies draining or being replaced at once for a spec change, a rotation
-    /// or a remediation: a count (`3`) or a percentage of the Managed proxies (`10%`, rounded
+    /// Most Managed proxies draining or being replaced at once for a spec change, a rotation,
+    /// a remediation, or a ProxyPool's roll-out or scale-down: a count (`3`) or a percentage of the Managed proxies (`10%`, rounded
     /// down but at least 1). `0` pauses all such replacements; repairs of machines already
     /// gone or dead never wait.
     #[arg(long, env = "PROXY_OPERATOR_REPLACEMENT_BUDGET", default_value = "10%")]

@@ -13,6 +13,7 @@ pub mod inventory;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;
+pub mod pool;
 pub mod process;
 pub mod provider;
 pub mod proxy_watch;

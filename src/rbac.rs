@@ -34,12 +34,48 @@ pub const API_CALLS: &[ApiCall] = &[
     // same URL as a typed watch), the live-UID list of orphan GC, and merge patches of
     // finalizers and annotations on the object itself (finalizers are patched through the main
     // resource, so `proxies/finalizers` is not used).
+    // Pools create their member Proxies and delete them on scale-down, roll-out and the pool's
+    // deletion.
     ApiCall {
         group: "crawl.example.com",
         resource: "proxies",
+        verbs: &["create", "delete", "list", "patch", "watch"],
+        scope: Scope::Cluster,
+        made_by: "proxy_watch, reconcile, gc, pool::controller",
+    },
+    // Every replica watches ProxyPools (the API and the gateway hold requests for waking pools
+    // on followers too); the pool controller patches their finalizer.
+    ApiCall {
+        group: "crawl.example.com",
+        resource: "proxypools",
         verbs: &["list", "patch", "watch"],
         scope: Scope::Cluster,
-        made_by: "proxy_watch, reconcile, gc",
+        made_by: "pool::watch, pool::controller",
+    },
+    // The pool controller is the only writer of pool status.
+    ApiCall {
+        group: "crawl.example.com",
+        resource: "proxypools/status",
+        verbs: &["patch"],
+        scope: Scope::Cluster,
+        made_by: "pool::controller",
+    },
+    // The autoscaler writes spec.replicas through /scale, as an HPA would.
+    ApiCall {
+        group: "crawl.example.com",
+        resource: "proxypools/scale",
+        verbs: &["patch"],
+        scope: Scope::Cluster,
+        made_by: "pool::controller",
+    },
+    // Members carry an owner reference with blockOwnerDeletion, which a cluster enforcing
+    // owner-reference permissions allows only to whoever may update the owner's finalizers.
+    ApiCall {
+        group: "crawl.example.com",
+        resource: "proxypools/finalizers",
+        verbs: &["update"],
+        scope: Scope::Cluster,
+        made_by: "pool::controller (member owner references)",
     },
     // The single status writer: one JSON merge patch per reconcile.
     ApiCall {

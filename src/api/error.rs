@@ -47,6 +47,24 @@ pub struct NoMatchBody {
     pub retry_after_seconds: Option<u64>,
 }
 
+/// The 503 body of an acquire for a ProxyPool that is waking (no member Ready yet): the pool
+/// was asked for a member; ask again after `Retry-After`, for up to `wakeTimeoutSeconds`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolWakingBody {
+    /// Always `pool_waking`.
+    pub error: String,
+    /// Human-readable explanation.
+    pub message: String,
+    /// The waking pools the selector matches (`namespace/name`).
+    pub pools: Vec<String>,
+    /// How long the pools may take to wake (the longest of their `wakeTimeout`s).
+    pub wake_timeout_seconds: u64,
+}
+
+/// Seconds a client waits before asking a waking pool again.
+pub const POOL_WAKING_RETRY_AFTER: u64 = 2;
+
 /// An error answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApiError {
@@ -61,6 +79,8 @@ pub enum ApiError {
     },
     /// An acquire that found nothing (409).
     NoMatch(NoMatchBody),
+    /// An acquire for a pool that is waking (503 with `Retry-After`).
+    PoolWaking(PoolWakingBody),
     /// The ledger cannot take the write now and nothing was recorded (503 with
     /// `Retry-After`): its write queue is full or the write waited past its deadline
     /// (`overloaded`), the ledger is full (`ledger_full`), or its database cannot be reached
@@ -156,6 +176,7 @@ impl std::fmt::Display for ApiError {
         match self {
             ApiError::Plain { code, message, .. } => write!(f, "{code}: {message}"),
             ApiError::NoMatch(body) => write!(f, "{}: {}", body.error, body.message),
+            ApiError::PoolWaking(body) => write!(f, "{}: {}", body.error, body.message),
             ApiError::Unavailable { code, message, .. } => write!(f, "{code}: {message}"),
         }
     }
@@ -166,7 +187,9 @@ impl ResponseError for ApiError {
         match self {
             ApiError::Plain { status, .. } => *status,
             ApiError::NoMatch(_) => StatusCode::CONFLICT,
-            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::PoolWaking(_) | ApiError::Unavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -187,6 +210,12 @@ impl ResponseError for ApiError {
                 }
                 response.json(body)
             }
+            ApiError::PoolWaking(body) => HttpResponse::ServiceUnavailable()
+                .insert_header((
+                    header::RETRY_AFTER,
+                    HeaderValue::from(POOL_WAKING_RETRY_AFTER),
+                ))
+                .json(body),
             ApiError::Unavailable {
                 code,
                 retry_after_seconds,

@@ -9,7 +9,7 @@ use actix_web::http::header::{self, ContentType, HeaderValue};
 use actix_web::{HttpResponse, ResponseError, web};
 
 use super::body::{ApiJson, OptionalApiJson};
-use super::error::{ApiError, ErrorBody, NoMatchBody};
+use super::error::{ApiError, ErrorBody, NoMatchBody, PoolWakingBody};
 use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address};
 use super::state::ApiState;
@@ -21,6 +21,7 @@ use crate::ledger::{
     self, AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, NoMatch, ReportResult,
     RequestKey,
 };
+use crate::pool::Waking;
 use crate::resources::proxy::proxy_url;
 use crate::serving::candidates::Selector;
 use crate::serving::retry_after;
@@ -198,7 +199,7 @@ pub async fn list_proxies(
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 422, description = "`request_id_reused`: the `requestID` was used for an acquire with a different selector, target or `ttlSeconds`", body = ErrorBody),
-        (status = 503, description = "`overloaded` (the ledger could not take the write in time), `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database cannot be reached): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any)", body = ErrorBody,
+        (status = 503, description = "`overloaded` (the ledger could not take the write in time), `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database cannot be reached): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any). Or `pool_waking` (body `PoolWakingBody`): the selector matches a ProxyPool with no Ready member yet, which was asked for one; retry after `Retry-After` for up to `wakeTimeoutSeconds`", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
     security(("bearer" = []))
@@ -215,6 +216,7 @@ pub async fn acquire(
         fingerprint: fingerprint(&request.selector, target.as_deref(), request.ttl_seconds),
         id,
     });
+    let request_id = key.as_ref().map(|k| k.id.clone());
     let selector = Selector::from(request.selector);
     let snapshot = state.inventory.snapshot();
     let candidates = state
@@ -243,9 +245,36 @@ pub async fn acquire(
         }
         AcquireOutcome::NoMatch(no_match) => {
             state.metrics.lease_rejected(&no_match);
-            Err(ApiError::NoMatch(no_match_body(&state, &no_match)))
+            let waking = state
+                .pools
+                .refused(
+                    state.ledger.as_ref(),
+                    &selector,
+                    &no_match,
+                    request_id.as_deref(),
+                )
+                .await;
+            Err(match waking {
+                Some(waking) => pool_waking(waking),
+                None => ApiError::NoMatch(no_match_body(&state, &no_match)),
+            })
         }
     }
+}
+
+/// The 503 for an acquire that waits for waking pools.
+fn pool_waking(waking: Waking) -> ApiError {
+    ApiError::PoolWaking(PoolWakingBody {
+        error: "pool_waking".into(),
+        message: format!(
+            "no member of pool {} is Ready yet; it was asked for one: retry after Retry-After, \
+             for up to {} s",
+            waking.pools.join(", "),
+            waking.wake_timeout.as_secs()
+        ),
+        pools: waking.pools,
+        wake_timeout_seconds: waking.wake_timeout.as_secs().max(1),
+    })
 }
 
 /// Reads a lease.

@@ -12,7 +12,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{RefOr, Response};
 use utoipa::{Modify, OpenApi};
 
-use super::error::{ErrorBody, NoMatchBody};
+use super::error::{ErrorBody, NoMatchBody, PoolWakingBody};
 use super::handlers;
 use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ProxyList, ProxyView, RenewRequest, ReportRequest,
@@ -42,6 +42,7 @@ use super::types::{
     components(schemas(
         ErrorBody,
         NoMatchBody,
+        PoolWakingBody,
         ProxyList,
         ProxyView,
         AcquireRequest,

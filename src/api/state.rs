@@ -8,6 +8,7 @@ use super::metrics::LeaseMetrics;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
+use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
 use crate::serving::sessions::Sessions;
@@ -36,4 +37,6 @@ pub struct ApiState {
     /// Upstream credentials given out in lease answers (`--lease-credentials`); `None`: not
     /// given out.
     pub lease_credentials: Option<CredentialStore>,
+    /// The ProxyPools an acquire may wake (empty in standalone mode).
+    pub pools: PoolDirectory,
 }

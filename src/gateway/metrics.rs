@@ -4,7 +4,9 @@
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 use super::RequestOutcome;
 use crate::ledger::ReportResult;
@@ -18,7 +20,13 @@ pub struct GatewayMetrics {
     bytes: IntCounterVec,
     retries: IntCounter,
     bans: IntCounterVec,
+    held: HistogramVec,
 }
+
+/// Label value of a hold that ended with a member to relay through.
+pub const HOLD_RELAYED: &str = "relayed";
+/// Label value of a hold that reached its wake timeout without a member.
+pub const HOLD_TIMED_OUT: &str = "timed_out";
 
 impl GatewayMetrics {
     /// Creates the metrics, registers them in `registry` with the gauge of `sessions`.
@@ -57,8 +65,23 @@ impl GatewayMetrics {
             ),
             &["result"],
         )?;
+        let held = HistogramVec::new(
+            HistogramOpts::new(
+                "proxy_operator_gateway_held_seconds",
+                "Gateway requests held while a pool woke, by how the hold ended (relayed, \
+                 timed_out), and how long they waited.",
+            )
+            .buckets(vec![
+                0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+            ]),
+            &["outcome"],
+        )?;
+        for outcome in [HOLD_RELAYED, HOLD_TIMED_OUT] {
+            held.with_label_values(&[outcome]);
+        }
         for metric in [
-            Box::new(connections.clone()) as Box<dyn Collector>,
+            Box::new(held.clone()) as Box<dyn Collector>,
+            Box::new(connections.clone()),
             Box::new(requests.clone()),
             Box::new(bytes.clone()),
             Box::new(retries.clone()),
@@ -84,7 +107,15 @@ impl GatewayMetrics {
             bytes,
             retries,
             bans,
+            held,
         })
+    }
+
+    /// Records a request held while a pool woke: how it ended and how long it waited.
+    pub fn held(&self, outcome: &str, waited: std::time::Duration) {
+        self.held
+            .with_label_values(&[outcome])
+            .observe(waited.as_secs_f64());
     }
 
     /// Counts an accepted connection.

@@ -15,6 +15,9 @@
 //!   then `502` saying what was tried. No usable proxy: `503` with `Retry-After`.
 //! - **Bans** (`bans`): on plain HTTP, a target status in the ban rule is reported for that
 //!   (proxy, target), cooling it down for as long as the target's `Retry-After` asks.
+//! - **Waking pools** (`hold`): a request refused because the ProxyPool it would be served by
+//!   has no Ready member is held, connection open, until one is (at most the pool's
+//!   `wakeTimeout`), then relayed; its refusal is recorded as the pool's demand.
 //! - **Drains** (`upstream`): a draining or deleted proxy's idle upstream connections are
 //!   closed at once, so a drain does not wait for keep-alive.
 
@@ -23,6 +26,7 @@ mod bans;
 mod choice;
 mod drain;
 mod forward;
+mod hold;
 mod metrics;
 mod tunnel;
 mod upstream;
@@ -49,10 +53,12 @@ use tokio_util::task::TaskTracker;
 
 pub use bans::BanRule;
 pub use metrics::GatewayMetrics;
+use metrics::{HOLD_RELAYED, HOLD_TIMED_OUT};
 
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, LeaseReport, Ledger, LedgerError, NoMatch, ReportResult};
+use crate::pool::PoolDirectory;
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
@@ -133,6 +139,8 @@ pub struct Gateway {
     pub clock: Arc<dyn Clock>,
     /// Settings.
     pub config: GatewayConfig,
+    /// The pools a refused request may wait for, and where refusals become their demand.
+    pub pools: PoolDirectory,
     /// Upstream connections, for closing a draining proxy's idle ones.
     upstreams: drain::Upstreams,
     /// Client connections and tunnels, awaited at shutdown.
@@ -166,10 +174,16 @@ impl Gateway {
             metrics,
             clock,
             config,
+            pools: PoolDirectory::default(),
             upstreams: drain::Upstreams::default(),
             tasks: TaskTracker::new(),
             stopping: CancellationToken::new(),
         }
+    }
+
+    /// The gateway holding requests for the waking pools of `pools`.
+    pub fn holding_for(self, pools: PoolDirectory) -> Self {
+        Gateway { pools, ..self }
     }
 }
 
@@ -445,6 +459,7 @@ impl ClientConnection {
         let gateway = &self.gateway;
         let mut tried = std::collections::HashSet::new();
         let mut attempts = Attempts::default();
+        let mut hold: Option<hold::Hold> = None;
         loop {
             let chosen = match lease_for {
                 LeaseFor::Request => self.choose(ask, &tried).await,
@@ -453,10 +468,19 @@ impl ClientConnection {
             let (held, upstream) = match chosen {
                 Ok(chosen) => chosen,
                 Err(refused) if attempts.is_empty() => {
+                    if hold::wait_for_pool(gateway, ask, &refused, &mut hold).await {
+                        continue;
+                    }
+                    if let Some(hold) = hold {
+                        gateway.metrics.held(HOLD_TIMED_OUT, hold.waited());
+                    }
                     return Err(refusal(&refused, gateway.clock.now()));
                 }
                 Err(_) => return Err(attempts.failed()),
             };
+            if let Some(waited) = hold.take().map(|h| h.waited()) {
+                gateway.metrics.held(HOLD_RELAYED, waited);
+            }
             if !attempts.is_empty() {
                 gateway.metrics.retried();
             }

@@ -28,6 +28,7 @@ use crate::ledger::{
     SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
+use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
 use crate::serving::sessions::Sessions;
@@ -80,6 +81,9 @@ pub struct Core {
     pub sessions: Sessions,
     /// The gateway's counters.
     pub gateway_metrics: GatewayMetrics,
+    /// The ProxyPools requests may wake (kept by operator mode's pool watch; empty in
+    /// standalone mode).
+    pub pools: PoolDirectory,
 }
 
 impl Core {
@@ -154,6 +158,7 @@ impl Core {
             lease_metrics,
             sessions,
             gateway_metrics,
+            pools: PoolDirectory::default(),
         })
     }
 }
@@ -347,6 +352,7 @@ pub fn start_core(
         candidates: CandidateIndex::default(),
         sessions: core.sessions.clone(),
         lease_credentials: common.lease_credentials.then(|| core.credentials.clone()),
+        pools: core.pools.clone(),
     };
     if let Some((listener, config)) = gateway_listener {
         start_gateway(supervisor, core, listener, config, token.clone())?;
@@ -385,17 +391,20 @@ fn start_gateway(
     if !token.is_required() {
         log::warn!("--insecure-no-auth: the gateway relays for anyone who can reach it");
     }
-    let gateway = Arc::new(Gateway::new(
-        core.inventory.clone(),
-        core.health.clone(),
-        core.ledger.clone(),
-        core.credentials.clone(),
-        token,
-        core.sessions.clone(),
-        core.gateway_metrics.clone(),
-        core.clock.clone(),
-        config,
-    ));
+    let gateway = Arc::new(
+        Gateway::new(
+            core.inventory.clone(),
+            core.health.clone(),
+            core.ledger.clone(),
+            core.credentials.clone(),
+            token,
+            core.sessions.clone(),
+            core.gateway_metrics.clone(),
+            core.clock.clone(),
+            config,
+        )
+        .holding_for(core.pools.clone()),
+    );
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("gateway", async move {
         gateway::serve(listener, gateway, shutdown).await;

@@ -7,14 +7,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::events::Recorder;
+use kube::runtime::reflector::Store;
 use kube::{Api, Client};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, watch};
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::RunArgs;
 use crate::gc::{self, GcConfig};
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
+use crate::pool::{self, PoolContext, PoolIntervals, PoolMetrics};
 use crate::provider::ProvidersConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::proxy_watch::{self, WatchMetrics};
@@ -68,6 +71,58 @@ fn gc_config(args: &RunArgs) -> GcConfig {
         namespace: args.watch_namespace.clone(),
         allow_namespaced: args.gc_allow_namespaced,
     }
+}
+
+/// What the pool tasks take from the rest of operator mode.
+struct PoolParts {
+    recorder: Recorder,
+    fleet: Store<Proxy>,
+    members: broadcast::Receiver<Arc<Proxy>>,
+    leader: watch::Receiver<bool>,
+}
+
+/// Starts the ProxyPool watch (every replica: the API and the gateway hold requests for waking
+/// pools) and the pool controller (on the Lease holder).
+fn start_pools(
+    supervisor: &mut Supervisor,
+    client: &Client,
+    args: &RunArgs,
+    core: &Core,
+    parts: PoolParts,
+) -> Result<(), StartError> {
+    let (pool_watch, pool_feed) = pool::watch::shared_store();
+    supervisor.spawn(
+        "pool watch",
+        pool::watch::run(
+            pool_watch,
+            pool::watch::raw_watch(client.clone(), args.watch_namespace.as_deref()),
+            core.pools.clone(),
+            supervisor.shutdown_token(),
+        ),
+    );
+    let ctx = Arc::new(PoolContext {
+        client: client.clone(),
+        ledger: core.ledger.clone(),
+        recorder: parts.recorder,
+        fleet: parts.fleet,
+        budget: args.reconciler_config().replacement_budget,
+        metrics: PoolMetrics::register(&core.registry)
+            .map_err(|e| StartError::from_display("metrics", e))?,
+        intervals: PoolIntervals::default(),
+        clock: jiff::Timestamp::now,
+        expected: Default::default(),
+    });
+    supervisor.spawn(
+        "pool controller",
+        pool::controller::run_while_leading(
+            ctx,
+            pool_feed,
+            parts.members,
+            parts.leader,
+            supervisor.shutdown_token(),
+        ),
+    );
+    Ok(())
 }
 
 /// Opens the shared parts and starts every task of operator mode.
@@ -149,6 +204,7 @@ async fn start(
     let watch_metrics = WatchMetrics::register(&core.registry)
         .map_err(|e| StartError::from_display("metrics", e))?;
     let (watch, reconciler_feed) = proxy_watch::shared_store();
+    let member_changes = watch.subscribe();
     let (reports_tx, reports_rx) = mpsc::channel(proxy_watch::REPORT_BUFFER);
     supervisor.spawn(
         "proxy watch",
@@ -170,6 +226,19 @@ async fn start(
             supervisor.shutdown_token(),
         ),
     );
+
+    start_pools(
+        &mut supervisor,
+        &client,
+        &args,
+        &core,
+        PoolParts {
+            recorder: ctx.recorder.clone(),
+            fleet: reconciler_feed.store.clone(),
+            members: member_changes,
+            leader: leader.clone(),
+        },
+    )?;
 
     let triggers = reconcile::health_triggers(transitions_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();

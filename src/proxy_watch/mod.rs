@@ -24,7 +24,7 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use prometheus::{IntGauge, Registry};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -101,11 +101,24 @@ pub struct ReconcilerFeed {
     pub triggers: mpsc::Receiver<Arc<Proxy>>,
 }
 
+/// Changes buffered per [`ProxyWatch::subscribe`]r; a slower one misses the oldest (the pool
+/// controller, the one subscriber, also looks again on a timer).
+const CHANGE_BUFFER: usize = 1024;
+
 /// The writing side of the watch, run by [`run`].
 pub struct ProxyWatch {
     writer: reflector::store::Writer<Proxy>,
     store: Store<Proxy>,
     triggers: mpsc::Sender<Arc<Proxy>>,
+    changes: broadcast::Sender<Arc<Proxy>>,
+}
+
+impl ProxyWatch {
+    /// Every Proxy applied or deleted after the first complete list, for a reader besides the
+    /// reconciler (the pool controller recounts a pool when one of its members changes).
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Proxy>> {
+        self.changes.subscribe()
+    }
 }
 
 /// Creates the shared store: the watch side for [`run`], the reading side for the reconciler.
@@ -117,6 +130,7 @@ pub fn shared_store() -> (ProxyWatch, ReconcilerFeed) {
             writer,
             store: store.clone(),
             triggers,
+            changes: broadcast::channel(CHANGE_BUFFER).0,
         },
         ReconcilerFeed {
             store,
@@ -140,6 +154,7 @@ pub async fn run(
         writer,
         store,
         triggers,
+        changes,
     } = watch;
     let decoded = decoded(raw, store.clone(), metrics, reports);
     let mut events = std::pin::pin!(reflector::reflector(writer, decoded));
@@ -176,11 +191,14 @@ pub async fn run(
             Some(Ok(watcher::Event::Apply(proxy))) if listed => {
                 rebuild_at.get_or_insert_with(|| Instant::now() + INVENTORY_BATCH);
                 if let Some(stored) = store.get(&ObjectRef::from_obj(&proxy)) {
+                    // No subscriber is not an error.
+                    let _ = changes.send(stored.clone());
                     trigger(&triggers, stored).await;
                 }
             }
-            Some(Ok(watcher::Event::Delete(_))) if listed => {
+            Some(Ok(watcher::Event::Delete(proxy))) if listed => {
                 rebuild_at.get_or_insert_with(|| Instant::now() + INVENTORY_BATCH);
+                let _ = changes.send(Arc::new(proxy));
             }
             Some(Ok(_)) => {}
         }

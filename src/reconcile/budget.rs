@@ -12,6 +12,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Mutex, PoisonError};
 
+use crate::resources::pool::REMOVAL_ANNOTATION;
 use crate::resources::proxy::{Mode, Proxy};
 
 /// A part of the Managed proxies: a count (`3`) or a percentage (`25%`). Used for the
@@ -196,13 +197,26 @@ fn counted(proxy: &Proxy) -> bool {
     proxy.spec.mode == Mode::Managed && proxy.metadata.deletion_timestamp.is_none()
 }
 
+/// Whether a pool removes the proxy (a scale-down or a roll-out): it holds a slot while it
+/// drains, like a replacement, so pools and replacements share one budget.
+pub fn pool_removal(proxy: &Proxy) -> bool {
+    proxy.metadata.deletion_timestamp.is_some()
+        && proxy
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(REMOVAL_ANNOTATION))
+}
+
 /// UIDs of the proxies holding a slot according to the store: counted, with
-/// `status.disruption` set.
+/// `status.disruption` set, and members a pool removes while they drain.
 pub fn holders<'a>(proxies: impl IntoIterator<Item = &'a Proxy>) -> Vec<String> {
     proxies
         .into_iter()
-        .filter(|p| counted(p))
-        .filter(|p| p.status.as_ref().is_some_and(|s| s.disruption.is_some()))
+        .filter(|p| {
+            (counted(p) && p.status.as_ref().is_some_and(|s| s.disruption.is_some()))
+                || pool_removal(p)
+        })
         .map(|p| p.id().uid)
         .collect()
 }

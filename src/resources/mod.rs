@@ -1,4 +1,4 @@
-//! The custom resources this operator serves, as Rust types (`Proxy`), and what belongs to
+//! The custom resources this operator serves, as Rust types (`Proxy`, `ProxyPool`), and what belongs to
 //! them alone: the CRD generated from the types, its schema transform and client-side checks,
 //! the duration syntax of their fields, the spec hash that decides a replacement, and the
 //! deterministic names of their machines.
@@ -6,6 +6,7 @@
 pub mod crd;
 pub mod duration;
 pub mod naming;
+pub mod pool;
 pub mod proxy;
 pub mod schema;
 pub mod spec_hash;

@@ -79,6 +79,8 @@ pub struct ControlPlane {
     /// The CRD text last applied and seen served (tests share the CRD; re-applying the same
     /// text is skipped).
     crd: tokio::sync::Mutex<Option<String>>,
+    /// The ProxyPool CRD text applied, if any.
+    pool_crd: tokio::sync::Mutex<Option<String>>,
     /// Whether the operator's namespace, ServiceAccount and RBAC are applied and authorized.
     operator_rbac: tokio::sync::Mutex<bool>,
     /// Never waited for: the kernel kills them when the process exits (see the module doc).
@@ -273,20 +275,30 @@ impl ControlPlane {
         name
     }
 
-    /// Applies `crd/proxy.yaml` and waits until Proxies are served. Cheap when that text is
-    /// already applied.
+    /// Applies `crd/proxy.yaml` and `crd/proxypool.yaml` and waits until both are served.
+    /// Cheap when those texts are already applied.
     pub async fn apply_crd(&self) {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("crd/proxy.yaml");
-        let yaml = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-        self.apply_crd_yaml(&yaml).await;
+        let read = |file: &str| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+            std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+        };
+        self.apply_crd_yaml(&read("crd/proxy.yaml")).await;
+        self.apply_crd_in(&self.pool_crd, &read("crd/proxypool.yaml"))
+            .await;
     }
 
-    /// Server-side applies one CustomResourceDefinition and waits until it is Established, its
-    /// names are accepted and every served version answers a list. For tests that swap the CRD
-    /// (run those on a [`ControlPlane::dedicated`] one: the CRD is cluster-wide).
+    /// Server-side applies the Proxy CustomResourceDefinition `yaml` and waits until it is
+    /// Established, its names are accepted and every served version answers a list. For tests
+    /// that swap the CRD (run those on a [`ControlPlane::dedicated`] one: the CRD is
+    /// cluster-wide).
     pub async fn apply_crd_yaml(&self, yaml: &str) {
-        let mut applied = self.crd.lock().await;
+        self.apply_crd_in(&self.crd, yaml).await;
+    }
+
+    /// Applies one CRD, remembering its text in `slot`.
+    async fn apply_crd_in(&self, slot: &tokio::sync::Mutex<Option<String>>, yaml: &str) {
+        let mut applied = slot.lock().await;
         if applied.as_deref() == Some(yaml) {
             return;
         }
@@ -710,6 +722,7 @@ fn start(assets: &Path, extra_args: Vec<String>) -> Result<ControlPlane, String>
                     extra_args,
                     startup: started.elapsed(),
                     crd: tokio::sync::Mutex::new(None),
+                    pool_crd: tokio::sync::Mutex::new(None),
                     operator_rbac: tokio::sync::Mutex::new(false),
                     _children: Mutex::new(children),
                 });

@@ -11,6 +11,7 @@ use crate::events::event;
 use crate::reconcile::metrics::DELETED;
 use crate::reconcile::phase::Provisioning;
 use crate::reconcile::status::StatusChange;
+use crate::resources::pool::{REMOVAL_ANNOTATION, Removal};
 use crate::resources::proxy::{ConditionStatus, DisruptionReason, ProxyStatus, REASON_DRAINING};
 
 /// Drains before a deletion or a replacement already admitted: the status says so, and the
@@ -22,7 +23,14 @@ pub(super) fn drain(
     deadline: Timestamp,
 ) -> Step {
     let deleting = machine.proxy.metadata.deletion_timestamp.is_some();
-    let cause = drain_cause(deleting, current);
+    let removal = machine
+        .proxy
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(REMOVAL_ANNOTATION))
+        .and_then(|value| Removal::parse(value));
+    let cause = drain_cause(deleting, removal, current);
     let first = !condition_reason_is(current, REASON_DRAINING);
     let mut step = draining(machine, cause, leases, deadline, deleting);
     if first && deleting {
@@ -38,10 +46,11 @@ pub(super) fn drain(
     }))
 }
 
-/// What a drain comes before: the Proxy's deletion, or the replacement it is draining for.
-fn drain_cause(deleting: bool, current: &ProxyStatus) -> &'static str {
+/// What a drain comes before: the Proxy's deletion (by its pool, when a pool removes it), or
+/// the replacement it is draining for.
+fn drain_cause(deleting: bool, removal: Option<Removal>, current: &ProxyStatus) -> &'static str {
     if deleting {
-        "the Proxy's deletion"
+        removal.map_or("the Proxy's deletion", Removal::cause)
     } else {
         current
             .disruption
@@ -162,15 +171,22 @@ mod tests {
     fn a_drain_names_what_it_comes_before() {
         use DisruptionReason::{MaxLifetime, RotateRequested, SpecChange, Unhealthy};
         let cases = [
-            (true, None, "the Proxy's deletion"),
-            (true, Some(SpecChange), "the Proxy's deletion"),
-            (false, None, "a replacement"),
-            (false, Some(SpecChange), "a replacement for a spec change"),
-            (false, Some(MaxLifetime), "a rotation"),
-            (false, Some(RotateRequested), "a rotation"),
-            (false, Some(Unhealthy), "a remediation"),
+            (true, None, None, "the Proxy's deletion"),
+            (true, Some(SpecChange), None, "the Proxy's deletion"),
+            (true, None, Some(Removal::ScaleDown), "a pool scale-down"),
+            (true, None, Some(Removal::Rollout), "a pool roll-out"),
+            (false, None, None, "a replacement"),
+            (
+                false,
+                Some(SpecChange),
+                None,
+                "a replacement for a spec change",
+            ),
+            (false, Some(MaxLifetime), None, "a rotation"),
+            (false, Some(RotateRequested), None, "a rotation"),
+            (false, Some(Unhealthy), None, "a remediation"),
         ];
-        for (deleting, reason, want) in cases {
+        for (deleting, reason, removal, want) in cases {
             let status = ProxyStatus {
                 disruption: reason.map(|reason| Disruption {
                     reason,
@@ -180,7 +196,7 @@ mod tests {
                 ..ProxyStatus::default()
             };
             assert_eq!(
-                drain_cause(deleting, &status),
+                drain_cause(deleting, removal, &status),
                 want,
                 "{deleting} {reason:?}"
             );

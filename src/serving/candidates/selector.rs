@@ -58,6 +58,11 @@ impl Selector {
         Ok(selector)
     }
 
+    /// Whether the selector names no pair (it matches every proxy).
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
     /// Whether every pair is present in `labels`.
     pub fn matches(&self, labels: Option<&BTreeMap<String, String>>) -> bool {
         !self.contradictory

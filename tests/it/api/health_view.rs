@@ -111,6 +111,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     .unwrap();
     let state = ApiState {
         lease_credentials: None,
+        pools: Default::default(),
         sessions: Default::default(),
         inventory: inventory.clone(),
         health: health.clone(),

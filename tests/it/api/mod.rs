@@ -195,6 +195,7 @@ impl Harness {
         let registry = prometheus::Registry::new();
         let state = ApiState {
             lease_credentials: None,
+            pools: Default::default(),
             sessions: Default::default(),
             inventory: inventory.clone(),
             health: health.clone(),

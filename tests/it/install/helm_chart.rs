@@ -247,6 +247,10 @@ fn chart_copies_match_their_sources() {
     for (copy, source) in [
         ("charts/proxy-operator/crds/proxy.yaml", "crd/proxy.yaml"),
         (
+            "charts/proxy-operator/crds/proxypool.yaml",
+            "crd/proxypool.yaml",
+        ),
+        (
             "charts/proxy-operator/files/prometheusrule.yaml",
             "manifests/monitoring/prometheusrule.yaml",
         ),

@@ -204,13 +204,18 @@ fn no_api_token_ships_with_the_install() {
 }
 
 #[test]
-fn crd_copy_matches_the_generated_crd() {
-    let generated = std::fs::read(repo().join("crd/proxy.yaml")).unwrap();
-    let copy = std::fs::read(repo().join("manifests/crd.yaml")).unwrap();
-    assert!(
-        generated == copy,
-        "manifests/crd.yaml differs from crd/proxy.yaml; run: cp crd/proxy.yaml manifests/crd.yaml"
-    );
+fn crd_copies_match_the_generated_crds() {
+    for (source, copy) in [
+        ("crd/proxy.yaml", "manifests/crd.yaml"),
+        ("crd/proxypool.yaml", "manifests/crd-proxypool.yaml"),
+    ] {
+        let generated = std::fs::read(repo().join(source)).unwrap();
+        let copied = std::fs::read(repo().join(copy)).unwrap();
+        assert!(
+            generated == copied,
+            "{copy} differs from {source}; run: cp {source} {copy}"
+        );
+    }
 }
 
 /// (group, resource, verb, scope) of every rule in `role`.

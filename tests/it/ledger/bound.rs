@@ -491,6 +491,7 @@ impl Api {
         let registry = prometheus::Registry::new();
         let state = ApiState {
             lease_credentials: None,
+            pools: Default::default(),
             sessions: Default::default(),
             inventory,
             health,

@@ -406,6 +406,7 @@ impl CooldownWorld {
         registry.register(Box::new(fleet)).unwrap();
         let state = ApiState {
             lease_credentials: None,
+            pools: Default::default(),
             sessions: Default::default(),
             inventory,
             health,

@@ -1,6 +1,6 @@
 //! The committed CRD matches the Rust types, and its schema is one the API server accepts.
 
-use proxy_operator::resources::crd;
+use proxy_operator::resources::crd::{self, Kind};
 use serde_json::Value;
 
 fn committed() -> String {
@@ -9,22 +9,38 @@ fn committed() -> String {
 }
 
 #[test]
-fn committed_crd_matches_the_types() {
-    let generated = crd::crd_yaml().unwrap();
-    assert!(
-        committed() == generated,
-        "crd/proxy.yaml is stale: regenerate it with `cargo run -- crd > crd/proxy.yaml`"
-    );
+fn committed_crds_match_the_types() {
+    for (kind, name) in [(Kind::Proxy, "proxy"), (Kind::ProxyPool, "proxypool")] {
+        let path = format!("{}/{}", env!("CARGO_MANIFEST_DIR"), kind.file());
+        let committed = std::fs::read_to_string(&path).expect("the CRD is committed");
+        assert!(
+            committed == kind.yaml().unwrap(),
+            "{} is stale: regenerate it with `cargo run -- crd {name} > {}`",
+            kind.file(),
+            kind.file()
+        );
+    }
 }
 
 #[test]
-fn crd_binary_output_matches_the_committed_file() {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
-        .arg("crd")
-        .output()
-        .unwrap();
-    assert!(output.status.success());
-    assert_eq!(String::from_utf8(output.stdout).unwrap(), committed());
+fn crd_binary_output_is_both_committed_files() {
+    let run = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{args:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let read = |kind: Kind| {
+        std::fs::read_to_string(format!("{}/{}", env!("CARGO_MANIFEST_DIR"), kind.file())).unwrap()
+    };
+    assert_eq!(run(&["crd", "proxy"]), committed());
+    assert_eq!(run(&["crd", "proxypool"]), read(Kind::ProxyPool));
+    assert_eq!(
+        run(&["crd"]),
+        format!("{}---\n{}", committed(), read(Kind::ProxyPool))
+    );
 }
 
 #[test]
