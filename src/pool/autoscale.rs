@@ -49,6 +49,10 @@ impl ScaleReason {
 pub struct ScaleInputs {
     /// `spec.replicas` now.
     pub replicas: u32,
+    /// The last decision (`status.desiredReplicas`). A `spec.replicas` that differs was set by
+    /// someone else (`kubectl scale`, an HPA): the rule starts from the decision instead, and
+    /// the write overrules it.
+    pub decided: Option<u32>,
     /// `minReplicas`.
     pub min: u32,
     /// `maxReplicas`.
@@ -82,6 +86,8 @@ pub struct ScaleDecision {
     pub below_target_since: Option<Timestamp>,
     /// `AtMax` or `AtMin` when demand is outside the range (for `ScalingLimited`).
     pub limit: Option<ScaleReason>,
+    /// Whether `spec.replicas` had been set by someone else and is overruled.
+    pub overruled: bool,
 }
 
 /// Applies the rule (see the module doc).
@@ -98,14 +104,16 @@ pub fn autoscale(inputs: &ScaleInputs) -> ScaleDecision {
     } else {
         None
     };
+    let overruled = inputs.decided.is_some_and(|d| d != inputs.replicas);
     let decide = |replicas, reason, below_target_since| ScaleDecision {
         replicas,
         wanted,
         reason,
         below_target_since,
         limit,
+        overruled,
     };
-    let current = inputs.replicas;
+    let current = inputs.decided.unwrap_or(inputs.replicas);
     if !(min..=max).contains(&current) {
         return decide(current.clamp(min, max), ScaleReason::OutOfRange, None);
     }
@@ -142,6 +150,7 @@ mod tests {
     fn inputs(replicas: u32, active: u64, unmet: u64, since: Option<i64>, now: i64) -> ScaleInputs {
         ScaleInputs {
             replicas,
+            decided: None,
             min: 0,
             max: 4,
             target: 0.7,
@@ -194,6 +203,26 @@ mod tests {
                 "replicas {replicas}, active {active}, unmet {unmet}, since {since:?}, now {now}"
             );
         }
+    }
+
+    #[test]
+    fn a_manual_scale_is_overruled_from_the_last_decision() {
+        // Someone scaled 2 to 4; demand wants 2: back to 2 at once, not one member a time.
+        let mut manual = inputs(4, 7, 0, None, 100);
+        manual.decided = Some(2);
+        let decision = autoscale(&manual);
+        assert_eq!(
+            (decision.replicas, decision.reason, decision.overruled),
+            (2, ScaleReason::AtTarget, true)
+        );
+        // Our own last write, seen back: nothing is overruled.
+        let mut ours = inputs(2, 7, 0, None, 100);
+        ours.decided = Some(2);
+        assert!(!autoscale(&ours).overruled);
+        // A manual scale below what demand needs: up again at once.
+        let mut low = inputs(1, 7, 0, None, 100);
+        low.decided = Some(2);
+        assert_eq!(autoscale(&low).replicas, 2);
     }
 
     #[test]

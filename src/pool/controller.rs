@@ -34,9 +34,7 @@ use super::watch::PoolFeed;
 use crate::events::event;
 use crate::ledger::{Ledger, LedgerError};
 use crate::reconcile::{Share, budget};
-use crate::resources::pool::{
-    POOL_FINALIZER, POOL_LABEL, ProxyPool, ProxyPoolStatus, REMOVAL_ANNOTATION, Removal,
-};
+use crate::resources::pool::{POOL_FINALIZER, POOL_LABEL, ProxyPool, REMOVAL_ANNOTATION, Removal};
 use crate::resources::proxy::Proxy;
 
 /// How soon a pool is looked at again.
@@ -188,6 +186,7 @@ pub async fn reconcile(
                 .sum();
             Some(autoscale(&ScaleInputs {
                 replicas: spec_replicas,
+                decided: current.desired_replicas.and_then(|d| u32::try_from(d).ok()),
                 min: autoscaling.min_replicas.max(0).unsigned_abs(),
                 max: autoscaling.max_replicas.max(0).unsigned_abs(),
                 target: autoscaling.target_utilization,
@@ -203,21 +202,6 @@ pub async fn reconcile(
     };
     let desired = scale.as_ref().map_or(spec_replicas, |s| s.replicas);
     let scaled = desired != spec_replicas;
-    if scaled
-        && !scale_to(
-            &pool,
-            &pools,
-            desired,
-            spec_replicas,
-            &current,
-            scale.as_ref(),
-            &ctx,
-        )
-        .await?
-    {
-        return Ok(controller::Action::requeue(ctx.intervals.busy));
-    }
-
     let (surge, unavailable) = strategy(&pool, desired);
     let plan = plan(&PlanInputs {
         desired,
@@ -226,8 +210,6 @@ pub async fn reconcile(
         members: &members,
         budget_free: budget_free(&ctx),
     });
-    carry_out(&pool, &plan, &hash, &proxies, &ctx).await?;
-
     let status = pool_status(&StatusInputs {
         current: &current,
         members: &members,
@@ -240,15 +222,34 @@ pub async fn reconcile(
         generation: pool.metadata.generation,
         now,
     });
+    // The decision is recorded (status.desiredReplicas) before spec.replicas is written, so a
+    // failed write is retried towards it rather than taken for someone else's scale.
+    let mut version = pool.resource_version();
     if status != current {
-        pools
+        let written = pools
             .patch_status(
                 &name,
                 &PatchParams::default(),
                 &Patch::Merge(status_patch(&status)),
             )
             .await?;
+        version = written.resource_version();
     }
+    let scale_written = !scaled
+        || scale_to(
+            &pool,
+            version.as_deref(),
+            &pools,
+            (spec_replicas, desired),
+            scale.as_ref(),
+            &ctx,
+        )
+        .await?;
+    if !scale_written {
+        return Ok(controller::Action::requeue(ctx.intervals.busy));
+    }
+    carry_out(&pool, &plan, &hash, &proxies, &ctx).await?;
+
     ctx.metrics.set(
         &namespace,
         &name,
@@ -316,16 +317,16 @@ fn budget_free(ctx: &PoolContext) -> u32 {
 /// changed since it was read (nothing written: look again).
 async fn scale_to(
     pool: &ProxyPool,
+    version: Option<&str>,
     pools: &Api<ProxyPool>,
-    desired: u32,
-    was: u32,
-    current: &ProxyPoolStatus,
+    (was, desired): (u32, u32),
     scale: Option<&ScaleDecision>,
     ctx: &PoolContext,
 ) -> Result<bool, PoolError> {
-    // Through `/scale`, as an HPA would, guarded by the resourceVersion the decision was made on.
+    // Through `/scale`, as an HPA would, guarded by the resourceVersion the decision was made on
+    // (`version`: the pool's, or its status write's).
     let patch = json!({
-        "metadata": {"resourceVersion": pool.resource_version()},
+        "metadata": {"resourceVersion": version},
         "spec": {"replicas": desired},
     });
     match pools
@@ -350,14 +351,11 @@ async fn scale_to(
     ctx.metrics
         .scaled(&pool.namespace().unwrap_or_default(), &pool.name_any(), up);
     let reason = scale.map_or("Scaled", |s| s.reason.as_str());
-    let manual = current
-        .desired_replicas
-        .is_some_and(|last| last != pool.spec.replicas);
-    let note = match (manual, scale) {
-        (true, Some(s)) => format!(
-            "overruled a manual scale to {was}: autoscaling sets spec.replicas ({} active and \
-             refused requests ask for {}); scaled to {desired}",
-            reason, s.wanted
+    let note = match scale {
+        Some(s) if s.overruled => format!(
+            "overruled a manual scale to {was}: autoscaling sets spec.replicas (demand asks for \
+             {} members, {reason}); scaled to {desired}",
+            s.wanted
         ),
         _ => format!("scaled from {was} to {desired} ({reason})"),
     };

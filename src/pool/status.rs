@@ -316,6 +316,7 @@ mod tests {
             reason: ScaleReason::AtMax,
             below_target_since: None,
             limit: Some(ScaleReason::AtMax),
+            overruled: false,
         };
         let members = [member("a", true, 5, false)];
         let status = build(&members, 4, &Plan::default(), Some(&at_max));
