@@ -545,6 +545,10 @@ pub async fn run_while_leading(
             }
             // Drained, not reconciled: the new leader reconciles the whole store.
             trigger = triggers.recv() => if trigger.is_none() {
+                // The watch stops at shutdown too, maybe before this task sees the signal.
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
                 return Err("the ProxyPool watch stopped feeding the pool controller".to_owned());
             },
         }
@@ -553,7 +557,11 @@ pub async fn run_while_leading(
     let later = futures::stream::poll_fn(move |cx| triggers.poll_recv(cx));
     tokio::select! {
         () = run_controller(ctx, store, current.chain(later), member_changes(members)) => {
-            Err("the pool controller stopped".to_owned())
+            if shutdown.is_cancelled() {
+                Ok(())
+            } else {
+                Err("the pool controller stopped".to_owned())
+            }
         }
         () = shutdown.cancelled() => Ok(()),
         () = async { drop(leader.wait_for(|leading| !*leading).await) } => {

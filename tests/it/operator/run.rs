@@ -82,6 +82,12 @@ async fn api_server(mut handle: ApiHandle, proxies: Vec<Value>, requests: Reques
                 json!({"apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyList",
                         "metadata": {"resourceVersion": "7"}, "items": proxies}),
             ),
+            // Every replica's watch of ProxyPools (none here).
+            ("GET", "/apis/crawl.example.com/v1alpha1/proxypools") => (
+                200,
+                json!({"apiVersion": "crawl.example.com/v1alpha1", "kind": "ProxyPoolList",
+                        "metadata": {"resourceVersion": "7"}, "items": []}),
+            ),
             ("GET", "/api/v1/secrets") => (
                 200,
                 json!({"apiVersion": "v1", "kind": "SecretList", "metadata": {"resourceVersion": "7"}, "items": []}),
