@@ -42,8 +42,11 @@ use crate::resources::proxy::Proxy;
 pub struct PoolIntervals {
     /// While members are created, rolled, removed or not yet Ready.
     pub busy: Duration,
-    /// When nothing is under way (the autoscaler's evaluation period).
+    /// When nothing is under way, without autoscaling.
     pub idle: Duration,
+    /// When nothing is under way, with autoscaling: how often demand recorded by other
+    /// replicas is read (this replica's own refusals trigger a reconcile at once).
+    pub evaluate: Duration,
 }
 
 impl Default for PoolIntervals {
@@ -51,6 +54,7 @@ impl Default for PoolIntervals {
         PoolIntervals {
             busy: Duration::from_secs(1),
             idle: Duration::from_secs(10),
+            evaluate: Duration::from_secs(2),
         }
     }
 }
@@ -271,11 +275,13 @@ pub async fn reconcile(
         && status.updated_replicas == status.replicas
         && u32::try_from(status.replicas).ok() == Some(desired)
         && members.iter().all(|m| !m.deleting);
-    Ok(controller::Action::requeue(if settled {
-        ctx.intervals.idle
-    } else {
-        ctx.intervals.busy
-    }))
+    Ok(controller::Action::requeue(
+        match (settled, &pool.spec.autoscaling) {
+            (false, _) => ctx.intervals.busy,
+            (true, Some(_)) => ctx.intervals.evaluate,
+            (true, None) => ctx.intervals.idle,
+        },
+    ))
 }
 
 /// `maxSurge` and `maxUnavailable` for `desired` members; a value the server let through but
@@ -526,6 +532,7 @@ pub async fn run_while_leading(
     ctx: Arc<PoolContext>,
     feed: PoolFeed,
     members: broadcast::Receiver<Arc<Proxy>>,
+    demanded: broadcast::Receiver<Arc<[String]>>,
     mut leader: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) -> Result<(), String> {
@@ -556,7 +563,12 @@ pub async fn run_while_leading(
     let current = futures::stream::iter(store.state());
     let later = futures::stream::poll_fn(move |cx| triggers.poll_recv(cx));
     tokio::select! {
-        () = run_controller(ctx, store, current.chain(later), member_changes(members)) => {
+        () = run_controller(
+            ctx,
+            store,
+            current.chain(later),
+            futures::stream::select(member_changes(members), demand_notices(demanded)),
+        ) => {
             if shutdown.is_cancelled() {
                 Ok(())
             } else {
@@ -591,6 +603,31 @@ fn member_changes(
                 Err(broadcast::error::RecvError::Closed) => return None,
             }
         }
+    })
+}
+
+/// The pools this replica just recorded demand for.
+fn demand_notices(
+    demanded: broadcast::Receiver<Arc<[String]>>,
+) -> impl Stream<Item = ObjectRef<ProxyPool>> + Send + 'static {
+    futures::stream::unfold(demanded, |mut demanded| async move {
+        loop {
+            match demanded.recv().await {
+                Ok(keys) => return Some((keys, demanded)),
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+    .flat_map(|keys| {
+        futures::stream::iter(
+            keys.iter()
+                .filter_map(|key| {
+                    let (namespace, name) = key.split_once('/')?;
+                    Some(ObjectRef::new(name).within(namespace))
+                })
+                .collect::<Vec<_>>(),
+        )
     })
 }
 

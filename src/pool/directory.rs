@@ -11,12 +11,18 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use tokio::sync::broadcast;
+
 use crate::ledger::{Ledger, NoMatch};
 use crate::resources::pool::{DEFAULT_WAKE_TIMEOUT, ProxyPool};
 use crate::serving::candidates::Selector;
 
 /// How far back the autoscaler reads unmet demand.
 pub const DEMAND_WINDOW: Duration = Duration::from_secs(60);
+
+/// Demand notices buffered for the pool controller; a slower one misses the oldest (its next
+/// evaluation reads the ledger anyway).
+const DEMAND_NOTICES: usize = 256;
 
 /// Request IDs remembered per replica to count a retried acquire once; beyond that the oldest
 /// half is forgotten.
@@ -59,10 +65,23 @@ pub struct Waking {
 
 /// The pools of this replica's view, and the demand recorder. Cheap to clone; empty (no pool
 /// matches anything) in standalone mode.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct PoolDirectory {
     pools: Arc<RwLock<Arc<[PoolEntry]>>>,
     recent: Arc<Mutex<HashMap<String, Instant>>>,
+    /// The pools each recorded refusal was for: on the leader, the pool controller looks at
+    /// them at once instead of at its next evaluation.
+    demanded: broadcast::Sender<Arc<[String]>>,
+}
+
+impl Default for PoolDirectory {
+    fn default() -> Self {
+        PoolDirectory {
+            pools: Arc::default(),
+            recent: Arc::default(),
+            demanded: broadcast::channel(DEMAND_NOTICES).0,
+        }
+    }
 }
 
 impl PoolDirectory {
@@ -106,8 +125,15 @@ impl PoolDirectory {
         if request_id.is_none_or(|id| self.first_time(id)) {
             let keys: Vec<String> = pools.iter().map(|p| p.key.clone()).collect();
             record(ledger, &keys).await;
+            // No receiver (a follower, or standalone) is not an error.
+            let _ = self.demanded.send(keys.into());
         }
         waking(&pools, no_match)
+    }
+
+    /// The pools this replica records demand for, as it does.
+    pub fn demanded(&self) -> broadcast::Receiver<Arc<[String]>> {
+        self.demanded.subscribe()
     }
 
     /// Whether `request_id` was not seen within [`DEMAND_WINDOW`] (and remembers it).

@@ -118,6 +118,7 @@ fn start_pools(
             ctx,
             pool_feed,
             parts.members,
+            core.pools.demanded(),
             parts.leader,
             supervisor.shutdown_token(),
         ),
