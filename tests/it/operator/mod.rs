@@ -7,6 +7,7 @@ mod fleet;
 mod leadership;
 mod lifecycle;
 mod pod_security;
+mod pool_wake;
 mod pools;
 mod run;
 mod self_healing;
