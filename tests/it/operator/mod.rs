@@ -8,6 +8,7 @@ mod leadership;
 mod lifecycle;
 mod pod_security;
 mod pool_replicas;
+mod pool_wake;
 mod pools;
 mod run;
 mod self_healing;
