@@ -197,7 +197,8 @@ pub struct Autoscaling {
     #[schemars(range(min = 0.01, max = 1.0))]
     pub target_utilization: f64,
     /// How long demand must stay below target before one member goes, in the syntax of a
-    /// Proxy's `healthCheck.interval`.
+    /// Proxy's `healthCheck.interval`. Refused requests count as demand for a minute, so a pool
+    /// that refused requests stays up at least that minute plus this.
     #[serde(
         default = "default_scale_down_after",
         deserialize_with = "super::duration::deserialize"
@@ -255,7 +256,8 @@ pub struct ProxyPoolStatus {
     /// How many members the autoscaler (or `spec.replicas`) asks for now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
-    /// Why that many: a short machine code (`Demand`, `AtMax`, `AtMin`, `Waking`, `Manual`, ...).
+    /// Why that many: `Manual` (no autoscaling: `spec.replicas` as set), or the autoscaler's
+    /// `ScaleUp`, `ScaleDown`, `BelowTarget`, `AtTarget`, `AtMax`, `AtMin`, `OutOfRange`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_reason: Option<String>,
     /// When `spec.replicas` last changed by the autoscaler.
