@@ -385,18 +385,20 @@ async fn carry_out(
     proxies: &Api<Proxy>,
     ctx: &PoolContext,
 ) -> Result<(), PoolError> {
+    let mut created = Vec::new();
     for &index in &plan.create {
         let member = build_member(pool, hash, index);
         match proxies.create(&PostParams::default(), &member).await {
-            Ok(_) => log::info!(
-                "ProxyPool {}: created member {}",
-                pool.key(),
-                member.name_any()
-            ),
+            Ok(_) => created.push(member.name_any()),
             // Named deterministically: a repeated create finds the member it already made.
             Err(kube::Error::Api(status)) if status.code == 409 => {}
             Err(e) => return Err(e.into()),
         }
+    }
+    if !created.is_empty() {
+        let note = format!("created members {}", created.join(", "));
+        log::info!("ProxyPool {}: {note}", pool.key());
+        publish(ctx, pool, EventType::Normal, "CreatedMembers", note).await;
     }
     for (name, removal) in &plan.remove {
         remove_member(proxies, name, *removal).await?;

@@ -87,7 +87,8 @@ pub struct Member {
     pub name: String,
     /// Whether it matches the pool's current template (hash label, labels and spec).
     pub current: bool,
-    /// Its index, when it is a current member named by the scheme.
+    /// Its index, when its name is the scheme's for the current template hash (a member
+    /// edited by hand keeps its name but is not current: its index stays taken).
     pub index: Option<u32>,
     /// In phase Ready.
     pub ready: bool,
@@ -112,9 +113,7 @@ pub fn member_of(pool: &ProxyPool, hash: &str, proxy: &Proxy, leases: u32) -> Me
     let labelled = labels.get(TEMPLATE_HASH_LABEL).map(String::as_str) == Some(hash);
     let current = labelled && matches_template(proxy, template);
     Member {
-        index: current
-            .then(|| member_index(&pool.name_any(), hash, &name))
-            .flatten(),
+        index: member_index(&pool.name_any(), hash, &name),
         current,
         ready: proxy.status.as_ref().and_then(|s| s.phase) == Some(Phase::Ready),
         leases,

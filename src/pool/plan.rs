@@ -91,7 +91,9 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     if wanted > room {
         plan.held_by_surge = true;
     }
-    let taken: Vec<u32> = current.iter().filter_map(|m| m.index).collect();
+    // Every name of the current hash is taken while its member exists: an edited one (not
+    // current), or one still draining.
+    let taken: Vec<u32> = members.iter().filter_map(|m| m.index).collect();
     plan.create = (0..)
         .filter(|i| !taken.contains(i))
         .take(wanted.min(room) as usize)
@@ -141,9 +143,7 @@ mod tests {
         Member {
             name: name.to_owned(),
             current,
-            index: current
-                .then(|| name.rsplit('-').next().and_then(|i| i.parse().ok()))
-                .flatten(),
+            index: name.strip_prefix("p-h-").and_then(|i| i.parse().ok()),
             ready,
             leases,
             capacity: 5,
@@ -297,6 +297,23 @@ mod tests {
         let plan = run(3, 1, 1, 10, &start);
         assert_eq!(names(&plan, Removal::Rollout), ["p-old-2"]);
         assert_eq!(plan.create, [0]);
+    }
+
+    #[test]
+    fn a_member_edited_by_hand_is_replaced_under_a_new_name_then_drains() {
+        let mut edited = m("p-h-0", false, true, 0, 1);
+        edited.index = Some(0);
+        let plan = run(1, 1, 0, 10, std::slice::from_ref(&edited));
+        assert_eq!(plan.create, [1], "its own name is taken");
+        assert!(
+            plan.remove.is_empty(),
+            "it serves until its replacement is Ready"
+        );
+        let plan = run(1, 1, 0, 10, &[edited, m("p-h-1", true, true, 0, 2)]);
+        assert_eq!(names(&plan, Removal::Rollout), ["p-h-0"]);
+        // A draining member's name stays taken until it is gone.
+        let plan = run(2, 1, 0, 10, &[deleting(m("p-h-0", true, true, 0, 1))]);
+        assert_eq!(plan.create, [1, 2]);
     }
 
     #[test]
