@@ -10,6 +10,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::support::curl::header_value;
 use crate::support::fleet::{GatewayFleet, TOKEN, proxy_url};
 use crate::support::operator::metric_sum;
 use crate::support::postgres::Postgres;
@@ -72,19 +73,9 @@ async fn exit_through(fleet: &GatewayFleet, client: &reqwest::Client) -> Fetched
     fetched
 }
 
-/// Runs curl with `args`; returns its exit code, stdout and stderr.
+/// curl with the gateway tests' limit of 30 s.
 async fn curl(args: &[&str]) -> (i32, String, String) {
-    let output = tokio::process::Command::new("curl")
-        .args(["--max-time", "30"])
-        .args(args)
-        .output()
-        .await
-        .expect("curl is installed (apt-get install -y curl)");
-    (
-        output.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    crate::support::curl::curl(Duration::from_secs(30), args).await
 }
 
 /// Polls the ledger with `sql` until it answers `expected`.
@@ -101,13 +92,6 @@ async fn wait_for_ledger(fleet: &GatewayFleet, sql: &str, expected: &str) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-fn header_value<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|line| {
-        let (key, value) = line.split_once(':')?;
-        key.eq_ignore_ascii_case(name).then(|| value.trim())
-    })
 }
 
 #[tokio::test]

@@ -6,6 +6,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod crawl_load;
+pub mod curl;
 pub mod envtest;
 pub mod fleet;
 pub mod kubelet;
@@ -14,6 +15,7 @@ pub mod loopback;
 pub mod mock_api;
 pub mod operator;
 pub mod pod;
+pub mod pools;
 pub mod postgres;
 pub mod prometheus;
 pub mod python;

@@ -21,11 +21,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
-use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::core::DynamicObject;
-use proxy_operator::resources::pool::{POOL_LABEL, ProxyPool};
-use proxy_operator::resources::proxy::{ConditionStatus, Proxy};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use proxy_operator::resources::proxy::ConditionStatus;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::envtest::ControlPlane;
@@ -33,57 +30,13 @@ use support::operator::{API_TOKEN, OperatorProcess, metric_sum};
 use support::postgres::{Database, Postgres};
 use support::world::{SLOW, World, eventually, within};
 
-/// The pools of a world.
-fn pools(world: &World) -> Api<ProxyPool> {
-    Api::namespaced(world.client.clone(), &world.ns)
-}
-
-/// Creates the pool `name` with `spec`, as `kubectl apply` would.
-async fn create_pool(world: &World, name: &str, spec: Value) {
-    let object: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "ProxyPool",
-        "metadata": {"name": name},
-        "spec": spec,
-    }))
-    .expect("a ProxyPool object");
-    let api: Api<DynamicObject> = Api::namespaced_with(
-        world.client.clone(),
-        &world.ns,
-        &kube::api::ApiResource::erase::<ProxyPool>(&()),
-    );
-    api.create(&PostParams::default(), &object)
-        .await
-        .unwrap_or_else(|e| panic!("create ProxyPool {name}: {e}"));
-}
-
-/// A template of squid members labelled `geo: <geo>`, probed every 500ms.
-fn template(world: &World, geo: &str, max_leases: u32) -> Value {
-    let mut spec = world.managed_spec(3128);
-    spec["maxLeases"] = json!(max_leases);
-    json!({"metadata": {"labels": {"geo": geo}}, "spec": spec})
-}
-
-/// The members of pool `name` that exist, by name.
-async fn members(world: &World, name: &str) -> BTreeMap<String, Proxy> {
-    world
-        .proxies()
-        .list(&ListParams::default().labels(&format!("{POOL_LABEL}={name}")))
-        .await
-        .expect("list members")
-        .items
-        .into_iter()
-        .map(|p| (p.name_any(), p))
-        .collect()
-}
-
 /// The condition `type_` of pool `name` as `(status, reason)`, once the pool has it.
 async fn pool_condition(
     world: &World,
     name: &str,
     type_: &str,
 ) -> Option<(ConditionStatus, String)> {
-    let pool = pools(world).get(name).await.ok()?;
+    let pool = world.pools().get(name).await.ok()?;
     let condition = pool.status?.condition(type_).cloned()?;
     Some((condition.status, condition.reason))
 }
@@ -172,20 +125,20 @@ async fn demand_refused_on_a_follower_wakes_the_pool() {
     );
 
     // A pool at zero that autoscaling may wake.
-    create_pool(
-        &world,
-        "wake",
-        json!({
-            "replicas": 0,
-            "template": template(&world, "wake", 5),
-            "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "wakeTimeout": "60s"},
-        }),
-    )
-    .await;
+    world
+        .create_pool(
+            "wake",
+            json!({
+                "replicas": 0,
+                "template": world.pool_template("wake", 5),
+                "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "wakeTimeout": "60s"},
+            }),
+        )
+        .await;
     eventually(
         "the leader's first look at pool wake: 0 members",
         || async {
-            let pool = pools(&world).get("wake").await.ok()?;
+            let pool = world.pools().get("wake").await.ok()?;
             let status = pool.status?;
             (status.observed_generation.is_some()
                 && status.replicas == 0
@@ -195,8 +148,8 @@ async fn demand_refused_on_a_follower_wakes_the_pool() {
         },
     )
     .await;
-    assert!(members(&world, "wake").await.is_empty());
-    assert_eq!(pools(&world).get("wake").await.unwrap().spec.replicas, 0);
+    assert!(world.members("wake").await.is_empty());
+    assert_eq!(world.pools().get("wake").await.unwrap().spec.replicas, 0);
 
     // A crawler asks the follower, retrying with one request ID as a client following
     // Retry-After does. Until the follower's pool watch has the pool, nothing matches (409,
@@ -243,7 +196,7 @@ async fn demand_refused_on_a_follower_wakes_the_pool() {
         .as_str()
         .expect("the lease names its proxy")
         .to_owned();
-    let all = members(&world, "wake").await;
+    let all = world.members("wake").await;
     assert!(
         all.contains_key(&member),
         "the lease is on {member}, not a member of pool wake ({:?})",
@@ -251,7 +204,7 @@ async fn demand_refused_on_a_follower_wakes_the_pool() {
     );
 
     // The leader scaled the pool, for the follower's one refused request.
-    let pool = pools(&world).get("wake").await.unwrap();
+    let pool = world.pools().get("wake").await.unwrap();
     assert_eq!(
         pool.spec.replicas, 1,
         "one refused request asks for one member"
@@ -441,16 +394,16 @@ async fn a_provider_quota_refusal_shows_as_scaling_limited_without_a_retry_storm
 
     let operator = world.operator(&[]).await;
     let started = Instant::now();
-    create_pool(
-        &world,
-        "capped",
-        json!({"replicas": 3, "template": template(&world, "capped", 5)}),
-    )
-    .await;
+    world
+        .create_pool(
+            "capped",
+            json!({"replicas": 3, "template": world.pool_template("capped", 5)}),
+        )
+        .await;
 
     // Every member is refused for quota, and the pool says why it has no machines.
     let three: BTreeSet<String> = eventually("three members refused for quota", || async {
-        let all = members(&world, "capped").await;
+        let all = world.members("capped").await;
         let refused = all.values().all(|p| {
             p.status
                 .as_ref()
@@ -470,7 +423,7 @@ async fn a_provider_quota_refusal_shows_as_scaling_limited_without_a_retry_storm
     // For 10 s more: still those three members, still limited, still refused.
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(10) {
-        let now: BTreeSet<String> = members(&world, "capped").await.into_keys().collect();
+        let now: BTreeSet<String> = world.members("capped").await.into_keys().collect();
         assert_eq!(now, three, "the pool changed its members while refused");
         assert_eq!(
             pool_condition(&world, "capped", "ScalingLimited").await,
@@ -507,7 +460,7 @@ async fn a_provider_quota_refusal_shows_as_scaling_limited_without_a_retry_storm
         per_pod.values().all(|&n| n >= 2),
         "a refused member is tried again after --quota-requeue: {per_pod:?}"
     );
-    assert_eq!(members(&world, "capped").await.len(), 3);
+    assert_eq!(world.members("capped").await.len(), 3);
     let counted = metric_sum(
         &metrics,
         "proxy_operator_provider_requests_total",

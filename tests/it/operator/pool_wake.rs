@@ -15,14 +15,15 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::ResourceQuota;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::core::DynamicObject;
 use proxy_operator::pool::members::template_hash;
-use proxy_operator::resources::pool::{POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL};
-use proxy_operator::resources::proxy::{Phase, Proxy};
+use proxy_operator::resources::pool::{POOL_LABEL, TEMPLATE_HASH_LABEL};
+use proxy_operator::resources::proxy::Proxy;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use support::curl::{curl, header_value};
 use support::kubelet::Behaviour;
 use support::operator::{API_TOKEN, OperatorProcess, READY_DEADLINE, metric_sum};
+use support::pools::pool_object;
 use support::python::{python_with, script};
 use support::site::{PAGES, Site};
 use support::world::{World, within};
@@ -32,86 +33,6 @@ use support::world::{World, within};
 /// member drains and its Pod goes.
 const FALLING_ASLEEP: Duration = Duration::from_secs(180);
 
-/// The pools of a world.
-fn pools(world: &World) -> Api<ProxyPool> {
-    Api::namespaced(world.client.clone(), &world.ns)
-}
-
-/// The pools, untyped (created as `kubectl apply` would, with the server's defaults).
-fn raw_pools(world: &World) -> Api<DynamicObject> {
-    Api::namespaced_with(
-        world.client.clone(),
-        &world.ns,
-        &kube::api::ApiResource::erase::<ProxyPool>(&()),
-    )
-}
-
-/// A pool object named `name` with `spec`.
-fn pool_object(name: &str, spec: Value) -> DynamicObject {
-    serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "ProxyPool",
-        "metadata": {"name": name},
-        "spec": spec,
-    }))
-    .expect("a ProxyPool object")
-}
-
-/// A template of squid members labelled `geo: <geo>`, probed every 500ms.
-fn template(world: &World, geo: &str, max_leases: u32) -> Value {
-    let mut spec = world.managed_spec(3128);
-    spec["maxLeases"] = json!(max_leases);
-    json!({"metadata": {"labels": {"geo": geo}}, "spec": spec})
-}
-
-/// The members of pool `name` that exist, by name.
-async fn members(world: &World, name: &str) -> BTreeMap<String, Proxy> {
-    world
-        .proxies()
-        .list(&ListParams::default().labels(&format!("{POOL_LABEL}={name}")))
-        .await
-        .expect("list members")
-        .items
-        .into_iter()
-        .map(|p| (p.name_any(), p))
-        .collect()
-}
-
-fn is_ready(proxy: &Proxy) -> bool {
-    proxy.metadata.deletion_timestamp.is_none()
-        && proxy.status.as_ref().and_then(|s| s.phase) == Some(Phase::Ready)
-}
-
-/// Waits (up to `deadline`) until pool `name` has exactly `count` members, all Ready and on
-/// its current template (by its status and by the members themselves); returns them.
-async fn wait_settled(
-    world: &World,
-    name: &str,
-    count: usize,
-    deadline: Duration,
-) -> BTreeMap<String, Proxy> {
-    within(
-        deadline,
-        &format!("pool {name} settled at {count} Ready members"),
-        || async {
-            let pool = pools(world).get(name).await.ok()?;
-            let status = pool.status.as_ref()?;
-            let hash = template_hash(&pool.spec.template);
-            let all = members(world, name).await;
-            let current = all
-                .values()
-                .all(|p| is_ready(p) && p.labels().get(TEMPLATE_HASH_LABEL) == Some(&hash));
-            (all.len() == count
-                && current
-                && status.ready_replicas == count as i32
-                && status.replicas == count as i32
-                && status.updated_replicas == count as i32)
-                .then_some(all)
-        },
-    )
-    .await
-}
-
 /// Waits until pool `name` sleeps: `spec.replicas` and `status.replicas` 0, no member, and no
 /// Pod left in the namespace. Returns how long that took.
 async fn wait_asleep(world: &World, name: &str) -> Duration {
@@ -120,12 +41,12 @@ async fn wait_asleep(world: &World, name: &str) -> Duration {
         FALLING_ASLEEP,
         &format!("pool {name} asleep: no member, no Pod"),
         || async {
-            let pool = pools(world).get(name).await.ok()?;
+            let pool = world.pools().get(name).await.ok()?;
             let replicas = pool.status.as_ref().map(|s| s.replicas);
             if pool.spec.replicas != 0 || replicas != Some(0) {
                 return None;
             }
-            if !members(world, name).await.is_empty() {
+            if !world.members(name).await.is_empty() {
                 return None;
             }
             let pods = world.pods().list(&ListParams::default()).await.ok()?;
@@ -142,28 +63,6 @@ fn port_of(url: &str) -> u16 {
         .ok()
         .and_then(|u| u.port())
         .unwrap_or_else(|| panic!("{url} names no port"))
-}
-
-/// Runs curl with `args` (at most two minutes); returns its exit code, stdout and stderr.
-async fn curl(args: &[&str]) -> (i32, String, String) {
-    let output = tokio::process::Command::new("curl")
-        .args(["--max-time", "120"])
-        .args(args)
-        .output()
-        .await
-        .expect("curl is installed (apt-get install -y curl)");
-    (
-        output.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
-
-fn header_value<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|line| {
-        let (key, value) = line.split_once(':')?;
-        key.eq_ignore_ascii_case(name).then(|| value.trim())
-    })
 }
 
 /// The gateway's count and sum of requests held while a pool woke that were then relayed.
@@ -205,13 +104,14 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
     );
     let operator = world.operator(&["--gateway-allowed-ports", &ports]).await;
     // Room for Scrapy's eight connections on one member, each holding a lease.
-    raw_pools(&world)
+    world
+        .raw_pools()
         .create(
             &PostParams::default(),
             &pool_object(
                 pool,
                 json!({
-                    "template": template(&world, geo, 16),
+                    "template": world.pool_template(geo, 16),
                     "autoscaling": {"minReplicas": 0, "maxReplicas": 2,
                                     "scaleDownAfter": "2s", "wakeTimeout": "60s"},
                 }),
@@ -240,18 +140,21 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
         operator.gateway()
     );
     let asked = Instant::now();
-    let (code, out, err) = curl(&[
-        "-sS",
-        "-D",
-        "-",
-        "-o",
-        "/dev/null",
-        "--cacert",
-        ca.to_str().unwrap(),
-        "-x",
-        &proxy,
-        &world.target.https_url(),
-    ])
+    let (code, out, err) = curl(
+        Duration::from_secs(120),
+        &[
+            "-sS",
+            "-D",
+            "-",
+            "-o",
+            "/dev/null",
+            "--cacert",
+            ca.to_str().unwrap(),
+            "-x",
+            &proxy,
+            &world.target.https_url(),
+        ],
+    )
     .await;
     let curl_held = asked.elapsed();
     eprintln!("pool-wake: curl held {curl_held:?}");
@@ -510,7 +413,7 @@ async fn kill_when(
 ) -> BTreeMap<String, Proxy> {
     let start = Instant::now();
     let seen = loop {
-        let all = members(world, pool).await;
+        let all = world.members(pool).await;
         if ready(&all) {
             break all;
         }
@@ -564,26 +467,28 @@ async fn killing_the_operator_mid_scale_up_creates_no_member_beyond_the_bound() 
         .expect("publish the quota's status");
 
     let mut operator = world.operator(&[]).await;
-    raw_pools(&world)
+    world
+        .raw_pools()
         .create(
             &PostParams::default(),
             &pool_object(
                 pool,
                 json!({"replicas": 0, "strategy": {"maxSurge": surge},
-                       "template": template(&world, pool, 5)}),
+                       "template": world.pool_template(pool, 5)}),
             ),
         )
         .await
         .expect("create the pool");
     within(support::world::SLOW, "the pool's first status", || async {
-        let status = pools(&world).get(pool).await.ok()?.status?;
+        let status = world.pools().get(pool).await.ok()?.status?;
         (status.replicas == 0 && !status.selector.is_empty()).then_some(())
     })
     .await;
     let sampler = Sampler::start(&world, pool);
 
     // Scale to 8 and kill the operator while the members are being created.
-    pools(&world)
+    world
+        .pools()
         .patch_scale(
             pool,
             &PatchParams::default(),
@@ -618,9 +523,11 @@ async fn killing_the_operator_mid_scale_up_creates_no_member_beyond_the_bound() 
     )
     .await;
     assert!(seen.len() <= 3, "the quota held: {:?}", seen.keys());
-    let scaled = wait_settled(&world, pool, desired, Duration::from_secs(180)).await;
+    let scaled = world
+        .wait_pool_settled(pool, desired, Duration::from_secs(180))
+        .await;
     let hash = one_hash(&scaled);
-    let pool_now = pools(&world).get(pool).await.expect("the pool");
+    let pool_now = world.pools().get(pool).await.expect("the pool");
     assert_eq!(hash, template_hash(&pool_now.spec.template));
     let names: BTreeSet<String> = scaled.keys().cloned().collect();
     assert_eq!(names, indexed(pool, &hash, desired), "deterministic names");
@@ -645,7 +552,8 @@ async fn killing_the_operator_mid_scale_up_creates_no_member_beyond_the_bound() 
     );
 
     // A template change rolls the pool; kill the operator again half-way through.
-    pools(&world)
+    world
+        .pools()
         .patch(
             pool,
             &PatchParams::default(),
@@ -679,7 +587,9 @@ async fn killing_the_operator_mid_scale_up_creates_no_member_beyond_the_bound() 
     )
     .await;
     assert!(seen.len() <= desired + surge, "{:?}", seen.keys());
-    let rolled = wait_settled(&world, pool, desired, Duration::from_secs(240)).await;
+    let rolled = world
+        .wait_pool_settled(pool, desired, Duration::from_secs(240))
+        .await;
     let new_hash = one_hash(&rolled);
     assert_ne!(new_hash, hash, "every member on the new template");
     let new_names: BTreeSet<String> = rolled.keys().cloned().collect();

@@ -8,93 +8,22 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::core::DynamicObject;
-use proxy_operator::resources::pool::{POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL};
-use proxy_operator::resources::proxy::Proxy;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use proxy_operator::resources::pool::{POOL_LABEL, TEMPLATE_HASH_LABEL};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::operator::{OperatorProcess, lease_id, metric_sum};
-use support::world::{World, eventually, refusal, within};
-
-/// The pools of a world.
-fn pools(world: &World) -> Api<ProxyPool> {
-    Api::namespaced(world.client.clone(), &world.ns)
-}
-
-/// The pools, untyped (for objects the server should refuse).
-fn raw_pools(world: &World) -> Api<DynamicObject> {
-    Api::namespaced_with(
-        world.client.clone(),
-        &world.ns,
-        &kube::api::ApiResource::erase::<ProxyPool>(&()),
-    )
-}
-
-/// A pool object named `name` with `spec`.
-fn pool_object(name: &str, spec: Value) -> DynamicObject {
-    serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1",
-        "kind": "ProxyPool",
-        "metadata": {"name": name},
-        "spec": spec,
-    }))
-    .expect("a ProxyPool object")
-}
-
-/// A template of squid members labelled `geo: <geo>`, probed every 500ms.
-fn template(world: &World, geo: &str, max_leases: u32) -> Value {
-    let mut spec = world.managed_spec(3128);
-    spec["maxLeases"] = json!(max_leases);
-    json!({"metadata": {"labels": {"geo": geo}}, "spec": spec})
-}
-
-/// The members of pool `name` that exist, by name.
-async fn members(world: &World, name: &str) -> BTreeMap<String, Proxy> {
-    world
-        .proxies()
-        .list(&ListParams::default().labels(&format!("{POOL_LABEL}={name}")))
-        .await
-        .expect("list members")
-        .items
-        .into_iter()
-        .map(|p| (p.name_any(), p))
-        .collect()
-}
-
-/// Waits until pool `name` has exactly `count` members, all Ready and on its current template
-/// (by its status and by the members themselves); returns them.
-async fn wait_settled(world: &World, name: &str, count: usize) -> BTreeMap<String, Proxy> {
-    eventually(
-        &format!("pool {name} settled at {count} Ready members"),
-        || async {
-            let pool = pools(world).get(name).await.ok()?;
-            let status = pool.status.as_ref()?;
-            let all = members(world, name).await;
-            let ready = all.values().all(|p| {
-                p.metadata.deletion_timestamp.is_none()
-                    && p.status.as_ref().and_then(|s| s.phase)
-                        == Some(proxy_operator::resources::proxy::Phase::Ready)
-            });
-            (all.len() == count
-                && ready
-                && status.ready_replicas == count as i32
-                && status.replicas == count as i32
-                && status.updated_replicas == count as i32)
-                .then_some(all)
-        },
-    )
-    .await
-}
+use support::pools::pool_object;
+use support::world::{SLOW, World, eventually, refusal, within};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_crd_rules_and_defaults_are_enforced_by_the_server() {
     let Some(world) = World::new("pool-crd").await else {
         return;
     };
-    let template = template(&world, "eu", 5);
+    let template = world.pool_template("eu", 5);
     let refused = |name: &str, spec: Value| {
-        let api = raw_pools(&world);
+        let api = world.raw_pools();
         let object = pool_object(name, spec);
         async move { refusal(api.create(&PostParams::default(), &object).await) }
     };
@@ -139,7 +68,8 @@ async fn pool_crd_rules_and_defaults_are_enforced_by_the_server() {
     }
 
     // Defaults, filled by the server.
-    let created = raw_pools(&world)
+    let created = world
+        .raw_pools()
         .create(
             &PostParams::default(),
             &pool_object(
@@ -168,7 +98,8 @@ async fn pool_crd_rules_and_defaults_are_enforced_by_the_server() {
     // A template's provider may change (a roll-out), unlike a Proxy's.
     let mut changed = template.clone();
     changed["spec"]["provider"] = json!("other");
-    raw_pools(&world)
+    world
+        .raw_pools()
         .patch(
             "defaults",
             &PatchParams::default(),
@@ -185,18 +116,19 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     };
     // Room in the replacement budget for the three removals at once.
     let operator = world.operator(&["--replacement-budget", "3"]).await;
-    raw_pools(&world)
+    world
+        .raw_pools()
         .create(
             &PostParams::default(),
             &pool_object(
                 "eu",
-                json!({"replicas": 3, "template": template(&world, "eu", 5)}),
+                json!({"replicas": 3, "template": world.pool_template("eu", 5)}),
             ),
         )
         .await
         .expect("create the pool");
-    let three = wait_settled(&world, "eu", 3).await;
-    let pool = pools(&world).get("eu").await.unwrap();
+    let three = world.wait_pool_settled("eu", 3, SLOW).await;
+    let pool = world.pools().get("eu").await.unwrap();
     let status = pool.status.clone().unwrap();
     assert_eq!(status.selector, format!("{POOL_LABEL}=eu"));
     for member in three.values() {
@@ -215,7 +147,8 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
         .kubectl(&kubeconfig, &["scale", "proxypool/eu", "--replicas=5"])
         .is_none()
     {
-        pools(&world)
+        world
+            .pools()
             .patch_scale(
                 "eu",
                 &PatchParams::default(),
@@ -224,7 +157,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
             .await
             .expect("scale the pool");
     }
-    let five = wait_settled(&world, "eu", 5).await;
+    let five = world.wait_pool_settled("eu", 5, SLOW).await;
     assert!(
         three.keys().all(|name| five.contains_key(name)),
         "scaling up kept every member"
@@ -273,7 +206,8 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     assert_eq!(kept.len(), 2, "{leases:?}");
 
     // Down to 2: the three with one lease each go; they drain first.
-    pools(&world)
+    world
+        .pools()
         .patch_scale(
             "eu",
             &PatchParams::default(),
@@ -287,7 +221,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
         .cloned()
         .collect();
     eventually("the three members with fewest leases draining", || async {
-        let all = members(&world, "eu").await;
+        let all = world.members("eu").await;
         removed
             .iter()
             .all(|name| {
@@ -299,7 +233,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     .await;
     // Their machines stay while their leases run: a Pod is never deleted under a lease.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let all = members(&world, "eu").await;
+    let all = world.members("eu").await;
     for name in &removed {
         let member = all
             .get(name)
@@ -316,7 +250,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
             operator.release(id).await;
         }
     }
-    let two = wait_settled(&world, "eu", 2).await;
+    let two = world.wait_pool_settled("eu", 2, SLOW).await;
     assert_eq!(
         two.keys().cloned().collect::<Vec<_>>(),
         kept,
@@ -340,7 +274,8 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
 
     // A template change rolls every member, never more than maxSurge above replicas.
     let old_hash = two.values().next().unwrap().labels()[TEMPLATE_HASH_LABEL].clone();
-    pools(&world)
+    world
+        .pools()
         .patch(
             "eu",
             &PatchParams::default(),
@@ -354,7 +289,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     let most = within(support::world::SLOW, "the roll-out to finish", || {
         let world = &world;
         async move {
-            let all = members(world, "eu").await;
+            let all = world.members("eu").await;
             let rolled = all.len() == 2
                 && all.values().all(|p| {
                     &p.labels()[TEMPLATE_HASH_LABEL] != old_hash
@@ -371,7 +306,7 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     })
     .await;
     assert_eq!(most, 2);
-    let rolled = members(&world, "eu").await;
+    let rolled = world.members("eu").await;
     assert!(
         rolled.keys().all(|n| !two.contains_key(n)),
         "new members have new names"
@@ -383,12 +318,13 @@ async fn a_pool_scales_through_scale_drains_what_it_removes_and_rolls_within_its
     );
 
     // Deleting the pool deletes its members and their Pods.
-    pools(&world)
+    world
+        .pools()
         .delete("eu", &DeleteParams::default())
         .await
         .expect("delete the pool");
-    support::world::wait_gone(&pools(&world), "eu").await;
-    assert!(members(&world, "eu").await.is_empty());
+    support::world::wait_gone(&world.pools(), "eu").await;
+    assert!(world.members("eu").await.is_empty());
     eventually("every member Pod gone", || async {
         world
             .pods()
@@ -409,13 +345,14 @@ async fn autoscaling_grows_to_max_on_demand_and_shrinks_one_at_a_time() {
         return;
     };
     let operator = world.operator(&[]).await;
-    raw_pools(&world)
+    world
+        .raw_pools()
         .create(
             &PostParams::default(),
             &pool_object(
                 "auto",
                 json!({
-                    "template": template(&world, "auto", 1),
+                    "template": world.pool_template("auto", 1),
                     "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetUtilization": 1.0,
                                     "scaleDownAfter": "3s"},
                 }),
@@ -423,7 +360,7 @@ async fn autoscaling_grows_to_max_on_demand_and_shrinks_one_at_a_time() {
         )
         .await
         .expect("create the pool");
-    wait_settled(&world, "auto", 1).await;
+    world.wait_pool_settled("auto", 1, SLOW).await;
 
     // One lease per member at target 1.0: four crawlers want more than maxReplicas gives.
     let mut held = Vec::new();
@@ -439,13 +376,13 @@ async fn autoscaling_grows_to_max_on_demand_and_shrinks_one_at_a_time() {
         .await;
     assert_eq!(status, StatusCode::CONFLICT, "at max, at capacity: {body}");
     eventually("ScalingLimited AtMax", || async {
-        let pool = pools(&world).get("auto").await.ok()?;
+        let pool = world.pools().get("auto").await.ok()?;
         let c = pool.status?.condition("ScalingLimited").cloned()?;
         (c.status == proxy_operator::resources::proxy::ConditionStatus::True && c.reason == "AtMax")
             .then_some(())
     })
     .await;
-    assert_eq!(pools(&world).get("auto").await.unwrap().spec.replicas, 3);
+    assert_eq!(world.pools().get("auto").await.unwrap().spec.replicas, 3);
     assert!(
         !world
             .events_with_reason("auto", "ScaledUp")
@@ -462,7 +399,7 @@ async fn autoscaling_grows_to_max_on_demand_and_shrinks_one_at_a_time() {
         Duration::from_secs(120),
         "the pool back at minReplicas",
         || async {
-            let replicas = pools(&world).get("auto").await.ok()?.spec.replicas;
+            let replicas = world.pools().get("auto").await.ok()?.spec.replicas;
             let mut seen = seen.lock().unwrap();
             if seen.last() != Some(&replicas) {
                 seen.push(replicas);
@@ -473,7 +410,7 @@ async fn autoscaling_grows_to_max_on_demand_and_shrinks_one_at_a_time() {
     .await;
     let seen = seen.into_inner().unwrap();
     assert_eq!(seen, [3, 2, 1], "one member at a time");
-    wait_settled(&world, "auto", 1).await;
+    world.wait_pool_settled("auto", 1, SLOW).await;
     assert!(
         !world
             .events_with_reason("auto", "ScaledDown")
