@@ -78,6 +78,51 @@ pub async fn until_leader(leader: &mut watch::Receiver<bool>) -> bool {
     leader.wait_for(|is_leader| *is_leader).await.is_ok()
 }
 
+/// Waits for the Lease while `drain` keeps a follower's inputs from piling up (it ends only
+/// when an input ends, with why). `Ok(true)` once this process leads; `Ok(false)` at shutdown
+/// or when the election ended (then after shutdown). An input that ends at shutdown, maybe
+/// before this task sees the signal, is not a failure.
+pub async fn wait_to_lead(
+    leader: &mut watch::Receiver<bool>,
+    shutdown: &CancellationToken,
+    drain: impl std::future::Future<Output = String>,
+) -> Result<bool, String> {
+    tokio::select! {
+        () = shutdown.cancelled() => Ok(false),
+        held = until_leader(leader) => {
+            if !held {
+                shutdown.cancelled().await;
+            }
+            Ok(held)
+        }
+        ended = drain => if shutdown.is_cancelled() { Ok(false) } else { Err(ended) },
+    }
+}
+
+/// Runs `work` (named `what`) while this process leads, until shutdown. Losing the Lease is an
+/// error that stops the process: its restart contends again as a follower, so two processes
+/// never lead at once. `work` ending before shutdown is an error too.
+pub async fn lead(
+    leader: &mut watch::Receiver<bool>,
+    shutdown: &CancellationToken,
+    what: &str,
+    work: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    tokio::select! {
+        () = work => {
+            if shutdown.is_cancelled() { Ok(()) } else { Err(format!("{what} stopped")) }
+        }
+        () = shutdown.cancelled() => Ok(()),
+        () = async { drop(leader.wait_for(|leading| !*leading).await) } => {
+            if shutdown.is_cancelled() {
+                Ok(())
+            } else {
+                Err(format!("lost the leader Lease: stopping so that no two replicas run {what}"))
+            }
+        }
+    }
+}
+
 /// Registers `proxy_operator_leader`: summed over the replicas it is 1 while some process holds
 /// the Lease, so 0 (or no series at all) is what tells that orphan GC runs nowhere.
 pub fn register_leader_gauge(registry: &Registry) -> Result<IntGauge, prometheus::Error> {

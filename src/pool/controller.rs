@@ -542,86 +542,53 @@ pub async fn run_while_leading(
         store,
         mut triggers,
     } = feed;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            held = crate::leader::until_leader(&mut leader) => {
-                if !held {
-                    shutdown.cancelled().await;
-                    return Ok(());
-                }
-                break;
-            }
-            // Drained, not reconciled: the new leader reconciles the whole store.
-            trigger = triggers.recv() => if trigger.is_none() {
-                // The watch stops at shutdown too, maybe before this task sees the signal.
-                if shutdown.is_cancelled() {
-                    return Ok(());
-                }
-                return Err("the ProxyPool watch stopped feeding the pool controller".to_owned());
-            },
-        }
+    // Drained, not reconciled: the new leader reconciles the whole store.
+    let drain = async {
+        while triggers.recv().await.is_some() {}
+        "the ProxyPool watch stopped feeding the pool controller".to_owned()
+    };
+    if !crate::leader::wait_to_lead(&mut leader, &shutdown, drain).await? {
+        return Ok(());
     }
     let current = futures::stream::iter(store.state());
     let later = futures::stream::poll_fn(move |cx| triggers.poll_recv(cx));
-    tokio::select! {
-        () = run_controller(
-            ctx,
-            store,
-            current.chain(later),
-            futures::stream::select(member_changes(members), demand_notices(demanded)),
-        ) => {
-            if shutdown.is_cancelled() {
-                Ok(())
-            } else {
-                Err("the pool controller stopped".to_owned())
+    let work = run_controller(
+        ctx,
+        store,
+        current.chain(later),
+        futures::stream::select(member_changes(members), demand_notices(demanded)),
+    );
+    crate::leader::lead(&mut leader, &shutdown, "the pool controller", work).await
+}
+
+/// What `receiver` gets, skipping what it missed while behind: the periodic requeue catches
+/// up on any pool a missed message was about.
+fn received<T: Clone + Send + 'static>(
+    receiver: broadcast::Receiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        loop {
+            match receiver.recv().await {
+                Ok(item) => return Some((item, receiver)),
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return None,
             }
         }
-        () = shutdown.cancelled() => Ok(()),
-        () = async { drop(leader.wait_for(|leading| !*leading).await) } => {
-            if shutdown.is_cancelled() {
-                Ok(())
-            } else {
-                Err("lost the leader Lease: stopping so that no two replicas reconcile".to_owned())
-            }
-        }
-    }
+    })
 }
 
 /// The pools whose members changed.
 fn member_changes(
     members: broadcast::Receiver<Arc<Proxy>>,
 ) -> impl Stream<Item = ObjectRef<ProxyPool>> + Send + 'static {
-    futures::stream::unfold(members, |mut members| async move {
-        loop {
-            match members.recv().await {
-                Ok(proxy) => {
-                    if let Some(pool) = pool_of(&proxy) {
-                        return Some((pool, members));
-                    }
-                }
-                // Missed changes are caught by the periodic requeue.
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
-    })
+    received(members).filter_map(|proxy| std::future::ready(pool_of(&proxy)))
 }
 
 /// The pools this replica just recorded demand for.
 fn demand_notices(
     demanded: broadcast::Receiver<Arc<[String]>>,
 ) -> impl Stream<Item = ObjectRef<ProxyPool>> + Send + 'static {
-    futures::stream::unfold(demanded, |mut demanded| async move {
-        loop {
-            match demanded.recv().await {
-                Ok(keys) => return Some((keys, demanded)),
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
-    })
-    .flat_map(|keys| {
+    received(demanded).flat_map(|keys| {
         futures::stream::iter(
             keys.iter()
                 .filter_map(|key| {

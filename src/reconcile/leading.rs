@@ -35,38 +35,29 @@ pub async fn run_while_leading(
     } = feed;
     let mut health = Box::pin(health);
     log::info!("waiting for the leader Lease before reconciling");
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            held = crate::leader::until_leader(&mut leader) => {
-                if !held {
-                    // The election ended: only at shutdown, which the supervisor sees.
-                    shutdown.cancelled().await;
-                    return Ok(());
-                }
-                break;
+    // Drained, not reconciled: the new leader reconciles the whole store.
+    let drain = async {
+        loop {
+            tokio::select! {
+                trigger = triggers.recv() => if trigger.is_none() {
+                    return "the Proxy watch stopped feeding the reconciler".to_owned();
+                },
+                _ = health.next() => {}
             }
-            // Drained, not reconciled: the new leader reconciles the whole store.
-            trigger = triggers.recv() => if trigger.is_none() {
-                return Err("the Proxy watch stopped feeding the reconciler".to_owned());
-            },
-            _ = health.next() => {}
         }
+    };
+    if !crate::leader::wait_to_lead(&mut leader, &shutdown, drain).await? {
+        return Ok(());
     }
     log::info!("holding the leader Lease: reconciling");
     let current = futures::stream::iter(store.state());
     let later = futures::stream::poll_fn(move |cx| triggers.poll_recv(cx));
-    tokio::select! {
-        () = run_controller(ctx, store, current.chain(later), namespace.as_deref(), health) => {
-            Err("the controller stopped".to_owned())
-        }
-        () = shutdown.cancelled() => Ok(()),
-        () = async { drop(leader.wait_for(|leading| !*leading).await) } => {
-            if shutdown.is_cancelled() {
-                Ok(())
-            } else {
-                Err("lost the leader Lease: stopping so that no two replicas reconcile".to_owned())
-            }
-        }
-    }
+    let work = run_controller(
+        ctx,
+        store,
+        current.chain(later),
+        namespace.as_deref(),
+        health,
+    );
+    crate::leader::lead(&mut leader, &shutdown, "the reconciler", work).await
 }
