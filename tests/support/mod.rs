@@ -5,6 +5,7 @@
 //! `#[path = "../tests/support/mod.rs"] mod support;`. Not every user needs every helper.
 #![allow(dead_code, unused_imports)]
 
+pub mod browser;
 pub mod crawl_load;
 pub mod curl;
 pub mod envtest;
