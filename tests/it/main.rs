@@ -27,6 +27,7 @@ extern "C" fn report_skips() {
 }
 
 mod api;
+mod browser;
 mod docs;
 mod e2e_standalone;
 mod envtest_harness;

@@ -7,6 +7,9 @@
 //! - `GET /status/{code}[?retry_after=N]`: that status (with `Retry-After: N`)
 //! - `GET /`: an index linking to `/page/0` .. `/page/{PAGES - 1}`
 //! - `GET /page/{n}`: `<p id="ip">PEER</p>`
+//! - `GET /assets`: a page with [`ASSETS`] subresources, `/assets/{n}.svg` (images),
+//!   `.css` and `.js`, each answered with the peer address in `X-Peer`, so a browser test sees
+//!   which exit every one of them left through
 //! - `GET /bytes/{n}`: `n` bytes, streamed
 //! - `POST /echo`: the request body
 
@@ -27,6 +30,13 @@ use hyper_util::rt::TokioIo;
 
 /// Pages the index links to.
 pub const PAGES: usize = 40;
+
+/// Subresources of `/assets`: images `0..8`, stylesheets `8..14`, scripts `14..20`.
+pub const ASSETS: usize = 20;
+
+/// The first stylesheet and the first script among the [`ASSETS`].
+const FIRST_STYLESHEET: usize = 8;
+const FIRST_SCRIPT: usize = 14;
 
 /// A running site; stopped on drop.
 pub struct Site {
@@ -131,6 +141,8 @@ async fn answer(
         ["page", n] => html(format!(
             "<html><body><h1>page {n}</h1><p id=\"ip\">{ip}</p></body></html>\n"
         )),
+        ["assets"] => html(assets_page()),
+        ["assets", file] => asset(file, &ip),
         ["bytes", n] => match n.parse::<u64>() {
             Ok(n) => Response::new(bytes(n)),
             Err(_) => status(StatusCode::BAD_REQUEST, full("")),
@@ -147,6 +159,51 @@ async fn answer(
         _ => status(StatusCode::NOT_FOUND, full("")),
     };
     Ok(response)
+}
+
+/// The `/assets` page: every subresource is loaded before its `load` event.
+fn assets_page() -> String {
+    let tags: String = (0..ASSETS)
+        .map(|n| match n {
+            n if n < FIRST_STYLESHEET => format!("<img src=\"/assets/{n}.svg\" alt=\"{n}\">\n"),
+            n if n < FIRST_SCRIPT => {
+                format!("<link rel=\"stylesheet\" href=\"/assets/{n}.css\">\n")
+            }
+            n => format!("<script src=\"/assets/{n}.js\"></script>\n"),
+        })
+        .collect();
+    format!(
+        "<!doctype html>\n<html><head><title>assets</title></head><body>\n{tags}</body></html>\n"
+    )
+}
+
+/// One subresource of `/assets` (`{n}.svg`, `{n}.css` or `{n}.js`), with the peer in `X-Peer`;
+/// a script records that it ran in `window.assetScripts`. Never cached: each load is a request.
+fn asset(file: &str, ip: &str) -> Response<Body> {
+    let (body, content_type) = match file.split_once('.') {
+        Some((n, "svg")) if n.parse::<usize>().is_ok() => (
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"1\" height=\"1\"/>".to_owned(),
+            "image/svg+xml",
+        ),
+        Some((n, "css")) if n.parse::<usize>().is_ok() => {
+            (format!(".asset-{n} {{ color: teal; }}\n"), "text/css")
+        }
+        Some((n, "js")) if n.parse::<usize>().is_ok() => (
+            format!("(window.assetScripts = window.assetScripts || []).push({n});\n"),
+            "text/javascript",
+        ),
+        _ => return status(StatusCode::NOT_FOUND, full("")),
+    };
+    let mut response = typed(body, content_type);
+    let headers = response.headers_mut();
+    if let Ok(peer) = hyper::header::HeaderValue::from_str(ip) {
+        headers.insert("x-peer", peer);
+    }
+    headers.insert(
+        "cache-control",
+        hyper::header::HeaderValue::from_static("no-store"),
+    );
+    response
 }
 
 fn status(code: StatusCode, body: Body) -> Response<Body> {
