@@ -213,6 +213,8 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
             Some(0.0),
         ),
         ("proxy_operator_leases_active", Some(1.0)),
+        // maxLeases of the Ready proxy only: the Unhealthy one offers nothing.
+        ("proxy_operator_lease_capacity", Some(2.0)),
         (r#"proxy_operator_proxies{phase="Ready"}"#, Some(1.0)),
         (r#"proxy_operator_proxies{phase="Unhealthy"}"#, Some(1.0)),
         ("proxy_operator_ledger_full_total", Some(0.0)),
