@@ -4,6 +4,7 @@
 //! the per-target cooldown gauge fed by reports through the real lease API; and the
 //! reconciler's fleet-lifecycle counters and remediation gauge, also through promtool.
 
+mod dashboard;
 mod monitoring;
 
 use crate::support;
