@@ -30,6 +30,8 @@ pub struct FleetCollector {
     ledger: Arc<dyn Ledger>,
     proxies: IntGaugeVec,
     leases_active: IntGauge,
+    /// `maxLeases` summed over the Ready proxies, so active leases can be read against it.
+    lease_capacity: IntGauge,
     proxy_leases_active: PerProxyGauge,
     cooldowns_active: IntGauge,
     target_cooldowns: TargetCooldownGauge,
@@ -57,6 +59,10 @@ impl FleetCollector {
                 "proxy_operator_leases_active",
                 "Leases currently counting towards capacity.",
             )?,
+            lease_capacity: IntGauge::new(
+                "proxy_operator_lease_capacity",
+                "maxLeases summed over the proxies in phase Ready.",
+            )?,
             proxy_leases_active: PerProxyGauge::new(
                 "proxy_operator_proxy_leases_active",
                 "Leases currently counting towards the proxy's capacity.",
@@ -75,6 +81,7 @@ impl Collector for FleetCollector {
     fn desc(&self) -> Vec<&Desc> {
         let mut descs = self.proxies.desc();
         descs.extend(self.leases_active.desc());
+        descs.extend(self.lease_capacity.desc());
         descs.push(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
         descs.push(&self.target_cooldowns.desc);
@@ -84,6 +91,7 @@ impl Collector for FleetCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
         let mut counts = [0i64; Phase::ALL.len()];
+        let mut capacity = 0u64;
         // The ledger's counts, read once from its memory (no query per scrape) and released
         // before the walk over the inventory, so a scrape never holds up the ledger's writes.
         let (leases, active_total, cooldowns_active, target_cooldowns) = {
@@ -105,6 +113,9 @@ impl Collector for FleetCollector {
                 let phase = shown_phase(proxy, healthy);
                 if let Some(i) = Phase::ALL.iter().position(|p| *p == phase) {
                     counts[i] += 1;
+                }
+                if phase == Phase::Ready {
+                    capacity += u64::from(proxy.spec.max_leases());
                 }
                 // Two objects of one name (a re-created Proxy) share the name's series; the
                 // snapshot is sorted by namespace/name, so they are neighbours.
@@ -128,7 +139,10 @@ impl Collector for FleetCollector {
             .set(i64::try_from(active_total).unwrap_or(i64::MAX));
         self.cooldowns_active
             .set(i64::try_from(cooldowns_active).unwrap_or(i64::MAX));
+        self.lease_capacity
+            .set(i64::try_from(capacity).unwrap_or(i64::MAX));
         families.extend(self.leases_active.collect());
+        families.extend(self.lease_capacity.collect());
         families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
         // At most 51 numbers copied from the ledger's memory; none when nothing cools down.

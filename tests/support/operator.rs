@@ -252,6 +252,11 @@ impl OperatorProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// `127.0.0.1:<port>` of the metrics endpoint, as a Prometheus scrape target.
+    pub fn metrics_address(&self) -> String {
+        format!("127.0.0.1:{}", self.metrics_port)
+    }
+
     /// `127.0.0.1:<port>`, the gateway's address.
     pub fn gateway(&self) -> String {
         format!("127.0.0.1:{}", self.gateway_port)

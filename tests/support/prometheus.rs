@@ -134,6 +134,32 @@ impl Prometheus {
             .unwrap_or_else(|| panic!("no rule {name} loaded: {data}"))
     }
 
+    /// The series an instant query of `promql` returns, or the error Prometheus refused it
+    /// with (a query that does not parse, say), for checks that must name the query.
+    pub async fn try_query(&self, promql: &str) -> Result<Vec<Value>, String> {
+        let url = url::Url::parse_with_params(
+            &format!("{}/api/v1/query", self.base),
+            [("query", promql)],
+        )
+        .expect("a valid Prometheus API URL");
+        let body: Value = self
+            .http
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| format!("not JSON: {e}"))?;
+        if body["status"] != "success" {
+            return Err(body.to_string());
+        }
+        Ok(body["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
+    }
+
     /// The samples of an instant query: `(labels, timestamp in seconds, value)`.
     pub async fn query(&self, promql: &str) -> Vec<(Value, f64, f64)> {
         let data = self.api("/api/v1/query", &[("query", promql)]).await;

@@ -47,22 +47,36 @@ pub fn run(command: &mut Command) -> String {
 }
 
 /// A temp copy of `manifests/` with `discovery-tokens` holding `token`, as the README's install
-/// step leaves it. Edit files in [`Manifests::dir`] to try a broken install.
+/// step leaves it, beside a copy of the chart's `dashboards/`, which `manifests/monitoring/`
+/// includes. Edit files in [`Manifests::dir`] to try a broken install.
 pub struct Manifests {
-    dir: TempDir,
+    /// Holds both copies; removed on drop.
+    root: TempDir,
+    dir: PathBuf,
 }
 
 impl Manifests {
     pub fn copy(token: &str) -> Self {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        copy_dir(&repo().join("manifests"), dir.path());
-        std::fs::write(dir.path().join("discovery-tokens"), format!("{token}\n"))
+        let root = tempfile::tempdir().expect("a temp dir");
+        let dir = root.path().join("manifests");
+        for (from, to) in [
+            (repo().join("manifests"), dir.clone()),
+            (
+                chart().join("dashboards"),
+                root.path().join("charts/proxy-operator/dashboards"),
+            ),
+        ] {
+            std::fs::create_dir_all(&to).expect("create a directory");
+            copy_dir(&from, &to);
+        }
+        std::fs::write(dir.join("discovery-tokens"), format!("{token}\n"))
             .expect("write discovery-tokens");
-        Manifests { dir }
+        Manifests { root, dir }
     }
 
+    /// The copy of `manifests/`.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
+        &self.dir
     }
 
     /// `kubectl kustomize` of the copy, or `None` when kubectl is missing (outside CI).

@@ -171,6 +171,13 @@ impl Standalone {
         &self.metrics
     }
 
+    /// `127.0.0.1:<port>` of the metrics endpoint, as a Prometheus scrape target.
+    pub fn metrics_address(&self) -> &str {
+        self.metrics
+            .trim_start_matches("http://")
+            .trim_end_matches("/metrics")
+    }
+
     /// The ledger file (`ledger.db` in the directory it was started in).
     pub fn ledger(&self) -> PathBuf {
         self.inventory.with_file_name("ledger.db")

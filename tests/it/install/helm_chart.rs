@@ -1,7 +1,8 @@
 //! The Helm chart `charts/proxy-operator/`: lint-clean; with its defaults (release and
 //! namespace `proxy-operator`) the same objects as `kubectl kustomize manifests/`, and with
-//! the monitoring toggles on also those of `manifests/monitoring/`; its copies of the CRD and
-//! the alerts match their sources; the values users set take effect; and on a real API server
+//! the monitoring toggles on also those of `manifests/monitoring/` (the Grafana dashboard's
+//! ConfigMap too, from the one copy of its JSON in the chart); its copies of the CRD and the
+//! alerts match their sources; the values users set take effect; and on a real API server
 //! an upgrade keeps the generated API token.
 
 use std::collections::BTreeMap;
@@ -24,12 +25,18 @@ use crate::support::render::{
 
 const RELEASE: &str = "proxy-operator";
 const NAMESPACE: &str = "proxy-operator";
-const TOGGLES: [&str; 4] = [
+const TOGGLES: [&str; 6] = [
     "--set",
     "monitoring.serviceMonitor.enabled=true",
     "--set",
     "monitoring.prometheusRule.enabled=true",
+    "--set",
+    "monitoring.grafanaDashboard.enabled=true",
 ];
+/// The label Grafana's dashboard sidecar loads ConfigMaps by.
+const SIDECAR_LABEL: (&str, &str) = ("grafana_dashboard", "1");
+/// The dashboard's ConfigMap with the default release name.
+const DASHBOARD: &str = "proxy-operator-grafana-dashboard";
 /// The token the kustomize side is rendered with (the chart generates its own).
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
@@ -237,9 +244,74 @@ fn monitoring_toggles_render_manifests_monitoring() {
     else {
         return;
     };
-    assert_eq!(monitoring.len(), 2, "a ServiceMonitor and a PrometheusRule");
+    assert_eq!(
+        monitoring.len(),
+        3,
+        "a ServiceMonitor, a PrometheusRule and the dashboard's ConfigMap"
+    );
     expected.extend(monitoring);
-    assert_chart_renders(&TOGGLES, expected);
+    let chart = assert_chart_renders(&TOGGLES, expected);
+    // The dashboard itself, byte for byte the chart's one copy of it.
+    let json = std::fs::read_to_string(
+        repo().join("charts/proxy-operator/dashboards/proxy-operator.json"),
+    )
+    .expect("the dashboard's JSON");
+    let dashboard = find(&chart, "ConfigMap", DASHBOARD);
+    assert_eq!(dashboard["data"]["proxy-operator.json"], json.as_str());
+    assert_eq!(
+        dashboard["metadata"]["labels"][SIDECAR_LABEL.0],
+        SIDECAR_LABEL.1
+    );
+}
+
+/// Off by default; on, in the release namespace or the one given, with the extra labels
+/// beside the sidecar's.
+#[test]
+fn grafana_dashboard_toggle_namespace_and_labels_take_effect() {
+    let Some(defaults) = helm_template(RELEASE, NAMESPACE, &[]) else {
+        return;
+    };
+    assert!(
+        !defaults.iter().any(|o| o["metadata"]["name"] == DASHBOARD),
+        "the dashboard is rendered by default"
+    );
+    let Some(objects) = helm_template(
+        "crawl",
+        "crawling",
+        &[
+            "--set",
+            "monitoring.grafanaDashboard.enabled=true",
+            "--set",
+            "monitoring.grafanaDashboard.namespace=grafana",
+            "--set",
+            "monitoring.grafanaDashboard.labels.team=crawl",
+        ],
+    ) else {
+        return;
+    };
+    let dashboard = find(
+        &objects,
+        "ConfigMap",
+        "crawl-proxy-operator-grafana-dashboard",
+    );
+    assert_eq!(dashboard["metadata"]["namespace"], "grafana");
+    let labels = &dashboard["metadata"]["labels"];
+    assert_eq!(labels[SIDECAR_LABEL.0], SIDECAR_LABEL.1, "{labels}");
+    assert_eq!(labels["team"], "crawl", "{labels}");
+    assert_eq!(labels["app.kubernetes.io/instance"], "crawl", "{labels}");
+    let Some(elsewhere) = helm_template(
+        "crawl",
+        "crawling",
+        &["--set", "monitoring.grafanaDashboard.enabled=true"],
+    ) else {
+        return;
+    };
+    let dashboard = find(
+        &elsewhere,
+        "ConfigMap",
+        "crawl-proxy-operator-grafana-dashboard",
+    );
+    assert_eq!(dashboard["metadata"]["namespace"], "crawling");
 }
 
 #[test]
@@ -295,12 +367,16 @@ fn helm_labels_are_on_every_object() {
             assert!(labels.is_null(), "{labels}");
             continue;
         }
-        let expected = json!({
+        let mut expected = json!({
             "helm.sh/chart": "proxy-operator-0.1.0",
             "app.kubernetes.io/managed-by": "Helm",
             "app.kubernetes.io/instance": "crawl",
             "app.kubernetes.io/name": "proxy-operator",
         });
+        // The dashboard's ConfigMap also carries the label the Grafana sidecar loads it by.
+        if object["metadata"]["name"] == "crawl-proxy-operator-grafana-dashboard" {
+            expected[SIDECAR_LABEL.0] = json!(SIDECAR_LABEL.1);
+        }
         assert_eq!(labels, &expected, "{:?}", key(&object));
     }
 }

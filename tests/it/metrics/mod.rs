@@ -4,6 +4,7 @@
 //! the per-target cooldown gauge fed by reports through the real lease API; and the
 //! reconciler's fleet-lifecycle counters and remediation gauge, also through promtool.
 
+mod dashboard;
 mod monitoring;
 
 use crate::support;
@@ -213,6 +214,8 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
             Some(0.0),
         ),
         ("proxy_operator_leases_active", Some(1.0)),
+        // maxLeases of the Ready proxy only: the Unhealthy one offers nothing.
+        ("proxy_operator_lease_capacity", Some(2.0)),
         (r#"proxy_operator_proxies{phase="Ready"}"#, Some(1.0)),
         (r#"proxy_operator_proxies{phase="Unhealthy"}"#, Some(1.0)),
         ("proxy_operator_ledger_full_total", Some(0.0)),

@@ -1,5 +1,6 @@
 //! The opt-in monitoring assets (`manifests/monitoring/`): the kustomization renders exactly the
-//! ServiceMonitor and the PrometheusRule and the install leaves them out; the ServiceMonitor
+//! ServiceMonitor, the PrometheusRule and the Grafana dashboard's ConfigMap, and the install
+//! leaves them out; the ServiceMonitor
 //! selects the operator's Service and its `metrics` port; `promtool test rules`
 //! (`tests/data/monitoring/alerts.test.yaml`) fires and quiets every alert; and a real
 //! Prometheus scraping the standalone binary fires `ProxyOperatorNoHealthyProxy` when the only
@@ -69,11 +70,15 @@ fn promtool(promtool: &str, dir: &Path, args: &[&str]) {
 }
 
 #[test]
-fn the_kustomization_renders_the_two_objects_and_the_install_leaves_them_out() {
+fn the_kustomization_renders_the_three_objects_and_the_install_leaves_them_out() {
     let kustomization = asset("kustomization.yaml");
     assert_eq!(
         kustomization["resources"],
-        serde_json::json!(["servicemonitor.yaml", "prometheusrule.yaml"])
+        serde_json::json!([
+            "servicemonitor.yaml",
+            "prometheusrule.yaml",
+            "../../charts/proxy-operator/dashboards"
+        ])
     );
     // Opt-in: `kubectl apply -k manifests/` must work without the Prometheus Operator's CRDs.
     let install = std::fs::read_to_string(repo().join("manifests/kustomization.yaml"))
@@ -90,9 +95,27 @@ fn the_kustomization_renders_the_two_objects_and_the_install_leaves_them_out() {
     );
     let mut rendered = render::parse_objects(&yaml);
     rendered.sort_by_key(|object| object["kind"].to_string());
+    let dashboard = std::fs::read_to_string(
+        repo().join("charts/proxy-operator/dashboards/proxy-operator.json"),
+    )
+    .expect("the dashboard's JSON");
+    let config_map = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "proxy-operator-grafana-dashboard",
+            "namespace": "proxy-operator",
+            "labels": {"app.kubernetes.io/name": "proxy-operator", "grafana_dashboard": "1"},
+        },
+        "data": {"proxy-operator.json": dashboard},
+    });
     assert_eq!(
         rendered,
-        [asset("prometheusrule.yaml"), asset("servicemonitor.yaml")]
+        [
+            config_map,
+            asset("prometheusrule.yaml"),
+            asset("servicemonitor.yaml")
+        ]
     );
 }
 
@@ -210,11 +233,7 @@ async fn a_real_prometheus_fires_no_healthy_proxy_when_the_only_squid_dies_and_r
     }];
     let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);
     operator.wait_healthy(TOKEN, 1, 2 * DEADLINE).await;
-    let scrape_target = operator
-        .metrics_url()
-        .trim_start_matches("http://")
-        .trim_end_matches("/metrics")
-        .to_owned();
+    let scrape_target = operator.metrics_address().to_owned();
     // The real rules with every `for:` cut to 2 s (Prometheus evaluates every second).
     let rules = rule_file(|rule| {
         rule.insert("for".into(), "2s".into());
