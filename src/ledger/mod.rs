@@ -7,6 +7,7 @@
 //! (`selection::select`) and the per-target limits it is held to (`target_hold`); the view of
 //! the counts ([`LedgerCounts`], `counts`); the history rows (`history`); the buckets of
 //! ProxyPools' unmet demand (`demand`); the ranking of cooldowns per target (`targets`); the
+//! bounded reads of recent activity for the status page (`activity`); the
 //! clock, the configuration every backend keeps and the errors. A backend decides every write against its own record of the leases, and calls the
 //! same `select` and `TargetHold` so both backends choose alike. [`SqliteLedger`] (`sqlite/`, the default): one file, one writer thread, group
 //! commit, one replica. [`PostgresLedger`] (`postgres/`): one database any number of replicas
@@ -37,6 +38,7 @@
 //!   SQLite file, the database every replica shares); the sweep deletes the buckets that end
 //!   before the last [`DEMAND_RETENTION`].
 
+mod activity;
 mod clock;
 mod config;
 mod counts;
@@ -55,6 +57,10 @@ mod targets;
 use std::collections::HashMap;
 use std::time::Duration;
 
+pub use activity::{
+    ActiveCooldown, Activity, EventEntry, EventsQuery, MAX_COOLDOWNS, MAX_EVENTS, ReportCounts,
+    SCAN_EVENTS, TargetCounts,
+};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::LedgerConfig;
 pub use counts::LedgerCounts;
@@ -159,6 +165,14 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// are absent. Buckets older than [`DEMAND_RETENTION`] may be swept, so a longer window
     /// reads only what is left.
     async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError>;
+
+    /// Acquires and reports per target over the last `window` at the ledger's clock (among
+    /// the newest [`SCAN_EVENTS`] events), and the cooldowns in force (at most
+    /// [`MAX_COOLDOWNS`]): what the status page shows per target. A read, on any replica.
+    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError>;
+
+    /// The newest history events, of every proxy or of one, newest first.
+    async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError>;
 
     /// The lease with this ID, if it is still retained, as recorded. A lease past its expiry
     /// reads as expired even before the sweep marks it.

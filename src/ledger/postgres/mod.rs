@@ -57,7 +57,7 @@ use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
 };
-use super::{DatabaseStatus, Ledger};
+use super::{Activity, DatabaseStatus, EventEntry, EventsQuery, Ledger};
 
 /// How often the counts are read again from the database (other replicas' writes show
 /// within this) and the database's state is checked.
@@ -664,6 +664,16 @@ impl Ledger for PostgresLedger {
         let now = self.now_ms();
         let config = &self.inner.config;
         in_transaction!(self, |tx| store::sweep(&tx, config, now))
+    }
+
+    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError> {
+        let now = self.now_ms();
+        let since = now.saturating_sub(i64::try_from(window.as_millis()).unwrap_or(i64::MAX));
+        on_connection!(self, |conn| store::activity(conn.client(), since, now))
+    }
+
+    async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
+        on_connection!(self, |conn| store::events(conn.client(), &query))
     }
 
     async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {

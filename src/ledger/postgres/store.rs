@@ -10,6 +10,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::retry::Failure;
+use crate::ledger::activity::{self, ActiveCooldown, Activity, EventEntry, EventsQuery};
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
@@ -321,6 +322,79 @@ pub(crate) async fn recent_demand(
         .map(|row| {
             let requests: i64 = row.get(1);
             (row.get(0), u64::try_from(requests).unwrap_or(0))
+        })
+        .collect())
+}
+
+/// Acquires and reports per target since `since` (ms) and the cooldowns in force at `now`
+/// (see [`activity`]).
+pub(crate) async fn activity(tx: &impl GenericClient, since: i64, now: i64) -> Result<Activity> {
+    let mut found = Activity::default();
+    for row in query(
+        tx,
+        activity::TARGET_COUNTS_SQL,
+        &[&activity::SCAN_EVENTS, &since],
+    )
+    .await?
+    {
+        let kind: String = row.get(1);
+        let result: Option<String> = row.get(2);
+        let count: i64 = row.get(3);
+        found.add(
+            row.get(0),
+            &kind,
+            result.as_deref(),
+            u64::try_from(count).unwrap_or(0),
+        );
+    }
+    found.cooldowns = query(
+        tx,
+        activity::COOLDOWNS_SQL,
+        &[&now, &activity::MAX_COOLDOWNS],
+    )
+    .await?
+    .iter()
+    .map(|row| ActiveCooldown {
+        target: row.get(0),
+        namespace: row.get(1),
+        name: row.get(2),
+        until_ms: row.get(3),
+        result: row.get(4),
+    })
+    .collect();
+    Ok(found)
+}
+
+/// The newest history events `query` asks for.
+pub(crate) async fn events(
+    tx: &impl GenericClient,
+    query: &EventsQuery,
+) -> Result<Vec<EventEntry>> {
+    let limit = query.bound();
+    let rows = match &query.proxy {
+        None => self::query(tx, activity::EVENTS_SQL, &[&limit]).await?,
+        Some((namespace, name)) => {
+            self::query(
+                tx,
+                activity::PROXY_EVENTS_SQL,
+                &[namespace, name, &activity::SCAN_EVENTS, &limit],
+            )
+            .await?
+        }
+    };
+    Ok(rows
+        .iter()
+        .map(|row| EventEntry {
+            seq: row.get(0),
+            at_ms: row.get(1),
+            lease_id: row.get(2),
+            kind: row.get(3),
+            namespace: row.get(4),
+            name: row.get(5),
+            target: row.get(6),
+            result: row.get(7),
+            reason: row.get(8),
+            client: row.get(9),
         })
         .collect())
 }

@@ -89,8 +89,8 @@ use store::ReaderPool;
 use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
 
 use super::{
-    AcquireOutcome, AcquireRequest, Clock, Lease, LeaseReport, Ledger, LedgerConfig, LedgerCounts,
-    LedgerError, SweepStats,
+    AcquireOutcome, AcquireRequest, Activity, Clock, EventEntry, EventsQuery, Lease, LeaseReport,
+    Ledger, LedgerConfig, LedgerCounts, LedgerError, SweepStats,
 };
 use crate::ledger::demand;
 use crate::ledger::lease::is_release_reason;
@@ -256,6 +256,21 @@ impl SqliteLedger {
         Ok(store::recent_demand(&conn, window, now)?)
     }
 
+    /// Runs `read` on a pooled read connection off the async threads.
+    async fn on_reader<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&rusqlite::Connection, i64) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, LedgerError> {
+        let ledger = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let now = ledger.now_ms();
+            let conn = ledger.inner.pool.get()?;
+            Ok(read(&conn, now)?)
+        })
+        .await
+        .map_err(|e| LedgerError::Read(e.to_string()))?
+    }
+
     async fn call<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, LedgerError> {
         self.submit_and_wait(job, true).await
     }
@@ -395,6 +410,17 @@ impl Ledger for SqliteLedger {
 
     /// As committed, on a pooled read connection (never waiting for the writer), on a blocking
     /// thread.
+    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError> {
+        let window = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+        self.on_reader(move |conn, now| store::activity(conn, now.saturating_sub(window), now))
+            .await
+    }
+
+    async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
+        self.on_reader(move |conn, _| store::events(conn, &query))
+            .await
+    }
+
     async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
         let ledger = self.clone();
         let id = id.to_owned();

@@ -16,6 +16,7 @@ use super::bound::{SizeBound, Usage};
 use super::options::Durability;
 use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
+use crate::ledger::activity::{self, ActiveCooldown, Activity, EventEntry, EventsQuery};
 use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
@@ -462,6 +463,68 @@ pub(crate) fn recent_demand(
         Ok((row.get::<_, String>(0)?, from_sql_int(row.get(1)?)))
     })?
     .collect()
+}
+
+/// Acquires and reports per target since `since` (ms) and the cooldowns in force at `now`
+/// (see [`activity`]).
+pub(crate) fn activity(conn: &Connection, since: i64, now: i64) -> rusqlite::Result<Activity> {
+    let mut found = Activity::default();
+    let mut counts = conn.prepare_cached(activity::TARGET_COUNTS_SQL)?;
+    let mut rows = counts.query((activity::SCAN_EVENTS, since))?;
+    while let Some(row) = rows.next()? {
+        let kind: String = row.get(1)?;
+        let result: Option<String> = row.get(2)?;
+        found.add(
+            row.get(0)?,
+            &kind,
+            result.as_deref(),
+            from_sql_int(row.get(3)?),
+        );
+    }
+    found.cooldowns = conn
+        .prepare_cached(activity::COOLDOWNS_SQL)?
+        .query_map((now, activity::MAX_COOLDOWNS), |row| {
+            Ok(ActiveCooldown {
+                target: row.get(0)?,
+                namespace: row.get(1)?,
+                name: row.get(2)?,
+                until_ms: row.get(3)?,
+                result: row.get(4)?,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(found)
+}
+
+/// The newest history events `query` asks for.
+pub(crate) fn events(conn: &Connection, query: &EventsQuery) -> rusqlite::Result<Vec<EventEntry>> {
+    let decode = |row: &Row<'_>| {
+        Ok(EventEntry {
+            seq: row.get(0)?,
+            at_ms: row.get(1)?,
+            lease_id: row.get(2)?,
+            kind: row.get(3)?,
+            namespace: row.get(4)?,
+            name: row.get(5)?,
+            target: row.get(6)?,
+            result: row.get(7)?,
+            reason: row.get(8)?,
+            client: row.get(9)?,
+        })
+    };
+    match &query.proxy {
+        None => conn
+            .prepare_cached(activity::EVENTS_SQL)?
+            .query_map([query.bound()], decode)?
+            .collect(),
+        Some((namespace, name)) => conn
+            .prepare_cached(activity::PROXY_EVENTS_SQL)?
+            .query_map(
+                (namespace, name, activity::SCAN_EVENTS, query.bound()),
+                decode,
+            )?
+            .collect(),
+    }
 }
 
 /// A `kind` event on an in-memory lease; an `acquired` one names the crawler that took it.
