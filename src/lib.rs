@@ -21,3 +21,4 @@ pub mod rbac;
 pub mod reconcile;
 pub mod resources;
 pub mod serving;
+pub mod status;

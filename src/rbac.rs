@@ -105,6 +105,15 @@ pub const API_CALLS: &[ApiCall] = &[
         scope: Scope::Cluster,
         made_by: "reconcile::write, proxy_watch",
     },
+    // The status page lists the Events about one Proxy (core/v1, by `involvedObject` field
+    // selector) for its page, on every replica; `watch` for a live view of them.
+    ApiCall {
+        group: "",
+        resource: "events",
+        verbs: &["list", "watch"],
+        scope: Scope::Cluster,
+        made_by: "status::kube_events",
+    },
     // The kubernetes provider: one squid Pod per Proxy in the Proxy's namespace, listed by label
     // across namespaces; the reconciler watches them by label so a dead or evicted Pod is seen
     // at once.

@@ -33,7 +33,11 @@ use crate::serving::tokens::TokenId;
 /// the write's deadline passed before its turn), so a lease it committed always reaches the
 /// client that asked for it. A full ledger recorded nothing of the write: 503 like an
 /// overload, so clients back off and retry instead of giving up.
-fn ledger_error(state: &ApiState, context: &'static str, error: LedgerError) -> ApiError {
+pub(crate) fn ledger_error(
+    state: &ApiState,
+    context: &'static str,
+    error: LedgerError,
+) -> ApiError {
     match error {
         LedgerError::Overloaded { retry_after } => {
             state.metrics.write_overloaded();
@@ -586,7 +590,7 @@ pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError
 }
 
 /// Every request that matches no route.
-pub async fn not_found() -> Result<HttpResponse, ApiError> {
+pub(crate) async fn not_found() -> Result<HttpResponse, ApiError> {
     Err(ApiError::new(
         StatusCode::NOT_FOUND,
         "not_found",

@@ -1,7 +1,8 @@
 //! The discovery and lease API crawlers call (actix-web on `--discovery-addr`).
 //!
 //! `/v1/*` needs a bearer token (unless started with `--insecure-no-auth`); `/healthz` and
-//! `/readyz` do not.
+//! `/readyz` do not. The status page (`/`, [`crate::status`]) and its read-only data routes
+//! (`/v1/status/*`) also take its session cookie.
 //! Every error answer is `{"error":"<code>","message":"<text>"}`.
 
 mod auth;
@@ -26,6 +27,7 @@ use crate::serving::tokens::ApiToken;
 
 pub use body::MAX_BODY_BYTES;
 pub use error::{ApiError, ErrorBody, NoMatchBody};
+pub(crate) use handlers::{ledger_error, not_found};
 pub use idempotency::{MAX_REQUEST_ID_LEN, REQUEST_ID_PATTERN, fingerprint, parse_request_id};
 pub use list::ProxyListCache;
 pub use metrics::LeaseMetrics;
@@ -50,6 +52,8 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
             .app_data(path_config)
             .service(resource("", "/healthz").get(handlers::healthz))
             .service(resource("", "/readyz").get(handlers::readyz))
+            .configure(crate::status::configure_pages)
+            .configure(crate::status::configure_data)
             .service(
                 web::scope("/v1")
                     .wrap(from_fn(auth::require_token))
@@ -76,7 +80,7 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
 /// The route `path` inside the scope `scope`: any method the OpenAPI document does not give
 /// it answers 405 with an `Allow` header naming those it does (RFC 9110), so the header and
 /// the document cannot disagree.
-fn resource(scope: &str, path: &str) -> Resource {
+pub(crate) fn resource(scope: &str, path: &str) -> Resource {
     let allow = openapi::allowed_methods(&format!("{scope}{path}")).unwrap_or_default();
     web::resource(path).default_service(web::to(move || handlers::method_not_allowed(allow)))
 }

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use actix_web::HttpResponse;
 use utoipa::openapi::link::LinkBuilder;
 use utoipa::openapi::path::PathItem;
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{RefOr, Response};
 use utoipa::{Modify, OpenApi};
 
@@ -18,6 +18,8 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ProxyList, ProxyView, RenewRequest, ReportRequest,
     StatusBody,
 };
+use crate::status::data as status;
+use crate::status::view::{EventsView, FleetView, ProxiesView, ProxyDetail, TargetsView};
 
 /// The API description.
 #[derive(OpenApi)]
@@ -38,6 +40,11 @@ use super::types::{
         handlers::healthz,
         handlers::readyz,
         openapi_document,
+        status::fleet,
+        status::proxies,
+        status::proxy,
+        status::targets,
+        status::events,
     ),
     components(schemas(
         ErrorBody,
@@ -51,12 +58,18 @@ use super::types::{
         LeaseView,
         LeaseProxy,
         StatusBody,
+        FleetView,
+        ProxiesView,
+        ProxyDetail,
+        TargetsView,
+        EventsView,
     )),
     modifiers(&BearerAuth, &LeaseLinks)
 )]
 pub struct ApiDoc;
 
-/// Declares the `bearer` security scheme the `/v1` routes require.
+/// Declares the `bearer` security scheme the `/v1` routes require, and the status page's
+/// `session` cookie, which only the read-only `/v1/status` routes also take.
 struct BearerAuth;
 
 impl Modify for BearerAuth {
@@ -65,6 +78,13 @@ impl Modify for BearerAuth {
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        components.add_security_scheme(
+            "session",
+            SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
+                crate::status::session::COOKIE,
+                "The status page's sign-in cookie (POST /signin with a token)",
+            ))),
         );
     }
 }

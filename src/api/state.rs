@@ -11,7 +11,9 @@ use crate::ledger::{Clock, Ledger};
 use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
+use crate::serving::outcomes::Outcomes;
 use crate::serving::sessions::Sessions;
+use crate::status::KubeEvents;
 
 /// The inventory, health snapshot and ledger the API reads and writes.
 #[derive(Clone)]
@@ -39,4 +41,8 @@ pub struct ApiState {
     pub lease_credentials: Option<CredentialStore>,
     /// The ProxyPools an acquire may wake (empty in standalone mode).
     pub pools: PoolDirectory,
+    /// How requests through each proxy ended: the reports taken add to the gateway's counts.
+    pub outcomes: Outcomes,
+    /// Where the status page reads a Proxy's Kubernetes Events (nowhere in standalone mode).
+    pub kube_events: KubeEvents,
 }

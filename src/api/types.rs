@@ -56,7 +56,7 @@ fn healthy_schema() -> Object {
         .build()
 }
 
-fn selector_schema() -> Object {
+pub(crate) fn selector_schema() -> Object {
     ObjectBuilder::new()
         .schema_type(Type::String)
         .pattern(Some(selector_pattern()))

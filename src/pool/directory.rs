@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::broadcast;
 
 use crate::ledger::{Ledger, NoMatch};
-use crate::resources::pool::{DEFAULT_WAKE_TIMEOUT, ProxyPool};
+use crate::resources::pool::{DEFAULT_WAKE_TIMEOUT, ProxyPool, ProxyPoolStatus};
 use crate::serving::candidates::Selector;
 
 /// How far back the autoscaler reads unmet demand.
@@ -39,6 +39,10 @@ pub struct PoolEntry {
     pub wakeable: bool,
     /// How long a request may wait for a member.
     pub wake_timeout: Duration,
+    /// `spec.replicas`, for the status page.
+    pub replicas: i32,
+    /// The pool's status as last seen (empty before the controller wrote one).
+    pub status: ProxyPoolStatus,
 }
 
 impl PoolEntry {
@@ -50,6 +54,8 @@ impl PoolEntry {
             labels: pool.spec.template.metadata.labels.clone(),
             wakeable: pool.spec.replicas > 0 || autoscaling.is_some_and(|a| a.max_replicas > 0),
             wake_timeout: autoscaling.map_or(DEFAULT_WAKE_TIMEOUT, |a| a.wake_timeout()),
+            replicas: pool.spec.replicas,
+            status: pool.status.clone().unwrap_or_default(),
         }
     }
 }
@@ -89,6 +95,14 @@ impl PoolDirectory {
     pub fn replace<'a>(&self, pools: impl IntoIterator<Item = &'a ProxyPool>) {
         let entries: Arc<[PoolEntry]> = pools.into_iter().map(PoolEntry::of).collect();
         *self.pools.write().unwrap_or_else(PoisonError::into_inner) = entries;
+    }
+
+    /// Every pool of the view.
+    pub fn entries(&self) -> Arc<[PoolEntry]> {
+        self.pools
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The pools whose members `selector` would match; none for an empty selector.
@@ -196,6 +210,8 @@ mod tests {
             labels: BTreeMap::from([("geo".to_owned(), geo.to_owned())]),
             wakeable,
             wake_timeout: Duration::from_secs(wake),
+            replicas: 1,
+            status: ProxyPoolStatus::default(),
         }
     }
 

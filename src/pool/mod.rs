@@ -17,5 +17,5 @@ pub mod status;
 pub mod watch;
 
 pub use controller::{PoolContext, PoolIntervals};
-pub use directory::{PoolDirectory, Waking};
+pub use directory::{PoolDirectory, PoolEntry, Waking};
 pub use metrics::PoolMetrics;

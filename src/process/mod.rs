@@ -31,8 +31,10 @@ use crate::metrics::{self, FleetCollector};
 use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
+use crate::serving::outcomes::Outcomes;
 use crate::serving::sessions::Sessions;
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
+use crate::status::KubeEvents;
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
@@ -81,6 +83,8 @@ pub struct Core {
     pub sessions: Sessions,
     /// The gateway's counters.
     pub gateway_metrics: GatewayMetrics,
+    /// How requests through each proxy ended, counted by the gateway and the API's reports.
+    pub outcomes: Outcomes,
     /// The ProxyPools requests may wake (kept by operator mode's pool watch; empty in
     /// standalone mode).
     pub pools: PoolDirectory,
@@ -152,6 +156,7 @@ impl Core {
             health,
             credentials: CredentialStore::default(),
             ledger,
+            outcomes: Outcomes::new(clock.clone()),
             clock,
             registry,
             probe_metrics,
@@ -305,13 +310,14 @@ impl Supervisor {
 
 /// Starts the parts both modes share: the health engine, the ledger sweep, the API, the
 /// gateway and the metrics server (with `tokens`, from [`load_tokens`]). Health transitions go
-/// to `transitions`.
+/// to `transitions`; the status page reads Proxies' Kubernetes Events from `kube_events`.
 pub fn start_core(
     supervisor: &mut Supervisor,
     core: &Core,
     common: &CommonArgs,
     transitions: mpsc::Sender<HealthTransition>,
     tokens: LoadedTokens,
+    kube_events: KubeEvents,
 ) -> Result<(), StartError> {
     let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
     let metrics_listener = bind(common.metrics_addr, "--metrics-addr")?;
@@ -353,6 +359,8 @@ pub fn start_core(
         sessions: core.sessions.clone(),
         lease_credentials: common.lease_credentials.then(|| core.credentials.clone()),
         pools: core.pools.clone(),
+        outcomes: core.outcomes.clone(),
+        kube_events,
     };
     if let Some((listener, config)) = gateway_listener {
         start_gateway(supervisor, core, listener, config, token.clone())?;

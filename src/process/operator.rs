@@ -12,6 +12,8 @@ use kube::runtime::reflector::Store;
 use kube::{Api, Client};
 use tokio::sync::{broadcast, mpsc, watch};
 
+use crate::status::KubeEvents;
+
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::RunArgs;
 use crate::gc::{self, GcConfig};
@@ -164,7 +166,14 @@ async fn start(
         }
     });
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
-    start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
+    start_core(
+        &mut supervisor,
+        &core,
+        &args.common,
+        transitions_tx,
+        tokens,
+        KubeEvents::new(client.clone()),
+    )?;
 
     let identity = std::env::var("POD_NAME")
         .or_else(|_| std::env::var("HOSTNAME"))

@@ -3,6 +3,8 @@
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
+use crate::status::KubeEvents;
+
 use super::{Core, Exit, StartError, Supervisor, load_tokens, log_transitions, start_core};
 use crate::cli::StandaloneArgs;
 use crate::inventory::Inventory;
@@ -30,7 +32,14 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
-    start_core(&mut supervisor, &core, &args.common, transitions_tx, tokens)?;
+    start_core(
+        &mut supervisor,
+        &core,
+        &args.common,
+        transitions_tx,
+        tokens,
+        KubeEvents::default(),
+    )?;
     supervisor.spawn("health transition log", log_transitions(transitions_rx));
 
     let (reload_tx, reload_rx) = mpsc::channel(1);

@@ -42,3 +42,4 @@ mod postgres;
 mod providers;
 mod reconcile;
 mod resources;
+mod status_page;

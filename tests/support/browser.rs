@@ -80,3 +80,18 @@ pub async fn run_script(name: &str, config: &Value) -> Value {
         ),
     }
 }
+
+/// axe-core's `axe.min.js` (npm, `tests/js/package.json`, installed by `.ci/run` with
+/// `npm ci --prefix tests/js`) when installed; otherwise `None`, skipped saying how.
+pub fn axe_core() -> Option<PathBuf> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/js/node_modules/axe-core/axe.min.js");
+    if path.is_file() {
+        return Some(path);
+    }
+    super::skip::skip(format!(
+        "{} is missing: npm ci --prefix tests/js",
+        path.display()
+    ));
+    None
+}

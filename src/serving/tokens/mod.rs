@@ -79,12 +79,36 @@ impl ApiToken {
     }
 }
 
+impl ApiToken {
+    /// Runs `with` on the valid token whose identity is `id` (`None` when no valid token has
+    /// it, or on an open API): what seals and opens a value only that token's holder could
+    /// have made, such as the status page's sign-in cookie. A token rotated away unseals
+    /// nothing any more.
+    pub fn with_token<T>(&self, id: &TokenId, with: impl FnOnce(&[u8]) -> T) -> Option<T> {
+        let set = self.0.as_ref()?;
+        let set = set.read().unwrap_or_else(PoisonError::into_inner);
+        let token = set
+            .tokens()
+            .iter()
+            .find(|token| TokenId::of(token) == *id)?;
+        Some(with(token))
+    }
+}
+
 /// A token's identity, never the token: the first 16 bytes of its SHA-256, in hex. What keys
 /// the gateway's sessions (one set of sessions per token), safe to keep and compare.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TokenId(String);
 
 impl TokenId {
+    /// The identity as written by [`TokenId::as_str`], if `text` is one (32 lowercase hex
+    /// digits).
+    pub fn parse(text: &str) -> Option<TokenId> {
+        let valid =
+            text.len() == 32 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        valid.then(|| TokenId(text.to_owned()))
+    }
+
     fn of(token: &[u8]) -> Self {
         let digest = Sha256::digest(token);
         TokenId(digest[..16].iter().map(|b| format!("{b:02x}")).collect())

@@ -14,6 +14,7 @@ use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::resources::proxy::Proxy;
 use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::outcomes::Outcomes;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{DEADLINE, Squid, Target};
@@ -112,10 +113,12 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     let state = ApiState {
         lease_credentials: None,
         pools: Default::default(),
+        kube_events: Default::default(),
         sessions: Default::default(),
         inventory: inventory.clone(),
         health: health.clone(),
         ledger: Arc::new(ledger.clone()),
+        outcomes: Outcomes::new(clock.clone()),
         clock,
         metrics: LeaseMetrics::register(&registry).unwrap(),
         default_ttl: Duration::from_secs(120),

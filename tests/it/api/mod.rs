@@ -29,6 +29,7 @@ use proxy_operator::resources::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
 use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::outcomes::Outcomes;
 use proxy_operator::serving::tokens::{ApiToken, TokenSet};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -53,6 +54,8 @@ struct Harness {
     config: LedgerConfig,
     handle: ServerHandle,
     token: ApiToken,
+    /// What the report routes counted.
+    outcomes: Outcomes,
 }
 
 /// Where the ledger keeps its leases: what a restart keeps and opens again.
@@ -193,13 +196,16 @@ impl Harness {
         let dyn_clock: Arc<dyn Clock> = clock.clone();
         let (ledger, sqlite) = store.open(config.clone(), dyn_clock.clone()).await;
         let registry = prometheus::Registry::new();
+        let outcomes = Outcomes::new(dyn_clock.clone());
         let state = ApiState {
             lease_credentials: None,
             pools: Default::default(),
+            kube_events: Default::default(),
             sessions: Default::default(),
             inventory: inventory.clone(),
             health: health.clone(),
             ledger: ledger.clone(),
+            outcomes: outcomes.clone(),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(120),
@@ -235,6 +241,7 @@ impl Harness {
             config,
             handle,
             token,
+            outcomes,
         }
     }
 
@@ -750,6 +757,40 @@ async fn lease_lifecycle_get_renew_report_release(backend: Backend) {
         .post(&format!("/v1/leases/{id}/report"), json!({"result": "ok"}))
         .await;
     assert_eq!(s, StatusCode::NO_CONTENT);
+
+    // Every accepted report counted for the lease's proxy, and for the target it names (the
+    // lease's own when it names none); a refused one counts nowhere.
+    let (s, v) = h
+        .post(
+            &format!("/v1/leases/{id}/report"),
+            json!({"result": "blocked", "target": "Other.ORG"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+    let (s, _) = h
+        .post("/v1/leases/never-issued/report", json!({"result": "error"}))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let proxies: Vec<(String, u64, u64, u64, u64)> = h
+        .outcomes
+        .proxies()
+        .into_iter()
+        .map(|(id, c)| {
+            let reports = (c.reports_ok, c.reports_rate_limited, c.reports_blocked);
+            (id.name, reports.0, reports.1, reports.2, c.total())
+        })
+        .collect();
+    assert_eq!(proxies, [("a".to_owned(), 1, 1, 1, 3)]);
+    let targets: Vec<(String, u64)> = h
+        .outcomes
+        .targets()
+        .into_iter()
+        .map(|(target, c)| (target, c.total()))
+        .collect();
+    assert_eq!(
+        targets,
+        [("example.com".to_owned(), 2), ("other.org".to_owned(), 1)]
+    );
     h.stop().await;
 }
 

@@ -25,6 +25,7 @@ use proxy_operator::ledger::{
 };
 use proxy_operator::resources::proxy::{Proxy, ProxySpec};
 use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::outcomes::Outcomes;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::ledger::{candidates, count, granted, request, start};
@@ -492,10 +493,12 @@ impl Api {
         let state = ApiState {
             lease_credentials: None,
             pools: Default::default(),
+            kube_events: Default::default(),
             sessions: Default::default(),
             inventory,
             health,
             ledger: Arc::new(ledger.clone()),
+            outcomes: Outcomes::new(dyn_clock.clone()),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(300),

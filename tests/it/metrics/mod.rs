@@ -30,6 +30,7 @@ use proxy_operator::ledger::{
 use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::resources::proxy::{Proxy, ProxyId};
 use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::outcomes::Outcomes;
 use support::skip::skip;
 use support::{DEADLINE, Squid, Target};
 use tokio_util::sync::CancellationToken;
@@ -410,10 +411,12 @@ impl CooldownWorld {
         let state = ApiState {
             lease_credentials: None,
             pools: Default::default(),
+            kube_events: Default::default(),
             sessions: Default::default(),
             inventory,
             health,
             ledger: Arc::new(ledger.clone()),
+            outcomes: Outcomes::new(dyn_clock.clone()),
             clock: dyn_clock,
             metrics: LeaseMetrics::register(&registry).unwrap(),
             default_ttl: Duration::from_secs(60),

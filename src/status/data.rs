@@ -1,0 +1,282 @@
+//! The status page's JSON routes (`/v1/status/...`, in the OpenAPI document) and the
+//! gathering both they and the pages use: each reads the process's in-memory state and at
+//! most one bounded ledger read, and hands it to the pure builders of [`super::view`].
+
+use std::collections::HashMap;
+
+use actix_web::{HttpResponse, web};
+use serde::Deserialize;
+use utoipa::IntoParams;
+
+use super::view::{
+    self, EventsView, Figures, FleetView, ProxiesFilter, ProxiesQuery, ProxiesView, ProxyDetail,
+    TargetsView,
+};
+use crate::api::{ApiError, ApiState, ErrorBody};
+use crate::ledger::{EventsQuery, MAX_EVENTS};
+use crate::resources::proxy::ProxyId;
+
+/// Lease events a proxy's page lists.
+const PROXY_EVENTS: usize = 50;
+
+/// Lease events the events page lists by default.
+const DEFAULT_EVENTS: usize = 100;
+
+fn ledger_error(state: &ApiState, error: crate::ledger::LedgerError) -> ApiError {
+    crate::api::ledger_error(state, "status", error)
+}
+
+/// Every proxy's row, with the figures an hour of outcomes and the cooldowns in force give;
+/// `cooldowns` per `namespace/name`.
+fn figures_then<T>(
+    state: &ApiState,
+    cooldowns: &HashMap<String, u32>,
+    build: impl FnOnce(&crate::inventory::InventorySnapshot, &Figures<'_>) -> T,
+) -> T {
+    let snapshot = state.inventory.snapshot();
+    let active = state.ledger.counts().active_counts();
+    let outcomes: HashMap<ProxyId, _> = state.outcomes.proxies().into_iter().collect();
+    let health = |id: &ProxyId| state.health.get(id);
+    let figures = Figures {
+        health: &health,
+        active: &active,
+        cooldowns,
+        outcomes: &outcomes,
+        now: jiff::Timestamp::now(),
+    };
+    build(&snapshot, &figures)
+}
+
+/// The fleet view.
+pub fn fleet_view(state: &ApiState) -> FleetView {
+    let cooldowns = HashMap::new();
+    let rows = figures_then(state, &cooldowns, |snapshot, figures| {
+        snapshot
+            .entries()
+            .map(|(id, proxy)| view::proxy_row(id, proxy, figures))
+            .collect::<Vec<_>>()
+    });
+    let window = state
+        .outcomes
+        .recent(i64::try_from(view::GATEWAY_WINDOW.as_secs() / 60).unwrap_or(5));
+    let gateway = view::gateway_figures(state.sessions.len(), &window);
+    let cooldowns = state.ledger.counts().cooldowns_active();
+    view::fleet_view(&rows, cooldowns, gateway, &state.pools.entries())
+}
+
+/// The proxies view for `filter`.
+pub async fn proxies_view(
+    state: &ApiState,
+    filter: &ProxiesFilter,
+) -> Result<ProxiesView, ApiError> {
+    let activity = state
+        .ledger
+        .activity(view::HOUR)
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    let cooldowns = view::cooldowns_by_proxy(&activity);
+    Ok(figures_then(state, &cooldowns, |snapshot, figures| {
+        view::proxies_view(snapshot, filter, figures)
+    }))
+}
+
+/// The per-target view.
+pub async fn targets_view(state: &ApiState) -> Result<TargetsView, ApiError> {
+    let activity = state
+        .ledger
+        .activity(view::HOUR)
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    Ok(view::targets_view(&activity, &state.outcomes.targets()))
+}
+
+/// The newest `limit` lease events.
+pub async fn events_view(state: &ApiState, limit: usize) -> Result<EventsView, ApiError> {
+    let events = state
+        .ledger
+        .events(EventsQuery { proxy: None, limit })
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    Ok(EventsView { events })
+}
+
+/// One proxy's view; `None` for a proxy the inventory does not hold.
+pub async fn proxy_detail(
+    state: &ApiState,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<ProxyDetail>, ApiError> {
+    let snapshot = state.inventory.snapshot();
+    let Some((id, proxy)) = snapshot
+        .entries()
+        .find(|(id, _)| id.namespace == namespace && id.name == name)
+        .map(|(id, proxy)| (id.clone(), proxy.clone()))
+    else {
+        return Ok(None);
+    };
+    let lease_events = state
+        .ledger
+        .events(EventsQuery {
+            proxy: Some((namespace.to_owned(), name.to_owned())),
+            limit: PROXY_EVENTS,
+        })
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    let activity = state
+        .ledger
+        .activity(view::HOUR)
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    let cooldowns = view::cooldowns_by_proxy(&activity);
+    let row = figures_then(state, &cooldowns, |_, figures| {
+        view::proxy_row(&id, &proxy, figures)
+    });
+    let kube = state.kube_events.of(&proxy).await;
+    let health = state.health.get(&id);
+    Ok(Some(view::proxy_detail(
+        &proxy,
+        row,
+        health.as_ref(),
+        lease_events,
+        kube,
+    )))
+}
+
+/// Query of `GET /v1/status/events`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventsParams {
+    /// How many, newest first (default 100).
+    #[param(minimum = 1, maximum = 500)]
+    pub limit: Option<u16>,
+}
+
+impl EventsParams {
+    /// The limit asked for, or why it is refused.
+    pub fn limit(&self) -> Result<usize, ApiError> {
+        match self.limit.map(usize::from) {
+            None => Ok(DEFAULT_EVENTS),
+            Some(n) if (1..=MAX_EVENTS).contains(&n) => Ok(n),
+            Some(_) => Err(ApiError::bad_request(
+                "invalid_query",
+                format!("`limit`: from 1 to {MAX_EVENTS}"),
+            )),
+        }
+    }
+}
+
+/// The fleet: proxies by phase and health, leases against capacity, the gateway over the
+/// last 5 minutes, the pools.
+#[utoipa::path(
+    get,
+    path = "/v1/status/fleet",
+    tag = "status",
+    responses(
+        (status = 200, description = "The fleet", body = FleetView),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn fleet(state: web::Data<ApiState>) -> HttpResponse {
+    HttpResponse::Ok().json(fleet_view(&state))
+}
+
+/// Proxies, filtered, sorted and paged, with an hour of outcomes each.
+#[utoipa::path(
+    get,
+    path = "/v1/status/proxies",
+    tag = "status",
+    params(ProxiesQuery),
+    responses(
+        (status = 200, description = "One page of proxies", body = ProxiesView),
+        (status = 400, description = "`invalid_query`: bad `name`, `label`, `sort`, `order` or `page`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn proxies(
+    state: web::Data<ApiState>,
+    query: web::Query<ProxiesQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let filter = query
+        .check()
+        .map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))?;
+    Ok(HttpResponse::Ok().json(proxies_view(&state, &filter).await?))
+}
+
+/// One proxy: its row, labels, conditions, last probe, lease events and Kubernetes Events.
+#[utoipa::path(
+    get,
+    path = "/v1/status/proxies/{namespace}/{name}",
+    tag = "status",
+    params(
+        ("namespace" = String, Path, description = "The Proxy's namespace"),
+        ("name" = String, Path, description = "The Proxy's name"),
+    ),
+    responses(
+        (status = 200, description = "The proxy", body = ProxyDetail),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 404, description = "`unknown_proxy`: no such proxy", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn proxy(
+    state: web::Data<ApiState>,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, ApiError> {
+    let (namespace, name) = path.into_inner();
+    match proxy_detail(&state, &namespace, &name).await? {
+        Some(detail) => Ok(HttpResponse::Ok().json(detail)),
+        None => Err(unknown_proxy(&namespace, &name)),
+    }
+}
+
+/// 404 for a proxy the inventory does not hold.
+pub fn unknown_proxy(namespace: &str, name: &str) -> ApiError {
+    ApiError::new(
+        actix_web::http::StatusCode::NOT_FOUND,
+        "unknown_proxy",
+        format!("no proxy {namespace}/{name}"),
+    )
+}
+
+/// Targets over the last hour: leases and reports from the ledger, outcomes from this
+/// replica, and the proxies cooling down for each with their end times.
+#[utoipa::path(
+    get,
+    path = "/v1/status/targets",
+    tag = "status",
+    responses(
+        (status = 200, description = "Targets, busiest first", body = TargetsView),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn targets(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(targets_view(&state).await?))
+}
+
+/// The newest lease events of the ledger's history.
+#[utoipa::path(
+    get,
+    path = "/v1/status/events",
+    tag = "status",
+    params(EventsParams),
+    responses(
+        (status = 200, description = "Lease events, newest first", body = EventsView),
+        (status = 400, description = "`invalid_query`: bad `limit`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn events(
+    state: web::Data<ApiState>,
+    query: web::Query<EventsParams>,
+) -> Result<HttpResponse, ApiError> {
+    let limit = query.limit()?;
+    Ok(HttpResponse::Ok().json(events_view(&state, limit).await?))
+}

@@ -1,0 +1,306 @@
+//! The status page's HTML routes, its sign-in and sign-out, its assets, and who may see it:
+//! a session cookie (or, for the JSON routes, a bearer token as well), every page with a
+//! strict Content-Security-Policy.
+
+use actix_web::body::BoxBody;
+use actix_web::cookie::{Cookie, SameSite};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::StatusCode;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{Error, HttpRequest, HttpResponse, HttpResponseBuilder, ResponseError, web};
+use maud::Markup;
+use serde::Deserialize;
+
+use super::data;
+use super::pages::{self, Access};
+use super::session;
+use super::view::ProxiesQuery;
+use crate::api::{ApiError, ApiState};
+use crate::serving::tokens::ApiToken;
+
+/// What every page and asset is served with: only this origin's own script, style and data,
+/// no framing, no referrer to other sites (the same-origin one keeps `Origin` on the sign-in form), nothing cached.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
+     style-src 'self'; img-src 'self'; connect-src 'self'; form-action 'self'; \
+     frame-ancestors 'none'; base-uri 'none'";
+
+const STATUS_JS: &str = include_str!("assets/status.js");
+const STATUS_CSS: &str = include_str!("assets/status.css");
+
+fn now_ms(state: &ApiState) -> i64 {
+    state.clock.now().as_millisecond()
+}
+
+/// How this request may see the page: signed in by cookie, open (`--insecure-no-auth`), or
+/// not at all. `bearer` also accepts an `Authorization: Bearer` token (the JSON routes).
+fn access(req: &HttpRequest, token: &ApiToken, now_ms: i64, bearer: bool) -> Option<Access> {
+    if !token.is_required() {
+        return Some(Access::Open);
+    }
+    if bearer
+        && token
+            .bearer(
+                req.headers()
+                    .get(header::AUTHORIZATION)
+                    .map(|h| h.as_bytes()),
+            )
+            .is_some()
+    {
+        return Some(Access::SignedIn);
+    }
+    let cookie = req.cookie(session::COOKIE)?;
+    session::open(token, cookie.value(), now_ms).map(|_| Access::SignedIn)
+}
+
+/// Middleware of the JSON routes: a bearer token or a session cookie, else 401. Only these
+/// read-only routes take the cookie; every other `/v1` route takes only a bearer token.
+pub async fn require_viewer(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+) -> Result<ServiceResponse<BoxBody>, Error> {
+    let allowed = match (
+        req.app_data::<web::Data<ApiToken>>(),
+        req.app_data::<web::Data<ApiState>>(),
+    ) {
+        (Some(token), Some(state)) => access(req.request(), token, now_ms(state), true).is_some(),
+        // Not wired: fail closed.
+        _ => false,
+    };
+    if allowed {
+        return next.call(req).await;
+    }
+    let mut response = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "missing or wrong bearer token or session cookie: send `Authorization: Bearer <token>`, \
+         or sign in on the status page",
+    )
+    .error_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Ok(req.into_response(response))
+}
+
+/// The headers every page response carries.
+fn secured(mut builder: HttpResponseBuilder) -> HttpResponseBuilder {
+    builder
+        .insert_header((header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY))
+        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+        .insert_header((header::X_FRAME_OPTIONS, "DENY"))
+        .insert_header((header::REFERRER_POLICY, "same-origin"))
+        .insert_header((header::CACHE_CONTROL, "no-store"));
+    builder
+}
+
+fn page(status: StatusCode, markup: Markup) -> HttpResponse {
+    secured(HttpResponse::build(status))
+        .content_type("text/html; charset=utf-8")
+        .body(markup.into_string())
+}
+
+fn redirect(to: &str) -> HttpResponseBuilder {
+    let mut builder = secured(HttpResponse::SeeOther());
+    builder.insert_header((header::LOCATION, to.to_owned()));
+    builder
+}
+
+/// A page's answer when its data could not be read: the error, on a page.
+fn failed(error: &ApiError, access: Access) -> HttpResponse {
+    let status = error.status_code();
+    page(
+        status,
+        pages::problem("Cannot show this page", &error.to_string(), access),
+    )
+}
+
+/// Who may see a page (`None`: send them to [`to_sign_in`]).
+fn viewer(req: &HttpRequest, state: &ApiState, token: &ApiToken) -> Option<Access> {
+    access(req, token, now_ms(state), false)
+}
+
+/// The answer to a viewer who may not see a page: the sign-in form.
+fn to_sign_in() -> HttpResponse {
+    redirect("/signin").finish()
+}
+
+/// `GET /`: the fleet.
+pub async fn fleet(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    let Some(access) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    page(
+        StatusCode::OK,
+        pages::fleet(&data::fleet_view(&state), access),
+    )
+}
+
+/// `GET /proxies`: the proxies table.
+pub async fn proxies(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    let Some(access) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    let query = web::Query::<ProxiesQuery>::from_query(req.query_string())
+        .map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))
+        .and_then(|q| {
+            q.check()
+                .map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))
+        });
+    let filter = match query {
+        Ok(filter) => filter,
+        Err(e) => return failed(&e, access),
+    };
+    match data::proxies_view(&state, &filter).await {
+        Ok(view) => page(StatusCode::OK, pages::proxies(&view, &filter, access)),
+        Err(e) => failed(&e, access),
+    }
+}
+
+/// `GET /proxies/{namespace}/{name}`: one proxy.
+pub async fn proxy(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+    path: web::Path<(String, String)>,
+) -> HttpResponse {
+    let (namespace, name) = path.into_inner();
+    let Some(access) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    match data::proxy_detail(&state, &namespace, &name).await {
+        Ok(Some(view)) => page(StatusCode::OK, pages::proxy(&view, access)),
+        Ok(None) => failed(&data::unknown_proxy(&namespace, &name), access),
+        Err(e) => failed(&e, access),
+    }
+}
+
+/// `GET /targets`: per target over the last hour.
+pub async fn targets(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    let Some(access) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    match data::targets_view(&state).await {
+        Ok(view) => page(StatusCode::OK, pages::targets(&view, access)),
+        Err(e) => failed(&e, access),
+    }
+}
+
+/// `GET /events`: the newest lease events.
+pub async fn events(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    let Some(access) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    match data::events_view(&state, 100).await {
+        Ok(view) => page(StatusCode::OK, pages::events(&view, access)),
+        Err(e) => failed(&e, access),
+    }
+}
+
+/// `GET /signin`: the form (or the fleet, for a viewer already in).
+pub async fn sign_in_form(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    match access(&req, &token, now_ms(&state), false) {
+        Some(_) => redirect("/").finish(),
+        None => page(StatusCode::OK, pages::sign_in(None)),
+    }
+}
+
+/// The sign-in form's body.
+#[derive(Debug, Deserialize)]
+pub struct SignIn {
+    token: String,
+}
+
+/// Whether a form post comes from this page's own origin: a browser sends `Origin` on every
+/// POST, and one from another site must not sign anybody in (login CSRF). A client that sends
+/// none (curl) is not a browser a site could drive.
+fn same_origin(req: &HttpRequest) -> bool {
+    let Some(origin) = req.headers().get(header::ORIGIN) else {
+        return true;
+    };
+    let info = req.connection_info();
+    origin
+        .to_str()
+        .is_ok_and(|o| o == format!("{}://{}", info.scheme(), info.host()))
+}
+
+/// `POST /signin`: exchanges a valid token for a session cookie.
+pub async fn sign_in(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+    form: web::Form<SignIn>,
+) -> HttpResponse {
+    if !token.is_required() {
+        return redirect("/").finish();
+    }
+    if !same_origin(&req) {
+        return page(
+            StatusCode::FORBIDDEN,
+            pages::sign_in(Some("Sign in from this page, not from another site.")),
+        );
+    }
+    let sealed = token
+        .check(form.token.trim().as_bytes())
+        .and_then(|id| session::seal(&token, &id, now_ms(&state)));
+    let Some(value) = sealed else {
+        return page(
+            StatusCode::UNAUTHORIZED,
+            pages::sign_in(Some("That token is not valid.")),
+        );
+    };
+    let max_age = i64::try_from(session::SESSION_TTL.as_secs()).unwrap_or(i64::MAX);
+    let cookie = Cookie::build(session::COOKIE, value)
+        .path("/")
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .secure(req.connection_info().scheme() == "https")
+        .max_age(actix_web::cookie::time::Duration::seconds(max_age))
+        .finish();
+    redirect("/").cookie(cookie).finish()
+}
+
+/// `POST /signout`: clears the session cookie.
+pub async fn sign_out() -> HttpResponse {
+    let mut cookie = Cookie::build(session::COOKIE, "")
+        .path("/")
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .finish();
+    cookie.make_removal();
+    redirect("/signin").cookie(cookie).finish()
+}
+
+/// `GET /assets/status.js`.
+pub async fn script() -> HttpResponse {
+    secured(HttpResponse::Ok())
+        .content_type("text/javascript; charset=utf-8")
+        .body(STATUS_JS)
+}
+
+/// `GET /assets/status.css`.
+pub async fn style() -> HttpResponse {
+    secured(HttpResponse::Ok())
+        .content_type("text/css; charset=utf-8")
+        .body(STATUS_CSS)
+}

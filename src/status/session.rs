@@ -1,0 +1,176 @@
+//! The status page's sign-in: a person exchanges an API token for a session cookie, so the
+//! token is typed once and never sits in a URL, the page or the browser's storage.
+//!
+//! The cookie holds no state of its own to share: it is `<expiry ms>.<token identity>.<mac>`,
+//! the MAC an HMAC-SHA256 of the first two keyed by the token itself. Every replica holds the
+//! same tokens, so every replica opens it; a token rotated away (the token file re-read) opens
+//! nothing any more, which ends its sessions at once; and nobody without the token can make
+//! one. The identity is a digest prefix ([`TokenId`]), not usable as a token.
+
+use std::time::Duration;
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+use crate::serving::tokens::{ApiToken, TokenId};
+
+/// The cookie's name.
+pub const COOKIE: &str = "proxy_operator_session";
+
+/// How long a sign-in lasts.
+pub const SESSION_TTL: Duration = Duration::from_secs(8 * 3600);
+
+/// What the MAC covers besides the value, so a MAC made for anything else never opens.
+const CONTEXT: &[u8] = b"proxy-operator status session v1\n";
+
+/// The cookie value for a sign-in with the token `id` names at `now_ms`, expiring
+/// [`SESSION_TTL`] later; `None` when `id` is no valid token (or the API is open).
+pub fn seal(token: &ApiToken, id: &TokenId, now_ms: i64) -> Option<String> {
+    let ttl = i64::try_from(SESSION_TTL.as_millis()).unwrap_or(i64::MAX);
+    let payload = format!("{}.{}", now_ms.saturating_add(ttl), id.as_str());
+    let mac = token.with_token(id, |key| mac(key, &payload))??;
+    Some(format!("{payload}.{}", hex(&mac)))
+}
+
+/// The token a cookie value was sealed for, while it has not expired at `now_ms` and that
+/// token is still valid; `None` for anything else (malformed, forged, expired, rotated away).
+pub fn open(token: &ApiToken, value: &str, now_ms: i64) -> Option<TokenId> {
+    let (payload, presented) = value.rsplit_once('.')?;
+    let (expiry, id) = payload.split_once('.')?;
+    let expiry: i64 = expiry.parse().ok()?;
+    let id = TokenId::parse(id)?;
+    if expiry <= now_ms {
+        return None;
+    }
+    let presented = unhex(presented)?;
+    let verified = token.with_token(&id, |key| {
+        let mut check = keyed(key)?;
+        check.update(CONTEXT);
+        check.update(payload.as_bytes());
+        // Constant time, in the hmac crate.
+        Some(check.verify_slice(&presented).is_ok())
+    })??;
+    verified.then_some(id)
+}
+
+fn keyed(key: &[u8]) -> Option<Hmac<Sha256>> {
+    Hmac::<Sha256>::new_from_slice(key).ok()
+}
+
+fn mac(key: &[u8], payload: &str) -> Option<Vec<u8>> {
+    let mut mac = keyed(key)?;
+    mac.update(CONTEXT);
+    mac.update(payload.as_bytes());
+    Some(mac.finalize().into_bytes().to_vec())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serving::tokens::TokenSet;
+
+    fn tokens(list: &[&str]) -> TokenSet {
+        TokenSet::from_file_content(list.join("\n").as_bytes(), std::path::Path::new("t")).unwrap()
+    }
+
+    const A: &str = "first-token-0123456789";
+    const B: &str = "second-token-0123456789";
+
+    fn id_of(token: &ApiToken, text: &str) -> TokenId {
+        token.check(text.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_sealed_cookie_opens_until_it_expires() {
+        let token = ApiToken::new(tokens(&[A, B]));
+        let id = id_of(&token, A);
+        let cookie = seal(&token, &id, 1_000).unwrap();
+        let ttl = SESSION_TTL.as_millis() as i64;
+        let cases = [
+            (1_000, true),
+            (1_000 + ttl - 1, true),
+            (1_000 + ttl, false),
+            (1_000 + ttl + 1, false),
+        ];
+        for (now, opens) in cases {
+            assert_eq!(
+                open(&token, &cookie, now),
+                opens.then(|| id.clone()),
+                "{now}"
+            );
+        }
+        assert!(!cookie.contains(A), "the token is not in the cookie");
+    }
+
+    #[test]
+    fn anything_but_the_sealed_value_is_refused() {
+        let token = ApiToken::new(tokens(&[A, B]));
+        let a = id_of(&token, A);
+        let b = id_of(&token, B);
+        let cookie = seal(&token, &a, 0).unwrap();
+        let (payload, mac) = cookie.rsplit_once('.').unwrap();
+        let (expiry, _) = payload.split_once('.').unwrap();
+        let longer: i64 = expiry.parse::<i64>().unwrap() + 1;
+        let forged = [
+            String::new(),
+            "garbage".to_owned(),
+            format!("{payload}."),
+            format!("{payload}.{}", "0".repeat(64)),
+            // Another token's identity with A's MAC.
+            format!("{expiry}.{}.{mac}", b.as_str()),
+            // A longer expiry with the MAC of the shorter one.
+            format!("{longer}.{}.{mac}", a.as_str()),
+            format!("{cookie}0"),
+            cookie.to_uppercase(),
+        ];
+        for value in forged {
+            assert_eq!(open(&token, &value, 1), None, "{value}");
+        }
+    }
+
+    #[test]
+    fn a_token_rotated_away_ends_its_sessions() {
+        let token = ApiToken::new(tokens(&[A, B]));
+        let a = id_of(&token, A);
+        let b = id_of(&token, B);
+        let with_a = seal(&token, &a, 0).unwrap();
+        let with_b = seal(&token, &b, 0).unwrap();
+        token.replace(tokens(&[B]));
+        assert_eq!(open(&token, &with_a, 1), None);
+        assert_eq!(open(&token, &with_b, 1), Some(b));
+        assert_eq!(
+            seal(&token, &a, 1),
+            None,
+            "no new session for a removed token"
+        );
+    }
+
+    #[test]
+    fn every_replica_opens_the_same_cookie() {
+        let here = ApiToken::new(tokens(&[A]));
+        let there = ApiToken::new(tokens(&[A]));
+        let cookie = seal(&here, &id_of(&here, A), 0).unwrap();
+        assert_eq!(open(&there, &cookie, 1), Some(id_of(&there, A)));
+    }
+
+    #[test]
+    fn an_open_api_seals_nothing() {
+        let token = ApiToken::open();
+        let id = token.check(b"").unwrap();
+        assert_eq!(seal(&token, &id, 0), None);
+    }
+}
