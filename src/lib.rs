@@ -21,4 +21,3 @@ pub mod rbac;
 pub mod reconcile;
 pub mod resources;
 pub mod serving;
-pub mod status;

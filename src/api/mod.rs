@@ -1,7 +1,7 @@
 //! The discovery and lease API crawlers call (actix-web on `--discovery-addr`).
 //!
 //! `/v1/*` needs a bearer token (unless started with `--insecure-no-auth`); `/healthz` and
-//! `/readyz` do not. The status page (`/`, [`crate::status`]) and its read-only data routes
+//! `/readyz` do not. The status page (`/`, [`status`]) and its read-only data routes
 //! (`/v1/status/*`) also take its session cookie.
 //! Every error answer is `{"error":"<code>","message":"<text>"}`.
 
@@ -15,6 +15,7 @@ mod metrics;
 mod observe;
 pub mod openapi;
 mod state;
+pub mod status;
 pub mod types;
 
 use std::net::TcpListener;
@@ -52,8 +53,8 @@ pub fn configure(state: ApiState, token: ApiToken) -> impl FnOnce(&mut web::Serv
             .app_data(path_config)
             .service(resource("", "/healthz").get(handlers::healthz))
             .service(resource("", "/readyz").get(handlers::readyz))
-            .configure(crate::status::configure_pages)
-            .configure(crate::status::configure_data)
+            .configure(status::configure_pages)
+            .configure(status::configure_data)
             .service(
                 web::scope("/v1")
                     .wrap(from_fn(auth::require_token))

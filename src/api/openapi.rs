@@ -18,8 +18,10 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ProxyList, ProxyView, RenewRequest, ReportRequest,
     StatusBody,
 };
-use crate::status::data as status;
-use crate::status::view::{EventsView, FleetView, ProxiesView, ProxyDetail, TargetsView};
+use crate::api::status::data as status;
+use crate::api::status::view::{
+    EventsView, FleetView, Order, ProxiesView, ProxyDetail, SortKey, TargetsView,
+};
 
 /// The API description.
 #[derive(OpenApi)]
@@ -63,6 +65,8 @@ use crate::status::view::{EventsView, FleetView, ProxiesView, ProxyDetail, Targe
         ProxyDetail,
         TargetsView,
         EventsView,
+        SortKey,
+        Order,
     )),
     modifiers(&BearerAuth, &LeaseLinks)
 )]
@@ -82,7 +86,7 @@ impl Modify for BearerAuth {
         components.add_security_scheme(
             "session",
             SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
-                crate::status::session::COOKIE,
+                crate::api::status::session::COOKIE,
                 "The status page's sign-in cookie (POST /signin with a token)",
             ))),
         );

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::list::ProxyListCache;
 use super::metrics::LeaseMetrics;
+use super::status::KubeEvents;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
@@ -13,7 +14,6 @@ use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::Outcomes;
 use crate::serving::sessions::Sessions;
-use crate::status::KubeEvents;
 
 /// The inventory, health snapshot and ledger the API reads and writes.
 #[derive(Clone)]

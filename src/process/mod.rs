@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::status::KubeEvents;
 use crate::api::{self, ApiState, LeaseMetrics, ProxyListCache};
 use crate::cli::CommonArgs;
 use crate::gateway::{self, Gateway, GatewayMetrics};
@@ -34,7 +35,6 @@ use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::Outcomes;
 use crate::serving::sessions::Sessions;
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
-use crate::status::KubeEvents;
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);

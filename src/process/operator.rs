@@ -12,7 +12,7 @@ use kube::runtime::reflector::Store;
 use kube::{Api, Client};
 use tokio::sync::{broadcast, mpsc, watch};
 
-use crate::status::KubeEvents;
+use crate::api::status::KubeEvents;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::RunArgs;

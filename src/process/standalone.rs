@@ -3,7 +3,7 @@
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use crate::status::KubeEvents;
+use crate::api::status::KubeEvents;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, log_transitions, start_core};
 use crate::cli::StandaloneArgs;

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::support::browser::{axe_core, chromium, run_script};
 use crate::support::curl::{curl, header_value};
 use crate::support::fleet::{GatewayFleet, TOKEN};
-use crate::support::standalone::Standalone;
+use crate::support::standalone::{ExternalProxy, Standalone};
 use crate::support::{DEADLINE, sqlite3};
 
 /// A client that shows redirects instead of following them.
@@ -363,4 +363,70 @@ async fn an_open_install_shows_the_page_to_anyone_and_says_so() {
         .await
         .unwrap();
     assert_eq!(data.status(), StatusCode::OK);
+}
+
+/// A fleet of 10,000 proxies: every view loads in Chromium in under a second (the proxies
+/// table is paged, 100 rows a page), and so does the last page.
+#[tokio::test]
+async fn ten_thousand_proxies_load_in_under_a_second() {
+    if chromium().is_none() {
+        return;
+    }
+    const FLEET: usize = 10_000;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, crate::support::site::Site::start().ca_pem()).unwrap();
+    // Nothing listens on port 9: each probe fails at once, spread over the hour's interval.
+    let proxies: Vec<ExternalProxy> = (0..FLEET)
+        .map(|i| ExternalProxy {
+            name: format!("p{i:05}"),
+            labels: vec![("geo".into(), if i % 2 == 0 { "eu" } else { "us" }.into())],
+            host: "127.0.0.1".into(),
+            port: 9,
+            max_leases: 4,
+            probe_url: "http://127.0.0.1:9/".into(),
+            interval: "1h",
+            cordoned: false,
+            credentials: None,
+        })
+        .collect();
+    let mut fleet = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);
+    fleet.wait_healthy(TOKEN, 0, DEADLINE).await;
+    let fleet_url = format!("{}/v1/status/fleet", fleet.api());
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        let view: Value = client()
+            .get(&fleet_url)
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if view["proxies"]["total"] == FLEET {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the inventory loads: {view}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let seen = run_script(
+        "page_load.py",
+        &json!({
+            "base": fleet.api(),
+            "token": TOKEN,
+            "paths": ["/", "/proxies", "/proxies?sort=latency&order=desc&label=geo%3Deu", "/proxies?page=100", "/targets", "/events"],
+        }),
+    )
+    .await;
+    assert_eq!(seen["rows"]["/proxies"], 100, "{seen}");
+    assert_eq!(seen["rows"]["/proxies?page=100"], 100, "{seen}");
+    for (path, ms) in seen["timings"].as_object().unwrap() {
+        let ms = ms.as_f64().unwrap();
+        assert!(ms < 1000.0, "{path} loaded in {ms:.0} ms: {seen}");
+    }
+    eprintln!("load times at {FLEET} proxies (ms): {}", seen["timings"]);
 }
