@@ -12,4 +12,5 @@ mod pool_wake;
 mod pools;
 mod run;
 mod self_healing;
+mod status_events;
 mod undecodable;
