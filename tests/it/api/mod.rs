@@ -1496,6 +1496,11 @@ async fn openapi_document_lists_every_route(backend: Backend) {
         ("/v1/openapi.json", "get"),
         ("/healthz", "get"),
         ("/readyz", "get"),
+        ("/v1/status/fleet", "get"),
+        ("/v1/status/proxies", "get"),
+        ("/v1/status/proxies/{namespace}/{name}", "get"),
+        ("/v1/status/targets", "get"),
+        ("/v1/status/events", "get"),
     ];
     for (path, method) in expected {
         assert!(
@@ -1503,16 +1508,20 @@ async fn openapi_document_lists_every_route(backend: Backend) {
             "{method} {path} missing"
         );
     }
-    assert_eq!(paths.len(), 10, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 15, "{:?}", paths.keys().collect::<Vec<_>>());
     // Every documented route answers something other than 404 on the real server.
     for (path, method) in expected {
-        let path = path.replace("{id}", "x").replace("{name}", "x");
+        let path = path
+            .replace("{id}", "x")
+            .replace("{name}", "x")
+            .replace("{namespace}", "x");
         let m: reqwest::Method = method.to_uppercase().parse().unwrap();
         let (s, _, _) = h.send(m, &path, Some(json!({"result": "ok"}))).await;
         assert!(
             s != StatusCode::NOT_FOUND
                 || path.contains("/leases/x")
-                || path.contains("/sessions/x"),
+                || path.contains("/sessions/x")
+                || path.contains("/status/proxies/x"),
             "{method} {path}: {s}"
         );
     }
@@ -1865,7 +1874,7 @@ async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_docum
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let paths: Vec<String> = doc["paths"].as_object().unwrap().keys().cloned().collect();
-    assert_eq!(paths.len(), 10, "{paths:?}");
+    assert_eq!(paths.len(), 15, "{paths:?}");
     let methods = [
         "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY",
     ];
