@@ -24,6 +24,7 @@ use crate::ledger::{
 use crate::pool::Waking;
 use crate::resources::proxy::proxy_url;
 use crate::serving::candidates::Selector;
+use crate::serving::outcomes::Outcome;
 use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
 use crate::serving::tokens::TokenId;
@@ -445,19 +446,26 @@ fn lease_report(request: ReportRequest) -> Result<LeaseReport, ApiError> {
     })
 }
 
-/// Records `report` on lease `id`: 204.
+/// Records `report` on lease `id`, and counts it for the lease's proxy and the target it is
+/// about (the lease's own when it names none): 204.
 async fn record_report(
     state: &ApiState,
     id: &str,
     report: LeaseReport,
 ) -> Result<HttpResponse, ApiError> {
     let result = report.result;
-    state
+    let target = report.target.clone();
+    let lease = state
         .ledger
         .report(id, report)
         .await
         .map_err(|e| ledger_error(state, "recording a report", e))?;
     state.metrics.report_received(result);
+    state.outcomes.record(
+        &lease.proxy,
+        target.or(lease.target).as_deref(),
+        Outcome::Reported(result),
+    );
     Ok(HttpResponse::NoContent().finish())
 }
 

@@ -28,6 +28,7 @@ use super::{
     lease_headers,
 };
 use crate::ledger::LeaseReport;
+use crate::serving::outcomes::Outcome;
 use crate::serving::sessions::InUse;
 
 /// Forwards `request` and answers with the target's response.
@@ -185,7 +186,8 @@ fn request(parts: &Parts, body: &Bytes) -> Request<Full<Bytes>> {
     request
 }
 
-/// The target's response as the crawler gets it; a status in the ban rule is reported first.
+/// The target's response as the crawler gets it, counted in the outcomes; a status in the ban
+/// rule is reported first.
 async fn answer(
     gateway: &Arc<Gateway>,
     held: &Held,
@@ -194,8 +196,16 @@ async fn answer(
     moved_from: Option<crate::resources::proxy::ProxyId>,
 ) -> Response<Incoming> {
     let status = response.status().as_u16();
+    let ban = gateway.config.ban_rule.of(status);
+    let outcome = Outcome::Http {
+        status,
+        banned: ban.is_some(),
+    };
+    gateway
+        .outcomes
+        .record(&held.proxy, Some(&ask.target.host), outcome);
     let mut reported = None;
-    if let Some(result) = gateway.config.ban_rule.of(status) {
+    if let Some(result) = ban {
         let cooldown = response
             .headers()
             .get(RETRY_AFTER)

@@ -62,6 +62,7 @@ use crate::pool::PoolDirectory;
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
+use crate::serving::outcomes::{Outcome, Outcomes};
 use crate::serving::retry_after;
 use crate::serving::sessions::Sessions;
 use crate::serving::tokens::ApiToken;
@@ -135,6 +136,8 @@ pub struct Gateway {
     pub sessions: Sessions,
     /// Counters.
     pub metrics: GatewayMetrics,
+    /// How requests through each proxy ended (shared with the API's reports).
+    pub outcomes: Outcomes,
     /// The ledger's clock (for `Retry-After` dates).
     pub clock: Arc<dyn Clock>,
     /// Settings.
@@ -160,6 +163,7 @@ impl Gateway {
         tokens: ApiToken,
         sessions: Sessions,
         metrics: GatewayMetrics,
+        outcomes: Outcomes,
         clock: Arc<dyn Clock>,
         config: GatewayConfig,
     ) -> Self {
@@ -172,6 +176,7 @@ impl Gateway {
             tokens,
             sessions,
             metrics,
+            outcomes,
             clock,
             config,
             pools: PoolDirectory::default(),
@@ -441,6 +446,16 @@ enum LeaseFor {
     Tunnel,
 }
 
+impl LeaseFor {
+    /// What an upstream that could not carry the request counts as.
+    fn failed(self) -> Outcome {
+        match self {
+            LeaseFor::Request => Outcome::UpstreamFailed,
+            LeaseFor::Tunnel => Outcome::TunnelFailed,
+        }
+    }
+}
+
 impl ClientConnection {
     /// Runs `attempt` through an upstream chosen for `ask`; when one fails in a way that may
     /// be retried, reports it `error`, lets go of its lease and tries another, up to
@@ -495,6 +510,11 @@ impl ClientConnection {
                 }
                 Err(Failed { failure, retriable }) => {
                     log::info!("gateway: {what} through {} failed: {failure}", held.proxy);
+                    gateway.outcomes.record(
+                        &held.proxy,
+                        Some(&ask.target.host),
+                        lease_for.failed(),
+                    );
                     gateway
                         .report_failure(&held, &ask.target.host, ReportResult::Error)
                         .await;

@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 use super::choice::{Ask, ClientConnection, Held};
 use super::upstream;
 use super::{Body, Failed, LeaseFor, RequestOutcome, Through, full, lease_headers};
+use crate::serving::outcomes::Outcome;
 
 /// Opens the tunnel `request` asks for and answers it.
 pub(super) async fn open(
@@ -48,6 +49,9 @@ pub(super) async fn open(
         Ok(through) => through,
         Err(answer) => return answer,
     };
+    gateway
+        .outcomes
+        .record(&held.proxy, Some(&ask.target.host), Outcome::TunnelOpened);
     let mut response = Response::new(full(""));
     lease_headers(&mut response, &held, moved_from);
     let client_io = hyper::upgrade::on(&mut request);

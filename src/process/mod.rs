@@ -408,6 +408,7 @@ fn start_gateway(
             token,
             core.sessions.clone(),
             core.gateway_metrics.clone(),
+            core.outcomes.clone(),
             core.clock.clone(),
             config,
         )

@@ -39,6 +39,9 @@ use crate::resources::proxy::ProxyId;
 /// Minutes in the sliding window.
 pub const WINDOW_MINUTES: i64 = 60;
 
+/// The length of a bucket.
+const SECONDS_PER_MINUTE: i64 = 60;
+
 /// Targets counted by name; the rest are counted under [`OTHER_TARGETS`].
 pub const MAX_TARGETS: usize = 1000;
 
@@ -423,7 +426,7 @@ impl Outcomes {
             .clock
             .now()
             .as_second()
-            .div_euclid(WINDOW_MINUTES)
+            .div_euclid(SECONDS_PER_MINUTE)
     }
 
     /// Counts `outcome` for `proxy` and, when given, `target` (a host, already lower-cased as

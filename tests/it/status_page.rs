@@ -74,6 +74,24 @@ async fn chromium_signs_in_and_watches_the_fleet() {
     let mut fleet = GatewayFleet::start(dir.path(), 3, &[]).await;
     let base = fleet.operator.api().to_owned();
 
+    // Pages through the gateway, one session each: answers the gateway counts as successes.
+    for n in 0..6 {
+        let (code, _, _) = curl(
+            DEADLINE,
+            &[
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-x",
+                &fleet.proxy_url(&format!("crawler;session=s{n}")),
+                &fleet.site.http(&format!("/page/{n}")),
+            ],
+        )
+        .await;
+        assert_eq!(code, 0);
+    }
     // A 429 through the gateway, on plain HTTP, where the gateway sees it and reports it.
     let (_, head, _) = curl(
         DEADLINE,
@@ -139,6 +157,16 @@ async fn chromium_signs_in_and_watches_the_fleet() {
     let all_ready =
         json!({"default/gw-0": "Ready", "default/gw-1": "Ready", "default/gw-2": "Ready"});
     assert_eq!(look("phases_before"), &all_ready, "{seen}");
+    // The banned proxy's 429 counts against it; the others' pages for them.
+    let badges = look("badges").as_object().unwrap();
+    assert!(
+        badges
+            .values()
+            .any(|b| b.as_str().unwrap().contains("good 100 %")),
+        "{seen}"
+    );
+    let banned_badge = badges[&banned].as_str().unwrap();
+    assert!(!banned_badge.contains("100 %"), "{banned_badge}: {seen}");
     assert_eq!(
         look("not_reloaded"),
         true,

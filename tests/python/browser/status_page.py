@@ -81,6 +81,10 @@ def script(config: dict[str, Any]) -> dict[str, Any]:
         # The proxies, then one killed squid: its row turns unhealthy by the live refresh.
         page.goto(base + "/proxies")
         result["phases_before"] = phases(page)
+        result["badges"] = page.eval_on_selector_all(
+            "#proxy-table tbody tr",
+            "rows => Object.fromEntries(rows.map(r => [r.dataset.proxy, r.querySelector('.badge').className + ' ' + r.querySelector('.badge').textContent]))",
+        )
         page.evaluate("window.notReloaded = true")
         os.kill(config["kill_pid"], signal.SIGKILL)
         page.wait_for_function(
