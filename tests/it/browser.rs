@@ -50,11 +50,12 @@ async fn chromium_crawls_http_and_https_through_the_gateway_on_one_session_exit(
         &json!({"args": [format!("--proxy-server={server}")], "urls": [fleet.site.http("/page/0")]}),
     )
     .await;
+    // Through the gateway, without credentials, the page would have been a 407. (Chromium's
+    // own background requests do reach the gateway, CONNECTs and at times plain HTTP, each
+    // refused with a 407: a browser-wide proxy carries more than the pages, so the gateway's
+    // request count says nothing here.)
+    assert_eq!(pages(&direct)[0]["status"], 200, "{direct}");
     assert_eq!(pages(&direct)[0]["ip"], "127.0.0.1", "{direct}");
-    // (Chromium's own requests to Google hosts do reach the gateway, as CONNECTs without
-    // credentials: a browser-wide proxy carries more than the pages.)
-    let metrics = fleet.metrics().await;
-    assert_eq!(metric_sum(&metrics, REQUESTS, &["kind=\"http\""]), 0.0);
 
     // The gateway as Playwright's proxy, credentials and session in it, loopback included.
     let mut urls: Vec<String> = (1..=3)
