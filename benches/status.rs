@@ -99,6 +99,9 @@ fn events_select(row: &str) -> String {
     )
 }
 
+/// The row number of the row sources below, wide enough for the arithmetic on times.
+const ROW: &str = "CAST(i AS BIGINT)";
+
 const EVENT_COLUMNS: &str = "(at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
      target, result, expires_at, client)";
 
@@ -127,8 +130,8 @@ fn fill_sqlite(path: &Path) -> Result<(), String> {
          COMMIT;",
         last = EVENTS - 1,
         cool_last = COOLDOWNS - 1,
-        events = events_select("i"),
-        cooldowns = cooldowns_select("i"),
+        events = events_select(ROW),
+        cooldowns = cooldowns_select(ROW),
     );
     conn.execute_batch(&sql)
         .map_err(|e| format!("fill the ledger: {e}"))
@@ -141,8 +144,8 @@ fn fill_postgres(database: &Database) -> Result<(), String> {
          ANALYZE;",
         last = EVENTS - 1,
         cool_last = COOLDOWNS - 1,
-        events = events_select("i"),
-        cooldowns = cooldowns_select("i"),
+        events = events_select(ROW),
+        cooldowns = cooldowns_select(ROW),
     ))?;
     Ok(())
 }
@@ -182,25 +185,52 @@ impl Timed {
     }
 }
 
+/// Signs in as a person would and returns the session cookie (`name=value`) the pages take.
+async fn sign_in(api: &str, client: &reqwest::Client) -> Result<String, String> {
+    let answer = client
+        .post(format!("{api}/signin"))
+        .header(reqwest::header::ORIGIN, api)
+        .form(&[("token", TOKEN)])
+        .send()
+        .await
+        .map_err(|e| format!("sign in: {e}"))?;
+    answer
+        .headers()
+        .get(reqwest::header::SET_COOKIE)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.split(';').next())
+        .map(str::to_owned)
+        .ok_or_else(|| format!("sign in: {} without a cookie", answer.status()))
+}
+
 async fn time_routes(api: &str, client: &reqwest::Client) -> Result<Vec<Timed>, String> {
+    let cookie = sign_in(api, client).await?;
     let mut timed = Vec::new();
     for route in ROUTES {
         let mut sorted = Vec::with_capacity(REQUESTS);
         for i in 0..WARM_UP + REQUESTS {
             let started = Instant::now();
-            let answer = client
-                .get(format!("{api}{route}"))
-                .bearer_auth(TOKEN)
+            // The data routes with the API's bearer token, the pages with the cookie.
+            let request = client.get(format!("{api}{route}"));
+            let request = if route.starts_with("/v1/") {
+                request.bearer_auth(TOKEN)
+            } else {
+                request.header(reqwest::header::COOKIE, &cookie)
+            };
+            let answer = request
                 .send()
                 .await
                 .map_err(|e| format!("GET {route}: {e}"))?;
             let status = answer.status();
-            answer
+            let body = answer
                 .bytes()
                 .await
                 .map_err(|e| format!("GET {route}: {e}"))?;
             if status != reqwest::StatusCode::OK {
                 return Err(format!("GET {route}: {status}"));
+            }
+            if i == 0 && !route.starts_with("/v1/") && body_is_sign_in(&body) {
+                return Err(format!("GET {route}: the sign-in form, not the page"));
             }
             if i >= WARM_UP {
                 sorted.push(started.elapsed());
@@ -210,6 +240,11 @@ async fn time_routes(api: &str, client: &reqwest::Client) -> Result<Vec<Timed>, 
         timed.push(Timed { route, sorted });
     }
     Ok(timed)
+}
+
+/// Whether a page is the sign-in form.
+fn body_is_sign_in(body: &[u8]) -> bool {
+    String::from_utf8_lossy(body).contains("action=\"/signin\"")
 }
 
 /// Creates the schema with the binary, fills it with `fill`, starts the binary on it again

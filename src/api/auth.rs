@@ -11,8 +11,9 @@ use actix_web::{Error, HttpMessage, ResponseError, web};
 use super::error::ApiError;
 use crate::serving::tokens::ApiToken;
 
-/// Middleware answering 401 unless the request carries the bearer token; the token's
-/// identity goes with the request (a crawler's gateway sessions are the token's).
+/// Middleware answering 401 unless the request carries a valid bearer token; the caller (the
+/// token's identity and its tenant) goes with the request: a crawler's gateway sessions are
+/// its token's, its leases and scope its tenant's.
 pub async fn require_token(
     req: ServiceRequest,
     next: Next<BoxBody>,

@@ -62,11 +62,51 @@ pub struct PoolWakingBody {
     pub wake_timeout_seconds: u64,
 }
 
+/// The 429 body of an acquire refused because the caller's tenant is at one of its quotas
+/// (`--tenants-file`). Nothing was looked at and nothing counts as demand: retry after
+/// `Retry-After`, or release a lease first.
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaExceededBody {
+    /// Always `quota_exceeded`.
+    pub error: String,
+    /// Human-readable explanation.
+    pub message: String,
+    /// The caller's tenant.
+    pub tenant: String,
+    /// The quota: `leases` (leases at once, a gateway session's included), `sessions`
+    /// (gateway sessions at once) or `acquiresPerSecond`.
+    pub quota: String,
+    /// Its limit: leases or sessions, or acquires per second.
+    pub limit: f64,
+    /// The burst of the `acquiresPerSecond` quota.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    /// Seconds until the quota lets an acquire through by itself (also sent as
+    /// `Retry-After`).
+    pub retry_after_seconds: u64,
+}
+
+impl QuotaExceededBody {
+    /// The body of `refused`.
+    pub fn of(refused: &crate::ledger::QuotaExceeded) -> Self {
+        QuotaExceededBody {
+            error: "quota_exceeded".into(),
+            message: refused.message(),
+            tenant: refused.tenant.to_string(),
+            quota: refused.quota.as_str().into(),
+            limit: refused.limit,
+            burst: refused.burst,
+            retry_after_seconds: crate::serving::retry_after::seconds(refused.retry_after),
+        }
+    }
+}
+
 /// Seconds a client waits before asking a waking pool again.
 pub const POOL_WAKING_RETRY_AFTER: u64 = 2;
 
 /// An error answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ApiError {
     /// A plain error with a status, a code and a message.
     Plain {
@@ -81,6 +121,8 @@ pub enum ApiError {
     NoMatch(NoMatchBody),
     /// An acquire for a pool that is waking (503 with `Retry-After`).
     PoolWaking(PoolWakingBody),
+    /// An acquire over its tenant's quota (429 with `Retry-After`).
+    QuotaExceeded(QuotaExceededBody),
     /// The ledger cannot take the write now and nothing was recorded (503 with
     /// `Retry-After`): its write queue is full or the write waited past its deadline
     /// (`overloaded`), the ledger is full (`ledger_full`), or its database cannot be reached
@@ -177,6 +219,7 @@ impl std::fmt::Display for ApiError {
             ApiError::Plain { code, message, .. } => write!(f, "{code}: {message}"),
             ApiError::NoMatch(body) => write!(f, "{}: {}", body.error, body.message),
             ApiError::PoolWaking(body) => write!(f, "{}: {}", body.error, body.message),
+            ApiError::QuotaExceeded(body) => write!(f, "{}: {}", body.error, body.message),
             ApiError::Unavailable { code, message, .. } => write!(f, "{code}: {message}"),
         }
     }
@@ -187,6 +230,7 @@ impl ResponseError for ApiError {
         match self {
             ApiError::Plain { status, .. } => *status,
             ApiError::NoMatch(_) => StatusCode::CONFLICT,
+            ApiError::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::PoolWaking(_) | ApiError::Unavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -210,6 +254,12 @@ impl ResponseError for ApiError {
                 }
                 response.json(body)
             }
+            ApiError::QuotaExceeded(body) => HttpResponse::TooManyRequests()
+                .insert_header((
+                    header::RETRY_AFTER,
+                    HeaderValue::from(body.retry_after_seconds),
+                ))
+                .json(body),
             ApiError::PoolWaking(body) => HttpResponse::ServiceUnavailable()
                 .insert_header((
                     header::RETRY_AFTER,

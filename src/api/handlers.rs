@@ -9,7 +9,7 @@ use actix_web::http::header::{self, ContentType, HeaderValue};
 use actix_web::{HttpResponse, ResponseError, web};
 
 use super::body::{ApiJson, OptionalApiJson};
-use super::error::{ApiError, ErrorBody, NoMatchBody, PoolWakingBody};
+use super::error::{ApiError, ErrorBody, NoMatchBody, PoolWakingBody, QuotaExceededBody};
 use super::idempotency::{fingerprint, parse_request_id};
 use super::list::{Dynamic, ListBody, address};
 use super::state::ApiState;
@@ -27,7 +27,7 @@ use crate::serving::candidates::Selector;
 use crate::serving::outcomes::Outcome;
 use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
-use crate::serving::tokens::TokenId;
+use crate::serving::tenants::Caller;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
@@ -133,7 +133,8 @@ const WRITE_UNAVAILABLE: &str = "`overloaded` (the ledger could not take the wri
      `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database \
      cannot be reached): nothing was written. Retry after `Retry-After` seconds";
 
-/// Lists proxies, optionally only healthy (or unhealthy) ones matching a selector.
+/// Lists the proxies in the caller's scope, optionally only healthy (or unhealthy) ones
+/// matching a selector.
 #[utoipa::path(
     get,
     path = "/v1/proxies",
@@ -147,6 +148,7 @@ const WRITE_UNAVAILABLE: &str = "`overloaded` (the ledger could not take the wri
 )]
 pub async fn list_proxies(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     query: web::Query<ListQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let healthy_filter = match query.healthy.as_deref() {
@@ -162,6 +164,7 @@ pub async fn list_proxies(
     };
     let selector = Selector::parse(query.selector.as_deref().unwrap_or_default())
         .map_err(|e| ApiError::bad_request("invalid_query", format!("`selector`: {e}")))?;
+    let selector = caller.tenant.narrow(&selector);
     let counts = state.ledger.counts().active_counts();
     let snapshot = state.inventory.snapshot();
     let fragments = state.proxy_list.fragments(&snapshot);
@@ -189,7 +192,7 @@ pub async fn list_proxies(
         .body(body.finish()))
 }
 
-/// Leases the least-loaded healthy proxy matching the selector.
+/// Leases the least-loaded healthy proxy in the caller's scope matching the selector.
 #[utoipa::path(
     post,
     path = "/v1/leases",
@@ -204,6 +207,8 @@ pub async fn list_proxies(
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 422, description = "`request_id_reused`: the `requestID` was used for an acquire with a different selector, target or `ttlSeconds`", body = ErrorBody),
+        (status = 429, description = "`quota_exceeded`: the caller's tenant is at one of its quotas (`--tenants-file`); nothing was looked at", body = QuotaExceededBody,
+            headers(("Retry-After" = u64, description = "Seconds until the quota lets an acquire through by itself, at least 1"))),
         (status = 503, description = "`overloaded` (the ledger could not take the write in time), `ledger_full` (the ledger's disk or file is full) or `ledger_unavailable` (its database cannot be reached): nothing was granted. Retry after `Retry-After` seconds (with the same `requestID`, if any). Or `pool_waking` (body `PoolWakingBody`): the selector matches a ProxyPool with no Ready member yet, which was asked for one; retry after `Retry-After` for up to `wakeTimeoutSeconds`", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying, at least 1"))),
     ),
@@ -211,6 +216,7 @@ pub async fn list_proxies(
 )]
 pub async fn acquire(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     body: OptionalApiJson<AcquireRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let request = body.0;
@@ -222,7 +228,7 @@ pub async fn acquire(
         id,
     });
     let request_id = key.as_ref().map(|k| k.id.clone());
-    let selector = Selector::from(request.selector);
+    let selector = caller.tenant.narrow(&Selector::from(request.selector));
     let snapshot = state.inventory.snapshot();
     let candidates = state
         .candidates
@@ -236,6 +242,8 @@ pub async fn acquire(
             ttl,
             request: key,
             client: None,
+            tenant: caller.tenant.tenancy(),
+            session: None,
         })
         .await
         .map_err(|e| ledger_error(&state, "acquiring a lease", e))?;
@@ -248,8 +256,14 @@ pub async fn acquire(
             state.metrics.lease_replayed();
             Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
         }
+        AcquireOutcome::QuotaExceeded(refused) => {
+            state.metrics.quota_refused(&refused);
+            Err(ApiError::QuotaExceeded(QuotaExceededBody::of(&refused)))
+        }
         AcquireOutcome::NoMatch(no_match) => {
-            state.metrics.lease_rejected(&no_match);
+            state
+                .metrics
+                .lease_rejected(caller.tenant_name(), &no_match);
             let waking = state
                 .pools
                 .refused(
@@ -296,11 +310,12 @@ fn pool_waking(waking: Waking) -> ApiError {
 )]
 pub async fn get_lease(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let lease = state
         .ledger
-        .get(&id)
+        .get(&id, caller.tenant_name())
         .await
         .map_err(|e| ApiError::internal("reading a lease", e))?
         .ok_or_else(|| ApiError::unknown_lease(&id))?;
@@ -322,11 +337,12 @@ pub async fn get_lease(
 )]
 pub async fn release(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     state
         .ledger
-        .release(&id)
+        .release(&id, caller.tenant_name())
         .await
         .map_err(|e| ledger_error(&state, "releasing a lease", e))?;
     Ok(HttpResponse::NoContent().finish())
@@ -353,14 +369,16 @@ pub async fn release(
 )]
 pub async fn renew(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     id: web::Path<String>,
     body: OptionalApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let ttl = ttl(&state, body.0.ttl_seconds);
-    refuse_renewal_if_draining(&state, &id).await?;
+    let tenant = caller.tenant_name();
+    refuse_renewal_if_draining(&state, &id, tenant).await?;
     let lease = state
         .ledger
-        .renew(&id, ttl)
+        .renew(&id, tenant, ttl)
         .await
         .map_err(|e| ledger_error(&state, "renewing a lease", e))?;
     Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
@@ -371,13 +389,17 @@ pub async fn renew(
 /// renew costs what it did. An unknown or inactive lease passes, so the renew gives its usual
 /// answer (404 `unknown_lease`, 409 `lease_not_active`); so does a lease whose proxy has left
 /// the inventory.
-async fn refuse_renewal_if_draining(state: &ApiState, id: &str) -> Result<(), ApiError> {
+async fn refuse_renewal_if_draining(
+    state: &ApiState,
+    id: &str,
+    tenant: &str,
+) -> Result<(), ApiError> {
     if !state.inventory.snapshot().any_draining() {
         return Ok(());
     }
     let Some(lease) = state
         .ledger
-        .get(id)
+        .get(id, tenant)
         .await
         .map_err(|e| ApiError::internal("renewing a lease", e))?
     else {
@@ -419,11 +441,12 @@ async fn refuse_renewal_if_draining(state: &ApiState, id: &str) -> Result<(), Ap
 )]
 pub async fn report(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     id: web::Path<String>,
     body: ApiJson<ReportRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let report = lease_report(body.0)?;
-    record_report(&state, &id.into_inner(), report).await
+    record_report(&state, &id.into_inner(), caller.tenant_name(), report).await
 }
 
 /// The report a request body asks for.
@@ -446,18 +469,19 @@ fn lease_report(request: ReportRequest) -> Result<LeaseReport, ApiError> {
     })
 }
 
-/// Records `report` on lease `id`, and counts it for the lease's proxy and the target it is
-/// about (the lease's own when it names none): 204.
+/// Records `report` on `tenant`'s lease `id`, and counts it for the lease's proxy and the
+/// target it is about (the lease's own when it names none): 204.
 async fn record_report(
     state: &ApiState,
     id: &str,
+    tenant: &str,
     report: LeaseReport,
 ) -> Result<HttpResponse, ApiError> {
     let result = report.result;
     let target = report.target.clone();
     let lease = state
         .ledger
-        .report(id, report)
+        .report(id, tenant, report)
         .await
         .map_err(|e| ledger_error(state, "recording a report", e))?;
     state.metrics.report_received(result);
@@ -493,13 +517,14 @@ async fn record_report(
 pub async fn report_session(
     state: web::Data<ApiState>,
     name: web::Path<String>,
-    token: Option<web::ReqData<TokenId>>,
+    caller: web::ReqData<Caller>,
     body: ApiJson<ReportRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let name = name.into_inner();
     let report = lease_report(body.0)?;
-    let session = token
-        .and_then(|token| state.sessions.find(&token, &name))
+    let session = state
+        .sessions
+        .find(&caller.token, &name)
         .ok_or_else(|| {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -510,7 +535,7 @@ pub async fn report_session(
                 ),
             )
         })?;
-    record_report(&state, &session.lease_id, report).await
+    record_report(&state, &session.lease_id, caller.tenant_name(), report).await
 }
 
 /// Ends one of this token's gateway sessions: its lease is given back and the name starts a
@@ -531,19 +556,16 @@ pub async fn report_session(
 pub async fn end_session(
     state: web::Data<ApiState>,
     name: web::Path<String>,
-    token: Option<web::ReqData<TokenId>>,
+    caller: web::ReqData<Caller>,
 ) -> Result<HttpResponse, ApiError> {
-    let Some(token) = token else {
-        return Ok(HttpResponse::NoContent().finish());
-    };
     let key = SessionKey {
-        token: token.into_inner(),
+        token: caller.token.clone(),
         name: name.into_inner(),
     };
     if let Some(session) = state.sessions.get(&key) {
         state
             .ledger
-            .release(&session.lease_id)
+            .release(&session.lease_id, caller.tenant_name())
             .await
             .map_err(|e| ledger_error(&state, "ending a session", e))?;
         state.sessions.remove(&key, &session.lease_id);

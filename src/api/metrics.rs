@@ -3,7 +3,8 @@
 
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 
-use crate::ledger::{NoMatch, NoMatchReason, ReportResult};
+use crate::ledger::{NoMatch, NoMatchReason, QuotaExceeded, ReportResult};
+use crate::serving::tenants::TenantMetrics;
 
 /// Counters the lease API increments.
 #[derive(Clone, Debug)]
@@ -15,6 +16,8 @@ pub struct LeaseMetrics {
     unavailable: IntCounter,
     rejections: IntCounterVec,
     reports: IntCounterVec,
+    /// The counters per tenant, shared with the gateway.
+    pub tenants: TenantMetrics,
 }
 
 impl LeaseMetrics {
@@ -64,6 +67,7 @@ impl LeaseMetrics {
         registry.register(Box::new(unavailable.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
         registry.register(Box::new(reports.clone()))?;
+        let tenants = TenantMetrics::register(registry)?;
         for result in ReportResult::ALL {
             reports.with_label_values(&[result.as_str()]);
         }
@@ -78,6 +82,7 @@ impl LeaseMetrics {
             unavailable,
             rejections,
             reports,
+            tenants,
         })
     }
 
@@ -107,10 +112,16 @@ impl LeaseMetrics {
     }
 
     /// Counts a refused acquire.
-    pub fn lease_rejected(&self, no_match: &NoMatch) {
+    pub fn lease_rejected(&self, tenant: &str, no_match: &NoMatch) {
         self.rejections
             .with_label_values(&[no_match.reason().as_str()])
             .inc();
+        self.tenants.no_match(tenant, no_match);
+    }
+
+    /// Counts an acquire refused for its tenant's quota.
+    pub fn quota_refused(&self, refused: &QuotaExceeded) {
+        self.tenants.quota_refused(refused);
     }
 
     /// Counts a report.

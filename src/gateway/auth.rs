@@ -1,17 +1,18 @@
 //! Who a gateway request comes from: `Proxy-Authorization: Basic` whose password is an API
-//! token (the same tokens as the lease API, rotation included) and whose user part carries the
-//! request's options (see [`super::user`]).
+//! token (the same tokens as the lease API, rotation and tenants included) and whose user part
+//! carries the request's options (see [`super::user`]).
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 
-use crate::serving::tokens::{ApiToken, TokenId};
+use crate::serving::tenants::Caller;
+use crate::serving::tokens::ApiToken;
 
-/// The token a request presented (its identity) and the user part it came with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller {
-    /// The token's identity.
-    pub token: TokenId,
+/// The caller a request's token makes and the user part it came with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Credentials {
+    /// The token's identity and tenant.
+    pub caller: Caller,
     /// The user part, as sent.
     pub user: String,
 }
@@ -19,13 +20,13 @@ pub struct Caller {
 /// The caller of a request whose `Proxy-Authorization` header is `header`, or `None` when it
 /// presents no valid token (the gateway answers 407). An open gateway (`--insecure-no-auth`)
 /// takes a request without the header as the anonymous caller with no options.
-pub fn caller(tokens: &ApiToken, header: Option<&[u8]>) -> Option<Caller> {
+pub fn caller(tokens: &ApiToken, header: Option<&[u8]>) -> Option<Credentials> {
     let Some(header) = header else {
         return tokens
             .check(b"")
             .filter(|_| !tokens.is_required())
-            .map(|token| Caller {
-                token,
+            .map(|caller| Credentials {
+                caller,
                 user: String::new(),
             });
     };
@@ -35,9 +36,9 @@ pub fn caller(tokens: &ApiToken, header: Option<&[u8]>) -> Option<Caller> {
     let decoded = STANDARD.decode(encoded.trim_ascii()).ok()?;
     let colon = decoded.iter().position(|&b| b == b':')?;
     let (user, password) = (&decoded[..colon], &decoded[colon + 1..]);
-    let token = tokens.check(password)?;
+    let caller = tokens.check(password)?;
     let user = String::from_utf8(user.to_vec()).ok()?;
-    Some(Caller { token, user })
+    Some(Credentials { caller, user })
 }
 
 #[cfg(test)]
@@ -60,7 +61,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.user, "crawler;session=s1;geo=eu");
-        assert_eq!(Some(ok.token), tokens.check(TOKEN.as_bytes()));
+        assert_eq!(Some(ok.caller), tokens.check(TOKEN.as_bytes()));
         // Only the first colon splits: a token may hold none, but the rest is the password.
         assert!(caller(&tokens, Some(&basic(&format!("a:{TOKEN}:x")))).is_none());
         for refused in [

@@ -20,12 +20,13 @@ use super::Gateway;
 use super::upstream::{HttpUpstream, Upstream};
 use super::user::Options;
 use crate::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, LeaseState, LedgerError, NoMatch, RequestKey,
+    AcquireOutcome, AcquireRequest, Candidate, LeaseState, LedgerError, NoMatch, QuotaExceeded,
+    RequestKey,
 };
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::Selector;
 use crate::serving::sessions::{self, Session, SessionKey, Uses};
-use crate::serving::tokens::TokenId;
+use crate::serving::tenants::Caller;
 
 /// How many epochs a session's acquire walks through to find (after a restart) the lease its
 /// last move got, before it gives up.
@@ -105,8 +106,8 @@ impl Target {
 /// One request's question: who asks, with which options, for which target.
 #[derive(Debug, Clone)]
 pub struct Ask {
-    /// The token's identity.
-    pub token: TokenId,
+    /// The token's identity and its tenant.
+    pub caller: Caller,
     /// The user part's options.
     pub options: Options,
     /// The target.
@@ -116,7 +117,7 @@ pub struct Ask {
 impl Ask {
     fn session_key(&self) -> Option<SessionKey> {
         self.options.session.as_ref().map(|name| SessionKey {
-            token: self.token.clone(),
+            token: self.caller.token.clone(),
             name: name.clone(),
         })
     }
@@ -137,6 +138,8 @@ impl Ask {
 pub struct Held {
     /// The lease.
     pub lease_id: String,
+    /// The tenant it belongs to.
+    pub tenant: Arc<str>,
     /// Its proxy.
     pub proxy: ProxyId,
     /// The session it belongs to; `None`: the connection's own.
@@ -156,6 +159,8 @@ pub struct Held {
 pub enum Refusal {
     /// No proxy can take one; why.
     NoMatch(NoMatch),
+    /// The caller's tenant is at a quota.
+    Quota(QuotaExceeded),
     /// The ledger failed.
     Ledger(LedgerError),
 }
@@ -206,6 +211,7 @@ impl ClientConnection {
             Acquired::Usable(lease_id, proxy, upstream) => Ok((
                 Held {
                     lease_id,
+                    tenant: ask.caller.tenant.name.clone(),
                     proxy,
                     session: None,
                     ttl,
@@ -216,7 +222,9 @@ impl ClientConnection {
                 upstream,
             )),
             Acquired::Unusable(lease_id) => {
-                self.gateway.give_back(&lease_id).await;
+                self.gateway
+                    .give_back(&lease_id, ask.caller.tenant_name())
+                    .await;
                 Err(Refusal::NoMatch(NoMatch::default()))
             }
         }
@@ -239,7 +247,12 @@ impl ClientConnection {
                 if now.saturating_duration_since(held.renewed) < held.ttl / 2 {
                     return Ok((held.clone(), upstream));
                 }
-                if gateway.ledger.renew(&held.lease_id, held.ttl).await.is_ok() {
+                if gateway
+                    .ledger
+                    .renew(&held.lease_id, &held.tenant, held.ttl)
+                    .await
+                    .is_ok()
+                {
                     let held = Held {
                         renewed: now,
                         ..held.clone()
@@ -249,7 +262,7 @@ impl ClientConnection {
                 }
             }
             if let Some(old) = leases.remove(&ask.target.host) {
-                gateway.give_back(&old.lease_id).await;
+                gateway.give_back(&old.lease_id, &old.tenant).await;
                 moved_from = Some(old.proxy);
             }
         }
@@ -257,12 +270,13 @@ impl ClientConnection {
         let (lease_id, proxy, upstream) = match gateway.acquire(ask, None, ttl, tried).await? {
             Acquired::Usable(lease_id, proxy, upstream) => (lease_id, proxy, upstream),
             Acquired::Unusable(lease_id) => {
-                gateway.give_back(&lease_id).await;
+                gateway.give_back(&lease_id, ask.caller.tenant_name()).await;
                 return Err(Refusal::NoMatch(NoMatch::default()));
             }
         };
         let held = Held {
             lease_id,
+            tenant: ask.caller.tenant.name.clone(),
             proxy,
             session: None,
             ttl,
@@ -280,7 +294,7 @@ impl ClientConnection {
         match &held.session {
             Some(key) => {
                 self.gateway.sessions.remove(key, &held.lease_id);
-                self.gateway.give_back(&held.lease_id).await;
+                self.gateway.give_back(&held.lease_id, &held.tenant).await;
             }
             None => {
                 let mut leases = self.leases.lock().await;
@@ -292,7 +306,7 @@ impl ClientConnection {
                     leases.remove(&host);
                 }
                 drop(leases);
-                self.gateway.give_back(&held.lease_id).await;
+                self.gateway.give_back(&held.lease_id, &held.tenant).await;
             }
         }
     }
@@ -314,7 +328,7 @@ impl ClientConnection {
             .collect();
         drop(leases);
         for held in released {
-            self.gateway.give_back(&held.lease_id).await;
+            self.gateway.give_back(&held.lease_id, &held.tenant).await;
         }
     }
 
@@ -323,7 +337,7 @@ impl ClientConnection {
         self.upstreams.lock().await.clear();
         let leases: Vec<Held> = self.leases.lock().await.drain().map(|(_, h)| h).collect();
         for held in leases {
-            self.gateway.give_back(&held.lease_id).await;
+            self.gateway.give_back(&held.lease_id, &held.tenant).await;
         }
     }
 }
@@ -386,11 +400,17 @@ impl Gateway {
                 && let Some(upstream) = self.usable(&session.proxy, &ask.target.host)
             {
                 let renewed = session.renewal_due(now);
-                let alive = !renewed || self.ledger.renew(&session.lease_id, ttl).await.is_ok();
+                let alive = !renewed
+                    || self
+                        .ledger
+                        .renew(&session.lease_id, &session.tenant, ttl)
+                        .await
+                        .is_ok();
                 if alive {
                     self.sessions.touch(&key, &session.lease_id, now, renewed);
                     let held = Held {
                         lease_id: session.lease_id,
+                        tenant: session.tenant,
                         proxy: session.proxy,
                         session: Some(key),
                         ttl,
@@ -402,7 +422,7 @@ impl Gateway {
                 }
             }
             self.sessions.remove(&key, &session.lease_id);
-            self.give_back(&session.lease_id).await;
+            self.give_back(&session.lease_id, &session.tenant).await;
             epoch = session.epoch.saturating_add(1);
             moved_from = Some(session.proxy);
         }
@@ -418,6 +438,7 @@ impl Gateway {
                         key.clone(),
                         Session {
                             lease_id: lease_id.clone(),
+                            tenant: ask.caller.tenant.name.clone(),
                             proxy: proxy.clone(),
                             selector,
                             epoch,
@@ -430,6 +451,7 @@ impl Gateway {
                     );
                     let held = Held {
                         lease_id,
+                        tenant: ask.caller.tenant.name.clone(),
                         proxy,
                         session: Some(key),
                         ttl,
@@ -439,7 +461,9 @@ impl Gateway {
                     };
                     return Ok((held, upstream));
                 }
-                Ok(Acquired::Unusable(lease_id)) => self.give_back(&lease_id).await,
+                Ok(Acquired::Unusable(lease_id)) => {
+                    self.give_back(&lease_id, ask.caller.tenant_name()).await;
+                }
                 // The epoch's ID answers a question asked differently (another sessionTTL).
                 Err(Refusal::Ledger(LedgerError::RequestIdReused { .. })) => {}
                 Err(refusal) => return Err(refusal),
@@ -449,7 +473,8 @@ impl Gateway {
         Err(Refusal::NoMatch(NoMatch::default()))
     }
 
-    /// Acquires a lease for `ask` (on none of `tried`), with `request` when it is a session's.
+    /// Acquires a lease for `ask` (on a proxy of its tenant's scope, none of `tried`), with
+    /// `request` when it is a session's.
     async fn acquire(
         &self,
         ask: &Ask,
@@ -457,7 +482,7 @@ impl Gateway {
         ttl: Duration,
         tried: &HashSet<String>,
     ) -> Result<Acquired, Refusal> {
-        let selector = Selector::from(ask.options.selector.clone());
+        let selector = ask.caller.tenant.narrow(&Selector::from(ask.options.selector.clone()));
         let snapshot = self.inventory.snapshot();
         let mut candidates = self
             .candidates
@@ -477,8 +502,10 @@ impl Gateway {
                 candidates,
                 target: Some(ask.target.host.clone()),
                 ttl,
+                session: ask.options.session.clone().filter(|_| request.is_some()),
                 request,
                 client: Some(ask.options.client.clone()).filter(|c| !c.is_empty()),
+                tenant: ask.caller.tenant.tenancy(),
             })
             .await
             .map_err(Refusal::Ledger)?;
@@ -488,6 +515,7 @@ impl Gateway {
             AcquireOutcome::Replayed(lease) if lease.state == LeaseState::Active => lease,
             AcquireOutcome::Replayed(lease) => return Ok(Acquired::Unusable(lease.id)),
             AcquireOutcome::NoMatch(no_match) => return Err(Refusal::NoMatch(no_match)),
+            AcquireOutcome::QuotaExceeded(refused) => return Err(Refusal::Quota(refused)),
         };
         if tried.contains(&lease.proxy.uid) {
             return Ok(Acquired::Unusable(lease.id));
@@ -498,10 +526,10 @@ impl Gateway {
         })
     }
 
-    /// Releases a lease the gateway no longer uses (logged when the ledger cannot take it:
-    /// the lease then expires by itself).
-    pub(super) async fn give_back(&self, lease_id: &str) {
-        if let Err(e) = self.ledger.release(lease_id).await {
+    /// Releases `tenant`'s lease the gateway no longer uses (logged when the ledger cannot
+    /// take it: the lease then expires by itself).
+    pub(super) async fn give_back(&self, lease_id: &str, tenant: &str) {
+        if let Err(e) = self.ledger.release(lease_id, tenant).await {
             log::warn!("gateway: releasing lease {lease_id} failed (it expires by itself): {e}");
         }
     }
@@ -517,7 +545,7 @@ pub(super) async fn release_idle_sessions(gateway: Arc<Gateway>, shutdown: Cance
             _ = ticker.tick() => {}
         }
         for (_, session) in gateway.sessions.take_idle(Instant::now()) {
-            gateway.give_back(&session.lease_id).await;
+            gateway.give_back(&session.lease_id, &session.tenant).await;
         }
     }
 }

@@ -62,8 +62,8 @@ pub(super) async fn close_on_drain(gateway: Arc<Gateway>, shutdown: Cancellation
         let snapshot = gateway.inventory.snapshot();
         let gone =
             |proxy: &ProxyId| snapshot.position(proxy).is_none() || snapshot.is_draining(proxy);
-        for lease_id in gateway.sessions.release_where(gone) {
-            gateway.give_back(&lease_id).await;
+        for (lease_id, tenant) in gateway.sessions.release_where(gone) {
+            gateway.give_back(&lease_id, &tenant).await;
         }
         for connection in gateway.upstreams.live() {
             connection.let_go_of(gone).await;

@@ -92,6 +92,7 @@ pub(super) async fn send(
             up,
             down: 0,
             metrics: gateway.metrics.clone(),
+            tenant: held.tenant.clone(),
             _busy: busy,
             _in_use: in_use,
         }
@@ -216,7 +217,11 @@ async fn answer(
             target: Some(ask.target.host.clone()),
             cooldown,
         };
-        match gateway.ledger.report(&held.lease_id, report).await {
+        match gateway
+            .ledger
+            .report(&held.lease_id, &held.tenant, report)
+            .await
+        {
             Ok(_) => {
                 gateway.metrics.banned(result);
                 reported = Some(result);
@@ -283,6 +288,7 @@ struct Relayed {
     up: u64,
     down: u64,
     metrics: GatewayMetrics,
+    tenant: std::sync::Arc<str>,
     _busy: Busy,
     _in_use: InUse,
 }
@@ -315,7 +321,7 @@ impl http_body::Body for Relayed {
 
 impl Drop for Relayed {
     fn drop(&mut self) {
-        self.metrics.relayed(self.up, self.down);
+        self.metrics.relayed(&self.tenant, self.up, self.down);
     }
 }
 

@@ -51,7 +51,10 @@ pub(super) async fn wait_for_pool(
     let now = Instant::now();
     match hold {
         None => {
-            let selector = Selector::from(ask.options.selector.clone());
+            let selector = ask
+                .caller
+                .tenant
+                .narrow(&Selector::from(ask.options.selector.clone()));
             let Some(waking) = gateway
                 .pools
                 .refused(gateway.ledger.as_ref(), &selector, no_match, None)

@@ -11,6 +11,7 @@ use prometheus::{
 use super::RequestOutcome;
 use crate::ledger::ReportResult;
 use crate::serving::sessions::Sessions;
+use crate::serving::tenants::TenantMetrics;
 
 /// Counters the gateway increments.
 #[derive(Clone, Debug)]
@@ -21,6 +22,8 @@ pub struct GatewayMetrics {
     retries: IntCounter,
     bans: IntCounterVec,
     held: HistogramVec,
+    /// The counters per tenant, shared with the lease API.
+    pub tenants: TenantMetrics,
 }
 
 /// Label value of a hold that ended with a member to relay through.
@@ -30,7 +33,11 @@ pub const HOLD_TIMED_OUT: &str = "timed_out";
 
 impl GatewayMetrics {
     /// Creates the metrics, registers them in `registry` with the gauge of `sessions`.
-    pub fn register(registry: &Registry, sessions: Sessions) -> Result<Self, prometheus::Error> {
+    pub fn register(
+        registry: &Registry,
+        sessions: Sessions,
+        tenants: TenantMetrics,
+    ) -> Result<Self, prometheus::Error> {
         let connections = IntCounter::new(
             "proxy_operator_gateway_connections_total",
             "Client connections the gateway accepted.",
@@ -108,6 +115,7 @@ impl GatewayMetrics {
             retries,
             bans,
             held,
+            tenants,
         })
     }
 
@@ -130,10 +138,11 @@ impl GatewayMetrics {
             .inc();
     }
 
-    /// Counts bytes relayed.
-    pub fn relayed(&self, up: u64, down: u64) {
+    /// Counts bytes relayed for `tenant`.
+    pub fn relayed(&self, tenant: &str, up: u64, down: u64) {
         self.bytes.with_label_values(&["up"]).inc_by(up);
         self.bytes.with_label_values(&["down"]).inc_by(down);
+        self.tenants.relayed(tenant, up, down);
     }
 
     /// Counts a try on another proxy.

@@ -78,6 +78,15 @@ pub const SESSION_MOVED_HEADER: &str = "x-proxy-session-moved";
 /// Header on a target's answer the gateway reported as a ban (`blocked`, `rate_limited`), so
 /// a crawler does not report it again.
 pub const BAN_REPORTED_HEADER: &str = "x-proxy-ban-reported";
+/// RFC 9209's header on every answer the gateway makes itself (a refusal, an error), never on
+/// a target's: `proxy-operator; details="<code>"`. A refusal for a tenant's quota is a `503`
+/// with `Retry-After` and `proxy-operator; error=http_request_denied;
+/// details="quota_exceeded"`: neither the status nor the header is a ban a target could send.
+pub const PROXY_STATUS: &str = "proxy-status";
+/// The gateway's name in `Proxy-Status`.
+const PROXY_STATUS_NAME: &str = "proxy-operator";
+/// The error code of a refusal for a tenant's quota.
+const QUOTA_EXCEEDED: &str = "quota_exceeded";
 
 /// The body of every gateway answer.
 pub type Body = BoxBody<Bytes, hyper::Error>;
@@ -211,11 +220,13 @@ pub enum RequestOutcome {
     Unavailable,
     /// 502: every upstream tried failed.
     UpstreamFailed,
+    /// 503 with `Proxy-Status` `quota_exceeded`: the caller's tenant is at a quota.
+    QuotaExceeded,
 }
 
 impl RequestOutcome {
     /// Every outcome.
-    pub const ALL: [RequestOutcome; 8] = [
+    pub const ALL: [RequestOutcome; 9] = [
         RequestOutcome::Tunneled,
         RequestOutcome::Forwarded,
         RequestOutcome::AuthRequired,
@@ -224,6 +235,7 @@ impl RequestOutcome {
         RequestOutcome::NoProxy,
         RequestOutcome::Unavailable,
         RequestOutcome::UpstreamFailed,
+        RequestOutcome::QuotaExceeded,
     ];
 
     /// The label value.
@@ -237,6 +249,7 @@ impl RequestOutcome {
             RequestOutcome::NoProxy => "no_proxy",
             RequestOutcome::Unavailable => "unavailable",
             RequestOutcome::UpstreamFailed => "upstream_failed",
+            RequestOutcome::QuotaExceeded => "quota_exceeded",
         }
     }
 }
@@ -361,7 +374,7 @@ impl ClientConnection {
             }
         };
         let ask = choice::Ask {
-            token: caller.token,
+            caller: caller.caller,
             options,
             target,
         };
@@ -382,7 +395,7 @@ impl Gateway {
             target: Some(target.to_owned()),
             cooldown: None,
         };
-        if let Err(e) = self.ledger.report(&held.lease_id, report).await {
+        if let Err(e) = self.ledger.report(&held.lease_id, &held.tenant, report).await {
             log::warn!("gateway: reporting lease {} failed: {e}", held.lease_id);
         }
     }
@@ -400,11 +413,19 @@ impl Gateway {
                     return;
                 }
                 let renewed = session.renewal_due(now)
-                    && self.ledger.renew(&held.lease_id, held.ttl).await.is_ok();
+                    && self
+                        .ledger
+                        .renew(&held.lease_id, &held.tenant, held.ttl)
+                        .await
+                        .is_ok();
                 self.sessions.touch(key, &held.lease_id, now, renewed);
             }
             None => {
-                if let Err(e) = self.ledger.renew(&held.lease_id, held.ttl).await {
+                if let Err(e) = self
+                    .ledger
+                    .renew(&held.lease_id, &held.tenant, held.ttl)
+                    .await
+                {
                     log::warn!("gateway: renewing lease {} failed: {e}", held.lease_id);
                 }
             }
@@ -418,7 +439,7 @@ impl Gateway {
                 self.sessions
                     .touch(key, &held.lease_id, std::time::Instant::now(), false);
             }
-            None => self.give_back(&held.lease_id).await,
+            None => self.give_back(&held.lease_id, &held.tenant).await,
         }
     }
 }
@@ -488,6 +509,14 @@ impl ClientConnection {
                     }
                     if let Some(hold) = hold {
                         gateway.metrics.held(HOLD_TIMED_OUT, hold.waited());
+                    }
+                    match &refused {
+                        Refusal::NoMatch(no_match) => {
+                            let tenant = ask.caller.tenant_name();
+                            gateway.metrics.tenants.no_match(tenant, no_match);
+                        }
+                        Refusal::Quota(refused) => gateway.metrics.tenants.quota_refused(refused),
+                        Refusal::Ledger(_) => {}
                     }
                     return Err(refusal(&refused, gateway.clock.now()));
                 }
@@ -621,14 +650,33 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
     json_response(status, &json!({"error": code, "message": message}))
 }
 
+/// An answer the gateway makes itself, never a target's: a JSON body whose `error` is its
+/// code, and a `Proxy-Status` header (RFC 9209) naming the gateway and that code, so a
+/// crawler tells it from anything a target answered (see `PROXY_STATUS`).
 fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
     let mut response = Response::new(full(body.to_string()));
     *response.status_mut() = status;
-    response.headers_mut().insert(
+    let headers = response.headers_mut();
+    headers.insert(
         hyper::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    if let Some(value) = body["error"]
+        .as_str()
+        .and_then(|code| HeaderValue::try_from(proxy_status(code)).ok())
+    {
+        headers.insert(PROXY_STATUS, value);
+    }
     response
+}
+
+/// The `Proxy-Status` of an answer the gateway made with error `code`: a refusal for a quota
+/// is RFC 9209's `http_request_denied`, the rest say only the code.
+fn proxy_status(code: &str) -> String {
+    match code {
+        QUOTA_EXCEEDED => format!("{PROXY_STATUS_NAME}; error=http_request_denied; details=\"{code}\""),
+        _ => format!("{PROXY_STATUS_NAME}; details=\"{code}\""),
+    }
 }
 
 /// A body from bytes.
@@ -643,6 +691,22 @@ fn full(bytes: impl Into<Bytes>) -> Body {
 fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (RequestOutcome, Response<Body>) {
     match refusal {
         Refusal::NoMatch(no_match) => (RequestOutcome::NoProxy, no_match_response(no_match, now)),
+        Refusal::Quota(refused) => {
+            let mut response = json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({
+                    "error": QUOTA_EXCEEDED,
+                    "message": refused.message(),
+                    "tenant": &*refused.tenant,
+                    "quota": refused.quota.as_str(),
+                    "limit": refused.limit,
+                    "burst": refused.burst,
+                    "retryAfterSeconds": retry_after::seconds(refused.retry_after),
+                }),
+            );
+            set_retry_after(&mut response, refused.retry_after);
+            (RequestOutcome::QuotaExceeded, response)
+        }
         Refusal::Ledger(LedgerError::Overloaded { retry_after })
         | Refusal::Ledger(LedgerError::Full { retry_after })
         | Refusal::Ledger(LedgerError::Unavailable { retry_after, .. }) => {

@@ -87,7 +87,7 @@ async fn relay(
         }
     };
     match result {
-        Some(Ok((up, down))) => gateway.metrics.relayed(up, down),
+        Some(Ok((up, down))) => gateway.metrics.relayed(&held.tenant, up, down),
         Some(Err(e)) => log::debug!("gateway: tunnel through {} ended: {e}", held.proxy),
         None => log::debug!("gateway: tunnel through {} cut at shutdown", held.proxy),
     }

@@ -4,7 +4,8 @@
 //! Each read is bounded whatever the history holds: the window's counts read at most the
 //! last [`SCAN_EVENTS`] events (by `seq`, the history's primary key, so the bound is a range
 //! of the key), the cooldowns at most [`MAX_COOLDOWNS`], and the events asked for at most
-//! [`MAX_EVENTS`]. The statements are the same text on both backends (`$n` parameters, which
+//! [`MAX_EVENTS`]. A read may be one tenant's only (its leases, reports and events; `NULL`:
+//! every tenant's). The statements are the same text on both backends (`$n` parameters, which
 //! SQLite binds by position), so the two cannot drift.
 
 use std::collections::BTreeMap;
@@ -20,10 +21,12 @@ pub const MAX_COOLDOWNS: i64 = 1_000;
 /// The most history events one read returns.
 pub const MAX_EVENTS: usize = 500;
 
-/// Acquires and reports per target among the newest `$1` events at or after `$2` (ms).
+/// Acquires and reports per target among the newest `$1` events at or after `$2` (ms), of
+/// tenant `$3` (`NULL`: every tenant).
 pub(crate) const TARGET_COUNTS_SQL: &str = "SELECT target, kind, result, COUNT(*) FROM lease_events \
      WHERE seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $1 AND at >= $2 \
      AND target IS NOT NULL AND kind IN ('acquired', 'reported') \
+     AND (CAST($3 AS TEXT) IS NULL OR tenant = $3) \
      GROUP BY target, kind, result";
 
 /// The cooldowns in force at `$1` (ms), ending last first, at most `$2`.
@@ -34,18 +37,27 @@ pub(crate) const COOLDOWNS_SQL: &str = "SELECT target, proxy_namespace, proxy_na
 macro_rules! event_columns {
     () => {
         "SELECT seq, at, lease_id, kind, proxy_namespace, proxy_name, target, result, reason, \
-         client FROM lease_events"
+         client, tenant FROM lease_events"
     };
 }
 
 /// The newest `$1` events.
 pub(crate) const EVENTS_SQL: &str = concat!(event_columns!(), " ORDER BY seq DESC LIMIT $1");
 
-/// The newest `$4` events of proxy `$1`/`$2` among the newest `$3`.
+/// The newest `$1` events of tenant `$2` among the newest `$3`.
+pub(crate) const TENANT_EVENTS_SQL: &str = concat!(
+    event_columns!(),
+    " WHERE tenant = $2 AND seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $3 \
+     ORDER BY seq DESC LIMIT $1"
+);
+
+/// The newest `$4` events of proxy `$1`/`$2` among the newest `$3`, of tenant `$5` (`NULL`:
+/// every tenant).
 pub(crate) const PROXY_EVENTS_SQL: &str = concat!(
     event_columns!(),
     " WHERE proxy_namespace = $1 AND proxy_name = $2 \
      AND seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $3 \
+     AND (CAST($5 AS TEXT) IS NULL OR tenant = $5) \
      ORDER BY seq DESC LIMIT $4"
 );
 
@@ -54,6 +66,8 @@ pub(crate) const PROXY_EVENTS_SQL: &str = concat!(
 pub struct EventsQuery {
     /// Only this proxy's (`namespace`, `name`), among the newest [`SCAN_EVENTS`]; all when `None`.
     pub proxy: Option<(String, String)>,
+    /// Only this tenant's (among the newest [`SCAN_EVENTS`]); every tenant's when `None`.
+    pub tenant: Option<String>,
     /// How many, newest first (capped at [`MAX_EVENTS`]).
     pub limit: usize,
 }
@@ -94,6 +108,8 @@ pub struct EventEntry {
     /// The crawler that took the lease (`acquired` events).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client: Option<String>,
+    /// The tenant that holds the lease.
+    pub tenant: String,
 }
 
 /// Reports on a target, by result.
@@ -212,6 +228,7 @@ mod tests {
         for (asked, bound) in [(0, 0), (100, 100), (MAX_EVENTS + 1, MAX_EVENTS as i64)] {
             let query = EventsQuery {
                 proxy: None,
+                tenant: None,
                 limit: asked,
             };
             assert_eq!(query.bound(), bound, "{asked}");

@@ -33,6 +33,8 @@ pub(crate) struct Event<'a> {
     pub kind: EventKind,
     pub at: i64,
     pub lease_id: &'a str,
+    /// The tenant that holds the lease.
+    pub tenant: &'a str,
     pub proxy: &'a ProxyId,
     pub target: Option<&'a str>,
     /// What a report said (`reported` events only).
@@ -47,12 +49,13 @@ pub(crate) struct Event<'a> {
 }
 
 impl<'a> Event<'a> {
-    /// A `kind` event at `at` on a lease expiring at `expires_at`, with none of the fields
-    /// that only some kinds carry.
+    /// A `kind` event at `at` on `tenant`'s lease expiring at `expires_at`, with none of the
+    /// fields that only some kinds carry.
     pub fn new(
         kind: EventKind,
         at: i64,
         lease_id: &'a str,
+        tenant: &'a str,
         proxy: &'a ProxyId,
         target: Option<&'a str>,
         expires_at: i64,
@@ -61,6 +64,7 @@ impl<'a> Event<'a> {
             kind,
             at,
             lease_id,
+            tenant,
             proxy,
             target,
             result: None,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
+use super::quota::{QuotaExceeded, Tenancy};
 use crate::resources::proxy::ProxyId;
 
 /// Where a lease is in its life.
@@ -145,8 +146,8 @@ pub(crate) fn new_lease_id(acquired_at_ms: i64) -> String {
     format!("{time:012x}{:032x}", rand::random::<u128>())
 }
 
-/// A lease on one proxy. Its ID is a capability: whoever holds it may renew, release and
-/// report on the lease.
+/// A lease on one proxy. Its ID is a capability: whoever holds it, within its tenant, may
+/// renew, release and report on the lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     /// Unguessable lease ID (time prefix and 128 random bits, 44 hex digits).
@@ -170,6 +171,10 @@ pub struct Lease {
     pub release_reason: Option<String>,
     /// The crawler that took it, when it said (free text).
     pub client: Option<String>,
+    /// The tenant that holds it: only that tenant's tokens see or change it.
+    pub tenant: String,
+    /// The gateway session it serves, if it does.
+    pub session: Option<String>,
 }
 
 /// A lease row's columns as a backend read them, turned into a [`Lease`] by one rule
@@ -188,6 +193,8 @@ pub(crate) struct LeaseRow<'a> {
     pub released_at: Option<i64>,
     pub release_reason: Option<String>,
     pub client: Option<String>,
+    pub tenant: String,
+    pub session: Option<String>,
 }
 
 /// A lease row that names no [`Lease`]: a state or a time no binary of ours wrote.
@@ -218,6 +225,8 @@ impl LeaseRow<'_> {
             released_at: self.released_at.map(timestamp).transpose()?,
             release_reason: self.release_reason,
             client: self.client,
+            tenant: self.tenant,
+            session: self.session,
         })
     }
 }
@@ -261,6 +270,11 @@ pub struct AcquireRequest {
     pub request: Option<RequestKey>,
     /// The crawler asking, when it says (recorded with the lease; free text).
     pub client: Option<String>,
+    /// The tenant asking: the lease is its, its request ID is looked up among its own, and
+    /// its quotas are checked.
+    pub tenant: Tenancy,
+    /// The gateway session the lease is for (its name), counted by the sessions quota.
+    pub session: Option<String>,
 }
 
 /// What a crawler observed on a lease, for [`Ledger::report`](super::Ledger::report).
@@ -303,7 +317,7 @@ pub struct RequestKey {
 }
 
 /// The result of an acquire.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum AcquireOutcome {
     /// A lease was granted and recorded.
     Granted(Lease),
@@ -312,6 +326,8 @@ pub enum AcquireOutcome {
     Replayed(Lease),
     /// No candidate could take a lease; why not.
     NoMatch(NoMatch),
+    /// The tenant is at one of its quotas: nothing was looked at.
+    QuotaExceeded(QuotaExceeded),
 }
 
 /// Why an acquire granted nothing. Every candidate is counted in exactly one bucket, in the
@@ -598,6 +614,8 @@ mod tests {
             released_at,
             release_reason: None,
             client: None,
+            tenant: "default".into(),
+            session: None,
         };
         let cases = [
             (

@@ -23,8 +23,12 @@
 //!   caller was given survives a crash of the process.
 //! - **Retention**: a finished lease is kept for the cooldown window, so a late `rate_limited`
 //!   report still lands and a request ID still replays.
-//! - **Idempotent acquire**: an acquire may carry a request ID and a fingerprint of the request
-//!   (computed by the API). While the lease that ID got is within its window — until the lease's
+//! - **Tenants**: every lease belongs to the tenant that acquired it. Reads, renews, reports
+//!   and releases name their tenant, and another tenant's lease is answered exactly as an
+//!   unknown one. An acquire is held to its tenant's quotas (`quota`) where capacity is
+//!   decided; a refusal for a quota looks at no candidate.
+//! - **Idempotent acquire**: an acquire may carry a request ID (one tenant's IDs are apart
+//!   from another's) and a fingerprint of the request (computed by the API). While the lease that ID got is within its window — until the lease's
 //!   `expires_at`, which a renew moves and a release does not shorten — the same ID with the
 //!   same fingerprint answers [`AcquireOutcome::Replayed`] with that lease as it is now (possibly
 //!   released), and with a different fingerprint [`LedgerError::RequestIdReused`]. After the
@@ -49,6 +53,7 @@ mod lease;
 mod location;
 mod migration;
 mod postgres;
+mod quota;
 mod selection;
 mod sqlite;
 mod target_hold;
@@ -70,6 +75,9 @@ pub use lease::{
     NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
 };
 pub use location::LedgerLocation;
+pub use quota::{
+    Bucket, DEFAULT_TENANT, QuotaExceeded, QuotaKind, Quotas, Rate, Tenancy, TenantUsage,
+};
 pub use postgres::{
     COUNTS_REFRESH, POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector,
     PostgresOptions,
@@ -114,13 +122,14 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// [`LedgerError::Overloaded`] means nothing was decided: retry.
     async fn acquire(&self, request: AcquireRequest) -> Result<AcquireOutcome, LedgerError>;
 
-    /// Extends an active lease to `ttl` from now (capped), for sticky sessions. Released and
-    /// expired leases cannot be renewed ([`LedgerError::NotActive`]).
-    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError>;
+    /// Extends `tenant`'s active lease to `ttl` from now (capped), for sticky sessions.
+    /// Released and expired leases cannot be renewed ([`LedgerError::NotActive`]); another
+    /// tenant's is [`LedgerError::UnknownLease`].
+    async fn renew(&self, id: &str, tenant: &str, ttl: Duration) -> Result<Lease, LedgerError>;
 
-    /// Gives a lease back. Idempotent: releasing a released, expired or unknown lease does
-    /// nothing and succeeds.
-    async fn release(&self, id: &str) -> Result<(), LedgerError>;
+    /// Gives `tenant`'s lease back. Idempotent: releasing a released, expired or unknown
+    /// lease, or another tenant's, does nothing and succeeds.
+    async fn release(&self, id: &str, tenant: &str) -> Result<(), LedgerError>;
 
     /// Ends at once every lease of the proxy with UID `proxy_uid` that counts towards its
     /// capacity, because the operator lost, stopped or deleted its machine: each becomes
@@ -137,12 +146,18 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// `a-z 0-9 _ - .`), else [`LedgerError::InvalidReason`].
     async fn end_leases(&self, proxy_uid: &str, reason: &str) -> Result<u64, LedgerError>;
 
-    /// Records what a crawler observed on a lease, in any state as long as it is retained.
+    /// Records what a crawler observed on `tenant`'s lease, in any state as long as it is
+    /// retained (another tenant's is [`LedgerError::UnknownLease`]).
     /// `rate_limited` and `blocked` put (proxy, target) into cooldown, for as long as the report
     /// asks (at most `max_cooldown`) or `cooldown`; the target defaults to the lease's target,
     /// and without either no cooldown can be keyed, so only the report is recorded. Returns the
     /// lease.
-    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError>;
+    async fn report(
+        &self,
+        id: &str,
+        tenant: &str,
+        report: LeaseReport,
+    ) -> Result<Lease, LedgerError>;
 
     /// Marks leases past their expiry as expired (one `expired` event each, timed at the
     /// expiry), deletes finished leases whose expiry is older than the cooldown window (their
@@ -167,16 +182,22 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError>;
 
     /// Acquires and reports per target over the last `window` at the ledger's clock (among
-    /// the newest [`SCAN_EVENTS`] events), and the cooldowns in force (at most
-    /// [`MAX_COOLDOWNS`]): what the status page shows per target. A read, on any replica.
-    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError>;
+    /// the newest [`SCAN_EVENTS`] events), of `tenant` (`None`: every tenant), and the
+    /// cooldowns in force (at most [`MAX_COOLDOWNS`]; every tenant's: a ban is shared): what
+    /// the status page shows per target. A read, on any replica.
+    async fn activity(
+        &self,
+        window: Duration,
+        tenant: Option<String>,
+    ) -> Result<Activity, LedgerError>;
 
     /// The newest history events, of every proxy or of one, newest first.
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError>;
 
-    /// The lease with this ID, if it is still retained, as recorded. A lease past its expiry
-    /// reads as expired even before the sweep marks it.
-    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError>;
+    /// `tenant`'s lease with this ID, if it is still retained, as recorded (`None` for
+    /// another tenant's). A lease past its expiry reads as expired even before the sweep marks
+    /// it.
+    async fn get(&self, id: &str, tenant: &str) -> Result<Option<Lease>, LedgerError>;
 
     /// Whether this replica can serve leases (`/readyz` answers 503 on an error).
     ///

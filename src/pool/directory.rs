@@ -46,6 +46,11 @@ pub struct PoolEntry {
 }
 
 impl PoolEntry {
+    /// The pool's namespace (the first part of its key): its members are created there.
+    pub fn namespace(&self) -> &str {
+        self.key.split_once('/').map_or("", |(namespace, _)| namespace)
+    }
+
     /// The entry of `pool`.
     pub fn of(pool: &ProxyPool) -> Self {
         let autoscaling = pool.spec.autoscaling.as_ref();
@@ -117,7 +122,7 @@ impl PoolDirectory {
             .clone();
         pools
             .iter()
-            .filter(|p| selector.matches(Some(&p.labels)))
+            .filter(|p| selector.matches(p.namespace(), Some(&p.labels)))
             .cloned()
             .collect()
     }

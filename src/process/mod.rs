@@ -112,7 +112,8 @@ impl Core {
         let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
         let sessions = Sessions::default();
         let gateway_metrics =
-            GatewayMetrics::register(&registry, sessions.clone()).map_err(metric_error)?;
+            GatewayMetrics::register(&registry, sessions.clone(), lease_metrics.tenants.clone())
+                .map_err(metric_error)?;
         let ledger_error = |e: LedgerError| StartError::from_display("--ledger", e);
         let ledger: Arc<dyn Ledger> = match &common.ledger {
             LedgerLocation::Sqlite(path) => {

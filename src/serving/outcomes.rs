@@ -465,13 +465,14 @@ impl Outcomes {
         proxies
     }
 
-    /// Every proxy's outcomes summed over the last `minutes` (at most the hour; the minute
-    /// holding now included): the fleet's recent traffic.
-    pub fn recent(&self, minutes: i64) -> OutcomeCounts {
+    /// The outcomes of the proxies `include` picks, summed over the last `minutes` (at most
+    /// the hour; the minute holding now included): the fleet's (or a tenant's scope's) recent
+    /// traffic.
+    pub fn recent(&self, minutes: i64, include: impl Fn(&ProxyId) -> bool) -> OutcomeCounts {
         let now = self.minute();
         let guard = lock(&self.shared.proxies);
         let mut sum = OutcomeCounts::default();
-        for window in guard.windows.values() {
+        for (_, window) in guard.windows.iter().filter(|(id, _)| include(id)) {
             sum.add(&window.counts_within(now, minutes));
         }
         sum

@@ -68,6 +68,8 @@ impl Drop for InUse {
 pub struct Session {
     /// The lease.
     pub lease_id: String,
+    /// The tenant of the token that opened it: the lease is that tenant's.
+    pub tenant: Arc<str>,
     /// Its proxy.
     pub proxy: ProxyId,
     /// The canonical selector it was acquired with; another selector is another session.
@@ -167,18 +169,27 @@ impl Sessions {
     }
 
     /// Marks every session whose proxy `gone` says is draining or gone and that nothing uses
-    /// as released, and returns their leases for the caller to give back. The sessions stay in
-    /// the table, so their next use moves and says from where.
-    pub fn release_where(&self, gone: impl Fn(&ProxyId) -> bool) -> Vec<String> {
+    /// as released, and returns their leases (with their tenants) for the caller to give back.
+    /// The sessions stay in the table, so their next use moves and says from where.
+    pub fn release_where(&self, gone: impl Fn(&ProxyId) -> bool) -> Vec<(String, Arc<str>)> {
         let mut table = self.lock();
         table
             .values_mut()
             .filter(|s| !s.released && s.uses.idle() && gone(&s.proxy))
             .map(|s| {
                 s.released = true;
-                s.lease_id.clone()
+                (s.lease_id.clone(), s.tenant.clone())
             })
             .collect()
+    }
+
+    /// Sessions in the table per tenant.
+    pub fn per_tenant(&self) -> HashMap<Arc<str>, usize> {
+        let mut counts: HashMap<Arc<str>, usize> = HashMap::new();
+        for session in self.lock().values() {
+            *counts.entry(session.tenant.clone()).or_default() += 1;
+        }
+        counts
     }
 
     /// Takes out every session idle at `now` that nothing uses; their leases are for the
@@ -213,7 +224,7 @@ mod tests {
 
     fn token(text: &str) -> TokenId {
         let set = TokenSet::single(text.as_bytes(), "t").unwrap();
-        ApiToken::new(set).check(text.as_bytes()).unwrap()
+        ApiToken::new(set).check(text.as_bytes()).unwrap().token
     }
 
     fn key(token_text: &str, name: &str) -> SessionKey {
@@ -226,6 +237,7 @@ mod tests {
     fn session(lease: &str, at: Instant) -> Session {
         Session {
             lease_id: lease.into(),
+            tenant: "default".into(),
             proxy: ProxyId {
                 namespace: "crawl".into(),
                 name: "p".into(),

@@ -1,8 +1,13 @@
 //! The status page's JSON routes (`/v1/status/...`, in the OpenAPI document) and the
 //! gathering both they and the pages use: each reads the process's in-memory state and at
 //! most one bounded ledger read, and hands it to the pure builders of [`super::view`].
+//!
+//! Every view is the viewer's tenant's: the proxies (and pools) in its scope, its own leases,
+//! reports and events, its gateway sessions. The default tenant (the token file's tokens)
+//! sees every tenant's; the per-target success rates, counted for the whole fleet, are shown
+//! to it only.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use actix_web::{HttpResponse, web};
 use serde::Deserialize;
@@ -15,6 +20,7 @@ use super::view::{
 use crate::api::{ApiError, ApiState, ErrorBody};
 use crate::ledger::{EventsQuery, MAX_EVENTS};
 use crate::resources::proxy::ProxyId;
+use crate::serving::tenants::{Caller, Tenant};
 
 /// Lease events a proxy's page lists.
 const PROXY_EVENTS: usize = 50;
@@ -24,6 +30,17 @@ const DEFAULT_EVENTS: usize = 100;
 
 fn ledger_error(state: &ApiState, error: crate::ledger::LedgerError) -> ApiError {
     crate::api::ledger_error(state, "status", error)
+}
+
+/// The proxies of the inventory in `tenant`'s scope.
+fn in_scope(state: &ApiState, tenant: &Tenant) -> HashSet<ProxyId> {
+    state
+        .inventory
+        .snapshot()
+        .entries()
+        .filter(|(id, proxy)| tenant.sees(id, proxy.metadata.labels.as_ref()))
+        .map(|(id, _)| id.clone())
+        .collect()
 }
 
 /// Every proxy's row, with the figures an hour of outcomes and the cooldowns in force give;
@@ -47,62 +64,121 @@ fn figures_then<T>(
     build(&snapshot, &figures)
 }
 
-/// The fleet view.
-pub fn fleet_view(state: &ApiState) -> FleetView {
-    let cooldowns = HashMap::new();
-    let rows = figures_then(state, &cooldowns, |snapshot, figures| {
+/// The fleet view of `tenant`: the whole fleet, or the proxies, pools, cooldowns and gateway
+/// traffic of its scope and its own sessions.
+pub async fn fleet_view(state: &ApiState, tenant: &Tenant) -> Result<FleetView, ApiError> {
+    let no_cooldowns = HashMap::new();
+    let rows = figures_then(state, &no_cooldowns, |snapshot, figures| {
         snapshot
             .entries()
+            .filter(|(id, proxy)| tenant.sees(id, proxy.metadata.labels.as_ref()))
             .map(|(id, proxy)| view::proxy_row(id, proxy, figures))
             .collect::<Vec<_>>()
     });
-    let window = state
-        .outcomes
-        .recent(i64::try_from(view::GATEWAY_WINDOW.as_secs() / 60).unwrap_or(5));
-    let gateway = view::gateway_figures(state.sessions.len(), &window);
-    let cooldowns = state.ledger.counts().cooldowns_active();
-    view::fleet_view(&rows, cooldowns, gateway, &state.pools.entries())
+    let minutes = i64::try_from(view::GATEWAY_WINDOW.as_secs() / 60).unwrap_or(5);
+    let pools = state.pools.entries();
+    if tenant.sees_everything() && tenant.sees_every_tenant() {
+        let window = state.outcomes.recent(minutes, |_| true);
+        let gateway = view::gateway_figures(state.sessions.len(), &window);
+        let cooldowns = state.ledger.counts().cooldowns_active();
+        return Ok(view::fleet_view(&rows, cooldowns, gateway, &pools));
+    }
+    let visible = in_scope(state, tenant);
+    let window = state.outcomes.recent(minutes, |id| visible.contains(id));
+    let sessions = state
+        .sessions
+        .per_tenant()
+        .get(&tenant.name)
+        .copied()
+        .unwrap_or(0);
+    let gateway = view::gateway_figures(sessions, &window);
+    let activity = state
+        .ledger
+        .activity(view::HOUR, tenant.history_filter())
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    let cooldowns = activity
+        .cooldowns
+        .iter()
+        .filter(|c| visible.iter().any(|id| id.namespace == c.namespace && id.name == c.name))
+        .count();
+    let pools: Vec<_> = pools
+        .iter()
+        .filter(|pool| tenant.scope.matches(pool.namespace(), Some(&pool.labels)))
+        .cloned()
+        .collect();
+    Ok(view::fleet_view(
+        &rows,
+        u64::try_from(cooldowns).unwrap_or(u64::MAX),
+        gateway,
+        &pools,
+    ))
 }
 
-/// The proxies view for `filter`.
+/// The proxies view for `filter`, within `tenant`'s scope.
 pub async fn proxies_view(
     state: &ApiState,
+    tenant: &Tenant,
     filter: &ProxiesFilter,
 ) -> Result<ProxiesView, ApiError> {
     let activity = state
         .ledger
-        .activity(view::HOUR)
+        .activity(view::HOUR, tenant.history_filter())
         .await
         .map_err(|e| ledger_error(state, e))?;
     let cooldowns = view::cooldowns_by_proxy(&activity);
+    let filter = filter.within(tenant);
     Ok(figures_then(state, &cooldowns, |snapshot, figures| {
-        view::proxies_view(snapshot, filter, figures)
+        view::proxies_view(snapshot, &filter, figures)
     }))
 }
 
-/// The per-target view.
-pub async fn targets_view(state: &ApiState) -> Result<TargetsView, ApiError> {
-    let activity = state
+/// The per-target view of `tenant`: its leases and reports, and the cooldowns of the proxies
+/// in its scope (the fleet's success rates per target for the default tenant only).
+pub async fn targets_view(state: &ApiState, tenant: &Tenant) -> Result<TargetsView, ApiError> {
+    let mut activity = state
         .ledger
-        .activity(view::HOUR)
+        .activity(view::HOUR, tenant.history_filter())
         .await
         .map_err(|e| ledger_error(state, e))?;
-    Ok(view::targets_view(&activity, &state.outcomes.targets()))
+    if !tenant.sees_everything() {
+        let visible = in_scope(state, tenant);
+        activity.cooldowns.retain(|c| {
+            visible
+                .iter()
+                .any(|id| id.namespace == c.namespace && id.name == c.name)
+        });
+    }
+    let outcomes = match tenant.sees_every_tenant() {
+        true => state.outcomes.targets(),
+        false => Vec::new(),
+    };
+    Ok(view::targets_view(&activity, &outcomes))
 }
 
-/// The newest `limit` lease events.
-pub async fn events_view(state: &ApiState, limit: usize) -> Result<EventsView, ApiError> {
+/// The newest `limit` lease events `tenant` may see.
+pub async fn events_view(
+    state: &ApiState,
+    tenant: &Tenant,
+    limit: usize,
+) -> Result<EventsView, ApiError> {
     let events = state
         .ledger
-        .events(EventsQuery { proxy: None, limit })
+        .events(EventsQuery {
+            proxy: None,
+            tenant: tenant.history_filter(),
+            limit,
+        })
         .await
         .map_err(|e| ledger_error(state, e))?;
     Ok(EventsView { events })
 }
 
-/// One proxy's view; `None` for a proxy the inventory does not hold.
+/// One proxy's view; `None` for a proxy the inventory does not hold, or that is outside
+/// `tenant`'s scope.
 pub async fn proxy_detail(
     state: &ApiState,
+    tenant: &Tenant,
     namespace: &str,
     name: &str,
 ) -> Result<Option<ProxyDetail>, ApiError> {
@@ -110,6 +186,7 @@ pub async fn proxy_detail(
     let Some((id, proxy)) = snapshot
         .entries()
         .find(|(id, _)| id.namespace == namespace && id.name == name)
+        .filter(|(id, proxy)| tenant.sees(id, proxy.metadata.labels.as_ref()))
         .map(|(id, proxy)| (id.clone(), proxy.clone()))
     else {
         return Ok(None);
@@ -118,13 +195,14 @@ pub async fn proxy_detail(
         .ledger
         .events(EventsQuery {
             proxy: Some((namespace.to_owned(), name.to_owned())),
+            tenant: tenant.history_filter(),
             limit: PROXY_EVENTS,
         })
         .await
         .map_err(|e| ledger_error(state, e))?;
     let activity = state
         .ledger
-        .activity(view::HOUR)
+        .activity(view::HOUR, tenant.history_filter())
         .await
         .map_err(|e| ledger_error(state, e))?;
     let cooldowns = view::cooldowns_by_proxy(&activity);
@@ -174,11 +252,15 @@ impl EventsParams {
     responses(
         (status = 200, description = "The fleet", body = FleetView),
         (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read (a tenant's view reads its cooldowns there)", body = ErrorBody),
     ),
     security(("bearer" = []), ("session" = []))
 )]
-pub async fn fleet(state: web::Data<ApiState>) -> HttpResponse {
-    HttpResponse::Ok().json(fleet_view(&state))
+pub async fn fleet(
+    state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(fleet_view(&state, &caller.tenant).await?))
 }
 
 /// Proxies, filtered, sorted and paged, with an hour of outcomes each.
@@ -197,12 +279,13 @@ pub async fn fleet(state: web::Data<ApiState>) -> HttpResponse {
 )]
 pub async fn proxies(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     query: web::Query<ProxiesQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let filter = query
         .check()
         .map_err(|e| ApiError::bad_request("invalid_query", e.to_string()))?;
-    Ok(HttpResponse::Ok().json(proxies_view(&state, &filter).await?))
+    Ok(HttpResponse::Ok().json(proxies_view(&state, &caller.tenant, &filter).await?))
 }
 
 /// One proxy: its row, labels, conditions, last probe, lease events and Kubernetes Events.
@@ -224,10 +307,11 @@ pub async fn proxies(
 )]
 pub async fn proxy(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, ApiError> {
     let (namespace, name) = path.into_inner();
-    match proxy_detail(&state, &namespace, &name).await? {
+    match proxy_detail(&state, &caller.tenant, &namespace, &name).await? {
         Some(detail) => Ok(HttpResponse::Ok().json(detail)),
         None => Err(unknown_proxy(&namespace, &name)),
     }
@@ -255,8 +339,11 @@ pub fn unknown_proxy(namespace: &str, name: &str) -> ApiError {
     ),
     security(("bearer" = []), ("session" = []))
 )]
-pub async fn targets(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
-    Ok(HttpResponse::Ok().json(targets_view(&state).await?))
+pub async fn targets(
+    state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(targets_view(&state, &caller.tenant).await?))
 }
 
 /// The newest lease events of the ledger's history.
@@ -275,8 +362,9 @@ pub async fn targets(state: web::Data<ApiState>) -> Result<HttpResponse, ApiErro
 )]
 pub async fn events(
     state: web::Data<ApiState>,
+    caller: web::ReqData<Caller>,
     query: web::Query<EventsParams>,
 ) -> Result<HttpResponse, ApiError> {
     let limit = query.limit()?;
-    Ok(HttpResponse::Ok().json(events_view(&state, limit).await?))
+    Ok(HttpResponse::Ok().json(events_view(&state, &caller.tenant, limit).await?))
 }

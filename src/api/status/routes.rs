@@ -8,7 +8,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::middleware::Next;
-use actix_web::{Error, HttpRequest, HttpResponse, HttpResponseBuilder, ResponseError, web};
+use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, ResponseError, web};
 use maud::Markup;
 use serde::Deserialize;
 
@@ -17,6 +17,7 @@ use super::pages::{self, Access};
 use super::session;
 use super::view::ProxiesQuery;
 use crate::api::{ApiError, ApiState};
+use crate::serving::tenants::Caller;
 use crate::serving::tokens::ApiToken;
 
 /// What every page and asset is served with: only this origin's own script, style and data,
@@ -32,42 +33,55 @@ fn now_ms(state: &ApiState) -> i64 {
     state.clock.now().as_millisecond()
 }
 
-/// How this request may see the page: signed in by cookie, open (`--insecure-no-auth`), or
-/// not at all. `bearer` also accepts an `Authorization: Bearer` token (the JSON routes).
-fn access(req: &HttpRequest, token: &ApiToken, now_ms: i64, bearer: bool) -> Option<Access> {
-    if !token.is_required() {
-        return Some(Access::Open);
-    }
-    if bearer
-        && token
-            .bearer(
-                req.headers()
-                    .get(header::AUTHORIZATION)
-                    .map(|h| h.as_bytes()),
-            )
-            .is_some()
-    {
-        return Some(Access::SignedIn);
-    }
-    let cookie = req.cookie(session::COOKIE)?;
-    session::open(token, cookie.value(), now_ms).map(|_| Access::SignedIn)
+/// Who is looking at the page: how they got in, and the caller (a token's identity and its
+/// tenant) whose scope the page shows.
+struct Viewer {
+    access: Access,
+    caller: Caller,
 }
 
-/// Middleware of the JSON routes: a bearer token or a session cookie, else 401. Only these
-/// read-only routes take the cookie; every other `/v1` route takes only a bearer token.
+/// How this request may see the page: signed in by cookie, open (`--insecure-no-auth`), or
+/// not at all. `bearer` also accepts an `Authorization: Bearer` token (the JSON routes).
+fn access(req: &HttpRequest, token: &ApiToken, now_ms: i64, bearer: bool) -> Option<Viewer> {
+    let authorization = req.headers().get(header::AUTHORIZATION).map(|h| h.as_bytes());
+    if !token.is_required() {
+        let caller = token.bearer(authorization)?;
+        return Some(Viewer {
+            access: Access::Open,
+            caller,
+        });
+    }
+    if bearer && let Some(caller) = token.bearer(authorization) {
+        return Some(Viewer {
+            access: Access::SignedIn,
+            caller,
+        });
+    }
+    let cookie = req.cookie(session::COOKIE)?;
+    let id = session::open(token, cookie.value(), now_ms)?;
+    Some(Viewer {
+        access: Access::SignedIn,
+        caller: token.caller(&id)?,
+    })
+}
+
+/// Middleware of the JSON routes: a bearer token or a session cookie, else 401; the caller
+/// goes with the request, so the data is its tenant's. Only these read-only routes take the
+/// cookie; every other `/v1` route takes only a bearer token.
 pub async fn require_viewer(
     req: ServiceRequest,
     next: Next<BoxBody>,
 ) -> Result<ServiceResponse<BoxBody>, Error> {
-    let allowed = match (
+    let viewer = match (
         req.app_data::<web::Data<ApiToken>>(),
         req.app_data::<web::Data<ApiState>>(),
     ) {
-        (Some(token), Some(state)) => access(req.request(), token, now_ms(state), true).is_some(),
+        (Some(token), Some(state)) => access(req.request(), token, now_ms(state), true),
         // Not wired: fail closed.
-        _ => false,
+        _ => None,
     };
-    if allowed {
+    if let Some(viewer) = viewer {
+        req.extensions_mut().insert(viewer.caller);
         return next.call(req).await;
     }
     let mut response = ApiError::new(
@@ -116,7 +130,7 @@ fn failed(error: &ApiError, access: Access) -> HttpResponse {
 }
 
 /// Who may see a page (`None`: send them to [`to_sign_in`]).
-fn viewer(req: &HttpRequest, state: &ApiState, token: &ApiToken) -> Option<Access> {
+fn viewer(req: &HttpRequest, state: &ApiState, token: &ApiToken) -> Option<Viewer> {
     access(req, token, now_ms(state), false)
 }
 
@@ -131,13 +145,13 @@ pub async fn fleet(
     state: web::Data<ApiState>,
     token: web::Data<ApiToken>,
 ) -> HttpResponse {
-    let Some(access) = viewer(&req, &state, &token) else {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    page(
-        StatusCode::OK,
-        pages::fleet(&data::fleet_view(&state), access),
-    )
+    match data::fleet_view(&state, &caller.tenant).await {
+        Ok(view) => page(StatusCode::OK, pages::fleet(&view, access)),
+        Err(e) => failed(&e, access),
+    }
 }
 
 /// `GET /proxies`: the proxies table.
@@ -146,7 +160,7 @@ pub async fn proxies(
     state: web::Data<ApiState>,
     token: web::Data<ApiToken>,
 ) -> HttpResponse {
-    let Some(access) = viewer(&req, &state, &token) else {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
     let query = web::Query::<ProxiesQuery>::from_query(req.query_string())
@@ -159,7 +173,7 @@ pub async fn proxies(
         Ok(filter) => filter,
         Err(e) => return failed(&e, access),
     };
-    match data::proxies_view(&state, &filter).await {
+    match data::proxies_view(&state, &caller.tenant, &filter).await {
         Ok(view) => page(StatusCode::OK, pages::proxies(&view, &filter, access)),
         Err(e) => failed(&e, access),
     }
@@ -173,10 +187,10 @@ pub async fn proxy(
     path: web::Path<(String, String)>,
 ) -> HttpResponse {
     let (namespace, name) = path.into_inner();
-    let Some(access) = viewer(&req, &state, &token) else {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::proxy_detail(&state, &namespace, &name).await {
+    match data::proxy_detail(&state, &caller.tenant, &namespace, &name).await {
         Ok(Some(view)) => page(StatusCode::OK, pages::proxy(&view, access)),
         Ok(None) => failed(&data::unknown_proxy(&namespace, &name), access),
         Err(e) => failed(&e, access),
@@ -189,10 +203,10 @@ pub async fn targets(
     state: web::Data<ApiState>,
     token: web::Data<ApiToken>,
 ) -> HttpResponse {
-    let Some(access) = viewer(&req, &state, &token) else {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::targets_view(&state).await {
+    match data::targets_view(&state, &caller.tenant).await {
         Ok(view) => page(StatusCode::OK, pages::targets(&view, access)),
         Err(e) => failed(&e, access),
     }
@@ -204,10 +218,10 @@ pub async fn events(
     state: web::Data<ApiState>,
     token: web::Data<ApiToken>,
 ) -> HttpResponse {
-    let Some(access) = viewer(&req, &state, &token) else {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::events_view(&state, 100).await {
+    match data::events_view(&state, &caller.tenant, 100).await {
         Ok(view) => page(StatusCode::OK, pages::events(&view, access)),
         Err(e) => failed(&e, access),
     }
@@ -262,7 +276,7 @@ pub async fn sign_in(
     }
     let sealed = token
         .check(form.token.trim().as_bytes())
-        .and_then(|id| session::seal(&token, &id, now_ms(&state)));
+        .and_then(|caller| session::seal(&token, &caller.token, now_ms(&state)));
     let Some(value) = sealed else {
         return page(
             StatusCode::UNAUTHORIZED,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
+use crate::serving::tenants::Tenant;
 use crate::health::ProxyHealth;
 use crate::inventory::InventorySnapshot;
 use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
@@ -245,6 +246,14 @@ impl ProxiesQuery {
 }
 
 impl ProxiesFilter {
+    /// The filter narrowed to `tenant`'s scope: its proxies only, whatever the label asked.
+    pub fn within(&self, tenant: &Tenant) -> ProxiesFilter {
+        ProxiesFilter {
+            selector: tenant.narrow(&self.selector),
+            ..self.clone()
+        }
+    }
+
     /// The name filter as given (empty: none).
     pub fn name(&self) -> &str {
         &self.name
@@ -381,7 +390,9 @@ pub fn proxies_view(
         .entries()
         .filter(|(id, proxy)| {
             (filter.name.is_empty() || id.key().contains(&filter.name))
-                && filter.selector.matches(proxy.metadata.labels.as_ref())
+                && filter
+                    .selector
+                    .matches(&id.namespace, proxy.metadata.labels.as_ref())
         })
         .map(|(id, proxy)| proxy_row(id, proxy, figures))
         .collect();

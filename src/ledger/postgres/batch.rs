@@ -7,9 +7,11 @@
 //! cooldown started) is decided again in the next batch, on loads read from the database:
 //! nothing is refused because of a lock.
 //!
-//! Batches without request IDs or per-target limits (the common case) are checked by the
-//! insert itself, so BEGIN, the locks, the insert and COMMIT go out together: one round trip.
-//! The others are checked here, between the locks and the insert (three).
+//! Batches without request IDs, per-target limits or tenants' quotas (the common case) are
+//! checked by the insert itself, so BEGIN, the locks, the insert and COMMIT go out together:
+//! one round trip. The others are checked here, between the locks and the insert (three).
+//! A tenant's quotas are decided under its row of `tenant_quotas`, locked before any proxy
+//! (in name order, so replicas never deadlock), which also holds its token bucket.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
@@ -27,6 +29,7 @@ use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{
     AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseRow, LeaseState,
 };
+use crate::ledger::quota::{self, Bucket, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
 use crate::resources::proxy::ProxyId;
@@ -64,6 +67,8 @@ struct Planned {
     candidate: usize,
     uid: String,
     target: Option<String>,
+    /// Its tenant has a quota: it is checked under the tenant's lock.
+    quota: bool,
 }
 
 impl Planned {
@@ -78,15 +83,37 @@ type Result<T> = std::result::Result<T, StoreError>;
 /// The counting leases of every proxy that has one.
 const LOADS: &str = "SELECT proxy_uid, count(*), min(expires_at) FROM leases \
      WHERE state = 'active' AND expires_at > $1 GROUP BY proxy_uid";
-/// The request IDs whose window is open, with the leases they name (their columns first).
+/// The request IDs (`$1`, of the tenants `$3` at the same positions) whose window is open,
+/// with the leases they name (their columns first).
 static OPEN_REQUESTS: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {}, r.request_id, r.lease_id, r.fingerprint FROM acquire_requests r \
+        "SELECT {}, r.tenant, r.request_id, r.lease_id, r.fingerprint FROM acquire_requests r \
          LEFT JOIN leases l ON l.id = r.lease_id \
-         WHERE r.request_id = ANY($1) AND r.expires_at > $2",
+         WHERE (r.tenant, r.request_id) IN (SELECT * FROM unnest($3::text[], $1::text[])) \
+         AND r.expires_at > $2",
         store::lease_columns_of("l")
     )
 });
+/// The position of `r.tenant` in a row of [`OPEN_REQUESTS`]: after the lease's columns.
+const OPEN_REQUEST_TENANT: usize = 14;
+/// What each tenant (`$1`) holds: its counting leases, those of them a session's, and the
+/// earliest expiry of each.
+const TENANT_USAGE: &str = "SELECT tenant, count(*), count(session), min(expires_at), \
+     min(expires_at) FILTER (WHERE session IS NOT NULL) FROM leases \
+     WHERE tenant = ANY($1) AND state = 'active' AND expires_at > $2 GROUP BY tenant";
+/// The tenants' token buckets.
+const TENANT_BUCKETS: &str =
+    "SELECT tenant, tokens, refilled_at FROM tenant_quotas WHERE tenant = ANY($1)";
+/// Locks the tenants' rows, in order (a new row starts with a full bucket: `$3`, at `$2`),
+/// returning their buckets.
+const LOCK_TENANTS: &str = "INSERT INTO tenant_quotas (tenant, tokens, refilled_at, acquires) \
+     SELECT t, b, $2, 1 FROM unnest($1::text[], $3::float8[]) AS x(t, b) ORDER BY t \
+     ON CONFLICT (tenant) DO UPDATE SET acquires = tenant_quotas.acquires + 1 \
+     RETURNING tenant, tokens, refilled_at";
+/// Keeps the tenants' buckets as the batch's grants left them.
+const SPEND_TOKENS: &str = "UPDATE tenant_quotas SET tokens = v.tokens, refilled_at = v.at \
+     FROM unnest($1::text[], $2::float8[], $3::bigint[]) AS v(t, tokens, at) \
+     WHERE tenant_quotas.tenant = v.t";
 /// The cooldowns in force for the targets.
 const COOLDOWNS: &str = "SELECT proxy_uid, target, until FROM cooldowns \
      WHERE target = ANY($1) AND until > $2";
@@ -108,26 +135,27 @@ const COOLED: &str = "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = 
 const TARGET_LOADS: &str = "SELECT target, proxy_uid, count(*), min(expires_at) FROM leases \
      WHERE state = 'active' AND expires_at > $1 AND target = ANY($2) \
      GROUP BY target, proxy_uid";
-/// A statement inserting grants (their rows `g`: `$2`..`$12`, at `$1`) and their `acquired`
+/// A statement inserting grants (their rows `g`: `$2`..`$14`, at `$1`) and their `acquired`
 /// events, returning the IDs inserted: those of `$source` after the CTEs `$checks`.
 macro_rules! grant_sql {
     ($checks:literal, $source:literal) => {
         concat!(
             "WITH g AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], \
              $6::text[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::text[], \
-             $12::bigint[]) WITH ORDINALITY AS g(id, ns, name, uid, target, expires_at, ttl_ms, \
-             request_id, fingerprint, client, max_leases, ord))",
+             $12::bigint[], $13::text[], $14::text[]) WITH ORDINALITY AS g(id, ns, name, uid, \
+             target, expires_at, ttl_ms, request_id, fingerprint, client, max_leases, tenant, \
+             session, ord))",
             $checks,
             ", granted AS (INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, \
              target, state, acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, \
-             client) SELECT id, ns, name, uid, target, 'active', $1, expires_at, ttl_ms, \
-             request_id, fingerprint, client FROM ",
+             client, tenant, session) SELECT id, ns, name, uid, target, 'active', $1, \
+             expires_at, ttl_ms, request_id, fingerprint, client, tenant, session FROM ",
             $source,
-            " RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, client) \
-             INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
-             proxy_uid, target, expires_at, client) SELECT $1, id, 'acquired', proxy_namespace, \
-             proxy_name, proxy_uid, target, expires_at, client FROM granted ORDER BY id \
-             RETURNING lease_id"
+            " RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, client, \
+             tenant) INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
+             proxy_uid, target, expires_at, client, tenant) SELECT $1, id, 'acquired', \
+             proxy_namespace, proxy_name, proxy_uid, target, expires_at, client, tenant \
+             FROM granted ORDER BY id RETURNING lease_id"
         )
     };
 }
@@ -173,14 +201,18 @@ pub(crate) async fn decide(
 ) -> Result<Vec<Verdict>> {
     let client = conn.client();
     let ids: Vec<&str> = batch.iter().map(|p| p.id.as_str()).collect();
-    let keys: Vec<&str> = batch
+    let (keys, key_tenants): (Vec<&str>, Vec<&str>) = batch
         .iter()
-        .filter_map(|p| p.request.request.as_ref().map(|k| k.id.as_str()))
-        .collect();
+        .filter_map(|p| {
+            let key = p.request.request.as_ref()?;
+            Some((key.id.as_str(), &*p.request.tenant.name))
+        })
+        .unzip();
     let targets: Vec<&str> = batch.iter().filter_map(|p| target_of(&p.request)).collect();
+    let limited = quota_tenants(batch);
     // The reads are independent: sent together, they cost one round trip. (Each in a block of
     // its own, so its parameters live as long as its query.)
-    let (earlier, open_rows, load_rows, cooldown_rows, for_target) = tokio::try_join!(
+    let (earlier, open_rows, load_rows, cooldown_rows, for_target, usage_rows, bucket_rows) = tokio::try_join!(
         // Grants of an earlier attempt of this batch whose answer was lost.
         async {
             match retried {
@@ -189,10 +221,17 @@ pub(crate) async fn decide(
             }
         },
         // Request IDs whose window is open, with the leases they name.
-        async { query_if(!keys.is_empty(), client, &OPEN_REQUESTS, &[&keys, &now]).await },
+        async {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                [&keys, &now, &key_tenants];
+            query_if(!keys.is_empty(), client, &OPEN_REQUESTS, &params).await
+        },
         async { query_if(snapshot.is_none(), client, LOADS, &[&now]).await },
         async { query_if(!targets.is_empty(), client, COOLDOWNS, &[&targets, &now]).await },
         target_loads(client, config, &targets, now),
+        // What the tenants with a quota hold, and their buckets.
+        async { query_if(!limited.is_empty(), client, TENANT_USAGE, &[&limited, &now]).await },
+        async { query_if(!limited.is_empty(), client, TENANT_BUCKETS, &[&limited]).await },
     )?;
     let mut known = Known {
         granted: earlier.into_iter().map(|l| (l.id.clone(), l)).collect(),
@@ -202,15 +241,19 @@ pub(crate) async fn decide(
             .map(|row| ((row.get(0), row.get(1)), row.get(2)))
             .collect(),
         for_target,
+        usage: usage_of(&usage_rows),
+        buckets: buckets_of(&bucket_rows),
     };
     for row in &open_rows {
         let lease = match row.get::<_, Option<String>>(0) {
             Some(_) => Some(store::lease_from_row(row, now)?),
             None => None,
         };
-        known
-            .open
-            .insert(row.get(12), (row.get(13), row.get(14), lease));
+        let at = OPEN_REQUEST_TENANT;
+        known.open.insert(
+            (row.get(at), row.get(at + 1)),
+            (row.get(at + 2), row.get(at + 3), lease),
+        );
     }
     let mut planning = match snapshot {
         Some(loads) => {
@@ -228,7 +271,7 @@ pub(crate) async fn decide(
         let keyed = planning
             .planned
             .iter()
-            .any(|p| batch[p.pending].request.request.is_some());
+            .any(|p| batch[p.pending].request.request.is_some() || p.quota);
         let checked = if TargetLimits::of(config).any() || keyed {
             check_under_locks(conn, batch, &planning.planned, config, now).await?
         } else {
@@ -249,12 +292,16 @@ pub(crate) async fn decide(
 struct Known {
     /// Leases already granted to acquires of the batch (an earlier attempt's), by ID.
     granted: HashMap<String, Lease>,
-    /// Request ID -> (lease ID, fingerprint, the lease if its row is retained).
-    open: HashMap<String, (String, String, Option<Lease>)>,
+    /// (Tenant, request ID) -> (lease ID, fingerprint, the lease if its row is retained).
+    open: HashMap<(String, String), (String, String, Option<Lease>)>,
     /// Cooldown end by (proxy UID, target).
     cooldowns: HashMap<(String, String), i64>,
     /// Counting leases per proxy, by target (under a per-target limit).
     for_target: HashMap<String, HashMap<String, ProxyLoad>>,
+    /// What each tenant with a quota holds (absent: nothing).
+    usage: HashMap<String, TenantUsage>,
+    /// Their token buckets as stored (absent: never acquired, a full bucket).
+    buckets: HashMap<String, Bucket>,
 }
 
 /// A batch's decisions before the check under the locks.
@@ -277,22 +324,26 @@ fn plan(
 ) -> Planning {
     let mut verdicts: Vec<Option<Verdict>> = batch.iter().map(|_| None).collect();
     let mut for_target = known.for_target.clone();
+    let mut usage = known.usage.clone();
+    let mut buckets = known.buckets.clone();
     let mut planned: Vec<Planned> = Vec::new();
     let mut refuses = false;
-    let mut keys_seen: HashSet<&str> = HashSet::new();
+    let mut keys_seen: HashSet<(&str, &str)> = HashSet::new();
     for (i, pending) in batch.iter().enumerate() {
         if let Some(lease) = known.granted.get(&pending.id) {
             verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::Granted(lease.clone()))));
             continue;
         }
         let request = &pending.request;
+        let tenant = &request.tenant;
         if let Some(key) = &request.request {
-            if !keys_seen.insert(key.id.as_str()) {
+            if !keys_seen.insert((&tenant.name, key.id.as_str())) {
                 // The same request ID earlier in this batch: the next batch replays it.
                 verdicts[i] = Some(Verdict::Again);
                 continue;
             }
-            if let Some((lease_id, fingerprint, lease)) = known.open.get(&key.id) {
+            let name = (tenant.name.to_string(), key.id.clone());
+            if let Some((lease_id, fingerprint, lease)) = known.open.get(&name) {
                 verdicts[i] = Some(Verdict::Answer(if *fingerprint != key.fingerprint {
                     Err(LedgerError::RequestIdReused {
                         request_id: key.id.clone(),
@@ -306,6 +357,19 @@ fn plan(
                         ))),
                     }
                 }));
+                continue;
+            }
+        }
+        let quota = tenant.quotas.any();
+        let bucket = tenant
+            .quotas
+            .rate
+            .map(|rate| bucket_at(buckets.get(&*tenant.name), &rate, now));
+        if quota {
+            let held = usage.get(&*tenant.name).copied().unwrap_or_default();
+            let session = request.session.is_some();
+            if let Err(refused) = quota::check(tenant, &held, bucket.as_ref(), session, now) {
+                verdicts[i] = Some(Verdict::Answer(Ok(AcquireOutcome::QuotaExceeded(refused))));
                 continue;
             }
         }
@@ -341,6 +405,15 @@ fn plan(
                 let uid = chosen.proxy.uid.clone();
                 let expires_at = now.saturating_add(pending.ttl_ms);
                 count_grant(loads.entry(uid.clone()).or_default(), expires_at);
+                if quota {
+                    usage
+                        .entry(tenant.name.to_string())
+                        .or_default()
+                        .count(expires_at, request.session.is_some());
+                }
+                if let Some(bucket) = bucket {
+                    buckets.insert(tenant.name.to_string(), bucket.taken());
+                }
                 if let Some(target) = target {
                     count_grant(
                         for_target
@@ -356,6 +429,7 @@ fn plan(
                     candidate,
                     uid,
                     target: target.map(str::to_owned),
+                    quota,
                 });
             }
         }
@@ -367,9 +441,11 @@ fn plan(
     }
 }
 
-/// Locks the planned grants' proxies (and, under a fleet-wide per-target limit, targets),
-/// keeps those that still fit what is committed, records them, and returns each planned
-/// acquire's verdict by its index in the batch.
+/// Locks the planned grants' tenants with a quota, then (under a fleet-wide per-target limit)
+/// their targets, then their proxies; keeps the grants that still fit what is committed,
+/// records them with the tenants' buckets, and returns each planned acquire's verdict by its
+/// index in the batch. Under its tenant's lock a quota refuses for good: what it counts is
+/// committed.
 async fn check_under_locks(
     conn: &Pipelined<'_>,
     batch: &[Pending],
@@ -380,12 +456,43 @@ async fn check_under_locks(
     let client = conn.client();
     let uids = in_lock_order(planned.iter().map(|p| p.uid.as_str()));
     let targets = in_lock_order(planned.iter().filter_map(|p| p.target.as_deref()));
-    conn.prepare(&[LOCK_TARGETS, LOCK_PROXIES, HELD, COOLED, TARGET_LOADS])
-        .await?;
-    // BEGIN, the locks, then under them what the proxies hold now, committed by any replica:
-    // one round trip, run by the server in this order.
-    let (_, _, _, held, cooled, mut per_target) = tokio::try_join!(
+    let tenants = in_lock_order(
+        planned
+            .iter()
+            .filter(|p| p.quota)
+            .map(|p| &*batch[p.pending].request.tenant.name),
+    );
+    let bursts: Vec<f64> = tenants
+        .iter()
+        .map(|name| {
+            let rate = planned
+                .iter()
+                .map(|p| &batch[p.pending].request.tenant)
+                .find(|t| &*t.name == *name)
+                .and_then(|t| t.quotas.rate);
+            rate.map_or(0.0, |r| f64::from(r.burst))
+        })
+        .collect();
+    conn.prepare(&[
+        LOCK_TENANTS,
+        TENANT_USAGE,
+        LOCK_TARGETS,
+        LOCK_PROXIES,
+        HELD,
+        COOLED,
+        TARGET_LOADS,
+    ])
+    .await?;
+    // BEGIN, the locks, then under them what the tenants and proxies hold now, committed by
+    // any replica: one round trip, run by the server in this order.
+    let (_, stored_buckets, tenant_usage, _, _, held, cooled, mut per_target) = tokio::try_join!(
         conn.begin(),
+        async {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                [&tenants, &now, &bursts];
+            query_if(!tenants.is_empty(), client, LOCK_TENANTS, &params).await
+        },
+        async { query_if(!tenants.is_empty(), client, TENANT_USAGE, &[&tenants, &now]).await },
         async {
             let limited = config.max_leases_per_target.is_some() && !targets.is_empty();
             query_if(limited, client, LOCK_TARGETS, &[&targets]).await
@@ -406,11 +513,28 @@ async fn check_under_locks(
     let mut held: HashMap<String, i64> = held.iter().map(|row| (row.get(0), row.get(1))).collect();
     let cooled: HashSet<(String, String)> =
         cooled.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let mut usage = usage_of(&tenant_usage);
+    let mut buckets = buckets_of(&stored_buckets);
+    let mut spent: HashMap<String, Bucket> = HashMap::new();
 
     let mut verdicts = Vec::with_capacity(planned.len());
     let mut accepted: Vec<&Planned> = Vec::new();
     for plan in planned {
         let pending = &batch[plan.pending];
+        let tenant = &pending.request.tenant;
+        let session = pending.request.session.is_some();
+        let bucket = tenant
+            .quotas
+            .rate
+            .map(|rate| bucket_at(buckets.get(&*tenant.name), &rate, now));
+        if plan.quota {
+            let holds = usage.get(&*tenant.name).copied().unwrap_or_default();
+            if let Err(refused) = quota::check(tenant, &holds, bucket.as_ref(), session, now) {
+                let answer = Ok(AcquireOutcome::QuotaExceeded(refused));
+                verdicts.push((plan.pending, Verdict::Answer(answer)));
+                continue;
+            }
+        }
         let max = plan.candidate(batch).map_or(0, |c| i64::from(c.max_leases));
         let holds = held.entry(plan.uid.clone()).or_default();
         let fits_proxy = *holds < max;
@@ -430,16 +554,18 @@ async fn check_under_locks(
         if let Some(key) = &pending.request.request {
             let taken = store::execute(
                 client,
-                "INSERT INTO acquire_requests (request_id, lease_id, fingerprint, expires_at) \
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO UPDATE SET \
-                 lease_id = excluded.lease_id, fingerprint = excluded.fingerprint, \
-                 expires_at = excluded.expires_at WHERE acquire_requests.expires_at <= $5",
+                "INSERT INTO acquire_requests (tenant, request_id, lease_id, fingerprint, \
+                 expires_at) VALUES ($6, $1, $2, $3, $4) ON CONFLICT (tenant, request_id) \
+                 DO UPDATE SET lease_id = excluded.lease_id, \
+                 fingerprint = excluded.fingerprint, expires_at = excluded.expires_at \
+                 WHERE acquire_requests.expires_at <= $5",
                 &[
                     &key.id,
                     &pending.id,
                     &key.fingerprint,
                     &now.saturating_add(pending.ttl_ms),
                     &now,
+                    &&*tenant.name,
                 ],
             )
             .await?;
@@ -454,15 +580,36 @@ async fn check_under_locks(
             let by_uid = per_target.entry(target.clone()).or_default();
             count_grant(by_uid.entry(plan.uid.clone()).or_default(), i64::MAX);
         }
+        if plan.quota {
+            let expires_at = now.saturating_add(pending.ttl_ms);
+            usage
+                .entry(tenant.name.to_string())
+                .or_default()
+                .count(expires_at, session);
+        }
+        if let Some(bucket) = bucket {
+            let taken = bucket.taken();
+            buckets.insert(tenant.name.to_string(), taken);
+            spent.insert(tenant.name.to_string(), taken);
+        }
         accepted.push(plan);
     }
     if accepted.is_empty() {
         conn.commit().await?;
         return Ok(verdicts);
     }
-    conn.prepare(&[INSERT_LEASES]).await?;
-    let (granted, ()) = tokio::try_join!(
+    let (spent_tenants, (tokens, refilled)): (Vec<&str>, (Vec<f64>, Vec<i64>)) = spent
+        .iter()
+        .map(|(tenant, b)| (tenant.as_str(), (b.tokens, b.at)))
+        .unzip();
+    conn.prepare(&[INSERT_LEASES, SPEND_TOKENS]).await?;
+    let (granted, _, ()) = tokio::try_join!(
         insert_leases(client, INSERT_LEASES, batch, &accepted, now),
+        async {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                [&spent_tenants, &tokens, &refilled];
+            query_if(!spent_tenants.is_empty(), client, SPEND_TOKENS, &params).await
+        },
         conn.commit()
     )?;
     verdicts.extend(answers(batch, &accepted, granted));
@@ -545,6 +692,8 @@ async fn insert_leases(
             released_at: None,
             release_reason: None,
             client: pending.request.client.clone(),
+            tenant: pending.request.tenant.name.to_string(),
+            session: pending.request.session.clone(),
         };
         leases.push(lease.decode(now)?);
     }
@@ -556,6 +705,8 @@ async fn insert_leases(
     let uids = column(|l| Some(l.proxy.uid.as_str()));
     let targets = column(|l| l.target.as_deref());
     let clients = column(|l| l.client.as_deref());
+    let tenants = column(|l| Some(l.tenant.as_str()));
+    let sessions = column(|l| l.session.as_deref());
     let expiries: Vec<i64> = leases
         .iter()
         .map(|l| l.expires_at.as_millisecond())
@@ -585,6 +736,8 @@ async fn insert_leases(
             &fingerprints,
             &clients,
             &max_leases,
+            &tenants,
+            &sessions,
         ],
     )
     .await?;
@@ -599,6 +752,52 @@ async fn insert_leases(
 /// The acquire's target; an empty one is none.
 fn target_of(request: &AcquireRequest) -> Option<&str> {
     request.target.as_deref().filter(|t| !t.is_empty())
+}
+
+/// The tenants of `batch` that have a quota, each once.
+fn quota_tenants(batch: &[Pending]) -> Vec<&str> {
+    in_lock_order(
+        batch
+            .iter()
+            .map(|p| &p.request.tenant)
+            .filter(|t| t.quotas.any())
+            .map(|t| &*t.name),
+    )
+}
+
+/// A tenant's bucket at `now`: the stored one refilled, or a full one for a tenant that never
+/// acquired.
+fn bucket_at(stored: Option<&Bucket>, rate: &quota::Rate, now: i64) -> Bucket {
+    stored.map_or_else(|| Bucket::full(rate, now), |b| b.refilled(rate, now))
+}
+
+/// [`TENANT_USAGE`] rows as usage by tenant.
+fn usage_of(rows: &[Row]) -> HashMap<String, TenantUsage> {
+    rows.iter()
+        .map(|row| {
+            let count = |i: usize| u32::try_from(row.get::<_, i64>(i)).unwrap_or(u32::MAX);
+            let usage = TenantUsage {
+                leases: count(1),
+                sessions: count(2),
+                earliest_expiry: row.get(3),
+                earliest_session_expiry: row.get(4),
+            };
+            (row.get(0), usage)
+        })
+        .collect()
+}
+
+/// `(tenant, tokens, refilled_at)` rows as buckets by tenant.
+fn buckets_of(rows: &[Row]) -> HashMap<String, Bucket> {
+    rows.iter()
+        .map(|row| {
+            let bucket = Bucket {
+                tokens: row.get(1),
+                at: row.get(2),
+            };
+            (row.get(0), bucket)
+        })
+        .collect()
 }
 
 /// Counts one more lease, expiring at `expires_at`, in `load`.
@@ -704,6 +903,8 @@ mod tests {
                     fingerprint: "fp".into(),
                 }),
                 client: None,
+                tenant: crate::ledger::quota::Tenancy::unrestricted(),
+                session: None,
             },
             ttl_ms: 60_000,
             id: id.into(),
@@ -719,7 +920,22 @@ mod tests {
             open: HashMap::new(),
             cooldowns: HashMap::new(),
             for_target: HashMap::new(),
+            usage: HashMap::new(),
+            buckets: HashMap::new(),
         }
+    }
+
+    /// `pending` of tenant `team-a`, held to at most `leases` leases.
+    fn limited(id: &str, candidates: &Arc<[Candidate]>, leases: u32) -> Pending {
+        let mut pending = pending(id, candidates, None);
+        pending.request.tenant = crate::ledger::quota::Tenancy {
+            name: "team-a".into(),
+            quotas: crate::ledger::quota::Quotas {
+                leases: Some(leases),
+                ..Default::default()
+            },
+        };
+        pending
     }
 
     fn held(uid: &str, active: u32) -> (String, ProxyLoad) {
@@ -741,6 +957,7 @@ mod tests {
                 match &planning.verdicts[i] {
                     Some(Verdict::Answer(Ok(AcquireOutcome::NoMatch(_)))) => "no match".into(),
                     Some(Verdict::Answer(Ok(AcquireOutcome::Granted(_)))) => "granted".into(),
+                    Some(Verdict::Answer(Ok(AcquireOutcome::QuotaExceeded(_)))) => "quota".into(),
                     Some(Verdict::Again) => "again".into(),
                     other => format!("{other:?}"),
                 }
@@ -771,6 +988,8 @@ mod tests {
             released_at: None,
             release_reason: None,
             client: None,
+            tenant: crate::ledger::DEFAULT_TENANT.into(),
+            session: None,
         };
         let cases = [
             Case {
@@ -810,6 +1029,37 @@ mod tests {
                 known: known(),
                 loads: vec![],
                 expected: vec!["uid-p0", "again"],
+                refuses: false,
+            },
+            Case {
+                name: "a tenant's quota counts the batch's own grants",
+                batch: vec![
+                    limited("a", &proxies(3, 1), 2),
+                    limited("b", &proxies(3, 1), 2),
+                    limited("c", &proxies(3, 1), 2),
+                    pending("d", &proxies(3, 1), None),
+                ],
+                known: known(),
+                loads: vec![],
+                expected: vec!["uid-p0", "uid-p1", "quota", "uid-p2"],
+                refuses: false,
+            },
+            Case {
+                name: "and what the tenant holds already",
+                batch: vec![limited("a", &two, 2), limited("b", &two, 2)],
+                known: Known {
+                    usage: HashMap::from([(
+                        "team-a".to_owned(),
+                        TenantUsage {
+                            leases: 1,
+                            earliest_expiry: Some(9_000),
+                            ..TenantUsage::default()
+                        },
+                    )]),
+                    ..known()
+                },
+                loads: vec![],
+                expected: vec!["uid-p0", "quota"],
                 refuses: false,
             },
         ];

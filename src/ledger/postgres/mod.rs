@@ -397,6 +397,7 @@ impl Batched for PendingRelease {
 /// A release waiting for its batch.
 struct PendingRelease {
     id: String,
+    tenant: String,
     reply: oneshot::Sender<Result<(), LedgerError>>,
 }
 
@@ -531,9 +532,13 @@ impl PostgresLedger {
     async fn decide_releases(&self, batch: Vec<PendingRelease>) -> Vec<PendingRelease> {
         let now = self.now_ms();
         let ids: Vec<&str> = batch.iter().map(|r| r.id.as_str()).collect();
+        let tenants: Vec<&str> = batch.iter().map(|r| r.tenant.as_str()).collect();
         let released = on_connection!(self, |conn| store::release(
             conn.client(),
-            Ended::Leases(&ids),
+            Ended::Leases {
+                ids: &ids,
+                tenants: &tenants
+            },
             None,
             now
         ));
@@ -576,10 +581,10 @@ impl Ledger for PostgresLedger {
         answer.await.map_err(|_| LedgerError::Closed)?
     }
 
-    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError> {
+    async fn renew(&self, id: &str, tenant: &str, ttl: Duration) -> Result<Lease, LedgerError> {
         let ttl_ms = self.inner.config.capped_ttl_ms(ttl)?;
         let now = self.now_ms();
-        let lease = in_transaction!(self, |tx| store::renew(&tx, id, ttl_ms, now))?;
+        let lease = in_transaction!(self, |tx| store::renew(&tx, id, tenant, ttl_ms, now))?;
         self.change(Change::Lease {
             id: id.into(),
             uid: lease.proxy.uid.as_str().into(),
@@ -589,10 +594,11 @@ impl Ledger for PostgresLedger {
     }
 
     /// Queued for the next batch of releases, answered once it committed.
-    async fn release(&self, id: &str) -> Result<(), LedgerError> {
+    async fn release(&self, id: &str, tenant: &str) -> Result<(), LedgerError> {
         let (reply, answer) = oneshot::channel();
         let release = PendingRelease {
             id: id.to_owned(),
+            tenant: tenant.to_owned(),
             reply,
         };
         enqueue(&self.inner.releases, release)?;
@@ -617,11 +623,17 @@ impl Ledger for PostgresLedger {
         Ok(count)
     }
 
-    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError> {
+    async fn report(
+        &self,
+        id: &str,
+        tenant: &str,
+        report: LeaseReport,
+    ) -> Result<Lease, LedgerError> {
         let now = self.now_ms();
         let config = &self.inner.config;
-        let (lease, cooldown) =
-            in_transaction!(self, |tx| store::report(&tx, config, id, &report, now))?;
+        let (lease, cooldown) = in_transaction!(self, |tx| store::report(
+            &tx, config, id, tenant, &report, now
+        ))?;
         if let Some((target, until)) = cooldown {
             self.change(Change::Cooldown {
                 uid: lease.proxy.uid.as_str().into(),
@@ -666,19 +678,33 @@ impl Ledger for PostgresLedger {
         in_transaction!(self, |tx| store::sweep(&tx, config, now))
     }
 
-    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError> {
+    async fn activity(
+        &self,
+        window: Duration,
+        tenant: Option<String>,
+    ) -> Result<Activity, LedgerError> {
         let now = self.now_ms();
         let since = now.saturating_sub(i64::try_from(window.as_millis()).unwrap_or(i64::MAX));
-        on_connection!(self, |conn| store::activity(conn.client(), since, now))
+        on_connection!(self, |conn| store::activity(
+            conn.client(),
+            since,
+            now,
+            tenant.as_deref()
+        ))
     }
 
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
         on_connection!(self, |conn| store::events(conn.client(), &query))
     }
 
-    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
+    async fn get(&self, id: &str, tenant: &str) -> Result<Option<Lease>, LedgerError> {
         let now = self.now_ms();
-        on_connection!(self, |conn| store::lease_by_id(conn.client(), id, now))
+        on_connection!(self, |conn| store::lease_by_id(
+            conn.client(),
+            id,
+            tenant,
+            now
+        ))
     }
 
     /// Always ready: a database that does not answer affects every replica alike, so taking

@@ -19,6 +19,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0002_pool_demand.sql",
         sql: include_str!("../../../migrations/postgres/0002_pool_demand.sql"),
     },
+    Migration {
+        name: "0003_tenants.sql",
+        sql: include_str!("../../../migrations/postgres/0003_tenants.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

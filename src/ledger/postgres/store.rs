@@ -54,7 +54,8 @@ impl From<LedgerError> for StoreError {
 type Result<T> = std::result::Result<T, StoreError>;
 
 const LEASE_COLUMNS: &str = "id, proxy_namespace, proxy_name, proxy_uid, target, state, \
-                             acquired_at, expires_at, ttl_ms, released_at, release_reason, client";
+                             acquired_at, expires_at, ttl_ms, released_at, release_reason, client, \
+                             tenant, session";
 
 /// The columns [`lease_from_row`] reads, of the table `alias` names (for joins).
 pub(crate) fn lease_columns_of(alias: &str) -> String {
@@ -83,10 +84,11 @@ pub(crate) async fn execute(
     Ok(tx.execute(&statement, params).await?)
 }
 
-/// Extends an active lease to `expires_at`; its request ID's window moves with it.
+/// Extends `tenant`'s active lease to `expires_at`; its request ID's window moves with it.
 pub(crate) async fn renew(
     tx: &impl GenericClient,
     id: &str,
+    tenant: &str,
     ttl_ms: i64,
     now: i64,
 ) -> Result<Lease> {
@@ -94,14 +96,14 @@ pub(crate) async fn renew(
     let rows = query(
         tx,
         &format!(
-            "UPDATE leases SET expires_at = $2, ttl_ms = $3 \
-             WHERE id = $1 AND state = 'active' AND expires_at > $4 RETURNING {LEASE_COLUMNS}"
+            "UPDATE leases SET expires_at = $2, ttl_ms = $3 WHERE id = $1 AND tenant = $5 \
+             AND state = 'active' AND expires_at > $4 RETURNING {LEASE_COLUMNS}"
         ),
-        &[&id, &expires_at, &ttl_ms, &now],
+        &[&id, &expires_at, &ttl_ms, &now, &tenant],
     )
     .await?;
     let Some(row) = rows.first() else {
-        return Err(match lease_by_id(tx, id, now).await? {
+        return Err(match lease_by_id(tx, id, tenant, now).await? {
             Some(lease) => LedgerError::NotActive {
                 id: id.to_owned(),
                 state: lease.state,
@@ -123,6 +125,7 @@ pub(crate) async fn renew(
             EventKind::Renewed,
             now,
             id,
+            &lease.tenant,
             &lease.proxy,
             lease.target.as_deref(),
             expires_at,
@@ -132,18 +135,22 @@ pub(crate) async fn renew(
     Ok(lease)
 }
 
-/// Releases the counting leases `ended` picks (leases by ID, or a proxy's) at `now`,
-/// with one `released` event each in lease-ID order, carrying `reason` when the operator
-/// ended them. Returns the proxy UIDs and IDs of those leases.
+/// Releases the counting leases `ended` picks (leases by ID within their tenant, or a
+/// proxy's) at `now`, with one `released` event each in lease-ID order, carrying `reason`
+/// when the operator ended them. Returns the proxy UIDs and IDs of those leases.
 pub(crate) async fn release(
     tx: &impl GenericClient,
     ended: Ended<'_>,
     reason: Option<&str>,
     now: i64,
 ) -> Result<Vec<(String, String)>> {
-    let (which, value): (&str, &(dyn ToSql + Sync)) = match &ended {
-        Ended::Leases(ids) => ("id = ANY($1)", ids),
-        Ended::Proxy(uid) => ("proxy_uid = $1", uid),
+    let (which, key, tenants): (&str, &(dyn ToSql + Sync), &(dyn ToSql + Sync)) = match &ended {
+        Ended::Leases { ids, tenants } => (
+            "(id, tenant) IN (SELECT * FROM unnest($1::text[], $4::text[]))",
+            ids,
+            tenants,
+        ),
+        Ended::Proxy(uid) => ("proxy_uid = $1 AND $4::text[] IS NULL", uid, &NO_TENANTS),
     };
     // One statement: the leases and their `released` events (in lease-ID order, so the
     // history is deterministic), a single round trip however many end.
@@ -152,24 +159,31 @@ pub(crate) async fn release(
         &format!(
             "WITH ended AS (UPDATE leases SET state = 'released', released_at = $2, \
              release_reason = $3 WHERE {which} AND state = 'active' AND expires_at > $2 \
-             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at) \
+             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, tenant) \
              INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
-             proxy_uid, target, expires_at, reason) SELECT $2, id, 'released', proxy_namespace, \
-             proxy_name, proxy_uid, target, expires_at, $3 FROM ended ORDER BY id \
-             RETURNING proxy_uid, lease_id"
+             proxy_uid, target, expires_at, reason, tenant) SELECT $2, id, 'released', \
+             proxy_namespace, proxy_name, proxy_uid, target, expires_at, $3, tenant FROM ended \
+             ORDER BY id RETURNING proxy_uid, lease_id"
         ),
-        &[value, &now, &reason],
+        &[key, &now, &reason, tenants],
     )
     .await?;
     Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
 }
 
+/// The tenants parameter of a release that names none.
+const NO_TENANTS: Option<Vec<&str>> = None;
+
 /// Which leases a release ends.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Ended<'a> {
-    /// The leases with these IDs.
-    Leases(&'a [&'a str]),
-    /// Every counting lease of the proxy with this UID.
+    /// The leases with these IDs, each of the tenant at the same position (another tenant's
+    /// lease of that ID is left alone).
+    Leases {
+        ids: &'a [&'a str],
+        tenants: &'a [&'a str],
+    },
+    /// Every counting lease of the proxy with this UID, whatever its tenant.
     Proxy(&'a str),
 }
 
@@ -179,10 +193,11 @@ pub(crate) async fn report(
     tx: &impl GenericClient,
     config: &LedgerConfig,
     id: &str,
+    tenant: &str,
     report: &LeaseReport,
     now: i64,
 ) -> Result<(Lease, Option<(String, i64)>)> {
-    let Some(lease) = lease_by_id(tx, id, now).await? else {
+    let Some(lease) = lease_by_id(tx, id, tenant, now).await? else {
         return Err(LedgerError::UnknownLease(id.to_owned()).into());
     };
     let (target, cooldown_ms) = config.report_cooldown(report, lease.target.as_deref());
@@ -195,6 +210,7 @@ pub(crate) async fn report(
                 EventKind::Reported,
                 now,
                 id,
+                &lease.tenant,
                 &lease.proxy,
                 target,
                 lease.expires_at.as_millisecond(),
@@ -243,11 +259,11 @@ pub(crate) async fn sweep(
         tx,
         "WITH expired AS (UPDATE leases SET state = 'expired' \
          WHERE state = 'active' AND expires_at <= $1 \
-         RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at) \
+         RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, tenant) \
          INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, expires_at) \
+         target, expires_at, tenant) \
          SELECT expires_at, id, 'expired', proxy_namespace, proxy_name, proxy_uid, target, \
-         expires_at FROM expired ORDER BY expires_at, id",
+         expires_at, tenant FROM expired ORDER BY expires_at, id",
         &[&now],
     )
     .await?;
@@ -328,12 +344,17 @@ pub(crate) async fn recent_demand(
 
 /// Acquires and reports per target since `since` (ms) and the cooldowns in force at `now`
 /// (see [`activity`]).
-pub(crate) async fn activity(tx: &impl GenericClient, since: i64, now: i64) -> Result<Activity> {
+pub(crate) async fn activity(
+    tx: &impl GenericClient,
+    since: i64,
+    now: i64,
+    tenant: Option<&str>,
+) -> Result<Activity> {
     let mut found = Activity::default();
     for row in query(
         tx,
         activity::TARGET_COUNTS_SQL,
-        &[&activity::SCAN_EVENTS, &since],
+        &[&activity::SCAN_EVENTS, &since, &tenant],
     )
     .await?
     {
@@ -371,13 +392,21 @@ pub(crate) async fn events(
     query: &EventsQuery,
 ) -> Result<Vec<EventEntry>> {
     let limit = query.bound();
-    let rows = match &query.proxy {
-        None => self::query(tx, activity::EVENTS_SQL, &[&limit]).await?,
-        Some((namespace, name)) => {
+    let rows = match (&query.proxy, &query.tenant) {
+        (None, None) => self::query(tx, activity::EVENTS_SQL, &[&limit]).await?,
+        (None, Some(tenant)) => {
+            self::query(
+                tx,
+                activity::TENANT_EVENTS_SQL,
+                &[&limit, tenant, &activity::SCAN_EVENTS],
+            )
+            .await?
+        }
+        (Some((namespace, name)), tenant) => {
             self::query(
                 tx,
                 activity::PROXY_EVENTS_SQL,
-                &[namespace, name, &activity::SCAN_EVENTS, &limit],
+                &[namespace, name, &activity::SCAN_EVENTS, &limit, tenant],
             )
             .await?
         }
@@ -395,6 +424,7 @@ pub(crate) async fn events(
             result: row.get(7),
             reason: row.get(8),
             client: row.get(9),
+            tenant: row.get(10),
         })
         .collect())
 }
@@ -440,17 +470,18 @@ pub(crate) async fn lease_by_ids(
     rows.iter().map(|row| lease_from_row(row, now)).collect()
 }
 
-/// The lease with this ID if its row is retained. An active lease past its expiry reads as
-/// expired even before the sweep marks it.
+/// `tenant`'s lease with this ID if its row is retained. An active lease past its expiry
+/// reads as expired even before the sweep marks it.
 pub(crate) async fn lease_by_id(
     tx: &impl GenericClient,
     id: &str,
+    tenant: &str,
     now: i64,
 ) -> Result<Option<Lease>> {
     let rows = query(
         tx,
-        &format!("SELECT {LEASE_COLUMNS} FROM leases WHERE id = $1"),
-        &[&id],
+        &format!("SELECT {LEASE_COLUMNS} FROM leases WHERE id = $1 AND tenant = $2"),
+        &[&id, &tenant],
     )
     .await?;
     rows.first().map(|row| lease_from_row(row, now)).transpose()
@@ -472,6 +503,8 @@ pub(crate) fn lease_from_row(row: &Row, now: i64) -> Result<Lease> {
         released_at: row.get(9),
         release_reason: row.get(10),
         client: row.get(11),
+        tenant: row.get(12),
+        session: row.get(13),
     }
     .decode(now)?)
 }
@@ -483,8 +516,8 @@ async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
     execute(
         tx,
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, result, expires_at, reason, cooldown_ms, client) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+         target, result, expires_at, reason, cooldown_ms, client, tenant) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         &[
             &event.at,
             &event.lease_id,
@@ -498,6 +531,7 @@ async fn record(tx: &impl GenericClient, event: &Event<'_>) -> Result<()> {
             &event.reason,
             &event.cooldown_ms,
             &event.client,
+            &event.tenant,
         ],
     )
     .await?;

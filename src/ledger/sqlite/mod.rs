@@ -94,6 +94,7 @@ use super::{
 };
 use crate::ledger::demand;
 use crate::ledger::lease::is_release_reason;
+use crate::ledger::quota::DEFAULT_TENANT;
 use crate::ledger::target_hold::TargetLimits;
 
 pub use metrics::SqliteLedgerCollector;
@@ -334,15 +335,22 @@ impl Ledger for SqliteLedger {
         .await
     }
 
-    async fn renew(&self, id: &str, ttl: Duration) -> Result<Lease, LedgerError> {
+    async fn renew(&self, id: &str, tenant: &str, ttl: Duration) -> Result<Lease, LedgerError> {
         let ttl_ms = self.inner.config.capped_ttl_ms(ttl)?;
-        let id = id.to_owned();
-        self.call(|reply| Job::Renew { id, ttl_ms, reply }).await
+        let (id, tenant) = (id.to_owned(), tenant.to_owned());
+        self.call(|reply| Job::Renew {
+            id,
+            tenant,
+            ttl_ms,
+            reply,
+        })
+        .await
     }
 
-    async fn release(&self, id: &str) -> Result<(), LedgerError> {
-        let id = id.to_owned();
-        self.call(|reply| Job::Release { id, reply }).await
+    async fn release(&self, id: &str, tenant: &str) -> Result<(), LedgerError> {
+        let (id, tenant) = (id.to_owned(), tenant.to_owned());
+        self.call(|reply| Job::Release { id, tenant, reply })
+            .await
     }
 
     /// Decided by the writer in a batch like a release, with the same errors (`BatchFailed`,
@@ -365,9 +373,20 @@ impl Ledger for SqliteLedger {
         .await
     }
 
-    async fn report(&self, id: &str, report: LeaseReport) -> Result<Lease, LedgerError> {
-        let id = id.to_owned();
-        self.call(|reply| Job::Report { id, report, reply }).await
+    async fn report(
+        &self,
+        id: &str,
+        tenant: &str,
+        report: LeaseReport,
+    ) -> Result<Lease, LedgerError> {
+        let (id, tenant) = (id.to_owned(), tenant.to_owned());
+        self.call(|reply| Job::Report {
+            id,
+            tenant,
+            report,
+            reply,
+        })
+        .await
     }
 
     /// A write like any other, through the writer: it joins the batch queued with it (group
@@ -410,10 +429,16 @@ impl Ledger for SqliteLedger {
 
     /// As committed, on a pooled read connection (never waiting for the writer), on a blocking
     /// thread.
-    async fn activity(&self, window: Duration) -> Result<Activity, LedgerError> {
+    async fn activity(
+        &self,
+        window: Duration,
+        tenant: Option<String>,
+    ) -> Result<Activity, LedgerError> {
         let window = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
-        self.on_reader(move |conn, now| store::activity(conn, now.saturating_sub(window), now))
-            .await
+        self.on_reader(move |conn, now| {
+            store::activity(conn, now.saturating_sub(window), now, tenant.as_deref())
+        })
+        .await
     }
 
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
@@ -421,12 +446,13 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn get(&self, id: &str) -> Result<Option<Lease>, LedgerError> {
+    async fn get(&self, id: &str, tenant: &str) -> Result<Option<Lease>, LedgerError> {
         let ledger = self.clone();
         let id = id.to_owned();
-        tokio::task::spawn_blocking(move || ledger.read(&id))
+        let lease = tokio::task::spawn_blocking(move || ledger.read(&id))
             .await
-            .map_err(|e| LedgerError::Read(e.to_string()))?
+            .map_err(|e| LedgerError::Read(e.to_string()))??;
+        Ok(lease.filter(|lease| lease.tenant == tenant))
     }
 
     /// The writer runs and a pooled read of the file answers.
@@ -434,7 +460,7 @@ impl Ledger for SqliteLedger {
         if !self.is_running() {
             return Err(LedgerError::Closed);
         }
-        self.get("readyz").await.map(drop)
+        self.get("readyz", DEFAULT_TENANT).await.map(drop)
     }
 
     /// From memory, as of the last commit: the writer refreshes what a batch touched after

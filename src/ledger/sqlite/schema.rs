@@ -30,6 +30,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0005_pool_demand.sql",
         sql: include_str!("../../../migrations/0005_pool_demand.sql"),
     },
+    Migration {
+        name: "0006_tenants.sql",
+        sql: include_str!("../../../migrations/0006_tenants.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -1,5 +1,6 @@
 //! The lease state the writer decides on, in memory and without I/O: leases that may count
-//! towards capacity, cooldowns and the request-ID index. It is rebuilt from the file at open
+//! towards capacity, cooldowns, the request-ID index (per tenant) and the tenants' token
+//! buckets. It is rebuilt from the file at open
 //! and changed only by the writer, which journals every change of a batch so that a batch
 //! whose transaction fails can be undone and memory matches the file again.
 
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use jiff::Timestamp;
 
 use crate::ledger::lease::{Candidate, NoMatch, RequestKey};
+use crate::ledger::quota::{self, Bucket, QuotaExceeded, Tenancy, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
 use crate::resources::proxy::ProxyId;
@@ -30,7 +32,14 @@ pub(crate) struct ActiveLease {
     pub request_id: Option<Arc<str>>,
     /// The crawler that took it, when it said.
     pub client: Option<Arc<str>>,
+    /// The tenant that holds it.
+    pub tenant: Arc<str>,
+    /// The gateway session it serves.
+    pub session: Option<Arc<str>>,
 }
+
+/// A request ID within its tenant: `(tenant, request ID)`.
+pub(crate) type RequestName = (Arc<str>, Arc<str>);
 
 /// Which lease a request ID got, while its window is open (until the lease's `expires_at`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,16 +50,19 @@ pub(crate) struct RequestEntry {
 }
 
 /// What an acquire does, decided against the state in arrival order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum AcquireDecision {
     /// The request ID's window is open and the fingerprint matches: answer with that lease.
     Replay(Arc<str>),
     /// The request ID's window is open for a different request.
     Reused,
-    /// Grant a lease on `candidates[index]`.
-    Grant(usize),
+    /// Grant a lease on `candidates[index]`; `bucket` is the tenant's token bucket once the
+    /// grant took its token (under a rate quota).
+    Grant { index: usize, bucket: Option<Bucket> },
     /// Grant nothing.
     NoMatch(NoMatch),
+    /// The tenant is at a quota.
+    Quota(QuotaExceeded),
 }
 
 /// What a renew found in memory.
@@ -96,8 +108,12 @@ enum Undo {
         previous: Option<i64>,
     },
     Request {
-        id: Arc<str>,
+        id: RequestName,
         previous: Option<RequestEntry>,
+    },
+    Bucket {
+        tenant: Arc<str>,
+        previous: Option<Bucket>,
     },
 }
 
@@ -118,8 +134,13 @@ pub(crate) struct LedgerState {
     limits: TargetLimits,
     /// Cooldown end by target, then proxy UID (an acquire looks its target up once).
     cooldowns: FastMap<Arc<str>, FastMap<Arc<str>, i64>>,
-    /// Request IDs whose window may still be open.
-    requests: FastMap<Arc<str>, RequestEntry>,
+    /// Request IDs whose window may still be open, by tenant and ID.
+    requests: FastMap<RequestName, RequestEntry>,
+    /// The IDs of those leases, by tenant: what the quotas count on.
+    by_tenant: FastMap<Arc<str>, HashSet<Arc<str>>>,
+    /// Token buckets of the tenants with a rate quota that acquired since the file was
+    /// opened (a restart starts them full).
+    buckets: FastMap<Arc<str>, Bucket>,
     undo: Vec<Undo>,
     touched: Touched,
 }
@@ -131,8 +152,8 @@ pub(crate) struct Summary {
     pub active: Vec<SummaryLease>,
     /// `(proxy UID, target, until)`, sorted.
     pub cooldowns: Vec<(String, String, i64)>,
-    /// `(request ID, lease ID, fingerprint, expires_at)` of open windows, sorted.
-    pub requests: Vec<(String, String, String, i64)>,
+    /// `(tenant, request ID, lease ID, fingerprint, expires_at)` of open windows, sorted.
+    pub requests: Vec<(String, String, String, String, i64)>,
 }
 
 /// One active lease in a [`Summary`].
@@ -145,6 +166,8 @@ pub(crate) struct SummaryLease {
     pub expires_at: i64,
     pub ttl_ms: i64,
     pub request_id: Option<String>,
+    pub tenant: String,
+    pub session: Option<String>,
 }
 
 impl LedgerState {
@@ -161,22 +184,36 @@ impl LedgerState {
         }
     }
 
-    /// Decides an acquire: a request ID with an open window replays (or is refused when the
-    /// fingerprint differs); otherwise the selection picks among the candidates.
+    /// Decides an acquire of `tenant` (for a gateway session when `session`): a request ID
+    /// with an open window replays (or is refused when the fingerprint differs); then the
+    /// tenant's quotas are checked; then the selection picks among the candidates.
     pub fn decide_acquire(
         &self,
         candidates: &[Candidate],
         target: Option<&str>,
         request: Option<&RequestKey>,
+        tenant: &Tenancy,
+        session: bool,
         now: i64,
     ) -> AcquireDecision {
-        if let Some(entry) = request.and_then(|r| self.open_request(&r.id, now)) {
+        if let Some(entry) = request.and_then(|r| self.open_request(&tenant.name, &r.id, now)) {
             return match request {
                 Some(r) if *entry.fingerprint == *r.fingerprint => {
                     AcquireDecision::Replay(entry.lease_id.clone())
                 }
                 _ => AcquireDecision::Reused,
             };
+        }
+        let bucket = tenant.quotas.rate.map(|rate| {
+            self.buckets
+                .get(&tenant.name)
+                .map_or_else(|| Bucket::full(&rate, now), |b| b.refilled(&rate, now))
+        });
+        if tenant.quotas.any() {
+            let usage = self.usage(&tenant.name, now);
+            if let Err(refused) = quota::check(tenant, &usage, bucket.as_ref(), session, now) {
+                return AcquireDecision::Quota(refused);
+            }
         }
         let cooled = target.and_then(|t| self.cooldowns.get(t));
         let held = target.and_then(|t| self.target_hold(t, now));
@@ -192,7 +229,10 @@ impl LedgerState {
             |uid| held.as_ref().and_then(|held| held.of(uid)),
         );
         match selection {
-            Selection::Chosen(index) => AcquireDecision::Grant(index),
+            Selection::Chosen(index) => AcquireDecision::Grant {
+                index,
+                bucket: bucket.map(Bucket::taken),
+            },
             Selection::NoMatch(stats) => AcquireDecision::NoMatch(stats),
         }
     }
@@ -222,9 +262,36 @@ impl LedgerState {
         )
     }
 
-    /// The request ID's entry if its window is still open at `now`.
-    fn open_request(&self, id: &str, now: i64) -> Option<&RequestEntry> {
-        self.requests.get(id).filter(|e| e.expires_at > now)
+    /// The tenant's request ID's entry if its window is still open at `now`.
+    fn open_request(&self, tenant: &Arc<str>, id: &str, now: i64) -> Option<&RequestEntry> {
+        self.requests
+            .get(&(tenant.clone(), Arc::from(id)))
+            .filter(|e| e.expires_at > now)
+    }
+
+    /// What `tenant` holds at `now`: its leases that count, and its sessions' among them.
+    pub fn usage(&self, tenant: &str, now: i64) -> TenantUsage {
+        let mut usage = TenantUsage::default();
+        for lease in self
+            .by_tenant
+            .get(tenant)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.active.get(id))
+            .filter(|lease| lease.expires_at > now)
+        {
+            usage.count(lease.expires_at, lease.session.is_some());
+        }
+        usage
+    }
+
+    /// Keeps `tenant`'s token bucket as a grant left it.
+    pub fn spend(&mut self, tenant: &Arc<str>, bucket: Bucket) {
+        let previous = self.buckets.insert(tenant.clone(), bucket);
+        self.undo.push(Undo::Bucket {
+            tenant: tenant.clone(),
+            previous,
+        });
     }
 
     /// Leases counting towards `uid`'s capacity at `now`, and the earliest of their expiries.
@@ -250,22 +317,21 @@ impl LedgerState {
                 fingerprint,
                 expires_at: lease.expires_at,
             };
-            let previous = self.requests.insert(request_id.clone(), entry);
-            self.undo.push(Undo::Request {
-                id: request_id,
-                previous,
-            });
+            let name = (lease.tenant.clone(), request_id);
+            let previous = self.requests.insert(name.clone(), entry);
+            self.undo.push(Undo::Request { id: name, previous });
         }
         self.insert_lease(id.clone(), lease);
         self.undo.push(Undo::Inserted(id));
     }
 
-    /// Releases a lease that counts at `now` and returns it; anything else is left alone
-    /// (release is idempotent, and a lease past its expiry has already stopped counting). The
-    /// request ID keeps answering with the released lease until its window closes.
-    pub fn release(&mut self, id: &str, now: i64) -> Option<ActiveLease> {
+    /// Releases `tenant`'s lease that counts at `now` and returns it; anything else is left
+    /// alone (release is idempotent, a lease past its expiry has already stopped counting,
+    /// and another tenant's lease is not this tenant's to release). The request ID keeps
+    /// answering with the released lease until its window closes.
+    pub fn release(&mut self, id: &str, tenant: &str, now: i64) -> Option<ActiveLease> {
         let (id, lease) = self.active.get_key_value(id)?;
-        if lease.expires_at <= now {
+        if lease.expires_at <= now || *lease.tenant != *tenant {
             return None;
         }
         let id = id.clone();
@@ -298,18 +364,31 @@ impl LedgerState {
             .collect()
     }
 
-    /// Extends a lease that counts at `now` to `expires_at`; its request ID's window moves
-    /// with it.
-    pub fn renew(&mut self, id: &str, now: i64, expires_at: i64, ttl_ms: i64) -> RenewOutcome {
+    /// Extends `tenant`'s lease that counts at `now` to `expires_at`; its request ID's window
+    /// moves with it. Another tenant's lease is not held.
+    pub fn renew(
+        &mut self,
+        id: &str,
+        tenant: &str,
+        now: i64,
+        expires_at: i64,
+        ttl_ms: i64,
+    ) -> RenewOutcome {
         let Some((id, lease)) = self.active.get_key_value(id) else {
             return RenewOutcome::NotHeld;
         };
+        if *lease.tenant != *tenant {
+            return RenewOutcome::NotHeld;
+        }
         if lease.expires_at <= now {
             return RenewOutcome::Expired;
         }
         let id = id.clone();
         let (old_expires, old_ttl) = (lease.expires_at, lease.ttl_ms);
-        let request_id = lease.request_id.clone();
+        let request_id = lease
+            .request_id
+            .clone()
+            .map(|request_id| (lease.tenant.clone(), request_id));
         self.set_expiry(&id, expires_at, ttl_ms);
         self.undo.push(Undo::Renewed {
             id: id.clone(),
@@ -317,7 +396,7 @@ impl LedgerState {
             ttl_ms: old_ttl,
         });
         if let Some(request_id) = request_id
-            && let Some(entry) = self.requests.get(&*request_id)
+            && let Some(entry) = self.requests.get(&request_id)
             && entry.lease_id == id
         {
             let previous = entry.clone();
@@ -390,7 +469,7 @@ impl LedgerState {
             });
             swept.cooldowns += 1;
         }
-        let closed: Vec<Arc<str>> = self
+        let closed: Vec<RequestName> = self
             .requests
             .iter()
             .filter(|(_, entry)| entry.expires_at <= now)
@@ -435,6 +514,14 @@ impl LedgerState {
                         self.requests.remove(&id);
                     }
                 },
+                Undo::Bucket { tenant, previous } => match previous {
+                    Some(bucket) => {
+                        self.buckets.insert(tenant, bucket);
+                    }
+                    None => {
+                        self.buckets.remove(&tenant);
+                    }
+                },
             }
         }
         self.touched = Touched::default();
@@ -453,7 +540,7 @@ impl LedgerState {
     }
 
     /// Loads a request ID read from the file (at open; not journaled).
-    pub fn restore_request(&mut self, id: Arc<str>, entry: RequestEntry) {
+    pub fn restore_request(&mut self, id: RequestName, entry: RequestEntry) {
         self.requests.insert(id, entry);
     }
 
@@ -493,6 +580,8 @@ impl LedgerState {
                     expires_at: l.expires_at,
                     ttl_ms: l.ttl_ms,
                     request_id: text(&l.request_id),
+                    tenant: l.tenant.to_string(),
+                    session: text(&l.session),
                 })
                 .collect(),
             cooldowns: self
@@ -508,8 +597,9 @@ impl LedgerState {
                 .requests
                 .iter()
                 .filter(|(_, e)| e.expires_at > now)
-                .map(|(id, e)| {
+                .map(|((tenant, id), e)| {
                     (
+                        tenant.to_string(),
                         id.to_string(),
                         e.lease_id.to_string(),
                         e.fingerprint.to_string(),
@@ -548,11 +638,21 @@ impl LedgerState {
                 .push((lease.expires_at, id.clone()));
         }
         self.touched.proxies.insert(uid);
+        self.by_tenant
+            .entry(lease.tenant.clone())
+            .or_default()
+            .insert(id.clone());
         self.active.insert(id, lease);
     }
 
     fn remove_lease(&mut self, id: &str) -> Option<ActiveLease> {
         let lease = self.active.remove(id)?;
+        if let Some(ids) = self.by_tenant.get_mut(&lease.tenant) {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.by_tenant.remove(&lease.tenant);
+            }
+        }
         let uid = self.proxy_key(&lease);
         if let Some(leases) = self.by_proxy.get_mut(&uid) {
             leases.retain(|(_, lease_id)| &**lease_id != id);
@@ -671,6 +771,21 @@ mod tests {
             expires_at,
             ttl_ms: expires_at,
             request_id: request.map(Arc::from),
+            tenant: DEFAULT.into(),
+            session: None,
+        }
+    }
+
+    const DEFAULT: &str = crate::ledger::quota::DEFAULT_TENANT;
+
+    fn anyone() -> Tenancy {
+        Tenancy::unrestricted()
+    }
+
+    fn grant(index: usize) -> AcquireDecision {
+        AcquireDecision::Grant {
+            index,
+            bucket: None,
         }
     }
 
@@ -705,7 +820,7 @@ mod tests {
     fn acquire_decisions() {
         let c = candidates(&[("a", 1), ("b", 2)]);
         let cases: [AcquireCase; 7] = [
-            ("a is full: b", None, None, 0, AcquireDecision::Grant(1)),
+            ("a is full: b", None, None, 0, grant(1)),
             (
                 "same request ID and fingerprint in the window: replay",
                 None,
@@ -725,40 +840,40 @@ mod tests {
                 None,
                 Some(key("r1", "g")),
                 MIN,
-                AcquireDecision::Grant(0),
+                grant(0),
             ),
             (
                 "an unknown request ID is decided afresh",
                 None,
                 Some(key("r2", "f")),
                 0,
-                AcquireDecision::Grant(1),
+                grant(1),
             ),
             (
                 "a cools down for t after its lease expired",
                 Some("t"),
                 None,
                 MIN,
-                AcquireDecision::Grant(1),
+                grant(1),
             ),
             (
                 "the cooldown ends at 5 min",
                 Some("t"),
                 None,
                 5 * MIN,
-                AcquireDecision::Grant(0),
+                grant(0),
             ),
         ];
         let s = state();
         for (name, target, request, now, expected) in cases {
             assert_eq!(
-                s.decide_acquire(&c, target, request.as_ref(), now),
+                s.decide_acquire(&c, target, request.as_ref(), &anyone(), false, now),
                 expected,
                 "{name}"
             );
         }
         let full = candidates(&[("a", 1), ("b", 1)]);
-        let AcquireDecision::NoMatch(stats) = s.decide_acquire(&full, None, None, 0) else {
+        let AcquireDecision::NoMatch(stats) = s.decide_acquire(&full, None, None, &anyone(), false, 0) else {
             panic!("both proxies are full");
         };
         assert_eq!((stats.considered, stats.at_capacity), (2, 2));
@@ -783,12 +898,12 @@ mod tests {
     #[test]
     fn release_and_renew_only_touch_leases_that_count() {
         let mut s = state();
-        assert_eq!(s.release("l1", MIN), None, "past its expiry");
-        assert_eq!(s.release("nope", 0), None);
-        assert_eq!(s.renew("l1", MIN, 3 * MIN, 2 * MIN), RenewOutcome::Expired);
-        assert_eq!(s.renew("nope", 0, MIN, MIN), RenewOutcome::NotHeld);
+        assert_eq!(s.release("l1", DEFAULT, MIN), None, "past its expiry");
+        assert_eq!(s.release("nope", DEFAULT, 0), None);
+        assert_eq!(s.renew("l1", DEFAULT, MIN, 3 * MIN, 2 * MIN), RenewOutcome::Expired);
+        assert_eq!(s.renew("nope", DEFAULT, 0, MIN, MIN), RenewOutcome::NotHeld);
 
-        let RenewOutcome::Renewed(renewed) = s.renew("l1", 10, 3 * MIN, 3 * MIN - 10) else {
+        let RenewOutcome::Renewed(renewed) = s.renew("l1", DEFAULT, 10, 3 * MIN, 3 * MIN - 10) else {
             panic!("l1 counts at 10 ms");
         };
         assert_eq!(
@@ -797,21 +912,21 @@ mod tests {
         );
         assert_eq!(s.load("uid-a", 2 * MIN).active, 1);
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r1", "f")), 2 * MIN),
+            s.decide_acquire(&[], None, Some(&key("r1", "f")), &anyone(), false, 2 * MIN),
             AcquireDecision::Replay("l1".into()),
             "renewing moves the request ID's window"
         );
 
-        let released = s.release("l1", 20).map(|l| l.expires_at);
+        let released = s.release("l1", DEFAULT, 20).map(|l| l.expires_at);
         assert_eq!(released, Some(3 * MIN));
         assert_eq!(s.load("uid-a", 20).active, 0);
         assert_eq!(s.lease("l1"), None);
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r1", "f")), 20),
+            s.decide_acquire(&[], None, Some(&key("r1", "f")), &anyone(), false, 20),
             AcquireDecision::Replay("l1".into()),
             "a released lease is still the answer to its request ID"
         );
-        assert_eq!(s.renew("l1", 20, MIN, MIN), RenewOutcome::NotHeld);
+        assert_eq!(s.renew("l1", DEFAULT, 20, MIN, MIN), RenewOutcome::NotHeld);
     }
 
     #[test]
@@ -841,7 +956,7 @@ mod tests {
             "the expired lease waits for the sweep"
         );
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r3", "f")), MIN),
+            s.decide_acquire(&[], None, Some(&key("r3", "f")), &anyone(), false, MIN),
             AcquireDecision::Replay("l3".into()),
             "an ended lease still answers its request ID"
         );
@@ -919,10 +1034,10 @@ mod tests {
                 );
             }),
             ("release", |s| {
-                s.release("l2", 0);
+                s.release("l2", DEFAULT, 0);
             }),
             ("renew", |s| {
-                s.renew("l1", 0, 7 * MIN, 7 * MIN);
+                s.renew("l1", DEFAULT, 0, 7 * MIN, 7 * MIN);
             }),
             ("cooldown", |s| {
                 s.cool_down("uid-b", "t", 7 * MIN);
@@ -937,7 +1052,7 @@ mod tests {
             }),
             ("grant then release in one batch", |s| {
                 s.grant("l5".into(), lease("a", 9 * MIN, None), None);
-                s.release("l5", 0);
+                s.release("l5", DEFAULT, 0);
             }),
         ];
         let before = state().summary(0);
@@ -968,7 +1083,7 @@ mod tests {
     #[test]
     fn commit_reports_what_changed() {
         let mut s = state();
-        s.release("l2", 0);
+        s.release("l2", DEFAULT, 0);
         s.cool_down("uid-c", "u", MIN);
         let touched = s.commit();
         assert_eq!(touched.proxies, HashSet::from([Arc::from("uid-b")]));
@@ -978,5 +1093,128 @@ mod tests {
         );
         s.rollback();
         assert_eq!(s.load("uid-b", 0).active, 0, "committed changes stay");
+    }
+
+    fn team(name: &str, leases: Option<u32>, sessions: Option<u32>, rate: Option<(f64, u32)>) -> Tenancy {
+        Tenancy {
+            name: name.into(),
+            quotas: crate::ledger::quota::Quotas {
+                leases,
+                sessions,
+                rate: rate.map(|(per_second, burst)| crate::ledger::quota::Rate { per_second, burst }),
+            },
+        }
+    }
+
+    fn tenant_lease(name: &str, tenant: &str, expires_at: i64, session: Option<&str>) -> ActiveLease {
+        ActiveLease {
+            tenant: tenant.into(),
+            session: session.map(Arc::from),
+            ..lease(name, expires_at, None)
+        }
+    }
+
+    #[test]
+    fn another_tenants_lease_is_neither_released_nor_renewed_nor_its_request_id_replayed() {
+        let mut s = LedgerState::default();
+        let mut a = tenant_lease("a", "team-a", 2 * MIN, None);
+        a.request_id = Some("r".into());
+        s.grant("la".into(), a, Some("f".into()));
+        s.commit();
+        assert_eq!(s.release("la", "team-b", 0), None);
+        assert_eq!(s.renew("la", "team-b", 0, 3 * MIN, 3 * MIN), RenewOutcome::NotHeld);
+        assert_eq!(s.load("uid-a", 0).active, 1, "still team-a's");
+        let c = candidates(&[("a", 5), ("b", 5)]);
+        let key = key("r", "f");
+        // The same request ID and body from team-b is a new acquire, never team-a's lease.
+        assert_eq!(
+            s.decide_acquire(&c, None, Some(&key), &team("team-b", None, None, None), false, 0),
+            grant(1)
+        );
+        assert_eq!(
+            s.decide_acquire(&c, None, Some(&key), &team("team-a", None, None, None), false, 0),
+            AcquireDecision::Replay("la".into())
+        );
+        assert!(s.release("la", "team-a", 0).is_some());
+    }
+
+    #[test]
+    fn quotas_count_the_tenants_leases_and_sessions_that_count() {
+        let mut s = LedgerState::default();
+        s.grant("l1".into(), tenant_lease("a", "team-a", MIN, None), None);
+        s.grant("l2".into(), tenant_lease("b", "team-a", 2 * MIN, Some("s1")), None);
+        s.grant("l3".into(), tenant_lease("c", "team-b", 2 * MIN, Some("s1")), None);
+        s.commit();
+        let c = candidates(&[("d", 5)]);
+        let quota = |decision: AcquireDecision| match decision {
+            AcquireDecision::Quota(refused) => Some(refused.quota),
+            _ => None,
+        };
+        let leases = team("team-a", Some(2), None, None);
+        assert_eq!(
+            quota(s.decide_acquire(&c, None, None, &leases, false, 0)),
+            Some(crate::ledger::quota::QuotaKind::Leases)
+        );
+        // At 1 min l1 stopped counting: a slot is free.
+        assert_eq!(s.decide_acquire(&c, None, None, &leases, false, MIN), grant(0));
+        let sessions = team("team-a", None, Some(1), None);
+        assert_eq!(
+            quota(s.decide_acquire(&c, None, None, &sessions, true, 0)),
+            Some(crate::ledger::quota::QuotaKind::Sessions)
+        );
+        assert_eq!(s.decide_acquire(&c, None, None, &sessions, false, 0), grant(0));
+        assert_eq!(
+            s.decide_acquire(&c, None, None, &team("team-c", Some(1), Some(1), None), true, 0),
+            grant(0),
+            "another tenant's leases are not counted"
+        );
+        assert_eq!(
+            s.usage("team-a", 0),
+            TenantUsage {
+                leases: 2,
+                sessions: 1,
+                earliest_expiry: Some(MIN),
+                earliest_session_expiry: Some(2 * MIN),
+            }
+        );
+        s.release("l2", "team-a", 0);
+        assert_eq!(s.usage("team-a", 0).sessions, 0);
+    }
+
+    #[test]
+    fn a_grant_spends_a_token_and_a_rollback_gives_it_back() {
+        let mut s = LedgerState::default();
+        let rated = team("team-a", None, None, Some((1.0, 2)));
+        let c = candidates(&[("a", 9)]);
+        let mut granted = 0;
+        for _ in 0..3 {
+            match s.decide_acquire(&c, None, None, &rated, false, 0) {
+                AcquireDecision::Grant { bucket: Some(bucket), .. } => {
+                    s.spend(&rated.name, bucket);
+                    granted += 1;
+                }
+                AcquireDecision::Quota(refused) => {
+                    assert_eq!(refused.retry_after, std::time::Duration::from_secs(1));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(granted, 2, "the burst");
+        s.rollback();
+        assert!(matches!(
+            s.decide_acquire(&c, None, None, &rated, false, 0),
+            AcquireDecision::Grant { .. }
+        ));
+        let Some(rate) = rated.quotas.rate else { unreachable!() };
+        s.spend(&rated.name, Bucket::full(&rate, 0).taken().taken());
+        s.commit();
+        assert!(matches!(
+            s.decide_acquire(&c, None, None, &rated, false, 999),
+            AcquireDecision::Quota(_)
+        ));
+        assert!(matches!(
+            s.decide_acquire(&c, None, None, &rated, false, 1_000),
+            AcquireDecision::Grant { .. }
+        ), "refilled at one token a second");
     }
 }

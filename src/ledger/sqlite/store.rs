@@ -207,7 +207,7 @@ pub(crate) fn load_state(
     let mut state = LedgerState::new(limits);
     let mut leases = conn.prepare(
         "SELECT id, proxy_namespace, proxy_name, proxy_uid, target, acquired_at, expires_at, \
-         ttl_ms, request_id, client FROM leases WHERE state = 'active'",
+         ttl_ms, request_id, client, tenant, session FROM leases WHERE state = 'active'",
     )?;
     let mut rows = leases.query([])?;
     while let Some(row) = rows.next()? {
@@ -224,6 +224,8 @@ pub(crate) fn load_state(
             ttl_ms: row.get(7)?,
             request_id: row.get::<_, Option<String>>(8)?.map(Arc::from),
             client: row.get::<_, Option<String>>(9)?.map(Arc::from),
+            tenant: row.get::<_, String>(10)?.into(),
+            session: row.get::<_, Option<String>>(11)?.map(Arc::from),
         };
         state.restore_lease(id.into(), lease);
     }
@@ -234,18 +236,18 @@ pub(crate) fn load_state(
         state.restore_cooldown(&uid, &target, row.get(2)?);
     }
     let mut requests = conn.prepare(
-        "SELECT request_id, id, request_fingerprint, expires_at FROM leases \
+        "SELECT tenant, request_id, id, request_fingerprint, expires_at FROM leases \
          WHERE request_id IS NOT NULL AND expires_at > ?1 ORDER BY acquired_at, id",
     )?;
     let mut rows = requests.query([now])?;
     while let Some(row) = rows.next()? {
-        let request_id: String = row.get(0)?;
+        let (tenant, request_id): (String, String) = (row.get(0)?, row.get(1)?);
         let entry = RequestEntry {
-            lease_id: row.get::<_, String>(1)?.into(),
-            fingerprint: row.get::<_, String>(2)?.into(),
-            expires_at: row.get(3)?,
+            lease_id: row.get::<_, String>(2)?.into(),
+            fingerprint: row.get::<_, String>(3)?.into(),
+            expires_at: row.get(4)?,
         };
-        state.restore_request(request_id.into(), entry);
+        state.restore_request((tenant.into(), request_id.into()), entry);
     }
     Ok(state)
 }
@@ -259,8 +261,8 @@ pub(crate) fn insert_lease(
 ) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
-         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?8, ?9, ?10, ?11)",
+         acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, client, tenant, \
+         session) VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )?
     .execute(rusqlite::params![
         id,
@@ -274,6 +276,8 @@ pub(crate) fn insert_lease(
         lease.request_id.as_deref(),
         fingerprint,
         lease.client.as_deref(),
+        lease.tenant,
+        lease.session.as_deref(),
     ])?;
     record(
         conn,
@@ -349,6 +353,7 @@ pub(crate) fn report(
                 EventKind::Reported,
                 now,
                 &lease.id,
+                &lease.tenant,
                 &lease.proxy,
                 target,
                 lease.expires_at.as_millisecond(),
@@ -393,9 +398,9 @@ pub(crate) fn sweep(
     if expiry_events {
         conn.prepare_cached(
             "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
-         proxy_uid, target, expires_at) \
+         proxy_uid, target, expires_at, tenant) \
          SELECT expires_at, id, 'expired', proxy_namespace, proxy_name, proxy_uid, \
-         target, expires_at FROM leases \
+         target, expires_at, tenant FROM leases \
          WHERE state = 'active' AND expires_at <= ?1 ORDER BY expires_at",
         )?
         .execute([now])?;
@@ -467,10 +472,15 @@ pub(crate) fn recent_demand(
 
 /// Acquires and reports per target since `since` (ms) and the cooldowns in force at `now`
 /// (see [`activity`]).
-pub(crate) fn activity(conn: &Connection, since: i64, now: i64) -> rusqlite::Result<Activity> {
+pub(crate) fn activity(
+    conn: &Connection,
+    since: i64,
+    now: i64,
+    tenant: Option<&str>,
+) -> rusqlite::Result<Activity> {
     let mut found = Activity::default();
     let mut counts = conn.prepare_cached(activity::TARGET_COUNTS_SQL)?;
-    let mut rows = counts.query((activity::SCAN_EVENTS, since))?;
+    let mut rows = counts.query((activity::SCAN_EVENTS, since, tenant))?;
     while let Some(row) = rows.next()? {
         let kind: String = row.get(1)?;
         let result: Option<String> = row.get(2)?;
@@ -510,17 +520,28 @@ pub(crate) fn events(conn: &Connection, query: &EventsQuery) -> rusqlite::Result
             result: row.get(7)?,
             reason: row.get(8)?,
             client: row.get(9)?,
+            tenant: row.get(10)?,
         })
     };
-    match &query.proxy {
-        None => conn
+    match (&query.proxy, &query.tenant) {
+        (None, None) => conn
             .prepare_cached(activity::EVENTS_SQL)?
             .query_map([query.bound()], decode)?
             .collect(),
-        Some((namespace, name)) => conn
+        (None, Some(tenant)) => conn
+            .prepare_cached(activity::TENANT_EVENTS_SQL)?
+            .query_map((query.bound(), tenant, activity::SCAN_EVENTS), decode)?
+            .collect(),
+        (Some((namespace, name)), tenant) => conn
             .prepare_cached(activity::PROXY_EVENTS_SQL)?
             .query_map(
-                (namespace, name, activity::SCAN_EVENTS, query.bound()),
+                (
+                    namespace,
+                    name,
+                    activity::SCAN_EVENTS,
+                    query.bound(),
+                    tenant.as_deref(),
+                ),
                 decode,
             )?
             .collect(),
@@ -538,6 +559,7 @@ fn event_of<'a>(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLe
             kind,
             at,
             lease_id,
+            &lease.tenant,
             &lease.proxy,
             lease.target.as_deref(),
             lease.expires_at,
@@ -549,8 +571,8 @@ fn event_of<'a>(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLe
 fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, result, expires_at, reason, cooldown_ms, client) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+         target, result, expires_at, reason, cooldown_ms, client, tenant) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )?
     .execute(rusqlite::params![
         event.at,
@@ -564,13 +586,14 @@ fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
         event.expires_at,
         event.reason,
         event.cooldown_ms,
-        event.client
+        event.client,
+        event.tenant
     ])?;
     Ok(())
 }
 
-/// The lease with this ID if its row is retained. An active lease past its expiry reads as
-/// expired even before the sweep marks it.
+/// The lease with this ID if its row is retained, whatever its tenant (the callers compare
+/// it). An active lease past its expiry reads as expired even before the sweep marks it.
 pub(crate) fn lease_by_id(
     conn: &Connection,
     id: &str,
@@ -578,7 +601,8 @@ pub(crate) fn lease_by_id(
 ) -> rusqlite::Result<Option<Lease>> {
     conn.prepare_cached(
         "SELECT id, proxy_namespace, proxy_name, proxy_uid, target, state, acquired_at, \
-         expires_at, ttl_ms, released_at, release_reason, client FROM leases WHERE id = ?1",
+         expires_at, ttl_ms, released_at, release_reason, client, tenant, session FROM leases \
+         WHERE id = ?1",
     )?
     .query_row([id], |row| lease_from_row(row, now))
     .optional()
@@ -601,6 +625,8 @@ fn lease_from_row(row: &Row<'_>, now: i64) -> rusqlite::Result<Lease> {
         released_at: row.get(9)?,
         release_reason: row.get(10)?,
         client: row.get(11)?,
+        tenant: row.get(12)?,
+        session: row.get(13)?,
     }
     .decode(now)
     .map_err(row_error)
@@ -619,6 +645,8 @@ pub(crate) fn lease_of(id: &str, lease: &ActiveLease, now: i64) -> rusqlite::Res
         released_at: None,
         release_reason: None,
         client: lease.client.as_deref().map(str::to_owned),
+        tenant: lease.tenant.to_string(),
+        session: lease.session.as_deref().map(str::to_owned),
     }
     .decode(now)
     .map_err(row_error)
@@ -653,6 +681,8 @@ mod tests {
             expires_at,
             ttl_ms: expires_at - 10,
             request_id: request_id.map(Arc::from),
+            tenant: crate::ledger::DEFAULT_TENANT.into(),
+            session: None,
         }
     }
 

@@ -34,11 +34,13 @@ pub(crate) enum Job {
     },
     Renew {
         id: String,
+        tenant: String,
         ttl_ms: i64,
         reply: Reply<Lease>,
     },
     Release {
         id: String,
+        tenant: String,
         reply: Reply<()>,
     },
     /// The operator ends every counting lease of one proxy (its machine is lost or gone).
@@ -49,6 +51,7 @@ pub(crate) enum Job {
     },
     Report {
         id: String,
+        tenant: String,
         report: LeaseReport,
         reply: Reply<Lease>,
     },
@@ -317,22 +320,32 @@ impl Writer {
                 }
                 answer(reply, self.acquire(&request, ttl_ms, now))
             }
-            Job::Renew { id, ttl_ms, reply } => answer(reply, self.renew(&id, ttl_ms, now)),
-            Job::Release { id, reply } => answer(reply, self.release(&id, now)),
+            Job::Renew {
+                id,
+                tenant,
+                ttl_ms,
+                reply,
+            } => answer(reply, self.renew(&id, &tenant, ttl_ms, now)),
+            Job::Release { id, tenant, reply } => answer(reply, self.release(&id, &tenant, now)),
             Job::EndLeases {
                 proxy_uid,
                 reason,
                 reply,
             } => answer(reply, self.end_leases(&proxy_uid, &reason, now)),
-            Job::Report { id, report, reply } => answer(reply, self.report(&id, &report, now)),
+            Job::Report {
+                id,
+                tenant,
+                report,
+                reply,
+            } => answer(reply, self.report(&id, &tenant, &report, now)),
             Job::RecordDemand { pools, reply } => answer(reply, self.record_demand(&pools, now)),
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
     }
 
-    fn release(&mut self, id: &str, now: i64) -> Decision<()> {
-        if let Some(lease) = self.state.release(id, now) {
+    fn release(&mut self, id: &str, tenant: &str, now: i64) -> Decision<()> {
+        if let Some(lease) = self.state.release(id, tenant, now) {
             store::release_lease(&self.conn, id, &lease, now, None)?;
         }
         Ok(Ok(()))
@@ -420,11 +433,17 @@ impl Writer {
     ) -> Decision<AcquireOutcome> {
         let target = request.target.as_deref().filter(|t| !t.is_empty());
         let key = request.request.as_ref();
-        match self
-            .state
-            .decide_acquire(&request.candidates, target, key, now)
-        {
+        let tenant = &request.tenant;
+        match self.state.decide_acquire(
+            &request.candidates,
+            target,
+            key,
+            tenant,
+            request.session.is_some(),
+            now,
+        ) {
             AcquireDecision::NoMatch(stats) => Ok(Ok(AcquireOutcome::NoMatch(stats))),
+            AcquireDecision::Quota(refused) => Ok(Ok(AcquireOutcome::QuotaExceeded(refused))),
             AcquireDecision::Reused => Ok(Err(LedgerError::RequestIdReused {
                 request_id: key.map(|k| k.id.clone()).unwrap_or_default(),
             })),
@@ -435,7 +454,7 @@ impl Writer {
                     key.map(|k| k.id.as_str()).unwrap_or_default()
                 ))),
             }),
-            AcquireDecision::Grant(index) => {
+            AcquireDecision::Grant { index, bucket } => {
                 let Some(candidate) = request.candidates.get(index) else {
                     return Ok(Err(LedgerError::Inconsistent(format!(
                         "selection chose candidate {index} of {}",
@@ -451,20 +470,25 @@ impl Writer {
                     ttl_ms,
                     request_id: key.map(|k| Arc::from(k.id.as_str())),
                     client: request.client.as_deref().map(Arc::from),
+                    tenant: tenant.name.clone(),
+                    session: request.session.as_deref().map(Arc::from),
                 };
                 let fingerprint = key.map(|k| k.fingerprint.as_str());
                 store::insert_lease(&self.conn, &id, &lease, fingerprint)?;
                 let granted = store::lease_of(&id, &lease, now)?;
                 self.state
                     .grant(id.into(), lease, fingerprint.map(Arc::from));
+                if let Some(bucket) = bucket {
+                    self.state.spend(&tenant.name, bucket);
+                }
                 Ok(Ok(AcquireOutcome::Granted(granted)))
             }
         }
     }
 
-    fn renew(&mut self, id: &str, ttl_ms: i64, now: i64) -> Decision<Lease> {
+    fn renew(&mut self, id: &str, tenant: &str, ttl_ms: i64, now: i64) -> Decision<Lease> {
         let expires_at = now.saturating_add(ttl_ms);
-        Ok(match self.state.renew(id, now, expires_at, ttl_ms) {
+        Ok(match self.state.renew(id, tenant, now, expires_at, ttl_ms) {
             RenewOutcome::Renewed(lease) => {
                 store::renew_lease(&self.conn, id, &lease, now)?;
                 Ok(store::lease_of(id, &lease, now)?)
@@ -473,7 +497,9 @@ impl Writer {
                 id: id.to_owned(),
                 state: LeaseState::Expired,
             }),
-            RenewOutcome::NotHeld => match store::lease_by_id(&self.conn, id, now)? {
+            RenewOutcome::NotHeld => match store::lease_by_id(&self.conn, id, now)?
+                .filter(|lease| lease.tenant == tenant)
+            {
                 Some(lease) => Err(LedgerError::NotActive {
                     id: id.to_owned(),
                     state: lease.state,
@@ -483,8 +509,14 @@ impl Writer {
         })
     }
 
-    fn report(&mut self, id: &str, report: &LeaseReport, now: i64) -> Decision<Lease> {
-        let Some(lease) = self.lease_now(id, now)? else {
+    fn report(
+        &mut self,
+        id: &str,
+        tenant: &str,
+        report: &LeaseReport,
+        now: i64,
+    ) -> Decision<Lease> {
+        let Some(lease) = self.lease_now(id, now)?.filter(|l| l.tenant == tenant) else {
             return Ok(Err(LedgerError::UnknownLease(id.to_owned())));
         };
         let (target, cooldown_ms) = self.config.report_cooldown(report, lease.target.as_deref());

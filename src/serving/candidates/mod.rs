@@ -199,7 +199,7 @@ fn matching(
     let found: Arc<[u32]> = snapshot
         .entries()
         .enumerate()
-        .filter(|(_, (_, proxy))| selector.matches(proxy.metadata.labels.as_ref()))
+        .filter(|(_, (id, proxy))| selector.matches(&id.namespace, proxy.metadata.labels.as_ref()))
         .filter_map(|(position, _)| u32::try_from(position).ok())
         .collect();
     let mut matches = lock(&index.matches);

@@ -1,7 +1,9 @@
 //! Label selectors crawlers filter proxies with: `geo=eu,tier=a` in a query string, or a JSON
 //! object `{"geo":"eu","tier":"a"}` in a lease request. Every pair must match (equality only).
+//! A tenant's scope narrows a selector further ([`Selector::within`]): its own pairs, and the
+//! namespaces its proxies must be in.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The characters trimmed around terms, keys and values: ASCII whitespace
 /// ([`u8::is_ascii_whitespace`]), spelled for a regular-expression class.
@@ -15,12 +17,15 @@ pub fn selector_pattern() -> String {
     format!("^{term}(?:,{term})*$")
 }
 
-/// A set of required `label = value` pairs; empty matches everything.
+/// A set of required `label = value` pairs, and optionally the namespaces a proxy must be in;
+/// empty matches everything.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Selector {
     pairs: BTreeMap<String, String>,
     /// A key was required to have two different values: nothing can match.
     contradictory: bool,
+    /// Only proxies in these namespaces match; `None`: any namespace.
+    namespaces: Option<BTreeSet<String>>,
 }
 
 /// Why a selector string was refused.
@@ -58,18 +63,52 @@ impl Selector {
         Ok(selector)
     }
 
-    /// Whether the selector names no pair (it matches every proxy).
+    /// Whether the selector names no pair (it matches every proxy of its namespaces).
     pub fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
 
-    /// Whether every pair is present in `labels`.
-    pub fn matches(&self, labels: Option<&BTreeMap<String, String>>) -> bool {
+    /// Whether a proxy in `namespace` with `labels` matches: in one of the namespaces (when
+    /// the selector names any) and every pair present in `labels`.
+    pub fn matches(&self, namespace: &str, labels: Option<&BTreeMap<String, String>>) -> bool {
         !self.contradictory
+            && self
+                .namespaces
+                .as_ref()
+                .is_none_or(|namespaces| namespaces.contains(namespace))
             && self
                 .pairs
                 .iter()
                 .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+    }
+
+    /// This selector narrowed to `scope`: its pairs and the scope's must all match (a key
+    /// both name with different values matches nothing), and the proxy must be in one of the
+    /// scope's namespaces, when it names any (and in this selector's, when this one does).
+    pub fn within(&self, scope: &Selector) -> Selector {
+        let mut narrowed = self.clone();
+        for (key, value) in &scope.pairs {
+            if let Some(earlier) = narrowed.pairs.insert(key.clone(), value.clone()) {
+                narrowed.contradictory |= earlier != *value;
+            }
+        }
+        narrowed.contradictory |= scope.contradictory;
+        narrowed.namespaces = match (&self.namespaces, &scope.namespaces) {
+            (Some(a), Some(b)) => Some(a.intersection(b).cloned().collect()),
+            (a, b) => a.clone().or_else(|| b.clone()),
+        };
+        narrowed
+    }
+
+    /// The selector that also requires one of `namespaces` (the scope of a tenant).
+    pub fn in_namespaces(mut self, namespaces: impl IntoIterator<Item = String>) -> Selector {
+        self.namespaces = Some(namespaces.into_iter().collect());
+        self
+    }
+
+    /// Whether it holds no condition at all: every proxy matches.
+    pub fn is_unrestricted(&self) -> bool {
+        self.pairs.is_empty() && !self.contradictory && self.namespaces.is_none()
     }
 }
 
@@ -78,6 +117,7 @@ impl From<BTreeMap<String, String>> for Selector {
         Selector {
             pairs,
             contradictory: false,
+            namespaces: None,
         }
     }
 }
@@ -135,8 +175,40 @@ mod tests {
         ];
         for (text, labels, expected) in cases {
             let selector = Selector::parse(text).unwrap();
-            assert_eq!(selector.matches(labels), expected, "{text:?}");
+            assert_eq!(selector.matches("crawl", labels), expected, "{text:?}");
         }
+    }
+
+    #[test]
+    fn a_scope_narrows_a_selector() {
+        let proxy = labels(&[("geo", "eu"), ("team", "a")]);
+        let scope = Selector::parse("team=a")
+            .unwrap()
+            .in_namespaces(["crawl-a".to_owned()]);
+        let cases = [
+            ("", "crawl-a", true),
+            ("geo=eu", "crawl-a", true),
+            ("geo=eu", "crawl-b", false),
+            ("geo=us", "crawl-a", false),
+            ("team=a", "crawl-a", true),
+            // A crawler cannot ask its way out of its scope.
+            ("team=b", "crawl-a", false),
+        ];
+        for (text, namespace, expected) in cases {
+            let narrowed = Selector::parse(text).unwrap().within(&scope);
+            assert_eq!(
+                narrowed.matches(namespace, Some(&proxy)),
+                expected,
+                "{text:?} in {namespace}"
+            );
+        }
+        let both = Selector::default()
+            .in_namespaces(["a".to_owned(), "b".to_owned()])
+            .within(&Selector::default().in_namespaces(["b".to_owned(), "c".to_owned()]));
+        assert!(both.matches("b", None));
+        assert!(!both.matches("a", None) && !both.matches("c", None));
+        assert!(Selector::default().within(&Selector::default()).is_unrestricted());
+        assert!(!scope.is_unrestricted());
     }
 
     /// Every string up to five characters over an alphabet of the characters that matter

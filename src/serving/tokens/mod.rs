@@ -8,17 +8,53 @@ mod source;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use sha2::{Digest, Sha256};
-use subtle::{Choice, ConstantTimeEq};
+use subtle::{Choice, ConditionallySelectable, ConstantTimeEq};
 
 pub use source::{
     LoadedTokens, MIN_TOKEN_BYTES, TOKEN_ENV, TokenError, TokenSet, TokenSources, load, watch_file,
 };
 
-/// The tokens every API request and every gateway connection must present one of; open (no
-/// check) only when built with [`ApiToken::open`] (`--insecure-no-auth`). Clones share the set, so [`ApiToken::replace`]
-/// (a re-read token file) applies to the running server.
+use super::tenants::{Caller, Tenant};
+
+/// A token's SHA-256: all the process keeps of a token.
+pub type TokenDigest = [u8; 32];
+
+/// The SHA-256 of `token`.
+pub fn digest(token: &[u8]) -> TokenDigest {
+    Sha256::digest(token).into()
+}
+
+/// The tokens every API request and every gateway connection must present one of, each with
+/// its tenant; open (no check) only when built with [`ApiToken::open`] (`--insecure-no-auth`).
+/// Clones share the set, so [`ApiToken::replace`] (a re-read token file) and
+/// [`ApiToken::replace_tenants`] (a re-read tenants file) apply to the running server.
 #[derive(Clone)]
-pub struct ApiToken(Option<Arc<RwLock<TokenSet>>>);
+pub struct ApiToken(Option<Arc<RwLock<Access>>>);
+
+/// The valid tokens, as digests.
+#[derive(Debug, Default)]
+struct Access {
+    /// The tokens of `DISCOVERY_TOKEN` and the token file: the default tenant's.
+    plain: Vec<TokenDigest>,
+    /// The tenants file's tokens, each with its tenant.
+    tenants: Vec<(TokenDigest, Arc<Tenant>)>,
+    /// The default tenant, shared by every plain token.
+    default: Option<Arc<Tenant>>,
+}
+
+impl Access {
+    fn default_tenant(&mut self) -> Arc<Tenant> {
+        self.default.get_or_insert_with(Tenant::unrestricted).clone()
+    }
+
+    /// Every valid digest with its tenant.
+    fn entries(&self) -> impl Iterator<Item = (&TokenDigest, Option<&Arc<Tenant>>)> {
+        self.plain
+            .iter()
+            .map(|d| (d, self.default.as_ref()))
+            .chain(self.tenants.iter().map(|(d, t)| (d, Some(t))))
+    }
+}
 
 impl std::fmt::Debug for ApiToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -28,9 +64,18 @@ impl std::fmt::Debug for ApiToken {
 }
 
 impl ApiToken {
-    /// Requests must present one of `tokens`.
+    /// Requests must present one of `tokens` (the default tenant's).
     pub fn new(tokens: TokenSet) -> Self {
-        ApiToken(Some(Arc::new(RwLock::new(tokens))))
+        let token = ApiToken(Some(Arc::default()));
+        token.replace(tokens);
+        token
+    }
+
+    /// Requests must present one of the tenants' tokens (and no plain token is valid).
+    pub fn of_tenants(tenants: Vec<(TokenDigest, Arc<Tenant>)>) -> Self {
+        let token = ApiToken(Some(Arc::default()));
+        token.replace_tenants(tenants);
+        token
     }
 
     /// No authentication at all (`--insecure-no-auth`).
@@ -43,55 +88,96 @@ impl ApiToken {
         self.0.is_some()
     }
 
-    /// Makes `tokens` the valid set (no effect on an open API).
+    fn access(&self) -> Option<std::sync::RwLockReadGuard<'_, Access>> {
+        Some(self.0.as_ref()?.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Makes `tokens` the default tenant's valid set (no effect on an open API).
     pub fn replace(&self, tokens: TokenSet) {
-        if let Some(set) = &self.0 {
-            *set.write().unwrap_or_else(PoisonError::into_inner) = tokens;
+        if let Some(access) = &self.0 {
+            let mut access = access.write().unwrap_or_else(PoisonError::into_inner);
+            access.default_tenant();
+            access.plain = tokens.tokens().iter().map(|t| digest(t)).collect();
         }
     }
 
-    /// The token an `Authorization` header value (`Bearer <token>`) presents, if it grants
-    /// access (on an open API, the anonymous one whatever is sent).
-    pub fn bearer(&self, authorization: Option<&[u8]>) -> Option<TokenId> {
+    /// Makes `tenants` the tenants file's tokens (no effect on an open API).
+    pub fn replace_tenants(&self, tenants: Vec<(TokenDigest, Arc<Tenant>)>) {
+        if let Some(access) = &self.0 {
+            access.write().unwrap_or_else(PoisonError::into_inner).tenants = tenants;
+        }
+    }
+
+    /// The caller an `Authorization` header value (`Bearer <token>`) presents, if its token
+    /// grants access (on an open API, the anonymous caller of the default tenant whatever is
+    /// sent).
+    pub fn bearer(&self, authorization: Option<&[u8]>) -> Option<Caller> {
         match (
             &self.0,
             authorization.and_then(|h| h.strip_prefix(b"Bearer ")),
         ) {
-            (None, _) => Some(TokenId::of(b"")),
+            (None, _) => Some(anonymous()),
             (Some(_), None) => None,
             (Some(_), Some(presented)) => self.check(presented),
         }
     }
 
-    /// Which valid token `presented` is, as a [`TokenId`] (`None`: none). Every valid token is
+    /// Which caller `presented` makes (`None`: no valid token). Every valid digest is
     /// compared, each in constant time, whatever the outcome of the others. On an open API
-    /// every token (or none) is the same anonymous one.
-    pub fn check(&self, presented: &[u8]) -> Option<TokenId> {
-        let Some(set) = &self.0 else {
-            return Some(TokenId::of(b""));
+    /// every token (or none) is the same anonymous caller.
+    pub fn check(&self, presented: &[u8]) -> Option<Caller> {
+        let Some(access) = self.access() else {
+            return Some(anonymous());
         };
-        let set = set.read().unwrap_or_else(PoisonError::into_inner);
-        let mut allowed = Choice::from(0);
-        for expected in set.tokens() {
-            allowed |= presented.ct_eq(expected);
+        let presented = digest(presented);
+        let mut found = Choice::from(0);
+        let mut position = 0u32;
+        for (index, (expected, _)) in access.entries().enumerate() {
+            let equal = presented.ct_eq(expected);
+            position.conditional_assign(&u32::try_from(index).unwrap_or(u32::MAX), equal);
+            found |= equal;
         }
-        bool::from(allowed).then(|| TokenId::of(presented))
+        if !bool::from(found) {
+            return None;
+        }
+        let (_, tenant) = access.entries().nth(usize::try_from(position).ok()?)?;
+        Some(Caller {
+            token: TokenId::of_digest(&presented),
+            tenant: tenant?.clone(),
+        })
+    }
+
+    /// The caller whose token has the identity `id`, while that token is valid (`None` on an
+    /// open API): who a status-page session is.
+    pub fn caller(&self, id: &TokenId) -> Option<Caller> {
+        let access = self.access()?;
+        let (_, tenant) = access
+            .entries()
+            .find(|(digest, _)| TokenId::of_digest(digest) == *id)?;
+        Some(Caller {
+            token: id.clone(),
+            tenant: tenant?.clone(),
+        })
+    }
+
+    /// Runs `with` on the digest of the valid token whose identity is `id` (`None` when no
+    /// valid token has it, or on an open API): what seals and opens a value only that token's
+    /// holder (or a reader of its digest) could have made, such as the status page's sign-in
+    /// cookie. A token rotated away unseals nothing any more.
+    pub fn with_token<T>(&self, id: &TokenId, with: impl FnOnce(&[u8]) -> T) -> Option<T> {
+        let access = self.access()?;
+        let (digest, _) = access
+            .entries()
+            .find(|(digest, _)| TokenId::of_digest(digest) == *id)?;
+        Some(with(digest))
     }
 }
 
-impl ApiToken {
-    /// Runs `with` on the valid token whose identity is `id` (`None` when no valid token has
-    /// it, or on an open API): what seals and opens a value only that token's holder could
-    /// have made, such as the status page's sign-in cookie. A token rotated away unseals
-    /// nothing any more.
-    pub fn with_token<T>(&self, id: &TokenId, with: impl FnOnce(&[u8]) -> T) -> Option<T> {
-        let set = self.0.as_ref()?;
-        let set = set.read().unwrap_or_else(PoisonError::into_inner);
-        let token = set
-            .tokens()
-            .iter()
-            .find(|token| TokenId::of(token) == *id)?;
-        Some(with(token))
+/// The caller of an open API (`--insecure-no-auth`): no token, the default tenant.
+fn anonymous() -> Caller {
+    Caller {
+        token: TokenId::of_digest(&digest(b"")),
+        tenant: Tenant::unrestricted(),
     }
 }
 
@@ -109,8 +195,7 @@ impl TokenId {
         valid.then(|| TokenId(text.to_owned()))
     }
 
-    fn of(token: &[u8]) -> Self {
-        let digest = Sha256::digest(token);
+    fn of_digest(digest: &TokenDigest) -> Self {
         TokenId(digest[..16].iter().map(|b| format!("{b:02x}")).collect())
     }
 
@@ -167,10 +252,13 @@ mod tests {
     #[test]
     fn a_token_is_known_by_its_digest_never_by_itself() {
         let token = ApiToken::new(set(&["s3cret-0123456789", "other-0123456789ab"]));
-        let one = token.check(b"s3cret-0123456789").unwrap();
-        let other = token.check(b"other-0123456789ab").unwrap();
+        let one = token.check(b"s3cret-0123456789").unwrap().token;
+        let other = token.check(b"other-0123456789ab").unwrap().token;
         assert_ne!(one, other);
-        assert_eq!(token.check(b"s3cret-0123456789"), Some(one.clone()));
+        assert_eq!(
+            token.check(b"s3cret-0123456789").map(|c| c.token),
+            Some(one.clone())
+        );
         assert_eq!(one.as_str().len(), 32);
         assert!(!one.as_str().contains("s3cret"));
         assert_eq!(token.check(b"s3cret-012345678"), None);
@@ -187,5 +275,29 @@ mod tests {
         let token = ApiToken::new(set(&["0123456789abcdef"]));
         assert!(token.is_required());
         assert_eq!(format!("{token:?}"), "ApiToken(\"set\")");
+    }
+
+    #[test]
+    fn a_tenants_token_makes_a_caller_of_that_tenant_and_a_plain_one_of_the_default() {
+        let team = Arc::new(Tenant {
+            name: "team-a".into(),
+            ..Tenant::clone(&Tenant::unrestricted())
+        });
+        let token = ApiToken::new(set(&["plain-token-0123456789"]));
+        token.replace_tenants(vec![(digest(b"team-a-token-0123456789"), team.clone())]);
+        let plain = token.check(b"plain-token-0123456789").unwrap();
+        assert_eq!(plain.tenant_name(), "default");
+        let caller = token.check(b"team-a-token-0123456789").unwrap();
+        assert_eq!(caller.tenant, team);
+        assert_eq!(token.caller(&caller.token), Some(caller.clone()));
+        // Rotated away: the token, its identity and its cookie key are gone.
+        token.replace_tenants(Vec::new());
+        assert!(token.check(b"team-a-token-0123456789").is_none());
+        assert!(token.caller(&caller.token).is_none());
+        assert!(token.with_token(&caller.token, |_| ()).is_none());
+        let only_tenants =
+            ApiToken::of_tenants(vec![(digest(b"team-a-token-0123456789"), team)]);
+        assert!(only_tenants.check(b"plain-token-0123456789").is_none());
+        assert!(only_tenants.check(b"team-a-token-0123456789").is_some());
     }
 }
