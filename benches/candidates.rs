@@ -12,6 +12,7 @@
 //!
 //! Run with `cargo bench --bench candidates`.
 
+use proxy_operator::ledger::DEFAULT_TENANT;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,7 +62,7 @@ fn copying(inventory: &Inventory, health: &HealthSnapshot, selector: &Selector) 
     let health = health.read();
     snapshot
         .entries()
-        .filter(|(_, p)| selector.matches(p.metadata.labels.as_ref()))
+        .filter(|(id, p)| selector.matches(&id.namespace, p.metadata.labels.as_ref()))
         .map(|(id, p)| {
             let h = health.get(id);
             Candidate {
@@ -139,13 +140,18 @@ fn bench(c: &mut Criterion) {
                             ttl: Duration::from_secs(300),
                             request: None,
                             client: None,
+                            tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+                            session: None,
                         })
                         .await
                         .expect("acquire");
                     let AcquireOutcome::Granted(lease) = outcome else {
                         panic!("not granted: {outcome:?}");
                     };
-                    ledger.release(&lease.id).await.expect("release");
+                    ledger
+                        .release(&lease.id, DEFAULT_TENANT)
+                        .await
+                        .expect("release");
                 })
             },
             criterion::BatchSize::PerIteration,

@@ -14,6 +14,7 @@
 //!
 //! Run with `cargo bench --bench ledger`.
 
+use proxy_operator::ledger::DEFAULT_TENANT;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -92,12 +93,17 @@ impl LedgerSide {
                                 ttl: TTL,
                                 request: None,
                                 client: None,
+                                tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+                                session: None,
                             };
                             let Ok(AcquireOutcome::Granted(lease)) = ledger.acquire(request).await
                             else {
                                 panic!("no lease granted");
                             };
-                            ledger.release(&lease.id).await.expect("release");
+                            ledger
+                                .release(&lease.id, DEFAULT_TENANT)
+                                .await
+                                .expect("release");
                         }
                     })
                 })

@@ -152,9 +152,19 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_TOKEN_FILE")]
     pub discovery_token_file: Option<PathBuf>,
 
-    /// How often `--discovery-token-file` is checked for changes.
+    /// How often `--discovery-token-file` and `--tenants-file` are checked for changes.
     #[arg(long, env = "PROXY_OPERATOR_DISCOVERY_TOKEN_POLL", default_value = "5s", value_parser = positive_duration)]
     pub discovery_token_poll: Duration,
+
+    /// YAML file of tenants (e.g. a mounted Secret): each one's name, the SHA-256 digests of
+    /// its tokens (`sha256:<hex>`), its scope (namespaces and/or labels its proxies must
+    /// carry) and its quotas (leases, sessions, acquires per second). Each tenant sees and
+    /// leases only its scope's proxies, within its quotas. The tokens of `DISCOVERY_TOKEN`
+    /// and `--discovery-token-file` stay valid as the unrestricted tenant `default`. Re-read
+    /// when its content changes; a bad file stops start-up, and a bad change is logged and
+    /// the last good tenants stay in force.
+    #[arg(long, env = "PROXY_OPERATOR_TENANTS_FILE", value_name = "PATH")]
+    pub tenants_file: Option<PathBuf>,
 
     /// Serve the lease API without authentication, to anyone who can reach
     /// `--discovery-addr`. Without this flag, start-up refuses a missing, empty, non-UTF-8 or

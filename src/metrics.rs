@@ -35,6 +35,10 @@ pub struct FleetCollector {
     proxy_leases_active: PerProxyGauge,
     cooldowns_active: IntGauge,
     target_cooldowns: TargetCooldownGauge,
+    /// Leases counting per tenant, a gateway session's included.
+    tenant_leases: IntGaugeVec,
+    /// Gateway sessions' leases counting per tenant.
+    tenant_sessions: IntGaugeVec,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
 }
@@ -72,6 +76,21 @@ impl FleetCollector {
                 "(proxy, target) pairs cooling down after a rate_limited or blocked report.",
             )?,
             target_cooldowns: TargetCooldownGauge::new()?,
+            tenant_leases: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_operator_tenant_leases_active",
+                    "Leases counting per tenant (--tenants-file; default: the token file's), \
+                     a gateway session's included.",
+                ),
+                &["tenant"],
+            )?,
+            tenant_sessions: IntGaugeVec::new(
+                Opts::new(
+                    "proxy_operator_tenant_sessions_active",
+                    "Gateway sessions' leases counting per tenant.",
+                ),
+                &["tenant"],
+            )?,
             scrape: Mutex::new(()),
         })
     }
@@ -85,6 +104,8 @@ impl Collector for FleetCollector {
         descs.push(self.proxy_leases_active.desc());
         descs.extend(self.cooldowns_active.desc());
         descs.push(&self.target_cooldowns.desc);
+        descs.extend(self.tenant_leases.desc());
+        descs.extend(self.tenant_sessions.desc());
         descs
     }
 
@@ -94,13 +115,14 @@ impl Collector for FleetCollector {
         let mut capacity = 0u64;
         // The ledger's counts, read once from its memory (no query per scrape) and released
         // before the walk over the inventory, so a scrape never holds up the ledger's writes.
-        let (leases, active_total, cooldowns_active, target_cooldowns) = {
+        let (leases, active_total, cooldowns_active, target_cooldowns, tenants) = {
             let ledger = self.ledger.counts();
             (
                 ledger.active_counts(),
                 ledger.active_total(),
                 ledger.cooldowns_active(),
                 ledger.target_cooldowns(),
+                ledger.tenant_usage(),
             )
         };
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
@@ -145,6 +167,20 @@ impl Collector for FleetCollector {
         families.extend(self.lease_capacity.collect());
         families.push(proxy_leases);
         families.extend(self.cooldowns_active.collect());
+        // Tenants come from the tenants file, so these series stay few; a tenant without a
+        // lease has none.
+        self.tenant_leases.reset();
+        self.tenant_sessions.reset();
+        for (tenant, usage) in &tenants {
+            self.tenant_leases
+                .with_label_values(&[tenant])
+                .set(i64::from(usage.leases));
+            self.tenant_sessions
+                .with_label_values(&[tenant])
+                .set(i64::from(usage.sessions));
+        }
+        families.extend(self.tenant_leases.collect());
+        families.extend(self.tenant_sessions.collect());
         // At most 51 numbers copied from the ledger's memory; none when nothing cools down.
         if let Some(family) = self.target_cooldowns.family(&target_cooldowns) {
             families.push(family);

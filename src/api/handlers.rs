@@ -27,7 +27,7 @@ use crate::serving::candidates::Selector;
 use crate::serving::outcomes::Outcome;
 use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
-use crate::serving::tenants::Caller;
+use crate::serving::tokens::Caller;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
 /// end: the writer answers every write it has queued (with its result, or `Overloaded` when
@@ -522,19 +522,16 @@ pub async fn report_session(
 ) -> Result<HttpResponse, ApiError> {
     let name = name.into_inner();
     let report = lease_report(body.0)?;
-    let session = state
-        .sessions
-        .find(&caller.token, &name)
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "unknown_session",
-                format!(
-                    "this token has no gateway session {name:?} (never opened, idle past its \
+    let session = state.sessions.find(&caller.token, &name).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_session",
+            format!(
+                "this token has no gateway session {name:?} (never opened, idle past its \
                      sessionTTL, or served by another replica)"
-                ),
-            )
-        })?;
+            ),
+        )
+    })?;
     record_report(&state, &session.lease_id, caller.tenant_name(), report).await
 }
 

@@ -5,7 +5,7 @@
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 
-use crate::serving::tenants::Caller;
+use crate::serving::tokens::Caller;
 use crate::serving::tokens::ApiToken;
 
 /// The caller a request's token makes and the user part it came with.

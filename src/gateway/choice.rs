@@ -26,7 +26,7 @@ use crate::ledger::{
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::Selector;
 use crate::serving::sessions::{self, Session, SessionKey, Uses};
-use crate::serving::tenants::Caller;
+use crate::serving::tokens::Caller;
 
 /// How many epochs a session's acquire walks through to find (after a restart) the lease its
 /// last move got, before it gives up.
@@ -482,7 +482,10 @@ impl Gateway {
         ttl: Duration,
         tried: &HashSet<String>,
     ) -> Result<Acquired, Refusal> {
-        let selector = ask.caller.tenant.narrow(&Selector::from(ask.options.selector.clone()));
+        let selector = ask
+            .caller
+            .tenant
+            .narrow(&Selector::from(ask.options.selector.clone()));
         let snapshot = self.inventory.snapshot();
         let mut candidates = self
             .candidates

@@ -395,7 +395,11 @@ impl Gateway {
             target: Some(target.to_owned()),
             cooldown: None,
         };
-        if let Err(e) = self.ledger.report(&held.lease_id, &held.tenant, report).await {
+        if let Err(e) = self
+            .ledger
+            .report(&held.lease_id, &held.tenant, report)
+            .await
+        {
             log::warn!("gateway: reporting lease {} failed: {e}", held.lease_id);
         }
     }
@@ -674,7 +678,9 @@ fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body>
 /// is RFC 9209's `http_request_denied`, the rest say only the code.
 fn proxy_status(code: &str) -> String {
     match code {
-        QUOTA_EXCEEDED => format!("{PROXY_STATUS_NAME}; error=http_request_denied; details=\"{code}\""),
+        QUOTA_EXCEEDED => {
+            format!("{PROXY_STATUS_NAME}; error=http_request_denied; details=\"{code}\"")
+        }
         _ => format!("{PROXY_STATUS_NAME}; details=\"{code}\""),
     }
 }

@@ -6,7 +6,8 @@
 //! of the key), the cooldowns at most [`MAX_COOLDOWNS`], and the events asked for at most
 //! [`MAX_EVENTS`]. A read may be one tenant's only (its leases, reports and events; `NULL`:
 //! every tenant's). The statements are the same text on both backends (`$n` parameters, which
-//! SQLite binds by position), so the two cannot drift.
+//! SQLite numbers in the order they first appear, so each statement names them in ascending
+//! order), so the two cannot drift.
 
 use std::collections::BTreeMap;
 
@@ -44,21 +45,21 @@ macro_rules! event_columns {
 /// The newest `$1` events.
 pub(crate) const EVENTS_SQL: &str = concat!(event_columns!(), " ORDER BY seq DESC LIMIT $1");
 
-/// The newest `$1` events of tenant `$2` among the newest `$3`.
+/// The newest `$3` events of tenant `$1` among the newest `$2`.
 pub(crate) const TENANT_EVENTS_SQL: &str = concat!(
     event_columns!(),
-    " WHERE tenant = $2 AND seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $3 \
-     ORDER BY seq DESC LIMIT $1"
+    " WHERE tenant = $1 AND seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $2 \
+     ORDER BY seq DESC LIMIT $3"
 );
 
-/// The newest `$4` events of proxy `$1`/`$2` among the newest `$3`, of tenant `$5` (`NULL`:
+/// The newest `$5` events of proxy `$1`/`$2` among the newest `$3`, of tenant `$4` (`NULL`:
 /// every tenant).
 pub(crate) const PROXY_EVENTS_SQL: &str = concat!(
     event_columns!(),
     " WHERE proxy_namespace = $1 AND proxy_name = $2 \
      AND seq > (SELECT COALESCE(MAX(seq), 0) FROM lease_events) - $3 \
-     AND (CAST($5 AS TEXT) IS NULL OR tenant = $5) \
-     ORDER BY seq DESC LIMIT $4"
+     AND (CAST($4 AS TEXT) IS NULL OR tenant = $4) \
+     ORDER BY seq DESC LIMIT $5"
 );
 
 /// Which history events to read.
@@ -221,6 +222,30 @@ mod tests {
         let b = &activity.targets["b.example"];
         assert_eq!((b.leases, b.reports.blocked, b.reports.error), (1, 1, 4));
         assert_eq!(b.reports.total(), 5);
+    }
+
+    #[test]
+    fn every_statement_names_its_parameters_in_ascending_order() {
+        // SQLite numbers `$n` by first appearance: out of order, a positional binding lands
+        // on the wrong parameter there while PostgreSQL reads it right.
+        for sql in [
+            TARGET_COUNTS_SQL,
+            COOLDOWNS_SQL,
+            EVENTS_SQL,
+            TENANT_EVENTS_SQL,
+            PROXY_EVENTS_SQL,
+        ] {
+            let mut seen: Vec<u32> = Vec::new();
+            for part in sql.split('$').skip(1) {
+                let digits: String = part.chars().take_while(char::is_ascii_digit).collect();
+                let n: u32 = digits.parse().unwrap();
+                if !seen.contains(&n) {
+                    seen.push(n);
+                }
+            }
+            let ascending: Vec<u32> = (1..=u32::try_from(seen.len()).unwrap()).collect();
+            assert_eq!(seen, ascending, "{sql}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::{PoisonError, RwLock, RwLockReadGuard};
 
 use super::clock::Clock;
+use super::quota::TenantUsage;
 use super::targets::TargetCooldowns;
 
 /// What a backend's counts answer at a moment `now` (milliseconds): a lease counts while
@@ -28,6 +29,9 @@ pub(crate) trait CountsView {
 
     /// Cooldowns in force per target, ranked as the metric shows them.
     fn target_cooldowns(&self, now: i64) -> TargetCooldowns;
+
+    /// What each tenant with a lease counting holds (tenants without one are absent).
+    fn tenant_usage(&self, now: i64) -> HashMap<String, TenantUsage>;
 }
 
 /// A read of a ledger's counts at one moment ([`Ledger::counts`](super::Ledger::counts)).
@@ -82,6 +86,12 @@ impl<'a> LedgerCounts<'a> {
     /// counts.
     pub fn target_cooldowns(&self) -> TargetCooldowns {
         self.counts.target_cooldowns(self.now)
+    }
+
+    /// Leases and gateway sessions' leases counting per tenant (tenants without any are
+    /// absent): the usage its quotas are held against.
+    pub fn tenant_usage(&self) -> HashMap<String, TenantUsage> {
+        self.counts.tenant_usage(self.now)
     }
 }
 

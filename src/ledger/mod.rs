@@ -75,12 +75,12 @@ pub use lease::{
     NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
 };
 pub use location::LedgerLocation;
-pub use quota::{
-    Bucket, DEFAULT_TENANT, QuotaExceeded, QuotaKind, Quotas, Rate, Tenancy, TenantUsage,
-};
 pub use postgres::{
     COUNTS_REFRESH, POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector,
     PostgresOptions,
+};
+pub use quota::{
+    Bucket, DEFAULT_TENANT, QuotaExceeded, QuotaKind, Quotas, Rate, Tenancy, TenantUsage,
 };
 pub use sqlite::{
     DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SCHEMA_VERSION, SqliteLedger,

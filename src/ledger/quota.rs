@@ -154,7 +154,10 @@ impl TenantUsage {
     /// Counts one more lease expiring at `expires_at` (a session's when `session`).
     pub fn count(&mut self, expires_at: i64, session: bool) {
         self.leases = self.leases.saturating_add(1);
-        self.earliest_expiry = Some(self.earliest_expiry.map_or(expires_at, |e| e.min(expires_at)));
+        self.earliest_expiry = Some(
+            self.earliest_expiry
+                .map_or(expires_at, |e| e.min(expires_at)),
+        );
         if session {
             self.sessions = self.sessions.saturating_add(1);
             self.earliest_session_expiry = Some(
@@ -292,9 +295,30 @@ mod tests {
     #[test]
     fn quotas_table() {
         let bucket = |tokens| Bucket { tokens, at: 1_000 };
-        let cases: [(&str, Tenancy, TenantUsage, Option<Bucket>, bool, Option<QuotaKind>); 11] = [
-            ("no quota", tenant(None, None, None), usage(99, 99), None, true, None),
-            ("below leases", tenant(Some(3), None, None), usage(2, 0), None, false, None),
+        let cases: [(
+            &str,
+            Tenancy,
+            TenantUsage,
+            Option<Bucket>,
+            bool,
+            Option<QuotaKind>,
+        ); 11] = [
+            (
+                "no quota",
+                tenant(None, None, None),
+                usage(99, 99),
+                None,
+                true,
+                None,
+            ),
+            (
+                "below leases",
+                tenant(Some(3), None, None),
+                usage(2, 0),
+                None,
+                false,
+                None,
+            ),
             (
                 "at leases",
                 tenant(Some(3), None, None),
@@ -376,8 +400,14 @@ mod tests {
 
     #[test]
     fn retry_after_is_when_the_quota_frees_up_by_itself() {
-        let leases = check(&tenant(Some(1), None, None), &usage(1, 0), None, false, 1_000)
-            .unwrap_err();
+        let leases = check(
+            &tenant(Some(1), None, None),
+            &usage(1, 0),
+            None,
+            false,
+            1_000,
+        )
+        .unwrap_err();
         assert_eq!(leases.retry_after, Duration::from_secs(2));
         assert_eq!(leases.limit, 1.0);
         // A lease expiring in an hour: capped, since crawlers release first.
@@ -387,16 +417,19 @@ mod tests {
         };
         let capped = check(&tenant(Some(1), None, None), &far, None, false, 0).unwrap_err();
         assert_eq!(capped.retry_after, MAX_SLOT_WAIT);
-        let sessions = check(&tenant(None, Some(1), None), &usage(1, 1), None, true, 1_000)
-            .unwrap_err();
+        let sessions = check(
+            &tenant(None, Some(1), None),
+            &usage(1, 1),
+            None,
+            true,
+            1_000,
+        )
+        .unwrap_err();
         assert_eq!(sessions.retry_after, Duration::from_millis(1_500));
         let rate = check(
             &tenant(None, None, Some((4.0, 2))),
             &usage(0, 0),
-            Some(&Bucket {
-                tokens: 0.5,
-                at: 0,
-            }),
+            Some(&Bucket { tokens: 0.5, at: 0 }),
             false,
             0,
         )
@@ -420,7 +453,10 @@ mod tests {
         assert_eq!(empty.refilled(&rate, 250).tokens, 0.5);
         assert_eq!(empty.refilled(&rate, 60_000).tokens, 3.0);
         // A clock that stepped back refills nothing and keeps the later time.
-        let later = Bucket { tokens: 1.0, at: 5_000 };
+        let later = Bucket {
+            tokens: 1.0,
+            at: 5_000,
+        };
         assert_eq!(later.refilled(&rate, 4_000), later);
     }
 

@@ -48,7 +48,9 @@ pub struct PoolEntry {
 impl PoolEntry {
     /// The pool's namespace (the first part of its key): its members are created there.
     pub fn namespace(&self) -> &str {
-        self.key.split_once('/').map_or("", |(namespace, _)| namespace)
+        self.key
+            .split_once('/')
+            .map_or("", |(namespace, _)| namespace)
     }
 
     /// The entry of `pool`.

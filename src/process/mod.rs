@@ -34,6 +34,7 @@ use crate::serving::candidates::CandidateIndex;
 use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::Outcomes;
 use crate::serving::sessions::Sessions;
+use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
 
 /// How often expired leases are marked and old rows pruned.
@@ -317,7 +318,7 @@ pub fn start_core(
     core: &Core,
     common: &CommonArgs,
     transitions: mpsc::Sender<HealthTransition>,
-    tokens: LoadedTokens,
+    tokens: LoadedAccess,
     kube_events: KubeEvents,
 ) -> Result<(), StartError> {
     let api_listener = bind(common.discovery_addr, "--discovery-addr")?;
@@ -423,24 +424,62 @@ fn start_gateway(
     Ok(())
 }
 
-/// The API's tokens from `DISCOVERY_TOKEN` and `--discovery-token-file`, failing closed (open
-/// only with `--insecure-no-auth`). Called first, before anything is opened or bound.
-pub fn load_tokens(common: &CommonArgs) -> Result<LoadedTokens, StartError> {
+/// What start-up loaded of who may call: the tokens, and the tenants file's tenants.
+pub struct LoadedAccess {
+    tokens: LoadedTokens,
+    tenants: Option<(TenantsFile, LoadedTenants)>,
+}
+
+/// The API's tokens from `DISCOVERY_TOKEN`, `--discovery-token-file` and `--tenants-file`,
+/// failing closed (open only with `--insecure-no-auth`). Called first, before anything is
+/// opened or bound.
+pub fn load_tokens(common: &CommonArgs) -> Result<LoadedAccess, StartError> {
+    let tenants = common
+        .tenants_file
+        .as_ref()
+        .map(|path| {
+            let file = TenantsFile::new(path);
+            let loaded = file.load().map_err(|e| StartError(e.0))?;
+            Ok::<_, StartError>((file, loaded))
+        })
+        .transpose()?;
     let env = std::env::var_os(tokens::TOKEN_ENV);
-    tokens::load(&TokenSources {
+    let tokens = tokens::load(&TokenSources {
         env: env.as_deref(),
         file: common.discovery_token_file.as_deref(),
         insecure_no_auth: common.insecure_no_auth,
+        tenants_file: tenants.is_some(),
     })
-    .map_err(|e| StartError(e.0))
+    .map_err(|e| StartError(e.0))?;
+    if let Some((file, loaded)) = &tenants {
+        tokens.token.replace_tenants(loaded.tokens.clone());
+        log::info!(
+            "--tenants-file {}: {} tenant(s)",
+            file.path().display(),
+            loaded.tenants.len()
+        );
+    }
+    Ok(LoadedAccess { tokens, tenants })
 }
 
-/// The token the API checks; a token file is watched for changes by a task.
+/// The token the API checks; a token file and a tenants file are watched for changes by a
+/// task each.
 fn watch_tokens(
     supervisor: &mut Supervisor,
-    tokens: LoadedTokens,
+    access: LoadedAccess,
     common: &CommonArgs,
 ) -> ApiToken {
+    let LoadedAccess { tokens, tenants } = access;
+    if let Some((file, loaded)) = tenants {
+        let shutdown = supervisor.shutdown_token();
+        let token = tokens.token.clone();
+        let poll = common.discovery_token_poll;
+        supervisor.spawn("tenants file watcher", async move {
+            let replace = move |tenants| token.replace_tenants(tenants);
+            tenants::watch_file(file, loaded.content, replace, poll, shutdown).await;
+            Ok(())
+        });
+    }
     if let Some((path, content)) = tokens.file {
         let shutdown = supervisor.shutdown_token();
         let token = tokens.token.clone();

@@ -27,7 +27,6 @@ use crate::reconcile::metrics::RemediationGauge;
 use crate::reconcile::{self, Context, ReconcilerMetrics};
 use crate::resources::proxy::Proxy;
 use crate::serving::credentials;
-use crate::serving::tokens::LoadedTokens;
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -133,7 +132,7 @@ async fn start(
     args: RunArgs,
     providers_config: ProvidersConfig,
     client: Client,
-    tokens: LoadedTokens,
+    tokens: super::LoadedAccess,
 ) -> Result<Supervisor, StartError> {
     let gc_config = gc_config(&args);
     let inventory = Inventory::new();

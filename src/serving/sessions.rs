@@ -342,7 +342,10 @@ mod tests {
         let on_u = |p: &ProxyId| p.uid == "u";
         assert!(sessions.release_where(on_u).is_empty(), "in use");
         drop(in_use);
-        assert_eq!(sessions.release_where(on_u), vec!["la".to_owned()]);
+        assert_eq!(
+            sessions.release_where(on_u),
+            vec![("la".to_owned(), Arc::from("default"))]
+        );
         assert!(sessions.release_where(on_u).is_empty(), "once");
         assert!(sessions.get(&a).unwrap().released);
         assert!(!sessions.get(&b).unwrap().released);

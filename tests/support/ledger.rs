@@ -318,6 +318,8 @@ pub fn request(
         target: Some(target.to_owned()),
         ttl,
         request: None,
+        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+        session: None,
     }
 }
 

@@ -20,7 +20,8 @@ use super::view::{
 use crate::api::{ApiError, ApiState, ErrorBody};
 use crate::ledger::{EventsQuery, MAX_EVENTS};
 use crate::resources::proxy::ProxyId;
-use crate::serving::tenants::{Caller, Tenant};
+use crate::serving::tenants::Tenant;
+use crate::serving::tokens::Caller;
 
 /// Lease events a proxy's page lists.
 const PROXY_EVENTS: usize = 50;
@@ -100,7 +101,11 @@ pub async fn fleet_view(state: &ApiState, tenant: &Tenant) -> Result<FleetView, 
     let cooldowns = activity
         .cooldowns
         .iter()
-        .filter(|c| visible.iter().any(|id| id.namespace == c.namespace && id.name == c.name))
+        .filter(|c| {
+            visible
+                .iter()
+                .any(|id| id.namespace == c.namespace && id.name == c.name)
+        })
         .count();
     let pools: Vec<_> = pools
         .iter()

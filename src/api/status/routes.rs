@@ -8,7 +8,9 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::middleware::Next;
-use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, ResponseError, web};
+use actix_web::{
+    Error, HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, ResponseError, web,
+};
 use maud::Markup;
 use serde::Deserialize;
 
@@ -17,7 +19,7 @@ use super::pages::{self, Access};
 use super::session;
 use super::view::ProxiesQuery;
 use crate::api::{ApiError, ApiState};
-use crate::serving::tenants::Caller;
+use crate::serving::tokens::Caller;
 use crate::serving::tokens::ApiToken;
 
 /// What every page and asset is served with: only this origin's own script, style and data,
@@ -43,7 +45,10 @@ struct Viewer {
 /// How this request may see the page: signed in by cookie, open (`--insecure-no-auth`), or
 /// not at all. `bearer` also accepts an `Authorization: Bearer` token (the JSON routes).
 fn access(req: &HttpRequest, token: &ApiToken, now_ms: i64, bearer: bool) -> Option<Viewer> {
-    let authorization = req.headers().get(header::AUTHORIZATION).map(|h| h.as_bytes());
+    let authorization = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|h| h.as_bytes());
     if !token.is_required() {
         let caller = token.bearer(authorization)?;
         return Some(Viewer {

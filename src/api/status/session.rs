@@ -91,7 +91,7 @@ mod tests {
     const B: &str = "second-token-0123456789";
 
     fn id_of(token: &ApiToken, text: &str) -> TokenId {
-        token.check(text.as_bytes()).unwrap()
+        token.check(text.as_bytes()).unwrap().token
     }
 
     #[test]
@@ -170,7 +170,7 @@ mod tests {
     #[test]
     fn an_open_api_seals_nothing() {
         let token = ApiToken::open();
-        let id = token.check(b"").unwrap();
+        let id = token.check(b"").unwrap().token;
         assert_eq!(seal(&token, &id, 0), None);
     }
 }

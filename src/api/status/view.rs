@@ -8,7 +8,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use crate::serving::tenants::Tenant;
 use crate::health::ProxyHealth;
 use crate::inventory::InventorySnapshot;
 use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
@@ -17,6 +16,7 @@ use crate::reconcile::phase::shown_phase;
 use crate::resources::proxy::{Mode, Phase, Proxy, ProxyId};
 use crate::serving::candidates::Selector;
 use crate::serving::outcomes::OutcomeCounts;
+use crate::serving::tenants::Tenant;
 
 /// Rows of the proxies table per page.
 pub const PAGE_SIZE: usize = 100;

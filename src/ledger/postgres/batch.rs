@@ -488,8 +488,7 @@ async fn check_under_locks(
     let (_, stored_buckets, tenant_usage, _, _, held, cooled, mut per_target) = tokio::try_join!(
         conn.begin(),
         async {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-                [&tenants, &now, &bursts];
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&tenants, &now, &bursts];
             query_if(!tenants.is_empty(), client, LOCK_TENANTS, &params).await
         },
         async { query_if(!tenants.is_empty(), client, TENANT_USAGE, &[&tenants, &now]).await },

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use jiff::Timestamp;
 
 use crate::ledger::counts::CountsView;
+use crate::ledger::quota::TenantUsage;
 use crate::ledger::selection::ProxyLoad;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
 
@@ -24,6 +25,9 @@ pub(crate) enum Change {
         id: Arc<str>,
         uid: Arc<str>,
         expires_at: i64,
+        /// Its tenant, and whether it is a gateway session's.
+        tenant: Arc<str>,
+        session: bool,
     },
     /// A lease no longer counts (released or ended).
     Ended { id: Arc<str> },
@@ -38,8 +42,8 @@ pub(crate) enum Change {
 /// Active leases and cooldowns, as of the last refresh plus this replica's writes since.
 #[derive(Debug, Default)]
 pub(crate) struct Counts {
-    /// `(proxy UID, expires_at)` by lease ID.
-    leases: HashMap<Arc<str>, (Arc<str>, i64)>,
+    /// Each active lease, by lease ID.
+    leases: HashMap<Arc<str>, Counted>,
     /// Expiry by lease ID, by proxy UID.
     by_proxy: HashMap<Arc<str>, HashMap<Arc<str>, i64>>,
     /// Cooldown end by `(proxy UID, target)`.
@@ -50,11 +54,24 @@ pub(crate) struct Counts {
     sequence: u64,
 }
 
+/// What the counts keep of one active lease.
+#[derive(Debug, Clone)]
+struct Counted {
+    uid: Arc<str>,
+    expires_at: i64,
+    tenant: Arc<str>,
+    session: bool,
+}
+
+/// One active lease a refresh read: ID, proxy UID, expiry, tenant, and whether it is a
+/// gateway session's.
+pub(crate) type SnapshotLease = (String, String, i64, String, bool);
+
 /// What a refresh read from the database.
 #[derive(Debug, Default)]
 pub(crate) struct Snapshot {
-    /// `(lease ID, proxy UID, expires_at)` of the active leases.
-    pub leases: Vec<(String, String, i64)>,
+    /// The active leases.
+    pub leases: Vec<SnapshotLease>,
     /// `(proxy UID, target, until)` of the cooldowns.
     pub cooldowns: Vec<(String, String, i64)>,
 }
@@ -79,11 +96,13 @@ impl Counts {
         self.leases.clear();
         self.by_proxy.clear();
         self.cooldowns.clear();
-        for (id, uid, expires_at) in snapshot.leases {
+        for (id, uid, expires_at, tenant, session) in snapshot.leases {
             self.apply(&Change::Lease {
                 id: id.into(),
                 uid: uid.into(),
                 expires_at,
+                tenant: tenant.into(),
+                session,
             });
         }
         for (uid, target, until) in snapshot.cooldowns {
@@ -101,9 +120,17 @@ impl Counts {
                 id,
                 uid,
                 expires_at,
+                tenant,
+                session,
             } => {
                 self.remove(id);
-                self.leases.insert(id.clone(), (uid.clone(), *expires_at));
+                let counted = Counted {
+                    uid: uid.clone(),
+                    expires_at: *expires_at,
+                    tenant: tenant.clone(),
+                    session: *session,
+                };
+                self.leases.insert(id.clone(), counted);
                 self.by_proxy
                     .entry(uid.clone())
                     .or_default()
@@ -121,7 +148,7 @@ impl Counts {
     }
 
     fn remove(&mut self, id: &str) {
-        if let Some((uid, _)) = self.leases.remove(id)
+        if let Some(Counted { uid, .. }) = self.leases.remove(id)
             && let Some(leases) = self.by_proxy.get_mut(&uid)
         {
             leases.remove(id);
@@ -174,7 +201,7 @@ impl CountsView for Counts {
 
     /// Every lease counting at `now`.
     fn active_total(&self, now: i64) -> u64 {
-        self.leases.values().filter(|(_, e)| *e > now).count() as u64
+        self.leases.values().filter(|l| l.expires_at > now).count() as u64
     }
 
     /// Whether `(uid, target)` cools down at `now`.
@@ -202,6 +229,18 @@ impl CountsView for Counts {
         }
         rank_targets(per_target, NAMED_TARGETS)
     }
+
+    /// Every tenant's leases counting at `now`.
+    fn tenant_usage(&self, now: i64) -> HashMap<String, TenantUsage> {
+        let mut usage: HashMap<String, TenantUsage> = HashMap::new();
+        for lease in self.leases.values().filter(|l| l.expires_at > now) {
+            usage
+                .entry(lease.tenant.to_string())
+                .or_default()
+                .count(lease.expires_at, lease.session);
+        }
+        usage
+    }
 }
 
 fn counting(leases: &HashMap<Arc<str>, i64>, now: i64) -> u32 {
@@ -218,6 +257,8 @@ mod tests {
             id: id.into(),
             uid: uid.into(),
             expires_at,
+            tenant: "default".into(),
+            session: false,
         }
     }
 
@@ -281,21 +322,24 @@ mod tests {
             began,
             Snapshot {
                 leases: vec![
-                    ("before".into(), "p".into(), 100),
-                    ("other".into(), "q".into(), 100),
+                    ("before".into(), "p".into(), 100, "default".into(), false),
+                    ("other".into(), "q".into(), 100, "team-b".into(), true),
                 ],
                 cooldowns: vec![("q".into(), "t".into(), 100)],
             },
         );
         assert_eq!(counts.active_count("p", 0), 1, "during only");
         assert_eq!(counts.active_count("q", 0), 1);
+        let usage = counts.tenant_usage(0);
+        assert_eq!(usage["team-b"].sessions, 1);
+        assert_eq!(usage["default"].leases, 1);
         assert!(counts.in_cooldown("q", "t", 0));
         // The next refresh sees the database as it is; nothing is replayed twice.
         let began = counts.begin_refresh();
         counts.finish_refresh(
             began,
             Snapshot {
-                leases: vec![("during".into(), "p".into(), 100)],
+                leases: vec![("during".into(), "p".into(), 100, "default".into(), false)],
                 cooldowns: vec![],
             },
         );

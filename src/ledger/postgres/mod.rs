@@ -509,6 +509,8 @@ impl PostgresLedger {
                             id: lease.id.as_str().into(),
                             uid: lease.proxy.uid.as_str().into(),
                             expires_at: lease.expires_at.as_millisecond(),
+                            tenant: lease.tenant.as_str().into(),
+                            session: lease.session.is_some(),
                         });
                     }
                     let _ = pending.reply.send(answer);
@@ -589,6 +591,8 @@ impl Ledger for PostgresLedger {
             id: id.into(),
             uid: lease.proxy.uid.as_str().into(),
             expires_at: lease.expires_at.as_millisecond(),
+            tenant: lease.tenant.as_str().into(),
+            session: lease.session.is_some(),
         });
         Ok(lease)
     }

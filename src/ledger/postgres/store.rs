@@ -398,7 +398,7 @@ pub(crate) async fn events(
             self::query(
                 tx,
                 activity::TENANT_EVENTS_SQL,
-                &[&limit, tenant, &activity::SCAN_EVENTS],
+                &[tenant, &activity::SCAN_EVENTS, &limit],
             )
             .await?
         }
@@ -406,7 +406,7 @@ pub(crate) async fn events(
             self::query(
                 tx,
                 activity::PROXY_EVENTS_SQL,
-                &[namespace, name, &activity::SCAN_EVENTS, &limit, tenant],
+                &[namespace, name, &activity::SCAN_EVENTS, tenant, &limit],
             )
             .await?
         }
@@ -433,12 +433,13 @@ pub(crate) async fn events(
 pub(crate) async fn counting(tx: &impl GenericClient, now: i64) -> Result<super::counts::Snapshot> {
     let leases = query(
         tx,
-        "SELECT id, proxy_uid, expires_at FROM leases WHERE state = 'active' AND expires_at > $1",
+        "SELECT id, proxy_uid, expires_at, tenant, session IS NOT NULL FROM leases \
+         WHERE state = 'active' AND expires_at > $1",
         &[&now],
     )
     .await?
     .iter()
-    .map(|row| (row.get(0), row.get(1), row.get(2)))
+    .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4)))
     .collect();
     let cooldowns = query(
         tx,

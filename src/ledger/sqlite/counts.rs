@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use super::state::{LedgerState, Touched};
 use crate::ledger::counts::CountsView;
+use crate::ledger::quota::TenantUsage;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
 
 /// The ranking the writer made at its last commit that changed a cooldown.
@@ -43,6 +44,8 @@ impl Ranking {
 pub(crate) struct Counts {
     /// Expiries of the active leases of each proxy with one, by proxy UID.
     leases: HashMap<Arc<str>, Vec<i64>>,
+    /// `(expires_at, a gateway session's?)` of the active leases of each tenant with one.
+    tenants: HashMap<Arc<str>, Vec<(i64, bool)>>,
     /// Cooldown end by `(proxy UID, target)`.
     cooldowns: HashMap<(Arc<str>, Arc<str>), i64>,
     /// The same cooldown ends by target, sorted (ended ones stay until the sweep removes them).
@@ -67,6 +70,14 @@ impl Counts {
                 self.leases.remove(uid);
             } else {
                 self.leases.insert(uid.clone(), expiries);
+            }
+        }
+        for tenant in &touched.tenants {
+            let leases: Vec<(i64, bool)> = state.tenant_leases(tenant).collect();
+            if leases.is_empty() {
+                self.tenants.remove(tenant);
+            } else {
+                self.tenants.insert(tenant.clone(), leases);
             }
         }
         for (uid, target) in &touched.cooldowns {
@@ -180,6 +191,21 @@ impl CountsView for Counts {
             .count();
         u64::try_from(active).unwrap_or(u64::MAX)
     }
+
+    /// Every tenant's leases counting at `now`.
+    fn tenant_usage(&self, now: i64) -> HashMap<String, TenantUsage> {
+        let mut usage = HashMap::new();
+        for (tenant, leases) in &self.tenants {
+            let mut held = TenantUsage::default();
+            for &(expires_at, session) in leases.iter().filter(|(e, _)| *e > now) {
+                held.count(expires_at, session);
+            }
+            if held.leases > 0 {
+                usage.insert(tenant.to_string(), held);
+            }
+        }
+        usage
+    }
 }
 
 /// The ends of a target's cooldowns (sorted) that are still in force at `now`.
@@ -195,6 +221,7 @@ fn counting(expiries: &[i64], now: i64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::DEFAULT_TENANT;
     use crate::ledger::sqlite::state::ActiveLease;
     use crate::resources::proxy::ProxyId;
 
@@ -211,6 +238,8 @@ mod tests {
             expires_at,
             ttl_ms: expires_at,
             request_id: None,
+            tenant: DEFAULT_TENANT.into(),
+            session: None,
         }
     }
 
@@ -241,7 +270,7 @@ mod tests {
         );
         assert_eq!(counts.active_count("a", 0), 2);
 
-        state.release("l3", 0);
+        state.release("l3", DEFAULT_TENANT, 0);
         state.sweep(100);
         let touched = state.commit();
         counts.refresh(&state, &touched, 0);

@@ -349,8 +349,7 @@ impl Ledger for SqliteLedger {
 
     async fn release(&self, id: &str, tenant: &str) -> Result<(), LedgerError> {
         let (id, tenant) = (id.to_owned(), tenant.to_owned());
-        self.call(|reply| Job::Release { id, tenant, reply })
-            .await
+        self.call(|reply| Job::Release { id, tenant, reply }).await
     }
 
     /// Decided by the writer in a batch like a release, with the same errors (`BatchFailed`,

@@ -58,7 +58,10 @@ pub(crate) enum AcquireDecision {
     Reused,
     /// Grant a lease on `candidates[index]`; `bucket` is the tenant's token bucket once the
     /// grant took its token (under a rate quota).
-    Grant { index: usize, bucket: Option<Bucket> },
+    Grant {
+        index: usize,
+        bucket: Option<Bucket>,
+    },
     /// Grant nothing.
     NoMatch(NoMatch),
     /// The tenant is at a quota.
@@ -90,6 +93,8 @@ pub(crate) struct Touched {
     pub proxies: HashSet<Arc<str>>,
     /// `(proxy UID, target)`.
     pub cooldowns: HashSet<(Arc<str>, Arc<str>)>,
+    /// Tenants whose leases changed.
+    pub tenants: HashSet<Arc<str>>,
 }
 
 /// How to undo one change.
@@ -544,6 +549,16 @@ impl LedgerState {
         self.requests.insert(id, entry);
     }
 
+    /// `(expires_at, a session's?)` of `tenant`'s active leases, counting or not.
+    pub fn tenant_leases(&self, tenant: &str) -> impl Iterator<Item = (i64, bool)> + '_ {
+        self.by_tenant
+            .get(tenant)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.active.get(id))
+            .map(|lease| (lease.expires_at, lease.session.is_some()))
+    }
+
     /// Expiries of `uid`'s active leases, counting or not.
     pub fn expiries(&self, uid: &str) -> impl Iterator<Item = i64> + '_ {
         self.by_proxy
@@ -557,6 +572,7 @@ impl LedgerState {
     pub fn everything(&self) -> Touched {
         Touched {
             proxies: self.by_proxy.keys().cloned().collect(),
+            tenants: self.by_tenant.keys().cloned().collect(),
             cooldowns: self
                 .cooldowns
                 .iter()
@@ -638,6 +654,7 @@ impl LedgerState {
                 .push((lease.expires_at, id.clone()));
         }
         self.touched.proxies.insert(uid);
+        self.touched.tenants.insert(lease.tenant.clone());
         self.by_tenant
             .entry(lease.tenant.clone())
             .or_default()
@@ -647,6 +664,7 @@ impl LedgerState {
 
     fn remove_lease(&mut self, id: &str) -> Option<ActiveLease> {
         let lease = self.active.remove(id)?;
+        self.touched.tenants.insert(lease.tenant.clone());
         if let Some(ids) = self.by_tenant.get_mut(&lease.tenant) {
             ids.remove(id);
             if ids.is_empty() {
@@ -684,6 +702,7 @@ impl LedgerState {
         if let Some(lease) = self.active.get_mut(&**id) {
             lease.expires_at = expires_at;
             lease.ttl_ms = ttl_ms;
+            self.touched.tenants.insert(lease.tenant.clone());
         }
         if let Some(leases) = self.by_proxy.get_mut(&uid) {
             for entry in leases.iter_mut().filter(|(_, lease_id)| lease_id == id) {
@@ -873,7 +892,9 @@ mod tests {
             );
         }
         let full = candidates(&[("a", 1), ("b", 1)]);
-        let AcquireDecision::NoMatch(stats) = s.decide_acquire(&full, None, None, &anyone(), false, 0) else {
+        let AcquireDecision::NoMatch(stats) =
+            s.decide_acquire(&full, None, None, &anyone(), false, 0)
+        else {
             panic!("both proxies are full");
         };
         assert_eq!((stats.considered, stats.at_capacity), (2, 2));
@@ -900,10 +921,14 @@ mod tests {
         let mut s = state();
         assert_eq!(s.release("l1", DEFAULT, MIN), None, "past its expiry");
         assert_eq!(s.release("nope", DEFAULT, 0), None);
-        assert_eq!(s.renew("l1", DEFAULT, MIN, 3 * MIN, 2 * MIN), RenewOutcome::Expired);
+        assert_eq!(
+            s.renew("l1", DEFAULT, MIN, 3 * MIN, 2 * MIN),
+            RenewOutcome::Expired
+        );
         assert_eq!(s.renew("nope", DEFAULT, 0, MIN, MIN), RenewOutcome::NotHeld);
 
-        let RenewOutcome::Renewed(renewed) = s.renew("l1", DEFAULT, 10, 3 * MIN, 3 * MIN - 10) else {
+        let RenewOutcome::Renewed(renewed) = s.renew("l1", DEFAULT, 10, 3 * MIN, 3 * MIN - 10)
+        else {
             panic!("l1 counts at 10 ms");
         };
         assert_eq!(
@@ -1095,18 +1120,29 @@ mod tests {
         assert_eq!(s.load("uid-b", 0).active, 0, "committed changes stay");
     }
 
-    fn team(name: &str, leases: Option<u32>, sessions: Option<u32>, rate: Option<(f64, u32)>) -> Tenancy {
+    fn team(
+        name: &str,
+        leases: Option<u32>,
+        sessions: Option<u32>,
+        rate: Option<(f64, u32)>,
+    ) -> Tenancy {
         Tenancy {
             name: name.into(),
             quotas: crate::ledger::quota::Quotas {
                 leases,
                 sessions,
-                rate: rate.map(|(per_second, burst)| crate::ledger::quota::Rate { per_second, burst }),
+                rate: rate
+                    .map(|(per_second, burst)| crate::ledger::quota::Rate { per_second, burst }),
             },
         }
     }
 
-    fn tenant_lease(name: &str, tenant: &str, expires_at: i64, session: Option<&str>) -> ActiveLease {
+    fn tenant_lease(
+        name: &str,
+        tenant: &str,
+        expires_at: i64,
+        session: Option<&str>,
+    ) -> ActiveLease {
         ActiveLease {
             tenant: tenant.into(),
             session: session.map(Arc::from),
@@ -1122,17 +1158,34 @@ mod tests {
         s.grant("la".into(), a, Some("f".into()));
         s.commit();
         assert_eq!(s.release("la", "team-b", 0), None);
-        assert_eq!(s.renew("la", "team-b", 0, 3 * MIN, 3 * MIN), RenewOutcome::NotHeld);
+        assert_eq!(
+            s.renew("la", "team-b", 0, 3 * MIN, 3 * MIN),
+            RenewOutcome::NotHeld
+        );
         assert_eq!(s.load("uid-a", 0).active, 1, "still team-a's");
         let c = candidates(&[("a", 5), ("b", 5)]);
         let key = key("r", "f");
         // The same request ID and body from team-b is a new acquire, never team-a's lease.
         assert_eq!(
-            s.decide_acquire(&c, None, Some(&key), &team("team-b", None, None, None), false, 0),
+            s.decide_acquire(
+                &c,
+                None,
+                Some(&key),
+                &team("team-b", None, None, None),
+                false,
+                0
+            ),
             grant(1)
         );
         assert_eq!(
-            s.decide_acquire(&c, None, Some(&key), &team("team-a", None, None, None), false, 0),
+            s.decide_acquire(
+                &c,
+                None,
+                Some(&key),
+                &team("team-a", None, None, None),
+                false,
+                0
+            ),
             AcquireDecision::Replay("la".into())
         );
         assert!(s.release("la", "team-a", 0).is_some());
@@ -1142,8 +1195,16 @@ mod tests {
     fn quotas_count_the_tenants_leases_and_sessions_that_count() {
         let mut s = LedgerState::default();
         s.grant("l1".into(), tenant_lease("a", "team-a", MIN, None), None);
-        s.grant("l2".into(), tenant_lease("b", "team-a", 2 * MIN, Some("s1")), None);
-        s.grant("l3".into(), tenant_lease("c", "team-b", 2 * MIN, Some("s1")), None);
+        s.grant(
+            "l2".into(),
+            tenant_lease("b", "team-a", 2 * MIN, Some("s1")),
+            None,
+        );
+        s.grant(
+            "l3".into(),
+            tenant_lease("c", "team-b", 2 * MIN, Some("s1")),
+            None,
+        );
         s.commit();
         let c = candidates(&[("d", 5)]);
         let quota = |decision: AcquireDecision| match decision {
@@ -1156,15 +1217,28 @@ mod tests {
             Some(crate::ledger::quota::QuotaKind::Leases)
         );
         // At 1 min l1 stopped counting: a slot is free.
-        assert_eq!(s.decide_acquire(&c, None, None, &leases, false, MIN), grant(0));
+        assert_eq!(
+            s.decide_acquire(&c, None, None, &leases, false, MIN),
+            grant(0)
+        );
         let sessions = team("team-a", None, Some(1), None);
         assert_eq!(
             quota(s.decide_acquire(&c, None, None, &sessions, true, 0)),
             Some(crate::ledger::quota::QuotaKind::Sessions)
         );
-        assert_eq!(s.decide_acquire(&c, None, None, &sessions, false, 0), grant(0));
         assert_eq!(
-            s.decide_acquire(&c, None, None, &team("team-c", Some(1), Some(1), None), true, 0),
+            s.decide_acquire(&c, None, None, &sessions, false, 0),
+            grant(0)
+        );
+        assert_eq!(
+            s.decide_acquire(
+                &c,
+                None,
+                None,
+                &team("team-c", Some(1), Some(1), None),
+                true,
+                0
+            ),
             grant(0),
             "another tenant's leases are not counted"
         );
@@ -1189,7 +1263,10 @@ mod tests {
         let mut granted = 0;
         for _ in 0..3 {
             match s.decide_acquire(&c, None, None, &rated, false, 0) {
-                AcquireDecision::Grant { bucket: Some(bucket), .. } => {
+                AcquireDecision::Grant {
+                    bucket: Some(bucket),
+                    ..
+                } => {
                     s.spend(&rated.name, bucket);
                     granted += 1;
                 }
@@ -1205,16 +1282,21 @@ mod tests {
             s.decide_acquire(&c, None, None, &rated, false, 0),
             AcquireDecision::Grant { .. }
         ));
-        let Some(rate) = rated.quotas.rate else { unreachable!() };
+        let Some(rate) = rated.quotas.rate else {
+            unreachable!()
+        };
         s.spend(&rated.name, Bucket::full(&rate, 0).taken().taken());
         s.commit();
         assert!(matches!(
             s.decide_acquire(&c, None, None, &rated, false, 999),
             AcquireDecision::Quota(_)
         ));
-        assert!(matches!(
-            s.decide_acquire(&c, None, None, &rated, false, 1_000),
-            AcquireDecision::Grant { .. }
-        ), "refilled at one token a second");
+        assert!(
+            matches!(
+                s.decide_acquire(&c, None, None, &rated, false, 1_000),
+                AcquireDecision::Grant { .. }
+            ),
+            "refilled at one token a second"
+        );
     }
 }

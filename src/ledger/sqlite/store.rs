@@ -530,7 +530,7 @@ pub(crate) fn events(conn: &Connection, query: &EventsQuery) -> rusqlite::Result
             .collect(),
         (None, Some(tenant)) => conn
             .prepare_cached(activity::TENANT_EVENTS_SQL)?
-            .query_map((query.bound(), tenant, activity::SCAN_EVENTS), decode)?
+            .query_map((tenant, activity::SCAN_EVENTS, query.bound()), decode)?
             .collect(),
         (Some((namespace, name)), tenant) => conn
             .prepare_cached(activity::PROXY_EVENTS_SQL)?
@@ -539,8 +539,8 @@ pub(crate) fn events(conn: &Connection, query: &EventsQuery) -> rusqlite::Result
                     namespace,
                     name,
                     activity::SCAN_EVENTS,
-                    query.bound(),
                     tenant.as_deref(),
+                    query.bound(),
                 ),
                 decode,
             )?

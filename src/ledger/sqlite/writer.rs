@@ -488,25 +488,27 @@ impl Writer {
 
     fn renew(&mut self, id: &str, tenant: &str, ttl_ms: i64, now: i64) -> Decision<Lease> {
         let expires_at = now.saturating_add(ttl_ms);
-        Ok(match self.state.renew(id, tenant, now, expires_at, ttl_ms) {
-            RenewOutcome::Renewed(lease) => {
-                store::renew_lease(&self.conn, id, &lease, now)?;
-                Ok(store::lease_of(id, &lease, now)?)
-            }
-            RenewOutcome::Expired => Err(LedgerError::NotActive {
-                id: id.to_owned(),
-                state: LeaseState::Expired,
-            }),
-            RenewOutcome::NotHeld => match store::lease_by_id(&self.conn, id, now)?
-                .filter(|lease| lease.tenant == tenant)
-            {
-                Some(lease) => Err(LedgerError::NotActive {
+        Ok(
+            match self.state.renew(id, tenant, now, expires_at, ttl_ms) {
+                RenewOutcome::Renewed(lease) => {
+                    store::renew_lease(&self.conn, id, &lease, now)?;
+                    Ok(store::lease_of(id, &lease, now)?)
+                }
+                RenewOutcome::Expired => Err(LedgerError::NotActive {
                     id: id.to_owned(),
-                    state: lease.state,
+                    state: LeaseState::Expired,
                 }),
-                None => Err(LedgerError::UnknownLease(id.to_owned())),
+                RenewOutcome::NotHeld => match store::lease_by_id(&self.conn, id, now)?
+                    .filter(|lease| lease.tenant == tenant)
+                {
+                    Some(lease) => Err(LedgerError::NotActive {
+                        id: id.to_owned(),
+                        state: lease.state,
+                    }),
+                    None => Err(LedgerError::UnknownLease(id.to_owned())),
+                },
             },
-        })
+        )
     }
 
     fn report(

@@ -207,7 +207,11 @@ mod tests {
             .within(&Selector::default().in_namespaces(["b".to_owned(), "c".to_owned()]));
         assert!(both.matches("b", None));
         assert!(!both.matches("a", None) && !both.matches("c", None));
-        assert!(Selector::default().within(&Selector::default()).is_unrestricted());
+        assert!(
+            Selector::default()
+                .within(&Selector::default())
+                .is_unrestricted()
+        );
         assert!(!scope.is_unrestricted());
     }
 

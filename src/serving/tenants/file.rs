@@ -27,10 +27,9 @@ use serde::Deserialize;
 use serde_saphyr::Spanned;
 use tokio_util::sync::CancellationToken;
 
-use super::Tenant;
+use super::{Tenant, TokenDigest};
 use crate::ledger::{DEFAULT_TENANT, Quotas, Rate};
 use crate::serving::candidates::Selector;
-use crate::serving::tokens::{ApiToken, TokenDigest};
 
 /// Most tenants one file may name: they are metric labels, so their number stays bounded.
 pub const MAX_TENANTS: usize = 100;
@@ -114,7 +113,12 @@ impl TenantsFile {
         &self.path
     }
 
-    fn error(&self, line: Option<u64>, field: &str, problem: impl std::fmt::Display) -> TenantsError {
+    fn error(
+        &self,
+        line: Option<u64>,
+        field: &str,
+        problem: impl std::fmt::Display,
+    ) -> TenantsError {
         let at = line.map(|l| format!(" line {l}:")).unwrap_or_default();
         let field = if field.is_empty() {
             String::new()
@@ -155,7 +159,10 @@ impl TenantsFile {
             return Err(self.error(
                 line(&doc.tenants.referenced),
                 "tenants",
-                format!("names {} tenants; at most {MAX_TENANTS}", doc.tenants.value.len()),
+                format!(
+                    "names {} tenants; at most {MAX_TENANTS}",
+                    doc.tenants.value.len()
+                ),
             ));
         }
         let mut tokens = Vec::new();
@@ -359,16 +366,15 @@ pub fn load(path: &Path) -> Result<LoadedTenants, TenantsError> {
     TenantsFile::new(path).load()
 }
 
-/// Re-reads the tenants file every `poll` and, when its content changed, makes its tenants'
-/// tokens the valid ones (`on_change` is told the tenants). A read or parse failure keeps the
+/// Re-reads the tenants file every `poll` and, when its content changed, hands its tenants'
+/// tokens to `replace` (which makes them the valid ones). A read or parse failure keeps the
 /// previous tenants and logs an error (once per distinct failure): it never opens the API.
 /// Content is compared, not the modification time, as a Kubernetes Secret volume swaps a
 /// symlink.
 pub async fn watch_file(
     file: TenantsFile,
     mut content: Vec<u8>,
-    token: ApiToken,
-    on_change: impl Fn(&[Arc<Tenant>]) + Send,
+    replace: impl Fn(Vec<(TokenDigest, Arc<Tenant>)>) + Send,
     poll: Duration,
     shutdown: CancellationToken,
 ) {
@@ -396,8 +402,7 @@ pub async fn watch_file(
                         loaded.tenants.len(),
                         loaded.tokens.len()
                     );
-                    token.replace_tenants(loaded.tokens);
-                    on_change(&loaded.tenants);
+                    replace(loaded.tokens);
                     Ok(())
                 }
                 Err(e) => Err(e.0),
@@ -423,7 +428,11 @@ pub async fn watch_file(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serving::tokens::digest;
+    use sha2::{Digest, Sha256};
+
+    fn digest(token: &[u8]) -> TokenDigest {
+        Sha256::digest(token).into()
+    }
 
     fn hex(token: &str) -> String {
         digest(token.as_bytes())
@@ -476,7 +485,11 @@ mod tests {
         assert_eq!(loaded.tokens[0].0, digest(b"team-a-token-0123456789"));
         let b = &loaded.tenants[1];
         assert!(b.sees_everything());
-        assert_eq!(b.quotas.rate.map(|r| r.burst), Some(3), "one second's worth");
+        assert_eq!(
+            b.quotas.rate.map(|r| r.burst),
+            Some(3),
+            "one second's worth"
+        );
         assert_eq!((b.quotas.leases, b.quotas.sessions), (None, None));
     }
 
@@ -556,7 +569,12 @@ mod tests {
             parse_digest(&format!("sha256:{}", a.to_uppercase())),
             Ok(digest(b"x"))
         );
-        for bad in [a.clone(), format!("sha256:{}", &a[1..]), format!("sha256:{a}0"), format!("sha256:{}zz", &a[2..])] {
+        for bad in [
+            a.clone(),
+            format!("sha256:{}", &a[1..]),
+            format!("sha256:{a}0"),
+            format!("sha256:{}zz", &a[2..]),
+        ] {
             assert!(parse_digest(&bad).is_err(), "{bad}");
         }
     }

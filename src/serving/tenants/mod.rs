@@ -16,8 +16,10 @@ pub use file::{LoadedTenants, MAX_TENANTS, TenantsError, TenantsFile, load, watc
 pub use metrics::TenantMetrics;
 
 use super::candidates::Selector;
-use super::tokens::TokenId;
 use crate::ledger::{DEFAULT_TENANT, Quotas, Tenancy};
+
+/// A token's SHA-256: all the process keeps of a token, and what the tenants file lists.
+pub type TokenDigest = [u8; 32];
 use crate::resources::proxy::ProxyId;
 
 /// One tenant: its name, the proxies it may see and lease, and its quotas.
@@ -82,23 +84,6 @@ impl Tenant {
             name: self.name.clone(),
             quotas: self.quotas,
         }
-    }
-}
-
-/// Who made a request: the token it presented (its identity, never the token) and the tenant
-/// that token belongs to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Caller {
-    /// The token's identity: a crawler's gateway sessions are its token's.
-    pub token: TokenId,
-    /// The token's tenant.
-    pub tenant: Arc<Tenant>,
-}
-
-impl Caller {
-    /// The tenant's name.
-    pub fn tenant_name(&self) -> &str {
-        &self.tenant.name
     }
 }
 

@@ -14,10 +14,25 @@ pub use source::{
     LoadedTokens, MIN_TOKEN_BYTES, TOKEN_ENV, TokenError, TokenSet, TokenSources, load, watch_file,
 };
 
-use super::tenants::{Caller, Tenant};
+pub use super::tenants::TokenDigest;
+use super::tenants::Tenant;
 
-/// A token's SHA-256: all the process keeps of a token.
-pub type TokenDigest = [u8; 32];
+/// Who made a request: the token it presented (its identity, never the token) and the tenant
+/// that token belongs to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Caller {
+    /// The token's identity: a crawler's gateway sessions are its token's.
+    pub token: TokenId,
+    /// The token's tenant.
+    pub tenant: Arc<Tenant>,
+}
+
+impl Caller {
+    /// The tenant's name.
+    pub fn tenant_name(&self) -> &str {
+        &self.tenant.name
+    }
+}
 
 /// The SHA-256 of `token`.
 pub fn digest(token: &[u8]) -> TokenDigest {
@@ -44,7 +59,9 @@ struct Access {
 
 impl Access {
     fn default_tenant(&mut self) -> Arc<Tenant> {
-        self.default.get_or_insert_with(Tenant::unrestricted).clone()
+        self.default
+            .get_or_insert_with(Tenant::unrestricted)
+            .clone()
     }
 
     /// Every valid digest with its tenant.
@@ -89,7 +106,12 @@ impl ApiToken {
     }
 
     fn access(&self) -> Option<std::sync::RwLockReadGuard<'_, Access>> {
-        Some(self.0.as_ref()?.read().unwrap_or_else(PoisonError::into_inner))
+        Some(
+            self.0
+                .as_ref()?
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 
     /// Makes `tokens` the default tenant's valid set (no effect on an open API).
@@ -104,7 +126,10 @@ impl ApiToken {
     /// Makes `tenants` the tenants file's tokens (no effect on an open API).
     pub fn replace_tenants(&self, tenants: Vec<(TokenDigest, Arc<Tenant>)>) {
         if let Some(access) = &self.0 {
-            access.write().unwrap_or_else(PoisonError::into_inner).tenants = tenants;
+            access
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .tenants = tenants;
         }
     }
 
@@ -145,6 +170,23 @@ impl ApiToken {
             token: TokenId::of_digest(&presented),
             tenant: tenant?.clone(),
         })
+    }
+
+    /// Every tenant with a valid token, each once, in the order of their tokens: the default
+    /// tenant first when plain tokens are valid. An open API has only the default tenant.
+    pub fn tenants(&self) -> Vec<Arc<Tenant>> {
+        let Some(access) = self.access() else {
+            return vec![Tenant::unrestricted()];
+        };
+        let mut tenants: Vec<Arc<Tenant>> = Vec::new();
+        for (_, tenant) in access.entries() {
+            if let Some(tenant) = tenant
+                && !tenants.iter().any(|t| t.name == tenant.name)
+            {
+                tenants.push(tenant.clone());
+            }
+        }
+        tenants
     }
 
     /// The caller whose token has the identity `id`, while that token is valid (`None` on an
@@ -295,8 +337,7 @@ mod tests {
         assert!(token.check(b"team-a-token-0123456789").is_none());
         assert!(token.caller(&caller.token).is_none());
         assert!(token.with_token(&caller.token, |_| ()).is_none());
-        let only_tenants =
-            ApiToken::of_tenants(vec![(digest(b"team-a-token-0123456789"), team)]);
+        let only_tenants = ApiToken::of_tenants(vec![(digest(b"team-a-token-0123456789"), team)]);
         assert!(only_tenants.check(b"plain-token-0123456789").is_none());
         assert!(only_tenants.check(b"team-a-token-0123456789").is_some());
     }

@@ -142,6 +142,9 @@ pub struct TokenSources<'a> {
     pub file: Option<&'a Path>,
     /// `--insecure-no-auth`.
     pub insecure_no_auth: bool,
+    /// `--tenants-file` is given: its tokens are valid too, so the other sources may be
+    /// absent.
+    pub tenants_file: bool,
 }
 
 /// What start-up decided.
@@ -181,10 +184,11 @@ pub fn load(sources: &TokenSources<'_>) -> Result<LoadedTokens, TokenError> {
         let env_set = sources
             .env
             .is_some_and(|v| !trim(v.as_encoded_bytes()).is_empty());
-        if env_set || sources.file.is_some() {
+        if env_set || sources.file.is_some() || sources.tenants_file {
             return Err(TokenError(format!(
-                "--insecure-no-auth cannot be combined with {TOKEN_ENV} or --discovery-token-file: \
-                 drop the flag to require the token, or unset the token to run without authentication"
+                "--insecure-no-auth cannot be combined with {TOKEN_ENV}, --discovery-token-file \
+                 or --tenants-file: drop the flag to require the token, or unset the tokens to \
+                 run without authentication"
             )));
         }
         return Ok(LoadedTokens {
@@ -209,11 +213,19 @@ pub fn load(sources: &TokenSources<'_>) -> Result<LoadedTokens, TokenError> {
         (Some(env), Some((_, _, from_file))) => from_file.clone().union(env),
         (Some(env), None) => env.clone(),
         (None, Some((_, _, from_file))) => from_file.clone(),
+        (None, None) if sources.tenants_file => {
+            return Ok(LoadedTokens {
+                token: ApiToken::of_tenants(Vec::new()),
+                env_tokens: None,
+                file: None,
+            });
+        }
         (None, None) => {
             return Err(TokenError(format!(
                 "no API token: set {TOKEN_ENV} (at least {MIN_TOKEN_BYTES} bytes, e.g. \
-                 `export {TOKEN_ENV}=\"$(openssl rand -hex 32)\"`) or --discovery-token-file, \
-                 or pass --insecure-no-auth to serve the API without authentication"
+                 `export {TOKEN_ENV}=\"$(openssl rand -hex 32)\"`), --discovery-token-file or \
+                 --tenants-file, or pass --insecure-no-auth to serve the API without \
+                 authentication"
             )));
         }
     };

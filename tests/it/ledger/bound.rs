@@ -6,6 +6,7 @@
 //! room. The API side runs a real actix server on loopback.
 
 use crate::support;
+use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -90,7 +91,7 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
                 let target = format!("site-{}.example", cycle % 50);
                 let lease = granted(ledger.acquire(request(pool.clone(), &target, MINUTE)).await);
                 largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
-                ledger.release(&lease.id).await.unwrap();
+                ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
                 largest.fetch_max(ledger.disk_bytes(), Ordering::Relaxed);
                 clock.advance(TICK);
                 if cycle % SWEEP_EVERY == 0 {
@@ -266,6 +267,7 @@ impl Full {
         ledger
             .report(
                 &held.id,
+                DEFAULT_TENANT,
                 LeaseReport::new(ReportResult::RateLimited, Some("cool.example")),
             )
             .await
@@ -314,15 +316,16 @@ impl Full {
         );
 
         let lock = FileLock::take(&self.path);
-        let mut first = Box::pin(ledger.release(&self.held.id));
+        let mut first = Box::pin(ledger.release(&self.held.id, DEFAULT_TENANT));
         assert!(queue(&mut first).await.is_none());
         wait_until("the writer takes the first write", || {
             ledger.queue_depth() == 0
         })
         .await;
-        let mut renew = Box::pin(ledger.renew(&self.held.id, 20 * MINUTE));
+        let mut renew = Box::pin(ledger.renew(&self.held.id, DEFAULT_TENANT, 20 * MINUTE));
         let mut report = Box::pin(ledger.report(
             &self.held.id,
+            DEFAULT_TENANT,
             LeaseReport::new(ReportResult::Blocked, Some("new.example")),
         ));
         let mut fresh = Box::pin(ledger.acquire(keyed(&self.pool, "fresh")));
@@ -356,7 +359,11 @@ impl Full {
             "the batch's cooldown is gone"
         );
         assert_eq!(file_leases(&self.path), rows, "the file kept nothing of it");
-        let held = ledger.get(&self.held.id).await.unwrap().unwrap();
+        let held = ledger
+            .get(&self.held.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(held, self.held, "released and renewed in neither");
         ledger.self_check().await.unwrap();
     }
@@ -378,6 +385,8 @@ fn keyed(pool: &Arc<[Candidate]>, request_id: &str) -> AcquireRequest {
             id: request_id.into(),
             fingerprint: "fp".into(),
         }),
+        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+        session: None,
         ..request(pool.clone(), "t.example", 10 * MINUTE)
     }
 }
@@ -429,7 +438,14 @@ async fn a_full_disk_fails_the_commit_and_writes_resume_when_space_is_back() {
     .await;
     f.refuses_a_mixed_batch_whole().await;
     for lease in &f.granted {
-        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
+        assert_eq!(
+            f.ledger
+                .get(&lease.id, DEFAULT_TENANT)
+                .await
+                .unwrap()
+                .as_ref(),
+            Some(lease)
+        );
     }
     std::fs::remove_file(filler.unwrap()).unwrap();
     f.writes_again().await;
@@ -727,7 +743,7 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
                         .acquire(request(pool.clone(), "t.example", MINUTE))
                         .await,
                 );
-                ledger.release(&lease.id).await.unwrap();
+                ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
             }
         });
     }
@@ -769,7 +785,14 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
             .acquire(request(pool.clone(), "t.example", MINUTE))
             .await,
     );
-    assert_eq!(ledger.get(&lease.id).await.unwrap().as_ref(), Some(&lease));
+    assert_eq!(
+        ledger
+            .get(&lease.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .as_ref(),
+        Some(&lease)
+    );
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await

@@ -4,6 +4,7 @@
 //! `acquire` has returned, kills it mid-run and finds every printed lease in the reopened file,
 //! and every printed request ID answering with its lease.
 
+use proxy_operator::ledger::DEFAULT_TENANT;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -67,6 +68,8 @@ fn acquire_request(request_id: &str) -> AcquireRequest {
             id: request_id.into(),
             fingerprint: FINGERPRINT.into(),
         }),
+        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+        session: None,
     }
 }
 
@@ -169,7 +172,7 @@ fn acknowledged_leases_survive_sigkill() {
         .unwrap();
     for (id, request_id) in &acknowledged {
         let lease = runtime
-            .block_on(ledger.get(id))
+            .block_on(ledger.get(id, DEFAULT_TENANT))
             .unwrap()
             .unwrap_or_else(|| panic!("acknowledged lease {id} was lost"));
         assert_eq!(lease.state, LeaseState::Active, "{id}");

@@ -363,12 +363,17 @@ async fn a_version_1_postgres_database_is_migrated_and_records_demand() {
     ));
     let clock = Arc::new(ManualClock::new(start()));
     let ledger = open_postgres(&database, &clock).await;
-    assert_eq!(POSTGRES_SCHEMA_VERSION, 2);
+    assert_eq!(POSTGRES_SCHEMA_VERSION, 3);
     assert_eq!(
         database.psql("SELECT version FROM ledger_schema"),
         POSTGRES_SCHEMA_VERSION.to_string()
     );
     assert_eq!(ledger.counts().active_total(), 1, "the old lease counts");
+    assert_eq!(
+        database.psql("SELECT tenant FROM leases WHERE id = 'old-held'"),
+        "default",
+        "a lease from before tenants is the default tenant's"
+    );
     ledger.record_demand(&pools(&["crawl/a"])).await.unwrap();
     assert_eq!(
         ledger.recent_demand(MINUTE).await.unwrap(),

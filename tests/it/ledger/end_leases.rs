@@ -7,6 +7,7 @@
 //! `ManualClock`.
 
 use crate::support;
+use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,7 +88,12 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys(backend
     assert_eq!(f.ledger.counts().active_total(), 2);
     let now = f.clock.now();
     for lease in &on_a {
-        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
+        let read = f
+            .ledger
+            .get(&lease.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(read.state, LeaseState::Released, "{}", lease.id);
         assert_eq!(read.released_at, Some(now));
         assert_eq!(read.release_reason.as_deref(), Some("machine_lost"));
@@ -98,7 +104,14 @@ async fn ending_a_proxys_leases_releases_all_of_them_and_no_other_proxys(backend
         );
     }
     for lease in &on_b {
-        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
+        assert_eq!(
+            f.ledger
+                .get(&lease.id, DEFAULT_TENANT)
+                .await
+                .unwrap()
+                .as_ref(),
+            Some(lease)
+        );
     }
     assert_eq!(
         f.count("SELECT COUNT(*) FROM leases WHERE proxy_uid = 'uid-b' AND state = 'active'"),
@@ -192,7 +205,12 @@ async fn acquires_in_the_same_batch_after_the_end_get_the_freed_slots() {
         no_match(acquire.await);
     }
     for lease in &held {
-        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
+        let read = f
+            .ledger
+            .get(&lease.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(read.state, LeaseState::Released);
     }
     assert_eq!(f.ledger.counts().active_count("uid-a"), 2);
@@ -291,7 +309,8 @@ async fn the_reason_shows_in_leases_and_lease_history(backend: Backend) {
             "expires",
             "reason",
             "cooldown_seconds",
-            "client"
+            "client",
+            "tenant"
         ]
     );
     let why = f.rows(
@@ -308,23 +327,43 @@ async fn leases_a_crawler_released_keep_a_null_reason(backend: Backend) {
     let a = candidate("a", 5);
     let leases = f.hold(&a, 2, MINUTE).await;
     let (by_crawler, by_operator) = (&leases[0], &leases[1]);
-    f.ledger.renew(&by_crawler.id, 2 * MINUTE).await.unwrap();
     f.ledger
-        .report(&by_crawler.id, LeaseReport::new(ReportResult::Ok, None))
+        .renew(&by_crawler.id, DEFAULT_TENANT, 2 * MINUTE)
         .await
         .unwrap();
-    f.ledger.release(&by_crawler.id).await.unwrap();
+    f.ledger
+        .report(
+            &by_crawler.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::Ok, None),
+        )
+        .await
+        .unwrap();
+    f.ledger
+        .release(&by_crawler.id, DEFAULT_TENANT)
+        .await
+        .unwrap();
     assert_eq!(
         f.ledger.end_leases("uid-a", "machine_lost").await.unwrap(),
         1
     );
 
-    let crawler = f.ledger.get(&by_crawler.id).await.unwrap().unwrap();
+    let crawler = f
+        .ledger
+        .get(&by_crawler.id, DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         (crawler.state, crawler.release_reason),
         (LeaseState::Released, None)
     );
-    let operator = f.ledger.get(&by_operator.id).await.unwrap().unwrap();
+    let operator = f
+        .ledger
+        .get(&by_operator.id, DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(operator.release_reason.as_deref(), Some("machine_lost"));
 
     let rows = f.rows(&format!(
@@ -400,14 +439,21 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease(backend: Bac
             id: "crawl-42".into(),
             fingerprint: "fp".into(),
         }),
+        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+        session: None,
         ..request(std::slice::from_ref(&a), "t.example", MINUTE)
     };
     let lease = granted(f.ledger.acquire(keyed.clone()).await);
     f.ledger.end_leases("uid-a", "machine_lost").await.unwrap();
-    let ended = f.ledger.get(&lease.id).await.unwrap().unwrap();
+    let ended = f
+        .ledger
+        .get(&lease.id, DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
 
     // Renew: not active (the API's 409 lease_not_active), as for a released lease.
-    match f.ledger.renew(&lease.id, MINUTE).await {
+    match f.ledger.renew(&lease.id, DEFAULT_TENANT, MINUTE).await {
         Err(LedgerError::NotActive { id, state }) => {
             assert_eq!(
                 (id.as_str(), state),
@@ -417,15 +463,23 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease(backend: Bac
         other => panic!("expected NotActive, got {other:?}"),
     }
     // Release: idempotent success (the API's 204) that changes nothing.
-    f.ledger.release(&lease.id).await.unwrap();
+    f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
     assert_eq!(
-        f.ledger.get(&lease.id).await.unwrap().as_ref(),
+        f.ledger
+            .get(&lease.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .as_ref(),
         Some(&ended)
     );
     // A late report still lands, and its cooldown with it.
     let reported = f
         .ledger
-        .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
+        .report(
+            &lease.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
     assert_eq!(reported, ended);
@@ -467,7 +521,12 @@ async fn a_lease_past_its_expiry_is_left_for_the_sweep(backend: Backend) {
         1
     );
 
-    let read = f.ledger.get(&short.id).await.unwrap().unwrap();
+    let read = f
+        .ledger
+        .get(&short.id, DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         (read.state, read.release_reason),
         (LeaseState::Expired, None)
@@ -528,7 +587,12 @@ async fn ended_leases_and_their_reason_survive_reopening(backend: Backend) {
     );
     assert_eq!(f.ledger.counts().active_count("uid-b"), 1);
     for lease in &on_a {
-        let read = f.ledger.get(&lease.id).await.unwrap().unwrap();
+        let read = f
+            .ledger
+            .get(&lease.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(read.state, LeaseState::Released);
         assert_eq!(read.release_reason.as_deref(), Some("machine_gone"));
     }
@@ -584,8 +648,16 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     let ledger =
         SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
-    assert_eq!(SCHEMA_VERSION, 5);
-    assert_eq!(count(&path, "PRAGMA user_version"), 5);
+    assert_eq!(SCHEMA_VERSION, 6);
+    assert_eq!(count(&path, "PRAGMA user_version"), 6);
+    // Rows from before tenants belong to the default tenant.
+    assert_eq!(
+        sqlite3(
+            &path,
+            "SELECT DISTINCT tenant FROM leases UNION SELECT DISTINCT tenant FROM lease_events"
+        ),
+        DEFAULT_TENANT
+    );
     let columns = |table: &str| {
         sqlite3(
             &path,
@@ -593,12 +665,12 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         )
     };
     assert!(
-        columns("leases").ends_with("release_reason\nclient"),
+        columns("leases").ends_with("release_reason\nclient\ntenant\nsession"),
         "{}",
         columns("leases")
     );
-    assert!(columns("lease_events").ends_with("reason\nclient\ncooldown_ms"));
-    assert!(columns("lease_history").ends_with("reason\ncooldown_seconds\nclient"));
+    assert!(columns("lease_events").ends_with("reason\nclient\ncooldown_ms\ntenant"));
+    assert!(columns("lease_history").ends_with("reason\ncooldown_seconds\nclient\ntenant"));
     assert_eq!(
         columns("pool_demand"),
         "pool\nbucket_start_ms\nrequests",
@@ -612,7 +684,11 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         "old-released|acquired|NULL\nold-released|released|NULL\nold-held|acquired|NULL",
         "old history reads with a NULL reason"
     );
-    let old = ledger.get("old-released").await.unwrap().unwrap();
+    let old = ledger
+        .get("old-released", DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         (old.state, old.release_reason),
         (LeaseState::Released, None)
@@ -755,7 +831,11 @@ async fn a_failed_batch_ends_nothing_and_memory_follows_the_file() {
         assert_eq!(file_rows, rows, "{name}");
         for lease in &held {
             assert_eq!(
-                f.ledger.get(&lease.id).await.unwrap().as_ref(),
+                f.ledger
+                    .get(&lease.id, DEFAULT_TENANT)
+                    .await
+                    .unwrap()
+                    .as_ref(),
                 Some(lease),
                 "{name}"
             );
@@ -826,7 +906,14 @@ async fn a_full_ledger_refuses_the_end_whole() {
         f.count("SELECT COUNT(*) FROM leases") + f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(file_rows, rows, "the file kept nothing of it");
     for lease in &on_a {
-        assert_eq!(f.ledger.get(&lease.id).await.unwrap().as_ref(), Some(lease));
+        assert_eq!(
+            f.ledger
+                .get(&lease.id, DEFAULT_TENANT)
+                .await
+                .unwrap()
+                .as_ref(),
+            Some(lease)
+        );
     }
     f.self_check().await;
 

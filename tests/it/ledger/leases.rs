@@ -7,6 +7,7 @@
 //! ledger's `ManualClock`.
 
 use crate::support;
+use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -81,6 +82,8 @@ impl Fixture {
                     id: id.into(),
                     fingerprint: fingerprint.into(),
                 }),
+                tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+                session: None,
             })
             .await
     }
@@ -100,6 +103,8 @@ async fn acquire(
             target: target.map(str::to_owned),
             ttl,
             request: None,
+            tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+            session: None,
         })
         .await
 }
@@ -168,7 +173,10 @@ async fn acquire_spreads_over_the_least_loaded_proxies_and_records_history(backe
     assert_eq!(lease.expires_at, start() + MINUTE);
     assert_eq!(lease.ttl, MINUTE);
     assert_eq!(lease.released_at, None);
-    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), Some(lease.clone()));
+    assert_eq!(
+        f.ledger.get(&lease.id, DEFAULT_TENANT).await.unwrap(),
+        Some(lease.clone())
+    );
     assert_eq!(
         f.events(&lease.id),
         [("acquired".to_owned(), Some("example.com".to_owned()), None)]
@@ -227,10 +235,18 @@ async fn ttl_is_capped_and_must_not_be_zero(backend: Backend) {
             matches!(err, LedgerError::InvalidTtl(t) if t == ttl),
             "{err:?}"
         );
-        let err = f.ledger.renew(&lease.id, ttl).await.unwrap_err();
+        let err = f
+            .ledger
+            .renew(&lease.id, DEFAULT_TENANT, ttl)
+            .await
+            .unwrap_err();
         assert!(matches!(err, LedgerError::InvalidTtl(_)), "{err:?}");
     }
-    let renewed = f.ledger.renew(&lease.id, Duration::MAX).await.unwrap();
+    let renewed = f
+        .ledger
+        .renew(&lease.id, DEFAULT_TENANT, Duration::MAX)
+        .await
+        .unwrap();
     assert_eq!(renewed.ttl, Duration::from_secs(3600));
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 1);
 }
@@ -250,7 +266,12 @@ async fn an_expired_lease_stops_counting_before_the_sweep(backend: Backend) {
     let second = granted(f.acquire(&c, None, MINUTE).await);
     assert_ne!(first.id, second.id);
     assert_eq!(
-        f.ledger.get(&first.id).await.unwrap().unwrap().state,
+        f.ledger
+            .get(&first.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         LeaseState::Expired
     );
     assert_eq!(f.ledger.counts().active_total(), 1);
@@ -268,7 +289,11 @@ async fn renew_extends_active_leases_only(backend: Backend) {
     let c = [candidate("a", 3)];
     let lease = granted(f.acquire(&c, Some("t.example"), MINUTE).await);
     f.clock.advance(Duration::from_secs(50));
-    let renewed = f.ledger.renew(&lease.id, 2 * MINUTE).await.unwrap();
+    let renewed = f
+        .ledger
+        .renew(&lease.id, DEFAULT_TENANT, 2 * MINUTE)
+        .await
+        .unwrap();
     assert_eq!(
         renewed.expires_at,
         start() + Duration::from_secs(50) + 2 * MINUTE
@@ -276,7 +301,7 @@ async fn renew_extends_active_leases_only(backend: Backend) {
     assert_eq!(renewed.ttl, 2 * MINUTE);
     assert_eq!(renewed.acquired_at, lease.acquired_at);
     assert_eq!(
-        f.ledger.get(&lease.id).await.unwrap(),
+        f.ledger.get(&lease.id, DEFAULT_TENANT).await.unwrap(),
         Some(renewed.clone())
     );
     f.clock.advance(MINUTE);
@@ -301,8 +326,12 @@ async fn renew_extends_active_leases_only(backend: Backend) {
         "the renewed row carries the new expiry"
     );
 
-    f.ledger.release(&lease.id).await.unwrap();
-    let err = f.ledger.renew(&lease.id, MINUTE).await.unwrap_err();
+    f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
+    let err = f
+        .ledger
+        .renew(&lease.id, DEFAULT_TENANT, MINUTE)
+        .await
+        .unwrap_err();
     assert!(
         matches!(&err, LedgerError::NotActive { id, state: LeaseState::Released } if *id == lease.id),
         "{err:?}"
@@ -310,7 +339,11 @@ async fn renew_extends_active_leases_only(backend: Backend) {
 
     let short = granted(f.acquire(&c, None, MINUTE).await);
     f.clock.advance(MINUTE);
-    let err = f.ledger.renew(&short.id, MINUTE).await.unwrap_err();
+    let err = f
+        .ledger
+        .renew(&short.id, DEFAULT_TENANT, MINUTE)
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -331,7 +364,11 @@ async fn renew_extends_active_leases_only(backend: Backend) {
         "a refused renew writes nothing"
     );
 
-    let err = f.ledger.renew("no-such-lease", MINUTE).await.unwrap_err();
+    let err = f
+        .ledger
+        .renew("no-such-lease", DEFAULT_TENANT, MINUTE)
+        .await
+        .unwrap_err();
     assert!(matches!(&err, LedgerError::UnknownLease(id) if id == "no-such-lease"));
 }
 
@@ -343,10 +380,18 @@ async fn release_is_idempotent_and_frees_the_slot(backend: Backend) {
     let lease = granted(f.acquire(&c, None, MINUTE).await);
     no_match(f.acquire(&c, None, MINUTE).await);
     f.clock.advance(Duration::from_secs(5));
-    f.ledger.release(&lease.id).await.unwrap();
-    f.ledger.release(&lease.id).await.unwrap();
-    f.ledger.release("never-issued").await.unwrap();
-    let released = f.ledger.get(&lease.id).await.unwrap().unwrap();
+    f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
+    f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
+    f.ledger
+        .release("never-issued", DEFAULT_TENANT)
+        .await
+        .unwrap();
+    let released = f
+        .ledger
+        .get(&lease.id, DEFAULT_TENANT)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(released.state, LeaseState::Released);
     assert_eq!(released.released_at, Some(start() + Duration::from_secs(5)));
     assert_eq!(released.release_reason, None);
@@ -364,9 +409,14 @@ async fn release_is_idempotent_and_frees_the_slot(backend: Backend) {
     // Releasing after the TTL ran out changes nothing: the lease already expired.
     let late = granted(f.acquire(&[candidate("b", 1)], None, MINUTE).await);
     f.clock.advance(2 * MINUTE);
-    f.ledger.release(&late.id).await.unwrap();
+    f.ledger.release(&late.id, DEFAULT_TENANT).await.unwrap();
     assert_eq!(
-        f.ledger.get(&late.id).await.unwrap().unwrap().state,
+        f.ledger
+            .get(&late.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         LeaseState::Expired
     );
     assert_eq!(f.events(&late.id).len(), 1);
@@ -383,7 +433,7 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target(ba
         f.clock.advance(Duration::from_secs(1));
         let reported = f
             .ledger
-            .report(&lease.id, LeaseReport::new(result, None))
+            .report(&lease.id, DEFAULT_TENANT, LeaseReport::new(result, None))
             .await
             .unwrap();
         assert_eq!(reported.id, lease.id);
@@ -406,17 +456,20 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target(ba
         );
 
         // Released, "a" would win on load and latency; the cooldown makes the target skip it.
-        f.ledger.release(&lease.id).await.unwrap();
+        f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
         let next = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
         assert_eq!(next.proxy.name, "b", "{result}");
-        f.ledger.release(&next.id).await.unwrap();
+        f.ledger.release(&next.id, DEFAULT_TENANT).await.unwrap();
         // Another target and no target are not affected.
         let other = granted(f.acquire(&c, Some("news.example"), MINUTE).await);
         assert_eq!(other.proxy.name, "a");
-        f.ledger.release(&other.id).await.unwrap();
+        f.ledger.release(&other.id, DEFAULT_TENANT).await.unwrap();
         let untargeted = granted(f.acquire(&c, None, MINUTE).await);
         assert_eq!(untargeted.proxy.name, "a");
-        f.ledger.release(&untargeted.id).await.unwrap();
+        f.ledger
+            .release(&untargeted.id, DEFAULT_TENANT)
+            .await
+            .unwrap();
 
         // Only "a" offered for the cooled target: no match, retry when the cooldown ends.
         let cooldown_end = start() + Duration::from_secs(1) + 10 * MINUTE;
@@ -464,7 +517,7 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
 
     let asked = Some(Duration::from_secs(30));
     let r = report(ReportResult::RateLimited, None, asked);
-    f.ledger.report(&lease.id, r).await.unwrap();
+    f.ledger.report(&lease.id, DEFAULT_TENANT, r).await.unwrap();
     assert_eq!(
         retry_after("shop.example").await,
         Some(t0 + Duration::from_secs(30))
@@ -472,7 +525,7 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
     // Longer than `max_cooldown` (an hour): capped, and it outlasts the first.
     let asked = Some(Duration::from_secs(2 * 3600));
     let r = report(ReportResult::Blocked, Some("shop.example"), asked);
-    f.ledger.report(&lease.id, r).await.unwrap();
+    f.ledger.report(&lease.id, DEFAULT_TENANT, r).await.unwrap();
     assert_eq!(
         retry_after("shop.example").await,
         Some(t0 + Duration::from_secs(3600))
@@ -480,7 +533,7 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
     // A shorter one keeps the later end.
     let asked = Some(Duration::from_secs(1));
     let r = report(ReportResult::RateLimited, None, asked);
-    f.ledger.report(&lease.id, r).await.unwrap();
+    f.ledger.report(&lease.id, DEFAULT_TENANT, r).await.unwrap();
     assert_eq!(
         retry_after("shop.example").await,
         Some(t0 + Duration::from_secs(3600))
@@ -488,9 +541,9 @@ async fn a_report_may_ask_for_its_own_cooldown_length(backend: Backend) {
     // An ok report starts none, whatever it asks; without a length, the configured one.
     let asked = Some(5 * MINUTE);
     let r = report(ReportResult::Ok, None, asked);
-    f.ledger.report(&lease.id, r).await.unwrap();
+    f.ledger.report(&lease.id, DEFAULT_TENANT, r).await.unwrap();
     let r = report(ReportResult::RateLimited, Some("news.example"), None);
-    f.ledger.report(&lease.id, r).await.unwrap();
+    f.ledger.report(&lease.id, DEFAULT_TENANT, r).await.unwrap();
     assert_eq!(retry_after("news.example").await, Some(t0 + 10 * MINUTE));
     assert_eq!(f.ledger.counts().cooldowns_active(), 2);
     assert_eq!(
@@ -563,6 +616,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
     f.ledger
         .report(
             &untargeted.id,
+            DEFAULT_TENANT,
             LeaseReport::new(ReportResult::RateLimited, None),
         )
         .await
@@ -578,6 +632,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
     f.ledger
         .report(
             &untargeted.id,
+            DEFAULT_TENANT,
             LeaseReport::new(ReportResult::Blocked, Some("explicit.example")),
         )
         .await
@@ -597,7 +652,7 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
     for result in [ReportResult::Ok, ReportResult::Error] {
         let lease = granted(f.acquire(&c, Some("fine.example"), MINUTE).await);
         f.ledger
-            .report(&lease.id, LeaseReport::new(result, None))
+            .report(&lease.id, DEFAULT_TENANT, LeaseReport::new(result, None))
             .await
             .unwrap();
         assert_eq!(f.ledger.counts().cooldowns_active(), 1, "{result}");
@@ -613,7 +668,11 @@ async fn report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_
 
     let err = f
         .ledger
-        .report("no-such-lease", LeaseReport::new(ReportResult::Ok, None))
+        .report(
+            "no-such-lease",
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::Ok, None),
+        )
         .await
         .unwrap_err();
     assert!(matches!(&err, LedgerError::UnknownLease(id) if id == "no-such-lease"));
@@ -640,7 +699,11 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     );
     let reported = f
         .ledger
-        .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
+        .report(
+            &lease.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
     assert_eq!(reported.state, LeaseState::Expired);
@@ -654,7 +717,11 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     f.clock.set(lease.expires_at + 10 * MINUTE);
     assert_eq!(f.ledger.sweep().await.unwrap().leases_pruned, 0);
     f.ledger
-        .report(&lease.id, LeaseReport::new(ReportResult::Ok, None))
+        .report(
+            &lease.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::Ok, None),
+        )
         .await
         .unwrap();
     f.clock.advance(Duration::from_millis(1));
@@ -662,11 +729,15 @@ async fn a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned
     assert_eq!(stats.leases_pruned, 1);
     assert!(matches!(
         f.ledger
-            .report(&lease.id, LeaseReport::new(ReportResult::RateLimited, None))
+            .report(
+                &lease.id,
+                DEFAULT_TENANT,
+                LeaseReport::new(ReportResult::RateLimited, None)
+            )
             .await,
         Err(LedgerError::UnknownLease(_))
     ));
-    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), None);
+    assert_eq!(f.ledger.get(&lease.id, DEFAULT_TENANT).await.unwrap(), None);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
     let kinds: Vec<String> = f.events(&lease.id).into_iter().map(|e| e.0).collect();
     assert_eq!(
@@ -683,11 +754,15 @@ async fn a_late_report_on_a_released_lease_lands_and_cools_down(backend: Backend
     let c = [candidate("a", 1)];
     let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
     f.clock.advance(Duration::from_secs(5));
-    f.ledger.release(&lease.id).await.unwrap();
+    f.ledger.release(&lease.id, DEFAULT_TENANT).await.unwrap();
     f.clock.advance(Duration::from_secs(5));
     let reported = f
         .ledger
-        .report(&lease.id, LeaseReport::new(ReportResult::Blocked, None))
+        .report(
+            &lease.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::Blocked, None),
+        )
         .await
         .unwrap();
     assert_eq!(reported.state, LeaseState::Released);
@@ -720,9 +795,16 @@ async fn sweep_expires_prunes_cooldowns_and_old_history(backend: Backend) {
     let short = granted(f.acquire(&c, Some("t"), MINUTE).await);
     let long = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     let released = granted(f.acquire(&c, None, 30 * MINUTE).await);
-    f.ledger.release(&released.id).await.unwrap();
     f.ledger
-        .report(&short.id, LeaseReport::new(ReportResult::RateLimited, None))
+        .release(&released.id, DEFAULT_TENANT)
+        .await
+        .unwrap();
+    f.ledger
+        .report(
+            &short.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
 
@@ -767,7 +849,7 @@ async fn sweep_expires_prunes_cooldowns_and_old_history(backend: Backend) {
     f.clock.set(start() + 41 * MINUTE);
     let stats = f.ledger.sweep().await.unwrap();
     assert_eq!((stats.expired, stats.leases_pruned), (1, 2));
-    assert_eq!(f.ledger.get(&long.id).await.unwrap(), None);
+    assert_eq!(f.ledger.get(&long.id, DEFAULT_TENANT).await.unwrap(), None);
     assert_eq!(f.count("SELECT COUNT(*) FROM leases"), 0);
     let history = f.count("SELECT COUNT(*) FROM lease_events");
     assert_eq!(history, 7);
@@ -785,19 +867,31 @@ async fn leases_cooldowns_and_history_survive_reopening(backend: Backend) {
     let kept = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     let cooled = granted(f.acquire(&c, Some("t"), 30 * MINUTE).await);
     f.ledger
-        .report(&cooled.id, LeaseReport::new(ReportResult::Blocked, None))
+        .report(
+            &cooled.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::Blocked, None),
+        )
         .await
         .unwrap();
-    f.ledger.release(&cooled.id).await.unwrap();
+    f.ledger.release(&cooled.id, DEFAULT_TENANT).await.unwrap();
     assert_eq!(
         (kept.proxy.name.as_str(), cooled.proxy.name.as_str()),
         ("a", "b")
     );
     let history = f.count("SELECT COUNT(*) FROM lease_events");
     f.reopen().await;
-    assert_eq!(f.ledger.get(&kept.id).await.unwrap(), Some(kept.clone()));
     assert_eq!(
-        f.ledger.get(&cooled.id).await.unwrap().unwrap().state,
+        f.ledger.get(&kept.id, DEFAULT_TENANT).await.unwrap(),
+        Some(kept.clone())
+    );
+    assert_eq!(
+        f.ledger
+            .get(&cooled.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         LeaseState::Released
     );
     assert_eq!(f.ledger.counts().active_total(), 1);
@@ -858,11 +952,15 @@ async fn a_retried_acquire_with_the_same_request_id_gets_the_same_lease_while_it
 
     // Renewing moves the window; the replay shows the lease as it is now.
     f.clock.advance(Duration::from_secs(50));
-    let renewed = f.ledger.renew(&first.id, 2 * MINUTE).await.unwrap();
+    let renewed = f
+        .ledger
+        .renew(&first.id, DEFAULT_TENANT, 2 * MINUTE)
+        .await
+        .unwrap();
     f.clock.advance(Duration::from_secs(30));
     assert_eq!(replayed(f.acquire_once(&c, "job-1", "fp").await), renewed);
     // A released lease is still the answer until its expiry...
-    f.ledger.release(&first.id).await.unwrap();
+    f.ledger.release(&first.id, DEFAULT_TENANT).await.unwrap();
     let released = replayed(f.acquire_once(&c, "job-1", "fp").await);
     assert_eq!(released.id, first.id);
     assert_eq!(released.state, LeaseState::Released);
@@ -924,10 +1022,17 @@ async fn request_ids_answer_after_reopening(backend: Backend) {
     let c = [candidate("a", 5)];
     let kept = granted(f.acquire_once(&c, "kept", "fp").await);
     let released = granted(f.acquire_once(&c, "released", "fp").await);
-    f.ledger.release(&released.id).await.unwrap();
+    f.ledger
+        .release(&released.id, DEFAULT_TENANT)
+        .await
+        .unwrap();
     let short = granted(f.acquire_once(&c, "short", "fp").await);
     f.clock.advance(Duration::from_secs(10));
-    let renewed = f.ledger.renew(&kept.id, 5 * MINUTE).await.unwrap();
+    let renewed = f
+        .ledger
+        .renew(&kept.id, DEFAULT_TENANT, 5 * MINUTE)
+        .await
+        .unwrap();
     f.clock.set(short.expires_at - Duration::from_millis(1));
     f.reopen().await;
     assert_eq!(replayed(f.acquire_once(&c, "kept", "fp").await), renewed);
@@ -967,10 +1072,14 @@ async fn the_debugging_views_show_leases_cooldowns_and_history(backend: Backend)
     let first = granted(f.acquire(&c, Some("shop.example"), 30 * MINUTE).await);
     let second = granted(f.acquire(&c, Some("shop.example"), 30 * MINUTE).await);
     f.ledger
-        .report(&first.id, LeaseReport::new(ReportResult::RateLimited, None))
+        .report(
+            &first.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
-    f.ledger.release(&first.id).await.unwrap();
+    f.ledger.release(&first.id, DEFAULT_TENANT).await.unwrap();
 
     let second_proxy = second.proxy.to_string();
     assert_eq!(
@@ -1111,6 +1220,8 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
                         target: None,
                         ttl: MINUTE,
                         request: None,
+                        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+                        session: None,
                     };
                     let outcome = loop {
                         let answer = f.ledger.acquire(request.clone()).await;
@@ -1139,13 +1250,23 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
                     }
                     if held.len() >= HELD || (held.len() > 1 && fastrand_bit(&held)) {
                         let id = held.pop_front().unwrap();
-                        while decided(f.backend, &overloaded, f.ledger.release(&id).await).is_none()
-                        {
-                        }
+                        while decided(
+                            f.backend,
+                            &overloaded,
+                            f.ledger.release(&id, DEFAULT_TENANT).await,
+                        )
+                        .is_none()
+                        {}
                     }
                 }
                 for id in held {
-                    while decided(f.backend, &overloaded, f.ledger.release(&id).await).is_none() {}
+                    while decided(
+                        f.backend,
+                        &overloaded,
+                        f.ledger.release(&id, DEFAULT_TENANT).await,
+                    )
+                    .is_none()
+                    {}
                 }
             })
         })
@@ -1236,7 +1357,10 @@ async fn open_migrates_once_uses_wal_and_reopening_is_a_no_op() {
     let lease = granted(f.acquire(&[candidate("a", 1)], None, MINUTE).await);
     f.reopen().await;
     f.reopen().await;
-    assert_eq!(f.ledger.get(&lease.id).await.unwrap(), Some(lease));
+    assert_eq!(
+        f.ledger.get(&lease.id, DEFAULT_TENANT).await.unwrap(),
+        Some(lease)
+    );
     let version: u32 = f
         .raw()
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -1295,7 +1419,10 @@ async fn full_durability_opens_and_keeps_leases_across_reopening() {
     // Reopened with the default (Normal) durability.
     let reopened =
         SqliteLedger::open(&f.path, SqliteOptions::default(), config(), f.clock.clone()).unwrap();
-    assert_eq!(reopened.get(&lease.id).await.unwrap(), Some(lease));
+    assert_eq!(
+        reopened.get(&lease.id, DEFAULT_TENANT).await.unwrap(),
+        Some(lease)
+    );
 }
 
 #[tokio::test]
@@ -1416,12 +1543,19 @@ async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
         leases.push(granted(f.acquire_once(&c, &id, "fp").await));
         f.clock.advance(Duration::from_secs(1));
     }
-    f.ledger.release(&leases[0].id).await.unwrap();
-    f.ledger.renew(&leases[1].id, 10 * MINUTE).await.unwrap();
+    f.ledger
+        .release(&leases[0].id, DEFAULT_TENANT)
+        .await
+        .unwrap();
+    f.ledger
+        .renew(&leases[1].id, DEFAULT_TENANT, 10 * MINUTE)
+        .await
+        .unwrap();
     for (lease, target) in [(&leases[2], "a.example"), (&leases[3], "b.example")] {
         f.ledger
             .report(
                 &lease.id,
+                DEFAULT_TENANT,
                 LeaseReport::new(ReportResult::RateLimited, Some(target)),
             )
             .await
@@ -1430,6 +1564,7 @@ async fn the_state_rebuilt_at_open_equals_the_state_before_close() {
     f.ledger
         .report(
             &leases[4].id,
+            DEFAULT_TENANT,
             LeaseReport::new(ReportResult::Ok, Some("a.example")),
         )
         .await
@@ -1480,10 +1615,14 @@ async fn the_debugging_views_answer_in_the_sqlite3_shell() {
     let first = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     let second = granted(acquire(&ledger, &c, Some("shop.example"), MINUTE).await);
     ledger
-        .report(&first.id, LeaseReport::new(ReportResult::RateLimited, None))
+        .report(
+            &first.id,
+            DEFAULT_TENANT,
+            LeaseReport::new(ReportResult::RateLimited, None),
+        )
         .await
         .unwrap();
-    ledger.release(&first.id).await.unwrap();
+    ledger.release(&first.id, DEFAULT_TENANT).await.unwrap();
 
     let per_proxy = sqlite3(&path, "SELECT proxy, leases FROM active_leases_per_proxy;");
     assert_eq!(per_proxy, format!("{}|1\n", second.proxy));

@@ -10,6 +10,7 @@
 //! test, and time only moves through the ledger's `ManualClock`.
 
 use crate::support;
+use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
@@ -35,6 +36,8 @@ impl Fixture {
                 id: id.into(),
                 fingerprint: "fp".into(),
             }),
+            tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+            session: None,
             ..request(POOL.clone(), target, MINUTE)
         }
     }
@@ -119,7 +122,7 @@ async fn a_burst_larger_than_the_queue_is_refused_at_once_and_nothing_is_granted
         let mut excess = f.pending_acquire("t.example");
         overloaded(queue(&mut excess).await.expect("refused at once"));
     }
-    let mut release = Box::pin(f.ledger.release("any"));
+    let mut release = Box::pin(f.ledger.release("any", DEFAULT_TENANT));
     overloaded(queue(&mut release).await.expect("releases are bounded too"));
 
     // Their deadline passes before the writer gets to them: none is decided.
@@ -220,6 +223,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         f.ledger
             .report(
                 &held.id,
+                DEFAULT_TENANT,
                 LeaseReport::new(ReportResult::RateLimited, Some("cool.example")),
             )
             .await
@@ -243,10 +247,11 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
         let mut first = f.pending_acquire("t.example");
         assert!(queue(&mut first).await.is_none());
         f.writer_took_everything().await;
-        let mut release = Box::pin(f.ledger.release(&held.id));
-        let mut renew = Box::pin(f.ledger.renew(&held.id, 5 * MINUTE));
+        let mut release = Box::pin(f.ledger.release(&held.id, DEFAULT_TENANT));
+        let mut renew = Box::pin(f.ledger.renew(&held.id, DEFAULT_TENANT, 5 * MINUTE));
         let mut report = Box::pin(f.ledger.report(
             &held.id,
+            DEFAULT_TENANT,
             LeaseReport::new(ReportResult::Blocked, Some("new.example")),
         ));
         let mut with_id = Box::pin(f.ledger.acquire(f.request("t.example", Some("fresh"))));
@@ -288,7 +293,7 @@ async fn a_failed_batch_answers_every_caller_with_the_error_and_memory_follows_t
             .unwrap();
         assert_eq!(replay, AcquireOutcome::Replayed(held.clone()), "{name}");
         // A later batch without the poison commits, and a reopened ledger agrees.
-        f.ledger.release(&held.id).await.unwrap();
+        f.ledger.release(&held.id, DEFAULT_TENANT).await.unwrap();
         assert_eq!(f.ledger.counts().active_total(), 1, "{name}");
         f.self_check().await;
         let before = (
@@ -322,7 +327,7 @@ async fn shutdown_commits_what_was_queued_and_refuses_the_rest() {
         std::thread::spawn(move || ledger.shutdown())
     };
     wait_until("shutdown refuses new writes", || !f.sqlite().is_running()).await;
-    let refused = f.ledger.release("any").await;
+    let refused = f.ledger.release("any", DEFAULT_TENANT).await;
     assert!(matches!(refused, Err(LedgerError::Closed)), "{refused:?}");
     lock.release();
     granted(first.await);

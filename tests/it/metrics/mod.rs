@@ -169,6 +169,8 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
             target: None,
             ttl: Duration::from_secs(60),
             request: None,
+            tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+            session: None,
         })
         .await
         .unwrap();

@@ -4,6 +4,7 @@
 //! answers `Unavailable` and is used again when it is back, without reopening.
 
 use crate::support;
+use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -56,6 +57,8 @@ fn keyed(
             id: id.into(),
             fingerprint: fingerprint.into(),
         }),
+        tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+        session: None,
         ..request(pool.clone(), "t.example", MINUTE)
     }
 }
@@ -145,7 +148,7 @@ async fn a_replica_decides_on_what_is_committed_when_its_counts_are_behind() {
         // b holds the slot, and its counts know; a releases it on b's behalf: b's counts
         // still show it held, and b's next acquire is granted, not refused.
         let held = granted(b.acquire(request(pool.clone(), "t.example", MINUTE)).await);
-        a.release(&held.id).await.unwrap();
+        a.release(&held.id, DEFAULT_TENANT).await.unwrap();
         let again = granted(b.acquire(request(pool.clone(), "t.example", MINUTE)).await);
         assert_ne!(again.id, held.id, "round {round}");
         // Now a's counts do not show b's grant: a's acquire is refused, and only one lease
@@ -154,7 +157,7 @@ async fn a_replica_decides_on_what_is_committed_when_its_counts_are_behind() {
             Ok(AcquireOutcome::NoMatch(stats)) => assert_eq!(stats.at_capacity, 1, "{stats:?}"),
             other => panic!("round {round}: {other:?}"),
         }
-        b.release(&again.id).await.unwrap();
+        b.release(&again.id, DEFAULT_TENANT).await.unwrap();
     }
 }
 
@@ -175,8 +178,10 @@ async fn a_request_id_replays_on_another_replica_until_its_lease_expires() {
         "{reused:?}"
     );
     // A renew on one replica moves the window for all; a release does not close it.
-    b.renew(&first.id, 2 * MINUTE).await.unwrap();
-    a.release(&first.id).await.unwrap();
+    b.renew(&first.id, DEFAULT_TENANT, 2 * MINUTE)
+        .await
+        .unwrap();
+    a.release(&first.id, DEFAULT_TENANT).await.unwrap();
     clock.advance(MINUTE + Duration::from_secs(1));
     match a.acquire(keyed(&pool, "req-1", "fp")).await {
         Ok(AcquireOutcome::Replayed(lease)) => {
@@ -324,7 +329,7 @@ async fn a_database_that_goes_down_answers_unavailable_and_is_used_again_when_ba
             .is_some_and(|e| !e.contains(database.password()))
     );
     assert!(matches!(
-        ledger.release(&before.id).await,
+        ledger.release(&before.id, DEFAULT_TENANT).await,
         Err(LedgerError::Unavailable { .. })
     ));
     // Readiness stays: every replica shares the database.
@@ -350,7 +355,11 @@ async fn a_database_that_goes_down_answers_unavailable_and_is_used_again_when_ba
     assert_ne!(after.id, before.id);
     assert_eq!(ledger.database().map(|d| d.up), Some(true));
     assert_eq!(
-        ledger.get(&before.id).await.unwrap().map(|l| l.id),
+        ledger
+            .get(&before.id, DEFAULT_TENANT)
+            .await
+            .unwrap()
+            .map(|l| l.id),
         Some(before.id)
     );
     assert_eq!(
