@@ -12,7 +12,7 @@ use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder
 use utoipa::openapi::{RefOr, Response};
 use utoipa::{Modify, OpenApi};
 
-use super::error::{ErrorBody, NoMatchBody, PoolWakingBody};
+use super::error::{ErrorBody, NoMatchBody, PoolWakingBody, QuotaExceededBody};
 use super::handlers;
 use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ProxyList, ProxyView, RenewRequest, ReportRequest,
@@ -52,6 +52,7 @@ use crate::api::status::view::{
         ErrorBody,
         NoMatchBody,
         PoolWakingBody,
+        QuotaExceededBody,
         ProxyList,
         ProxyView,
         AcquireRequest,

@@ -5,8 +5,8 @@
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 
-use crate::serving::tokens::Caller;
 use crate::serving::tokens::ApiToken;
+use crate::serving::tokens::Caller;
 
 /// The caller a request's token makes and the user part it came with.
 #[derive(Debug, Clone, PartialEq)]

@@ -43,3 +43,4 @@ mod providers;
 mod reconcile;
 mod resources;
 mod status_page;
+mod tenants;

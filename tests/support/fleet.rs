@@ -33,6 +33,16 @@ impl GatewayFleet {
     /// Starts `count` squids and the binary (with `extra_args`) on an inventory listing them,
     /// relaying to the site's ports, and waits until every proxy is healthy.
     pub async fn start(dir: &Path, count: usize, extra_args: &[&str]) -> GatewayFleet {
+        GatewayFleet::start_labelled(dir, count, |_| Vec::new(), extra_args).await
+    }
+
+    /// [`GatewayFleet::start`] with proxy `gw-i` also carrying the labels `labels(i)`.
+    pub async fn start_labelled(
+        dir: &Path,
+        count: usize,
+        labels: impl Fn(usize) -> Vec<(String, String)>,
+        extra_args: &[&str],
+    ) -> GatewayFleet {
         let site = Site::start();
         let mut squids = Vec::new();
         let mut proxies = Vec::new();
@@ -49,7 +59,10 @@ impl GatewayFleet {
             });
             proxies.push(ExternalProxy {
                 name: format!("gw-{i}"),
-                labels: vec![("pool".into(), "gateway".into())],
+                labels: [("pool".to_owned(), "gateway".to_owned())]
+                    .into_iter()
+                    .chain(labels(i))
+                    .collect(),
                 host: address.to_string(),
                 port: squid.port(),
                 max_leases: 16,

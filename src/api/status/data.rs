@@ -8,6 +8,7 @@
 //! to it only.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use actix_web::{HttpResponse, web};
 use serde::Deserialize;
@@ -21,7 +22,7 @@ use crate::api::{ApiError, ApiState, ErrorBody};
 use crate::ledger::{EventsQuery, MAX_EVENTS};
 use crate::resources::proxy::ProxyId;
 use crate::serving::tenants::Tenant;
-use crate::serving::tokens::Caller;
+use crate::serving::tokens::{ApiToken, Caller};
 
 /// Lease events a proxy's page lists.
 const PROXY_EVENTS: usize = 50;
@@ -66,8 +67,18 @@ fn figures_then<T>(
 }
 
 /// The fleet view of `tenant`: the whole fleet, or the proxies, pools, cooldowns and gateway
-/// traffic of its scope and its own sessions.
-pub async fn fleet_view(state: &ApiState, tenant: &Tenant) -> Result<FleetView, ApiError> {
+/// traffic of its scope and its own sessions. `tenants`: every tenant with a token, whose
+/// usage the default tenant sees (any other sees its own).
+pub async fn fleet_view(
+    state: &ApiState,
+    tenant: &Arc<Tenant>,
+    tenants: &[Arc<Tenant>],
+) -> Result<FleetView, ApiError> {
+    let usage = state.ledger.counts().tenant_usage();
+    let visible_tenants = match tenant.sees_every_tenant() {
+        true => view::tenant_rows(tenants, &usage),
+        false => view::tenant_rows(std::slice::from_ref(tenant), &usage),
+    };
     let no_cooldowns = HashMap::new();
     let rows = figures_then(state, &no_cooldowns, |snapshot, figures| {
         snapshot
@@ -82,7 +93,13 @@ pub async fn fleet_view(state: &ApiState, tenant: &Tenant) -> Result<FleetView, 
         let window = state.outcomes.recent(minutes, |_| true);
         let gateway = view::gateway_figures(state.sessions.len(), &window);
         let cooldowns = state.ledger.counts().cooldowns_active();
-        return Ok(view::fleet_view(&rows, cooldowns, gateway, &pools));
+        return Ok(view::fleet_view(
+            &rows,
+            cooldowns,
+            gateway,
+            &pools,
+            visible_tenants,
+        ));
     }
     let visible = in_scope(state, tenant);
     let window = state.outcomes.recent(minutes, |id| visible.contains(id));
@@ -117,6 +134,7 @@ pub async fn fleet_view(state: &ApiState, tenant: &Tenant) -> Result<FleetView, 
         u64::try_from(cooldowns).unwrap_or(u64::MAX),
         gateway,
         &pools,
+        visible_tenants,
     ))
 }
 
@@ -263,9 +281,11 @@ impl EventsParams {
 )]
 pub async fn fleet(
     state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
     caller: web::ReqData<Caller>,
 ) -> Result<HttpResponse, ApiError> {
-    Ok(HttpResponse::Ok().json(fleet_view(&state, &caller.tenant).await?))
+    let view = fleet_view(&state, &caller.tenant, &token.tenants()).await?;
+    Ok(HttpResponse::Ok().json(view))
 }
 
 /// Proxies, filtered, sorted and paged, with an hour of outcomes each.

@@ -213,8 +213,41 @@ pub fn fleet(view: &FleetView, access: Access) -> Markup {
                     }
                 }
             }
+            @if view.tenants.iter().any(|t| t.name != crate::ledger::DEFAULT_TENANT) {
+                section #tenants data-live aria-labelledby="tenants-h" {
+                    h2 #tenants-h { "Tenants" }
+                    table {
+                        thead { tr {
+                            th scope="col" { "Tenant" } th scope="col" { "Scope" }
+                            th scope="col" { "Leases ÷ quota" } th scope="col" { "Sessions ÷ quota" }
+                            th scope="col" { "Acquires/s (burst)" }
+                        } }
+                        tbody {
+                            @for tenant in &view.tenants {
+                                tr data-tenant=(tenant.name) {
+                                    td { (tenant.name) }
+                                    td { (tenant.scope) }
+                                    td { (tenant.leases) " ÷ " (quota(tenant.lease_quota)) }
+                                    td { (tenant.sessions) " ÷ " (quota(tenant.session_quota)) }
+                                    td {
+                                        @match (tenant.acquires_per_second, tenant.burst) {
+                                            (Some(rate), Some(burst)) => { (rate) " (" (burst) ")" }
+                                            _ => { "—" }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
         },
     )
+}
+
+/// A quota as shown: its number, or `∞` without one.
+fn quota(limit: Option<u32>) -> String {
+    limit.map_or_else(|| "∞".to_owned(), |n| n.to_string())
 }
 
 /// The link that sorts the proxies table by `key`, keeping the filter.

@@ -19,8 +19,8 @@ use super::pages::{self, Access};
 use super::session;
 use super::view::ProxiesQuery;
 use crate::api::{ApiError, ApiState};
-use crate::serving::tokens::Caller;
 use crate::serving::tokens::ApiToken;
+use crate::serving::tokens::Caller;
 
 /// What every page and asset is served with: only this origin's own script, style and data,
 /// no framing, no referrer to other sites (the same-origin one keeps `Origin` on the sign-in form), nothing cached.
@@ -153,7 +153,7 @@ pub async fn fleet(
     let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::fleet_view(&state, &caller.tenant).await {
+    match data::fleet_view(&state, &caller.tenant, &token.tenants()).await {
         Ok(view) => page(StatusCode::OK, pages::fleet(&view, access)),
         Err(e) => failed(&e, access),
     }

@@ -10,6 +10,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::health::ProxyHealth;
 use crate::inventory::InventorySnapshot;
+use crate::ledger::TenantUsage;
 use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
 use crate::pool::PoolEntry;
 use crate::reconcile::phase::shown_phase;
@@ -142,6 +143,59 @@ pub struct FleetView {
     pub gateway: FleetGateway,
     /// The ProxyPools (none in standalone mode).
     pub pools: Vec<PoolRow>,
+    /// The tenants the viewer may see, with their usage against their quotas: every tenant
+    /// for the default tenant, its own for any other.
+    pub tenants: Vec<TenantRow>,
+}
+
+/// One tenant's usage against its quotas (`--tenants-file`).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantRow {
+    /// The tenant.
+    pub name: String,
+    /// Which proxies it may see and lease, for people (`any proxy` without a scope).
+    pub scope: String,
+    /// Its leases counting now (every replica's), a gateway session's included.
+    pub leases: u32,
+    /// Its quota of leases, if it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_quota: Option<u32>,
+    /// Its gateway sessions' leases counting now.
+    pub sessions: u32,
+    /// Its quota of gateway sessions, if it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_quota: Option<u32>,
+    /// Its quota of acquires per second, if it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub acquires_per_second: Option<f64>,
+    /// The burst of that quota.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+}
+
+/// The rows of `tenants`, with what each holds according to `usage` (by name).
+pub fn tenant_rows(
+    tenants: &[std::sync::Arc<Tenant>],
+    usage: &HashMap<String, TenantUsage>,
+) -> Vec<TenantRow> {
+    tenants
+        .iter()
+        .map(|tenant| {
+            let held = usage.get(&*tenant.name).copied().unwrap_or_default();
+            let rate = tenant.quotas.rate;
+            TenantRow {
+                name: tenant.name.to_string(),
+                scope: tenant.scope.to_string(),
+                leases: held.leases,
+                lease_quota: tenant.quotas.leases,
+                sessions: held.sessions,
+                session_quota: tenant.quotas.sessions,
+                acquires_per_second: rate.map(|r| r.per_second),
+                burst: rate.map(|r| r.burst),
+            }
+        })
+        .collect()
 }
 
 /// The column the proxies table is sorted by.
@@ -459,6 +513,7 @@ pub fn fleet_view(
     cooldowns: u64,
     gateway: FleetGateway,
     pools: &[PoolEntry],
+    tenants: Vec<TenantRow>,
 ) -> FleetView {
     let mut proxies = FleetProxies {
         total: rows.len() as u64,
@@ -485,6 +540,7 @@ pub fn fleet_view(
         leases,
         gateway,
         pools: pools.iter().map(pool_row).collect(),
+        tenants,
     }
 }
 
@@ -992,7 +1048,7 @@ mod tests {
             row("c", Some(false), 0, false),
             row("d", None, 0, false),
         ];
-        let view = fleet_view(&rows, 4, FleetGateway::default(), &[]);
+        let view = fleet_view(&rows, 4, FleetGateway::default(), &[], Vec::new());
         assert_eq!(
             (
                 view.proxies.total,

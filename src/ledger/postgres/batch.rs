@@ -515,6 +515,10 @@ async fn check_under_locks(
     let mut usage = usage_of(&tenant_usage);
     let mut buckets = buckets_of(&stored_buckets);
     let mut spent: HashMap<String, Bucket> = HashMap::new();
+    // A replica whose clock read came before another's may get a tenant's lock after it: its
+    // grants are then timed at the bucket's time, so their history is in the order the bucket
+    // spent its tokens and every window of it holds at most burst + rate × its length.
+    let now = buckets.values().map(|b| b.at).fold(now, i64::max);
 
     let mut verdicts = Vec::with_capacity(planned.len());
     let mut accepted: Vec<&Planned> = Vec::new();

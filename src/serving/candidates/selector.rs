@@ -112,6 +112,22 @@ impl Selector {
     }
 }
 
+/// For people: `namespace in (a, b), team=a`; `any proxy` when it holds no condition.
+impl std::fmt::Display for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts: Vec<String> = Vec::new();
+        if let Some(namespaces) = &self.namespaces {
+            let list: Vec<&str> = namespaces.iter().map(String::as_str).collect();
+            parts.push(format!("namespace in ({})", list.join(", ")));
+        }
+        parts.extend(self.pairs.iter().map(|(k, v)| format!("{k}={v}")));
+        if parts.is_empty() {
+            return f.write_str("any proxy");
+        }
+        f.write_str(&parts.join(", "))
+    }
+}
+
 impl From<BTreeMap<String, String>> for Selector {
     fn from(pairs: BTreeMap<String, String>) -> Self {
         Selector {
@@ -213,6 +229,8 @@ mod tests {
                 .is_unrestricted()
         );
         assert!(!scope.is_unrestricted());
+        assert_eq!(scope.to_string(), "namespace in (crawl-a), team=a");
+        assert_eq!(Selector::default().to_string(), "any proxy");
     }
 
     /// Every string up to five characters over an alphabet of the characters that matter

@@ -14,8 +14,8 @@ pub use source::{
     LoadedTokens, MIN_TOKEN_BYTES, TOKEN_ENV, TokenError, TokenSet, TokenSources, load, watch_file,
 };
 
-pub use super::tenants::TokenDigest;
 use super::tenants::Tenant;
+pub use super::tenants::TokenDigest;
 
 /// Who made a request: the token it presented (its identity, never the token) and the tenant
 /// that token belongs to.
