@@ -9,12 +9,18 @@
 //! answers anything but
 //! 201/204 (200 for /healthz) or misses the targets (ratio >= 0.15, pair p99 < 10 ms).
 //!
+//! Then the same with a tenants file (`--tenants-file`: ten tenants, each with a scope and
+//! quotas the run stays under), wrk calling as one of them: target, at least 0.9 × the pairs/s
+//! without it (`tenants` row).
+//!
 //! Then, when PostgreSQL is installed (`apt-get install -y postgresql`), the same on a
 //! PostgreSQL ledger (a server of the bench's own on loopback): one replica, and three
 //! replicas over one database and one inventory with the 32 connections spread over them (one
 //! wrk per replica; the p99 shown is the largest of the three). Targets there: one replica at
 //! least 0.3 × the SQLite pairs/s, pair p99 < 25 ms. A last row, for scale, runs one replica on
-//! a database with `synchronous_commit = off`.
+//! a database with `synchronous_commit = off`, and one for three replicas with the tenants
+//! file, every connection's tenant having a quota, so every batch locks that tenant's row
+//! (`pg×3 tenant`), for the figures.
 //!
 //! Run with `cargo bench --bench api` (needs `wrk` and `squid`: `apt-get install -y wrk
 //! squid`). Environment:
@@ -55,6 +61,12 @@ const WARM_UP: Duration = Duration::from_secs(2);
 const HEALTHY_DEADLINE: Duration = Duration::from_secs(120);
 const RATIO_TARGET: f64 = 0.15;
 const P99_TARGET: Duration = Duration::from_millis(10);
+/// The run with a tenants file against the same run without.
+const TENANTS_RATIO_TARGET: f64 = 0.9;
+/// Tenants in the tenants file.
+const TENANTS: usize = 10;
+/// The token wrk calls with in the runs with a tenants file: the first tenant's.
+const TENANT_TOKEN: &str = "bench-tenant-0-token-0123456789";
 /// One PostgreSQL replica's pairs/s against the SQLite run's.
 const POSTGRES_RATIO_TARGET: f64 = 0.3;
 const POSTGRES_P99_TARGET: Duration = Duration::from_millis(25);
@@ -98,8 +110,15 @@ struct Operator {
 }
 
 impl Operator {
-    /// Starts `binary` on `inventory` with the ledger `ledger` (a file path or a URL).
-    fn start(binary: &Path, dir: &Path, inventory: &Path, ledger: &str) -> Operator {
+    /// Starts `binary` on `inventory` with the ledger `ledger` (a file path or a URL) and
+    /// `extra_args`.
+    fn start(
+        binary: &Path,
+        dir: &Path,
+        inventory: &Path,
+        ledger: &str,
+        extra_args: &[&str],
+    ) -> Operator {
         let api_port = free_port();
         let metrics_port = free_port();
         let log = dir.join(format!("operator-{api_port}.log"));
@@ -116,6 +135,7 @@ impl Operator {
             // ignores it.
             .env("PROXY_OPERATOR_GATEWAY_ADDR", "off")
             .args(["--inventory-poll", "100ms"])
+            .args(extra_args)
             .env("DISCOVERY_TOKEN", TOKEN)
             .env("RUST_LOG", rust_log)
             .stdout(Stdio::null())
@@ -201,6 +221,34 @@ async fn healthy_count(http: &reqwest::Client, api: &str) -> Option<u64> {
     body["count"].as_u64()
 }
 
+/// The tenants file of the runs with tenants: [`TENANTS`] tenants, `bench-tenant-N` with the
+/// token `bench-tenant-N-token-…`, each scoped to the fleet's label (tenant 0) or to a label
+/// of its own, each with quotas of leases, sessions and acquires far above what a run takes.
+fn tenants_file() -> String {
+    let mut yaml = String::from("tenants:\n");
+    for n in 0..TENANTS {
+        let token = TENANT_TOKEN.replace("tenant-0", &format!("tenant-{n}"));
+        let digest: String = <sha2::Sha256 as sha2::Digest>::digest(token.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let pool = if n == 0 {
+            "bench".to_owned()
+        } else {
+            format!("team-{n}")
+        };
+        let _ = write!(
+            yaml,
+            "  - name: bench-tenant-{n}
+    tokens: [\"sha256:{digest}\"]
+    scope: {{selector: {{pool: {pool}}}}}
+    quotas: {{leases: 100000, sessions: 1000, acquiresPerSecond: 1000000, burst: 1000000}}
+"
+        );
+    }
+    yaml
+}
+
 /// Runs wrk with a script; returns its parsed result line.
 fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult {
     wrk::run(script, url, (WRK_THREADS, WRK_CONNECTIONS), duration, args)
@@ -209,21 +257,31 @@ fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult 
 /// Starts `replicas` processes of `binary` on the ledger `ledger` (`None`: a fresh SQLite
 /// file), grows their inventory to the full fleet (proxies that appear after start-up are
 /// probed at once, not spread over the 1 h interval), waits until all are healthy on every
-/// replica, then measures, the connections spread over the replicas.
+/// replica, then measures, the connections spread over the replicas. With `tenants`, the
+/// processes read [`tenants_file`] and wrk calls as its first tenant.
 async fn measure(
     label: &str,
     binary: &Path,
     fleet: &Fleet<'_>,
     ledger: Option<&str>,
     replicas: usize,
+    tenants: bool,
 ) -> Figures {
     let dir = tempfile::tempdir().expect("temp dir");
     let inventory = dir.path().join("inventory.yaml");
     std::fs::write(&inventory, "").expect("write the inventory");
     let file = dir.path().join("ledger.db").display().to_string();
     let ledger = ledger.unwrap_or(&file);
+    let tenants_path = dir.path().join("tenants.yaml");
+    std::fs::write(&tenants_path, tenants_file()).expect("write the tenants file");
+    let tenants_arg = tenants_path.display().to_string();
+    let extra: Vec<&str> = match tenants {
+        true => vec!["--tenants-file", &tenants_arg],
+        false => Vec::new(),
+    };
+    let token = if tenants { TENANT_TOKEN } else { TOKEN };
     let operators: Vec<Operator> = (0..replicas)
-        .map(|_| Operator::start(binary, dir.path(), &inventory, ledger))
+        .map(|_| Operator::start(binary, dir.path(), &inventory, ledger, &extra))
         .collect();
     let http = reqwest::Client::new();
     for operator in &operators {
@@ -263,10 +321,10 @@ async fn measure(
     );
 
     let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
-    pair_runs(&operators, WARM_UP, body);
+    pair_runs(&operators, WARM_UP, token, body);
     let batches_before = operators[0].batches(&http).await;
     let cpu_before: f64 = operators.iter().map(Operator::cpu_seconds).sum();
-    let pairs = pair_runs(&operators, fleet.seconds, body);
+    let pairs = pair_runs(&operators, fleet.seconds, token, body);
     let pairs_cpu = operators.iter().map(Operator::cpu_seconds).sum::<f64>() - cpu_before;
     let writes_per_batch = batches_before
         .zip(operators[0].batches(&http).await)
@@ -317,9 +375,9 @@ async fn wait_ready(label: &str, operator: &Operator, http: &reqwest::Client) {
     }
 }
 
-/// Acquire+release pairs for `duration`, the connections spread over `operators` (one wrk
-/// each, side by side).
-fn pair_runs(operators: &[Operator], duration: Duration, body: &str) -> WrkResult {
+/// Acquire+release pairs for `duration` with `token`, the connections spread over `operators`
+/// (one wrk each, side by side).
+fn pair_runs(operators: &[Operator], duration: Duration, token: &str, body: &str) -> WrkResult {
     let share = WRK_CONNECTIONS / u32::try_from(operators.len()).unwrap_or(1);
     let runs: Vec<WrkResult> = std::thread::scope(|scope| {
         let handles: Vec<_> = operators
@@ -339,7 +397,7 @@ fn pair_runs(operators: &[Operator], duration: Duration, body: &str) -> WrkResul
                         &operator.api,
                         (threads, connections),
                         duration,
-                        &[TOKEN, body],
+                        &[token, body],
                     )
                 })
             })
@@ -430,18 +488,21 @@ async fn main() -> ExitCode {
     let mut runs = Vec::new();
     // A baseline is measured before and after, so drift in the machine's load shows.
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &fleet, None, 1).await);
+        runs.push(measure("before", baseline, &fleet, None, 1, false).await);
     }
-    runs.push(measure("this", &binary, &fleet, None, 1).await);
+    runs.push(measure("this", &binary, &fleet, None, 1, false).await);
+    runs.push(measure("tenants", &binary, &fleet, None, 1, true).await);
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &fleet, None, 1).await);
+        runs.push(measure("before", baseline, &fleet, None, 1, false).await);
     }
     let postgres = Postgres::start();
     if let Some(postgres) = &postgres {
         let one = postgres.database().url();
-        runs.push(measure("postgres", &binary, &fleet, Some(&one), 1).await);
+        runs.push(measure("postgres", &binary, &fleet, Some(&one), 1, false).await);
         let three = postgres.database().url();
-        runs.push(measure("postgres×3", &binary, &fleet, Some(&three), 3).await);
+        runs.push(measure("postgres×3", &binary, &fleet, Some(&three), 3, false).await);
+        let hot = postgres.database().url();
+        runs.push(measure("pg×3 tenant", &binary, &fleet, Some(&hot), 3, true).await);
         // For scale, not a target: the same without waiting for the WAL flush of each commit,
         // about what SQLite's `normal` durability waits for (a crash of the database server
         // may lose the last commits, one of the operator never).
@@ -451,7 +512,7 @@ async fn main() -> ExitCode {
             unflushed.name()
         ));
         let url = unflushed.url();
-        runs.push(measure("pg unsync", &binary, &fleet, Some(&url), 1).await);
+        runs.push(measure("pg unsync", &binary, &fleet, Some(&url), 1, false).await);
     }
 
     println!(
@@ -490,6 +551,30 @@ async fn main() -> ExitCode {
         met(p99_ok),
         met(errors == 0),
     );
+    let tenants_ok = match runs.iter().find(|r| r.label == "tenants") {
+        Some(tenants) => {
+            let against = tenants.pairs_per_s() / this.pairs_per_s();
+            let errors = tenants.pairs.errors();
+            println!(
+                "tenants / this pairs/s x{against:.2}: >= {TENANTS_RATIO_TARGET} {}, no errors {}",
+                met(against >= TENANTS_RATIO_TARGET),
+                met(errors == 0)
+            );
+            against >= TENANTS_RATIO_TARGET && errors == 0
+        }
+        None => false,
+    };
+    if let Some(hot) = runs.iter().find(|r| r.label == "pg×3 tenant")
+        && let Some(three) = runs.iter().find(|r| r.label == "postgres×3")
+    {
+        println!(
+            "three replicas, one tenant's quota row hot / without tenants: pairs/s x{:.2}, \
+             pair p99 {} / {}",
+            hot.pairs_per_s() / three.pairs_per_s(),
+            ms(hot.pairs.p99()),
+            ms(three.pairs.p99())
+        );
+    }
     let mut postgres_ok = true;
     if let Some(one) = runs.iter().find(|r| r.label == "postgres") {
         let against = one.pairs_per_s() / this.pairs_per_s();
@@ -514,7 +599,7 @@ async fn main() -> ExitCode {
             "postgres: not measured (PostgreSQL is not installed: apt-get install -y postgresql)"
         );
     }
-    if ratio_ok && p99_ok && errors == 0 && postgres_ok {
+    if ratio_ok && p99_ok && errors == 0 && postgres_ok && tenants_ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

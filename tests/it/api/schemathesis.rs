@@ -4,7 +4,9 @@
 //! `/v1/openapi.json`, with the bearer token, including the stateful phase that follows the
 //! document's links from an acquire to reading, renewing, reporting on and releasing the lease.
 //! 20 External proxies behind two real squids are healthy, with room for every lease the run
-//! takes, so acquires are granted rather than all answered 409.
+//! takes, so acquires are granted rather than all answered 409. Two tenants are configured
+//! (`--tenants-file`), and the run calls as one of them: its scope holds the 20 proxies, the
+//! other's none of them.
 //!
 //! `use_after_free` is the one check left out, by design: a released lease stays readable
 //! (`GET /v1/leases/{id}` answers 200 with `state: released`) through the cooldown window so
@@ -35,6 +37,35 @@ const SCHEMATHESIS_VERSION: &str = "4.32.5";
 const INSTALL: &str = "pip install schemathesis==4.32.5";
 
 const TOKEN: &str = "schemathesis-token-0123456789abcdef";
+
+/// The token of the tenant the run calls as.
+const TENANT_TOKEN: &str = "schemathesis-tenant-token-0123456789";
+
+/// The tenants: `crawlers` (the run's, scoped to the proxies' label, with quotas far above
+/// what the run takes) and `others`, scoped to a namespace holding none of them.
+fn tenants_file() -> String {
+    let digest = |token: &str| -> String {
+        use sha2::Digest as _;
+        sha2::Sha256::digest(token.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    format!(
+        "tenants:
+  - name: crawlers
+    tokens: [\"sha256:{}\"]
+    scope: {{selector: {{pool: schemathesis}}}}
+    quotas: {{leases: 1000000, sessions: 1000, acquiresPerSecond: 100000, burst: 100000}}
+  - name: others
+    tokens: [\"sha256:{}\"]
+    scope: {{namespaces: [elsewhere]}}
+    quotas: {{leases: 1}}
+",
+        digest(TENANT_TOKEN),
+        digest("schemathesis-other-token-0123456789")
+    )
+}
 
 /// Healthy proxies the run needs (several per squid).
 const PROXIES: usize = 20;
@@ -120,7 +151,7 @@ fn run(st: &Schemathesis, api: &str, dir: &Path) -> Run {
         .arg("--no-color")
         .arg("run")
         .arg(format!("{api}/v1/openapi.json"))
-        .args(["--header", &format!("Authorization: Bearer {TOKEN}")])
+        .args(["--header", &format!("Authorization: Bearer {TENANT_TOKEN}")])
         .args(["--checks", "all", "--exclude-checks", "use_after_free"])
         .args(["--max-examples", MAX_EXAMPLES])
         .args(["--report", "ndjson", "--report-ndjson-path"])
@@ -244,9 +275,18 @@ async fn schemathesis_finds_nothing_with_every_check() {
             credentials: None,
         })
         .collect();
-    let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);
+    let tenants = dir.path().join("tenants.yaml");
+    std::fs::write(&tenants, tenants_file()).expect("write the tenants file");
+    let tenants_arg = tenants.to_str().expect("a UTF-8 temp path");
+    let mut operator = Standalone::start(
+        dir.path(),
+        &proxies,
+        &ca,
+        TOKEN,
+        &["--tenants-file", tenants_arg],
+    );
     operator
-        .wait_healthy(TOKEN, PROXIES, Duration::from_secs(90))
+        .wait_healthy(TENANT_TOKEN, PROXIES, Duration::from_secs(90))
         .await;
 
     let api = operator.api().to_owned();
@@ -276,7 +316,7 @@ async fn schemathesis_finds_nothing_with_every_check() {
     let links = links_covered(&run.stdout);
     show(&format!(
         "schemathesis {SCHEMATHESIS_VERSION} against proxy-operator standalone ({PROXIES} \
-         proxies), {:.0} s, {passed} checks passed, {} API links covered by the stateful phase:\n\
+         proxies, two tenants), {:.0} s, {passed} checks passed, {} API links covered by the stateful phase:\n\
          {table}{}\n",
         took.as_secs_f64(),
         links.map_or_else(|| "?".to_owned(), |n| n.to_string()),
