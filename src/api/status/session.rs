@@ -2,10 +2,11 @@
 //! token is typed once and never sits in a URL, the page or the browser's storage.
 //!
 //! The cookie holds no state of its own to share: it is `<expiry ms>.<token identity>.<mac>`,
-//! the MAC an HMAC-SHA256 of the first two keyed by the token itself. Every replica holds the
-//! same tokens, so every replica opens it; a token rotated away (the token file re-read) opens
-//! nothing any more, which ends its sessions at once; and nobody without the token can make
-//! one. The identity is a digest prefix ([`TokenId`]), not usable as a token.
+//! the MAC an HMAC-SHA256 of the first two keyed by the token's SHA-256 (all the process keeps
+//! of a token; a tenants file lists only that). Every replica holds the same tokens, so every
+//! replica opens it; a token rotated away (the token or tenants file re-read) opens nothing
+//! any more, which ends its sessions at once; and nobody without the token (or its digest)
+//! can make one. The identity is a digest prefix ([`TokenId`]), not usable as a token.
 
 use std::time::Duration;
 
