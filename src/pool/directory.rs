@@ -248,6 +248,16 @@ mod tests {
         assert!(keys("").is_empty(), "an empty selector wakes no pool");
         assert!(keys("geo=eu,tier=a").is_empty());
         assert!(keys("geo=asia").is_empty());
+        // A tenant's refusal is demand only for the pools of its scope.
+        let in_b = Selector::default().in_namespaces(["b".to_owned()]);
+        let scoped = Selector::parse("geo=eu").unwrap().within(&in_b);
+        assert!(
+            directory.matching(&scoped).is_empty(),
+            "a/eu is outside the scope"
+        );
+        let in_a = Selector::default().in_namespaces(["a".to_owned()]);
+        let scoped = Selector::parse("geo=eu").unwrap().within(&in_a);
+        assert_eq!(directory.matching(&scoped).len(), 1);
     }
 
     #[test]
