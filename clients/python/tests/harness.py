@@ -3,6 +3,7 @@ bans exit addresses, and the real ``proxy-operator standalone`` binary in front 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -202,6 +203,15 @@ class Operator:
     def active_leases(self) -> int:
         return self.sql("SELECT COUNT(*) FROM leases WHERE state = 'active'")[0][0]
 
+    def metric(self, sample: str) -> float:
+        """The value of one sample of ``/metrics``, named with its labels as the binary writes
+        them (``name{a="x",b="y"}``); 0 when it has none yet."""
+        for line in httpx.get(f"{self.metrics}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == sample:
+                return float(value)
+        return 0.0
+
     def __enter__(self) -> Operator:
         return self
 
@@ -223,6 +233,20 @@ class Operator:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant of the binary's tenants file: its ``token`` (the file holds its SHA-256) and its
+    ``quotas`` (``leases``, ``sessions``, ``acquiresPerSecond``, ``burst``)."""
+
+    name: str
+    token: str
+    quotas: dict[str, float] = field(default_factory=dict)
+
+    def entry(self) -> dict[str, Any]:
+        digest = hashlib.sha256(self.token.encode()).hexdigest()
+        return {"name": self.name, "tokens": [f"sha256:{digest}"], "quotas": self.quotas}
+
+
 def lost_a_port(operator: Operator) -> bool:
     """Whether the binary exited at start because a port it was given was taken meanwhile
     (it binds every port before it serves, so an answering ``/healthz`` means it holds them)."""
@@ -238,9 +262,17 @@ def lost_a_port(operator: Operator) -> bool:
     return operator.process.poll() is not None and "Address already in use" in operator.log_text()
 
 
-def start_operator(directory: Path, site: Site, squids: int, extra_args: list[str] | None = None, max_leases: int = 16) -> Operator:
+def start_operator(
+    directory: Path,
+    site: Site,
+    squids: int,
+    extra_args: list[str] | None = None,
+    max_leases: int = 16,
+    tenants: list[Tenant] | None = None,
+) -> Operator:
     """Starts ``squids`` squids on 127.0.0.20, .21, ... and the binary on an inventory of them
-    (``px-0``, ``px-1``, ...; label ``pool: python``), and waits until every one is healthy."""
+    (``px-0``, ``px-1``, ...; label ``pool: python``), and waits until every one is healthy.
+    ``tenants`` go in a tenants file (``TOKEN`` stays the unrestricted tenant ``default``)."""
     fleet = [Squid(f"127.0.0.{20 + i}") for i in range(squids)]
     documents = [
         f"""apiVersion: crawl.example.com/v1alpha1
@@ -261,6 +293,12 @@ spec:
     ]
     inventory = directory / "inventory.yaml"
     inventory.write_text("---\n".join(documents))
+    args = list(extra_args or [])
+    if tenants:
+        tenants_file = directory / "tenants.yaml"
+        # JSON is YAML.
+        tenants_file.write_text(json.dumps({"tenants": [tenant.entry() for tenant in tenants]}))
+        args += ["--tenants-file", str(tenants_file)]
     log = directory / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_OPERATOR_")}
     env.update(DISCOVERY_TOKEN=TOKEN, RUST_LOG=env.get("RUST_LOG", "info"))
@@ -279,7 +317,7 @@ spec:
                     "--metrics-addr", f"127.0.0.1:{metrics}",
                     "--gateway-addr", f"127.0.0.1:{gateway}",
                     "--gateway-allowed-ports", str(site.port),
-                    *(extra_args or []),
+                    *args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -10,22 +10,27 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from harness import TOKEN, Operator, Site, start_operator
+from harness import DEADLINE, TOKEN, Operator, Site, Tenant, eventually, start_operator
 from proxy_operator import (
     ApiError,
     AsyncClient,
     Banned,
     Client,
     ConfigError,
+    Lease,
     NoMatch,
     PoolWaking,
+    QuotaExceeded,
     RetryPolicy,
+    TooManyRequests,
     TransportError,
     gateway_proxy_url,
 )
@@ -186,6 +191,84 @@ def test_the_async_client_and_gateway_sessions(operator: Operator, site: Site) -
     assert operator.sql(
         f"SELECT result, cooldown_seconds FROM lease_history WHERE lease_id = '{session_lease}' AND kind = 'reported'"
     ) == [("blocked", 60.0)]
+
+
+@dataclass(frozen=True)
+class RecordingPolicy(RetryPolicy):
+    """A policy that records each wait it decides on, so a test sees a call waiting."""
+
+    waits: list[tuple[ApiError, float]] = field(default_factory=list, compare=False, repr=False)
+
+    def wait(self, error: ApiError, waited: float, attempt: int) -> float | None:
+        seconds = super().wait(error, waited, attempt)
+        if seconds is not None:
+            self.waits.append((error, seconds))
+        return seconds
+
+
+def test_an_acquire_over_the_leases_quota_waits_until_a_lease_is_given_back(tmp_path: Path, site: Site) -> None:
+    team = Tenant("team-a", "team-a-token-0123456789", {"leases": 1})
+    with start_operator(tmp_path, site, squids=2, tenants=[team]) as operator:
+        # attempts=1: a quota is waited on however many answers it takes, within max_wait.
+        policy = RecordingPolicy(attempts=1, max_wait=DEADLINE)
+        outcome: dict[str, Any] = {}
+
+        def acquire_waiting() -> None:
+            try:
+                with Client(operator.api, token=team.token, retry=policy) as waiter:
+                    outcome["lease"] = waiter.acquire(target=TARGET)
+            except BaseException as e:  # reported by the test thread below
+                outcome["error"] = e
+
+        with Client(operator.api, token=team.token) as holder:
+            held = holder.acquire(target=TARGET)
+            waiter = threading.Thread(target=acquire_waiting)
+            waiter.start()
+            eventually("the second acquire refused for the quota", lambda: len(policy.waits) >= 1)
+            assert not outcome, "no lease while the quota is full"
+            holder.release(held.lease_id)
+            waiter.join(timeout=DEADLINE + 10)
+        if "error" in outcome:
+            raise outcome["error"]
+        lease: Lease = outcome["lease"]
+        assert lease.state == "active" and lease.lease_id != held.lease_id
+        refused, seconds = policy.waits[0]
+        assert isinstance(refused, QuotaExceeded)
+        assert (refused.tenant, refused.quota, refused.limit, refused.burst) == ("team-a", "leases", 1.0, None)
+        assert 1 <= seconds <= 5, "Retry-After: when the quota frees up by itself, at most 5 s"
+        assert all(isinstance(error, QuotaExceeded) for error, _ in policy.waits)
+        assert operator.sql("SELECT COUNT(*) FROM leases WHERE tenant = 'team-a'") == [(2,)], "granted once"
+        assert operator.metric('proxy_operator_tenant_refusals_total{reason="quota_leases",tenant="team-a"}') >= 1
+
+
+def test_an_acquire_still_over_its_quota_raises_quota_exceeded(tmp_path: Path, site: Site) -> None:
+    leases = Tenant("team-a", "team-a-token-0123456789", {"leases": 1})
+    rate = Tenant("team-b", "team-b-token-0123456789", {"acquiresPerSecond": 0.1, "burst": 1})
+    with start_operator(tmp_path, site, squids=2, tenants=[leases, rate]) as operator:
+        with Client(operator.api, token=leases.token, retry=RetryPolicy(attempts=3, max_wait=2)) as client:
+            client.acquire(target=TARGET)
+            started = time.monotonic()
+            with pytest.raises(QuotaExceeded) as over:
+                client.acquire(target=TARGET)
+            assert time.monotonic() - started >= 2, "it waited max_wait first"
+        error = over.value
+        assert isinstance(error, TooManyRequests) and (error.status, error.code) == (429, "quota_exceeded")
+        assert (error.tenant, error.quota, error.limit, error.burst) == ("team-a", "leases", 1.0, None)
+        assert error.retry_after is not None and 1 <= error.retry_after <= 5
+
+        async def over_the_rate() -> QuotaExceeded:
+            async with AsyncClient(operator.api, token=rate.token, retry=NO_WAIT) as client:
+                await client.acquire(target=TARGET)
+                with pytest.raises(QuotaExceeded) as over:
+                    await client.acquire(target=TARGET)
+                return over.value
+
+        error = asyncio.run(over_the_rate())
+        assert (error.tenant, error.quota, error.limit, error.burst) == ("team-b", "acquiresPerSecond", 0.1, 1)
+        assert error.retry_after is not None and 1 <= error.retry_after <= 10, "the bucket refills one in 10 s"
+        # The default tenant (DISCOVERY_TOKEN) has no quota.
+        with Client(operator.api, token=TOKEN, retry=NO_WAIT) as client:
+            assert client.acquire(target=TARGET).state == "active"
 
 
 class WakingApi:

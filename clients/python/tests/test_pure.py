@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timezone
 
 import httpx
 import pytest
 
-from proxy_operator import ConfigError, NoMatch, PoolWaking, RetryPolicy, Unavailable, gateway_proxy_url
+from harness import free_port
+from proxy_operator import (
+    ApiError,
+    ConfigError,
+    NoMatch,
+    PoolWaking,
+    QuotaExceeded,
+    RetryPolicy,
+    TooManyRequests,
+    Unavailable,
+    gateway_proxy_url,
+)
 from proxy_operator.calls import NO_WAIT, error_of
 from proxy_operator.models import parse_time
-from proxy_operator.scrapy import retry_after_seconds
+from proxy_operator.scrapy import gateway_status, retry_after_seconds
 from proxy_operator.sessions import SessionPool
 
 
@@ -69,6 +81,10 @@ def _answer(status: int, body: object, retry_after: str | None = None) -> httpx.
         (409, {"error": "no_match", "message": "m"}, "20", 15.0, 1, None),  # past max_wait
         (404, {"error": "unknown_lease", "message": "m"}, "1", 0.0, 0, None),
         (422, {"error": "request_id_reused", "message": "m"}, None, 0.0, 0, None),
+        (429, {"error": "too_many_requests", "message": "m"}, "2", 0.0, 0, 2.0),  # any 429 ...
+        (429, {"error": "too_many_requests", "message": "m"}, "2", 0.0, 3, None),  # ... like a 503
+        (429, {"error": "too_many_requests", "message": "m"}, "20", 15.0, 1, None),
+        (429, {"error": "too_many_requests", "message": "m"}, None, 0.0, 0, None),
     ],
 )
 def test_which_refusals_are_waited_on(status, body, retry_after, waited, attempt, wait) -> None:
@@ -136,6 +152,45 @@ def test_a_pool_waking_answer_is_read_into_its_fields() -> None:
     assert type(error_of(_answer(409, body, "2"))) is not PoolWaking
 
 
+def _over_quota(quota: str = "leases", **fields: object) -> dict[str, object]:
+    return {"error": "quota_exceeded", "message": "over", "tenant": "team-a", "quota": quota, "limit": 1.0, "retryAfterSeconds": 5, **fields}
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "waited", "attempt", "wait"),
+    [
+        ("5", 0.0, 0, 5.0),
+        ("5", 20.0, 4, 5.0),  # past attempts: a quota frees up, however many answers it takes
+        ("5", 27.0, 9, 3.0),  # the last wait ends at max_wait: asked once more then
+        ("5", 30.0, 10, None),  # then raised
+        ("0", 10.0, 2, 1.0),  # a Retry-After of 0 does not spin
+        (None, 0.0, 0, None),  # only answers with Retry-After are waited on
+    ],
+)
+def test_a_quota_is_waited_on_up_to_max_wait_however_many_answers(retry_after, waited, attempt, wait) -> None:
+    error = error_of(_answer(429, _over_quota(), retry_after))
+    assert isinstance(error, QuotaExceeded)
+    assert RetryPolicy(attempts=3, max_wait=30.0).wait(error, waited, attempt) == wait
+    assert NO_WAIT.wait(error, 0.0, 0) is None
+
+
+def test_a_quota_exceeded_answer_is_read_into_its_fields() -> None:
+    leases = error_of(_answer(429, _over_quota(), "5"))
+    assert isinstance(leases, QuotaExceeded) and isinstance(leases, TooManyRequests) and isinstance(leases, ApiError)
+    assert (leases.status, leases.code, leases.message, leases.retry_after) == (429, "quota_exceeded", "over", 5.0)
+    assert (leases.tenant, leases.quota, leases.limit, leases.burst) == ("team-a", "leases", 1.0, None)
+    rate = error_of(_answer(429, _over_quota("acquiresPerSecond", limit=0.5, burst=2), "2"))
+    assert isinstance(rate, QuotaExceeded)
+    assert (rate.quota, rate.limit, rate.burst, rate.retry_after) == ("acquiresPerSecond", 0.5, 2, 2.0)
+    bare = error_of(_answer(429, {"error": "quota_exceeded", "message": "m", "limit": "20", "burst": True}))
+    assert isinstance(bare, QuotaExceeded)
+    assert (bare.tenant, bare.quota, bare.limit, bare.burst, bare.retry_after) == (None, None, None, None, None)
+    other = error_of(_answer(429, {"error": "too_many_requests", "message": "m"}, "1"))
+    assert isinstance(other, TooManyRequests) and not isinstance(other, QuotaExceeded)
+    # Only a 429 is a quota refusal of the API (the gateway's is a 503, read by the middleware).
+    assert not isinstance(error_of(_answer(503, _over_quota(), "5")), TooManyRequests)
+
+
 def test_errors_carry_their_kind_and_code() -> None:
     assert isinstance(error_of(_answer(409, {"error": "no_match", "message": "x"})), NoMatch)
     assert isinstance(error_of(_answer(503, {"error": "ledger_full", "message": "x"}, "5")), Unavailable)
@@ -155,6 +210,78 @@ def test_retry_after_in_seconds_or_as_a_date() -> None:
     assert retry_after_seconds("Tue, 01 Dec 2026 09:00:00 GMT", now) == 0.0
     assert retry_after_seconds(b"soon", now) is None
     assert retry_after_seconds(None, now) is None
+
+
+def _response(status: int, headers: dict[str, object]) -> object:
+    from scrapy.http import Request, Response
+
+    url = "http://shop.example/a"
+    return Response(url, status=status, headers=headers, request=Request(url))
+
+
+QUOTA_STATUS = 'proxy-operator; error=http_request_denied; details="quota_exceeded"'
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"Proxy-Status": QUOTA_STATUS}, {"error": "http_request_denied", "details": "quota_exceeded"}),
+        ({"Proxy-Status": 'proxy-operator; details="no_match"'}, {"details": "no_match"}),
+        ({"Proxy-Status": "proxy-operator"}, {}),
+        ({"Proxy-Status": 'squid; error=x; details="a, b; c", proxy-operator; details="upstream_failed"'}, {"details": "upstream_failed"}),
+        ({"Proxy-Status": ['squid; error=connection_refused', 'proxy-operator;details="a \\"b\\""']}, {"details": 'a "b"'}),
+        ({"Proxy-Status": '"proxy-operator"; details=no_match'}, {"details": "no_match"}),
+        ({"Proxy-Status": 'squid; details="proxy-operator"'}, None),  # named only in a parameter
+        ({"Proxy-Status": "proxy-operator-2; details=x"}, None),
+        ({}, None),
+    ],
+)
+def test_the_gateways_own_answers_are_told_by_their_proxy_status(headers, status) -> None:
+    assert gateway_status(_response(503, headers)) == status
+
+
+def test_the_gateways_own_answers_are_never_bans_and_a_quota_refusal_is_waited_on() -> None:
+    from scrapy import Request
+    from scrapy.utils.test import get_crawler
+
+    from proxy_operator.scrapy import ProxyOperatorMiddleware
+
+    # A ban rule that would take anything for a ban, and a lease API nothing listens on (the
+    # ban reported below only logs its failure).
+    crawler = get_crawler(settings_dict={
+        "PROXY_OPERATOR_URL": f"http://127.0.0.1:{free_port()}",
+        "PROXY_OPERATOR_GATEWAY": "http://127.0.0.1:8888",
+        "PROXY_OPERATOR_TOKEN": "t" * 16,
+        "PROXY_OPERATOR_BAN_STATUSES": {403: "blocked", 429: "rate_limited", 503: "blocked"},
+        "PROXY_OPERATOR_BAN_DETECTOR": lambda response: "blocked",
+        "PROXY_OPERATOR_MAX_WAIT": 0.05,
+    })
+    middleware = ProxyOperatorMiddleware.from_crawler(crawler)
+    upstream = {"X-Proxy-Name": "default/px-0"}  # the old sign of a target's answer, on purpose
+
+    async def answer(status: int, headers: dict[str, object], request: Request | None = None) -> object:
+        request = request or Request("http://shop.example/a")
+        await middleware.process_request(request)
+        return await middleware.process_response(request, _response(status, headers))
+
+    async def scenario() -> None:
+        refused = {"Proxy-Status": QUOTA_STATUS, "Retry-After": "1", **upstream}
+        again = await answer(503, refused)
+        assert isinstance(again, Request) and again.dont_filter, "sent again after Retry-After"
+        gone_on = await answer(503, refused, again)
+        assert not isinstance(gone_on, Request) and gone_on.status == 503, "past PROXY_OPERATOR_MAX_WAIT"
+        denied = await answer(403, {"Proxy-Status": 'proxy-operator; details="port_not_allowed"', **upstream})
+        assert not isinstance(denied, Request) and denied.status == 403
+        stats = crawler.stats.get_stats()
+        assert stats.get("proxy_operator/quota_exceeded") == 2
+        assert not [key for key in stats if key.startswith("proxy_operator/bans/")] and "proxy_operator/retries" not in stats
+        # The same answer without the gateway's Proxy-Status is the target's: a ban.
+        target = await answer(429, {**upstream, "X-Proxy-Ban-Reported": "rate_limited"})
+        assert isinstance(target, Request)
+        assert crawler.stats.get_value("proxy_operator/bans/rate_limited") == 1
+        await middleware.spider_closed(crawler.spider)
+
+    asyncio.run(scenario())
 
 
 def test_a_session_pool_hands_out_its_names_in_turn_and_renames_a_retired_one() -> None:

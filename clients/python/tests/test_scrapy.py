@@ -14,7 +14,7 @@ import pytest
 
 from scrapy import Request
 
-from harness import TOKEN, Operator, Site, eventually, run_spider, start_operator
+from harness import DEADLINE, TOKEN, Operator, Site, Tenant, eventually, run_spider, start_operator
 from proxy_operator import AsyncClient
 from proxy_operator.scrapy import _LeaseRoute
 
@@ -167,6 +167,37 @@ def test_an_upstream_killed_mid_crawl_costs_no_page(tmp_path: Path, site: Site, 
         if mode == "lease":  # through the gateway, the gateway retries before Scrapy sees it
             assert outcome["result"]["stats"].get("proxy_operator/errors", 0) >= 1
             assert ("px-0", "error") in reports(operator)
+        assert operator.active_leases() == 0
+
+
+@pytest.mark.parametrize("mode", ["gateway", "lease"])
+def test_a_crawl_over_its_tenants_rate_waits_out_the_quota_and_reports_no_ban(tmp_path: Path, site: Site, mode: str) -> None:
+    # One acquire every 2 s: the crawl's three sessions (each on a lease) cannot all open at
+    # once, so some of its first requests are refused for the quota.
+    team = Tenant("team-a", "team-a-token-0123456789", {"acquiresPerSecond": 0.5, "burst": 1})
+    with start_operator(tmp_path, site, squids=3, tenants=[team]) as operator:
+        result = crawl(
+            tmp_path,
+            site,
+            operator,
+            PROXY_OPERATOR_MODE=mode,
+            PROXY_OPERATOR_TOKEN=team.token,
+            PROXY_OPERATOR_MAX_WAIT=DEADLINE,
+            # Even with 503 for a ban, the gateway's quota refusal is none.
+            PROXY_OPERATOR_BAN_STATUSES={403: "blocked", 429: "rate_limited", 503: "blocked"},
+        )
+        stats = result["stats"]
+        assert_every_page_crawled(result, site)
+        refused = operator.metric('proxy_operator_tenant_refusals_total{reason="quota_acquiresPerSecond",tenant="team-a"}')
+        assert refused >= 1, "the quota refused some acquires"
+        if mode == "gateway":
+            assert stats.get("proxy_operator/quota_exceeded", 0) >= 1, stats
+            assert operator.metric('proxy_operator_gateway_requests_total{kind="http",outcome="quota_exceeded"}') >= 1
+        else:  # the client waited through the API's 429s: none reached the middleware
+            assert "proxy_operator/quota_exceeded" not in stats, stats
+        assert not [key for key in stats if key.startswith("proxy_operator/bans/")], stats
+        assert "proxy_operator/retries" not in stats and "proxy_operator/retries_exhausted" not in stats, stats
+        assert reports(operator) == set(), "nothing reported as a ban"
         assert operator.active_leases() == 0
 
 

@@ -12,6 +12,8 @@ from .errors import (
     NoMatch,
     PoolWaking,
     ProxyOperatorError,
+    QuotaExceeded,
+    TooManyRequests,
     TransportError,
     Unavailable,
 )
@@ -33,7 +35,9 @@ __all__ = [
     "PoolWaking",
     "ProxyInfo",
     "ProxyOperatorError",
+    "QuotaExceeded",
     "RetryPolicy",
+    "TooManyRequests",
     "TransportError",
     "Unavailable",
     "gateway_proxy_url",

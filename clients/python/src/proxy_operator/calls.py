@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .errors import ApiError, NoMatch, PoolWaking, Unavailable
+from .errors import ApiError, NoMatch, PoolWaking, QuotaExceeded, TooManyRequests, Unavailable
 from .models import Lease, ProxyInfo
 
 T = TypeVar("T")
@@ -20,15 +20,17 @@ REPORT_RESULTS = ("ok", "blocked", "rate_limited", "error")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long a call waits on ``409 no_match`` and ``503`` answers that carry
+    """How long a call waits on ``409 no_match``, ``429`` and ``503`` answers that carry
     ``Retry-After`` before it raises: at most ``attempts`` waits and ``max_wait`` seconds in
     all. A wait longer than what is left is not started: the error is raised at once.
 
-    A ``503 pool_waking`` (:class:`PoolWaking`: a pool scaled to zero is waking) is waited on
-    for as long as the pool may take to wake: up to its ``wakeTimeoutSeconds`` when that is
-    longer than ``max_wait`` (else, or without one, up to ``max_wait``), asking again every
-    ``Retry-After`` seconds (at least ``WAKE_POLL`` apart) however many answers that takes;
-    its last wait is cut short to end at the limit, so the pool is asked once more then.
+    Two refusals say "not yet" rather than "no", and are asked again every ``Retry-After``
+    seconds (at least ``MIN_POLL`` apart) however many answers that takes, up to a limit: a
+    ``503 pool_waking`` (:class:`PoolWaking`: a pool scaled to zero is waking) up to its
+    ``wakeTimeoutSeconds`` when that is longer than ``max_wait`` (else, or without one, up to
+    ``max_wait``), and a ``429 quota_exceeded`` (:class:`QuotaExceeded`: the tenant is at a
+    quota, which frees up by itself or when the tenant gives a lease back) up to ``max_wait``.
+    Their last wait is cut short to end at the limit, so the API is asked once more then.
     ``attempts=0`` (:data:`NO_WAIT`) never waits. ``waited`` counts every wait of the call."""
 
     attempts: int = 3
@@ -36,29 +38,38 @@ class RetryPolicy:
 
     def wait(self, error: ApiError, waited: float, attempt: int) -> float | None:
         """Seconds to wait before trying again after ``error``, or ``None`` to raise it."""
-        if not isinstance(error, (NoMatch, Unavailable)) or error.retry_after is None:
+        if not isinstance(error, (NoMatch, TooManyRequests, Unavailable)) or error.retry_after is None:
             return None
         if self.attempts <= 0:
             return None
-        if isinstance(error, PoolWaking):
-            limit = max(self.max_wait, error.wake_timeout or 0.0)
+        limit = self._not_yet_limit(error)
+        if limit is not None:
             left = limit - waited
-            return min(max(error.retry_after, WAKE_POLL), left) if left > 0 else None
+            return min(max(error.retry_after, MIN_POLL), left) if left > 0 else None
         if attempt >= self.attempts or waited + error.retry_after > self.max_wait:
             return None
         return error.retry_after
 
+    def _not_yet_limit(self, error: ApiError) -> float | None:
+        """How long a "not yet" refusal is asked again, whatever ``attempts`` says; ``None``
+        for the other refusals."""
+        if isinstance(error, PoolWaking):
+            return max(self.max_wait, error.wake_timeout or 0.0)
+        if isinstance(error, QuotaExceeded):
+            return self.max_wait
+        return None
 
-#: Shortest wait between two asks while a pool wakes (a ``Retry-After: 0`` would spin).
-WAKE_POLL = 1.0
+
+#: Shortest wait between two asks of a "not yet" refusal (a ``Retry-After: 0`` would spin).
+MIN_POLL = 1.0
 NO_WAIT = RetryPolicy(attempts=0, max_wait=0.0)
 
 
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One API call: ``method path`` with ``body``; ``read`` turns the 2xx answer into the
-    result; ``waits``: a 409/503 with ``Retry-After`` is waited on (safe for acquire with its
-    request ID, renew and writes that are idempotent)."""
+    result; ``waits``: a 409/429/503 with ``Retry-After`` is waited on (safe for acquire with
+    its request ID, renew and writes that are idempotent)."""
 
     method: str
     path: str
@@ -91,6 +102,8 @@ def error_of(response: httpx.Response) -> ApiError:
     kind = ApiError
     if response.status_code == 409 and code == "no_match":
         kind = NoMatch
+    elif response.status_code == 429:
+        kind = QuotaExceeded if code == "quota_exceeded" else TooManyRequests
     elif response.status_code == 503:
         kind = PoolWaking if code == "pool_waking" else Unavailable
     return kind(response.status_code, code, message, body, retry_after(response))

@@ -98,10 +98,11 @@ class _Base:
 
 
 class Client(_Base):
-    """A blocking client. Every call has a timeout (``timeout`` seconds); ``409 no_match`` and
-    ``503`` answers are waited on as ``retry`` says (a waking pool up to its wake timeout),
-    then raised as :class:`NoMatch` or :class:`Unavailable` (:class:`PoolWaking`); other
-    refusals raise :class:`ApiError` with the JSON error code."""
+    """A blocking client. Every call has a timeout (``timeout`` seconds); ``409 no_match``,
+    ``429`` and ``503`` answers are waited on as ``retry`` says (a waking pool up to its wake
+    timeout, a tenant's quota up to ``max_wait``), then raised as :class:`NoMatch`,
+    :class:`TooManyRequests` (:class:`QuotaExceeded`) or :class:`Unavailable`
+    (:class:`PoolWaking`); other refusals raise :class:`ApiError` with the JSON error code."""
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)

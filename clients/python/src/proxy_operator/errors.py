@@ -1,5 +1,5 @@
 """Exceptions of the client: every answer the API refuses becomes an :class:`ApiError` carrying
-the JSON error code (``no_match``, ``unknown_lease``, ``overloaded``, ...)."""
+the JSON error code (``no_match``, ``unknown_lease``, ``overloaded``, ``quota_exceeded``, ...)."""
 
 from __future__ import annotations
 
@@ -70,11 +70,38 @@ class PoolWaking(Unavailable):
         super().__init__(status, code, message, body, retry_after)
         pools = self.body.get("pools")
         self.pools: list[str] = [str(p) for p in pools] if isinstance(pools, list) else []
-        timeout = self.body.get("wakeTimeoutSeconds")
-        self.wake_timeout: float | None = None
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            if math.isfinite(timeout) and timeout >= 0:
-                self.wake_timeout = float(timeout)
+        self.wake_timeout = _number(self.body.get("wakeTimeoutSeconds"))
+
+
+class TooManyRequests(ApiError):
+    """429: the API asks the caller to slow down; waited on as ``retry_after`` says, like a
+    ``503``. Over a tenant's quota it is :class:`QuotaExceeded`."""
+
+
+class QuotaExceeded(TooManyRequests):
+    """429 ``quota_exceeded``: the caller's tenant is at one of its quotas, and nothing was
+    looked at. ``tenant`` names it, ``quota`` says which (``leases``, ``sessions`` or
+    ``acquiresPerSecond``), ``limit`` is that quota's limit (leases, sessions, or acquires per
+    second) and ``burst`` the rate's bucket size (``None`` for the other quotas). A quota frees
+    up by itself (a lease expiring, the bucket refilling) or when the tenant gives a lease
+    back, so :class:`RetryPolicy` asks again every ``retry_after`` seconds, up to its
+    ``max_wait``."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, code, message, body, retry_after)
+        tenant, quota = self.body.get("tenant"), self.body.get("quota")
+        self.tenant: str | None = str(tenant) if tenant is not None else None
+        self.quota: str | None = str(quota) if quota is not None else None
+        self.limit = _number(self.body.get("limit"))
+        burst = _number(self.body.get("burst"))
+        self.burst: int | None = int(burst) if burst is not None else None
 
 
 class Banned(ProxyOperatorError):
@@ -88,3 +115,11 @@ class Banned(ProxyOperatorError):
         super().__init__(message or f"the target answered with a ban ({result})")
         self.result = result
         self.retry_after = retry_after
+
+
+def _number(value: object) -> float | None:
+    """A body's number that is finite and not negative, else ``None`` (absent or malformed)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value) and value >= 0:
+            return float(value)
+    return None

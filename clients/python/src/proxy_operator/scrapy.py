@@ -29,6 +29,13 @@ until a member is Ready (at most the pool's ``wakeTimeout``; Scrapy's ``DOWNLOAD
 180 s, must be longer), and in lease mode the acquire waits through ``503 pool_waking`` for
 up to the ``wakeTimeout``, even past ``PROXY_OPERATOR_MAX_WAIT`` (see :class:`RetryPolicy`).
 
+A **tenant's quota** is never a ban: the gateway refuses a request over it with a ``503``,
+``Retry-After`` and ``Proxy-Status: proxy-operator; ...; details="quota_exceeded"``, and the
+request is sent again after ``Retry-After`` (like a "no proxy free" ``503``), within
+``PROXY_OPERATOR_MAX_WAIT``; in lease mode the acquire waits through ``429 quota_exceeded``
+as long (then raises :class:`QuotaExceeded`). No answer whose ``Proxy-Status`` names
+``proxy-operator`` is taken for the target's: the gateway made it.
+
 Settings (defaults): ``PROXY_OPERATOR_MODE`` (``"gateway"``), ``PROXY_OPERATOR_URL`` and
 ``PROXY_OPERATOR_GATEWAY`` (the environment variables of the same names),
 ``PROXY_OPERATOR_TOKEN`` / ``PROXY_OPERATOR_TOKEN_FILE`` (likewise), ``PROXY_OPERATOR_CRAWLER``
@@ -38,13 +45,15 @@ default, 5m), ``PROXY_OPERATOR_BAN_STATUSES`` (``{403: "blocked", 429: "rate_lim
 ``PROXY_OPERATOR_BAN_DETECTOR`` (``None``; a callable or its import path, called with the
 response, returning ``"blocked"``, ``"rate_limited"`` or ``None``),
 ``PROXY_OPERATOR_MAX_RETRIES`` (5), ``PROXY_OPERATOR_MAX_WAIT`` (30: seconds one request may
-wait on "no proxy free" answers), ``PROXY_OPERATOR_TIMEOUT`` (10: seconds per API call),
+wait on "no proxy free" answers and quota refusals), ``PROXY_OPERATOR_TIMEOUT`` (10: seconds per API call),
 ``PROXY_OPERATOR_LEASE_TTL`` (120) and ``PROXY_OPERATOR_LEASE_IDLE`` (60).
 
 Stats: ``proxy_operator/sessions`` (sessions started), ``proxy_operator/bans/<result>``,
 ``proxy_operator/retries``, ``proxy_operator/retries_exhausted``,
 ``proxy_operator/unavailable`` (answers "no proxy free": the gateway's 503, the API's
-409/503), ``proxy_operator/errors`` (transport errors).
+409/503), ``proxy_operator/quota_exceeded`` (the gateway's quota refusals, and acquires still
+refused for the quota after ``PROXY_OPERATOR_MAX_WAIT``), ``proxy_operator/errors``
+(transport errors).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -69,7 +79,7 @@ from scrapy.utils.misc import load_object
 from .calls import RetryPolicy
 from .client import AsyncClient
 from .config import ENV_GATEWAY, ENV_URL, TokenSource, gateway_proxy_url, resolve_url
-from .errors import ApiError, ConfigError, NoMatch, ProxyOperatorError, Unavailable
+from .errors import ApiError, ConfigError, NoMatch, ProxyOperatorError, QuotaExceeded, Unavailable
 from .models import Lease
 from .sessions import SessionPool
 
@@ -83,12 +93,17 @@ _ASSIGNED_META = "_proxy_operator_assigned"
 _PROXY_NAME_HEADER = b"X-Proxy-Name"
 _PROXY_LEASE_HEADER = b"X-Proxy-Lease"
 _BAN_REPORTED_HEADER = b"X-Proxy-Ban-Reported"
+_PROXY_STATUS_HEADER = b"Proxy-Status"
+#: The gateway's name in the ``Proxy-Status`` of the answers it makes itself.
+_GATEWAY_NAME = "proxy-operator"
+#: A member's name or one of its parameters in a ``Proxy-Status`` list, and the separator after.
+_STATUS_PART = re.compile(r'\s*([^\s,;=]+)\s*(?:=\s*("(?:[^"\\]|\\.)*"|[^\s,;]*))?\s*([,;]?)')
 
 BanDetector = Callable[[Response], "str | None"]
 #: Seconds before the first retry after a transport error, doubled on each retry up to the cap.
 TRANSPORT_BACKOFF = 0.25
 TRANSPORT_BACKOFF_CAP = 4.0
-#: Longest wait between two tries while the gateway has no proxy free for a request.
+#: Longest wait between two tries while the gateway refuses a request (no proxy free, a quota).
 UNAVAILABLE_POLL = 5.0
 
 
@@ -107,6 +122,30 @@ def retry_after_seconds(value: bytes | str | None, now: datetime | None = None) 
     if at.tzinfo is None:
         at = at.replace(tzinfo=timezone.utc)
     return max(0.0, (at - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+def gateway_status(response: Response) -> dict[str, str] | None:
+    """The parameters of the gateway's member of the answer's ``Proxy-Status`` (RFC 9209),
+    such as ``{"error": "http_request_denied", "details": "quota_exceeded"}``; ``None`` when
+    no member names ``proxy-operator``, so the gateway did not make the answer itself."""
+    text = b", ".join(response.headers.getlist(_PROXY_STATUS_HEADER)).decode("latin-1")
+    members: list[tuple[str, dict[str, str]]] = []
+    starts_member = True
+    for part in _STATUS_PART.finditer(text):
+        key, value, separator = part.groups()
+        if starts_member:
+            members.append((_unquote(key), {}))
+        elif value is not None:
+            members[-1][1][key] = _unquote(value)
+        starts_member = separator == ","
+    return next((params for name, params in members if name == _GATEWAY_NAME), None)
+
+
+def _unquote(value: str) -> str:
+    """A structured field's string without its quotes and escapes; a token as it is."""
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        return re.sub(r"\\(.)", r"\1", value[1:-1])
+    return value
 
 
 @dataclass(frozen=True)
@@ -379,7 +418,8 @@ class ProxyOperatorMiddleware:
         """The route, made on first use inside the running event loop (httpx's async client
         belongs to the loop it first runs in)."""
         if self._route is None:
-            # A waking pool's 503 pool_waking is waited on up to its wakeTimeout, past max_wait.
+            # A waking pool's 503 pool_waking is waited on up to its wakeTimeout, past max_wait;
+            # a tenant's 429 quota_exceeded up to max_wait, however many answers that takes.
             retry = RetryPolicy(attempts=10, max_wait=self.max_wait)
             self._api = AsyncClient(self.url, tokens=self.token, timeout=self.timeout, retry=retry)
             if self.gateway is not None:
@@ -407,6 +447,9 @@ class ProxyOperatorMiddleware:
         except (NoMatch, Unavailable):
             self._inc("unavailable")
             raise
+        except QuotaExceeded:
+            self._inc("quota_exceeded")
+            raise
         request.meta[_ASSIGNED_META] = session
         request.meta["download_slot"] = session
 
@@ -416,8 +459,12 @@ class ProxyOperatorMiddleware:
             return response
         self._route_now().answered(session)
         host = urlparse_cached(request).hostname or ""
-        if self.gateway is not None and request.url.startswith("http:") and _PROXY_NAME_HEADER not in response.headers:
-            return await self._gateway_answer(request, response, session)
+        if self.gateway is not None and request.url.startswith("http:"):
+            # The gateway's own answers name it in Proxy-Status and name no upstream proxy
+            # (inside TLS, every answer is the target's).
+            status = gateway_status(response)
+            if status is not None or _PROXY_NAME_HEADER not in response.headers:
+                return await self._gateway_answer(request, response, session, (status or {}).get("details"))
         result = self.ban_rule.of(response)
         if result is None:
             return response
@@ -435,24 +482,17 @@ class ProxyOperatorMiddleware:
         await self._route_now().banned(ban)
         return self._retry(request, f"ban ({result})") or response
 
-    async def _gateway_answer(self, request: Request, response: Response, session: str) -> Request | Response:
-        """An answer of the gateway itself (not of the target): 503 "no proxy free" is waited
+    async def _gateway_answer(self, request: Request, response: Response, session: str, details: str | None) -> Request | Response:
+        """An answer of the gateway itself (not of the target), so never a ban: a refusal for
+        the tenant's quota (``details`` ``quota_exceeded``) and 503 "no proxy free" are waited
         on, 502 (every upstream failed) retried on a new session; anything else (400, 407:
         bad settings) goes through."""
+        if details == "quota_exceeded":
+            self._inc("quota_exceeded")
+            return await self._wait(request, response, "over the tenant's quota")
         if response.status == 503:
             self._inc("unavailable")
-            waited = request.meta.get(_WAITED_META, 0.0)
-            left = self.max_wait - waited
-            if left <= 0:
-                return response
-            # Retry-After says when a lease or a cooldown ends; a proxy can also come back
-            # healthy sooner, so look again at least every UNAVAILABLE_POLL seconds.
-            after = retry_after_seconds(response.headers.get(b"Retry-After")) or 1.0
-            wait = min(after, UNAVAILABLE_POLL, left)
-            await asyncio.sleep(wait)
-            retry = request.replace(dont_filter=True)
-            retry.meta[_WAITED_META] = waited + wait
-            return retry
+            return await self._wait(request, response, "no proxy free")
         if response.status == 502:
             self._inc("errors")
             await self._route_now().drop(session)
@@ -466,6 +506,24 @@ class ProxyOperatorMiddleware:
                 response.body[:300].decode("utf-8", "replace"),
             )
         return response
+
+    async def _wait(self, request: Request, response: Response, why: str) -> Request | Response:
+        """The request again after the answer's ``Retry-After``, or the answer once the request
+        has waited ``PROXY_OPERATOR_MAX_WAIT`` in all."""
+        waited = request.meta.get(_WAITED_META, 0.0)
+        left = self.max_wait - waited
+        if left <= 0:
+            logger.info("proxy-operator: %s for %.0f s; giving up on %s", why, waited, request.url)
+            return response
+        # Retry-After says when a lease, a cooldown or the quota's wait ends; a proxy can also
+        # come back healthy (a lease be given back) sooner, so look again at least every
+        # UNAVAILABLE_POLL seconds.
+        after = retry_after_seconds(response.headers.get(b"Retry-After")) or 1.0
+        wait = min(after, UNAVAILABLE_POLL, left)
+        await asyncio.sleep(wait)
+        retry = request.replace(dont_filter=True)
+        retry.meta[_WAITED_META] = waited + wait
+        return retry
 
     async def process_exception(self, request: Request, exception: BaseException, spider: Spider | None = None) -> Request | None:
         session = request.meta.get(_ASSIGNED_META)
