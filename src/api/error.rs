@@ -7,6 +7,8 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+pub use crate::serving::tenants::QuotaExceededBody;
+
 /// The JSON body of every error answer.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, ToSchema)]
 pub struct ErrorBody {
@@ -60,46 +62,6 @@ pub struct PoolWakingBody {
     pub pools: Vec<String>,
     /// How long the pools may take to wake (the longest of their `wakeTimeout`s).
     pub wake_timeout_seconds: u64,
-}
-
-/// The 429 body of an acquire refused because the caller's tenant is at one of its quotas
-/// (`--tenants-file`). Nothing was looked at and nothing counts as demand: retry after
-/// `Retry-After`, or release a lease first.
-#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct QuotaExceededBody {
-    /// Always `quota_exceeded`.
-    pub error: String,
-    /// Human-readable explanation.
-    pub message: String,
-    /// The caller's tenant.
-    pub tenant: String,
-    /// The quota: `leases` (leases at once, a gateway session's included), `sessions`
-    /// (gateway sessions at once) or `acquiresPerSecond`.
-    pub quota: String,
-    /// Its limit: leases or sessions, or acquires per second.
-    pub limit: f64,
-    /// The burst of the `acquiresPerSecond` quota.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub burst: Option<u32>,
-    /// Seconds until the quota lets an acquire through by itself (also sent as
-    /// `Retry-After`).
-    pub retry_after_seconds: u64,
-}
-
-impl QuotaExceededBody {
-    /// The body of `refused`.
-    pub fn of(refused: &crate::ledger::QuotaExceeded) -> Self {
-        QuotaExceededBody {
-            error: "quota_exceeded".into(),
-            message: refused.message(),
-            tenant: refused.tenant.to_string(),
-            quota: refused.quota.as_str().into(),
-            limit: refused.limit,
-            burst: refused.burst,
-            retry_after_seconds: crate::serving::retry_after::seconds(refused.retry_after),
-        }
-    }
 }
 
 /// Seconds a client waits before asking a waking pool again.

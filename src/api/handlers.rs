@@ -27,6 +27,7 @@ use crate::serving::candidates::Selector;
 use crate::serving::outcomes::Outcome;
 use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
+use crate::serving::tenants::Tenant;
 use crate::serving::tokens::Caller;
 
 /// The answer to a ledger error every write can meet. The write calls are awaited to the
@@ -359,7 +360,7 @@ pub async fn release(
         (status = 400, description = "`invalid_body`: malformed body (the message names the field)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 404, description = "`unknown_lease`", body = ErrorBody),
-        (status = 409, description = "`lease_not_active`: the lease was released or has expired; or `proxy_draining`: the lease's proxy is draining (being deleted, or its machine about to be replaced) and its leases are not extended. Either way, release it and acquire another proxy", body = ErrorBody),
+        (status = 409, description = "`lease_not_active`: the lease was released or has expired; `proxy_draining`: the lease's proxy is draining (being deleted, or its machine about to be replaced) and its leases are not extended; or `proxy_out_of_scope`: the proxy left the caller's tenant's scope since the lease was taken. Either way, release it and acquire another proxy", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 503, description = WRITE_UNAVAILABLE, body = ErrorBody,
@@ -374,39 +375,54 @@ pub async fn renew(
     body: OptionalApiJson<RenewRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let ttl = ttl(&state, body.0.ttl_seconds);
-    let tenant = caller.tenant_name();
-    refuse_renewal_if_draining(&state, &id, tenant).await?;
+    refuse_renewal(&state, &id, &caller.tenant).await?;
     let lease = state
         .ledger
-        .renew(&id, tenant, ttl)
+        .renew(&id, caller.tenant_name(), ttl)
         .await
         .map_err(|e| ledger_error(&state, "renewing a lease", e))?;
     Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
 }
 
-/// 409 `proxy_draining` when lease `id` is active and its proxy is draining in the current
-/// inventory. Only then is the lease looked up (a blocking read): while no proxy drains, a
-/// renew costs what it did. An unknown or inactive lease passes, so the renew gives its usual
-/// answer (404 `unknown_lease`, 409 `lease_not_active`); so does a lease whose proxy has left
-/// the inventory.
-async fn refuse_renewal_if_draining(
-    state: &ApiState,
-    id: &str,
-    tenant: &str,
-) -> Result<(), ApiError> {
-    if !state.inventory.snapshot().any_draining() {
+/// 409 when `tenant`'s lease `id` is active but its proxy takes no renewal: `proxy_draining`
+/// when it drains in the current inventory, `proxy_out_of_scope` when it left the tenant's
+/// scope (the tenants file changed). The lease is looked up (a blocking read) only when a
+/// proxy drains or the tenant has a scope: otherwise a renew costs what it did. An unknown or
+/// inactive lease passes, so the renew gives its usual answer (404 `unknown_lease`, 409
+/// `lease_not_active`); so does a lease whose proxy has left the inventory.
+async fn refuse_renewal(state: &ApiState, id: &str, tenant: &Tenant) -> Result<(), ApiError> {
+    let scoped = !tenant.sees_everything();
+    if !scoped && !state.inventory.snapshot().any_draining() {
         return Ok(());
     }
     let Some(lease) = state
         .ledger
-        .get(id, tenant)
+        .get(id, &tenant.name)
         .await
         .map_err(|e| ApiError::internal("renewing a lease", e))?
     else {
         return Ok(());
     };
+    if lease.state != LeaseState::Active {
+        return Ok(());
+    }
     // The inventory as it is after the read, not before it.
-    if lease.state != LeaseState::Active || !state.inventory.snapshot().is_draining(&lease.proxy) {
+    let snapshot = state.inventory.snapshot();
+    let Some(proxy) = snapshot.get(&lease.proxy) else {
+        return Ok(());
+    };
+    if scoped && !tenant.sees(&lease.proxy, proxy.metadata.labels.as_ref()) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "proxy_out_of_scope",
+            format!(
+                "proxy {}/{} is no longer in tenant {}'s scope, so lease {id} cannot be \
+                 renewed: release it (DELETE /v1/leases/{id}) and acquire another proxy",
+                lease.proxy.namespace, lease.proxy.name, tenant.name
+            ),
+        ));
+    }
+    if !snapshot.is_draining(&lease.proxy) {
         return Ok(());
     }
     Err(ApiError::new(

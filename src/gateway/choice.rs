@@ -241,7 +241,7 @@ impl ClientConnection {
         let mut moved_from = None;
         if let Some(held) = leases.get(&ask.target.host) {
             if !tried.contains(&held.proxy.uid)
-                && let Some(upstream) = gateway.usable(&held.proxy, &ask.target.host)
+                && let Some(upstream) = gateway.usable(&held.proxy, ask)
             {
                 let now = Instant::now();
                 if now.saturating_duration_since(held.renewed) < held.ttl / 2 {
@@ -351,8 +351,10 @@ enum Acquired {
 }
 
 impl Gateway {
-    /// Where `proxy` is, if it may carry a request for `target` now.
-    pub(super) fn usable(&self, proxy: &ProxyId, target: &str) -> Option<Upstream> {
+    /// Where `proxy` is, if it may carry `ask`'s request now: for its target, and within its
+    /// tenant's scope (which may have shrunk since the lease was taken).
+    pub(super) fn usable(&self, proxy: &ProxyId, ask: &Ask) -> Option<Upstream> {
+        let target = ask.target.host.as_str();
         let snapshot = self.inventory.snapshot();
         let position = snapshot.position(proxy)?;
         let leasable = snapshot.leasable().get(position)?;
@@ -366,6 +368,13 @@ impl Gateway {
             return None;
         }
         let object = snapshot.proxies().get(position)?;
+        if !ask
+            .caller
+            .tenant
+            .sees(proxy, object.metadata.labels.as_ref())
+        {
+            return None;
+        }
         let host = object
             .spec
             .effective_host(object.status.as_ref())?
@@ -397,7 +406,7 @@ impl Gateway {
             if session.selector == selector
                 && !session.released
                 && !tried.contains(&session.proxy.uid)
-                && let Some(upstream) = self.usable(&session.proxy, &ask.target.host)
+                && let Some(upstream) = self.usable(&session.proxy, ask)
             {
                 let renewed = session.renewal_due(now);
                 let alive = !renewed
@@ -523,7 +532,7 @@ impl Gateway {
         if tried.contains(&lease.proxy.uid) {
             return Ok(Acquired::Unusable(lease.id));
         }
-        Ok(match self.usable(&lease.proxy, &ask.target.host) {
+        Ok(match self.usable(&lease.proxy, ask) {
             Some(upstream) => Acquired::Usable(lease.id, lease.proxy, upstream),
             None => Acquired::Unusable(lease.id),
         })

@@ -65,6 +65,7 @@ use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::{Outcome, Outcomes};
 use crate::serving::retry_after;
 use crate::serving::sessions::Sessions;
+use crate::serving::tenants::QuotaExceededBody;
 use crate::serving::tokens::ApiToken;
 use choice::{Ask, ClientConnection, Held, Refusal, Target, TargetError};
 use upstream::{Upstream, UpstreamFailure};
@@ -698,18 +699,8 @@ fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (RequestOutcome, Response
     match refusal {
         Refusal::NoMatch(no_match) => (RequestOutcome::NoProxy, no_match_response(no_match, now)),
         Refusal::Quota(refused) => {
-            let mut response = json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({
-                    "error": QUOTA_EXCEEDED,
-                    "message": refused.message(),
-                    "tenant": &*refused.tenant,
-                    "quota": refused.quota.as_str(),
-                    "limit": refused.limit,
-                    "burst": refused.burst,
-                    "retryAfterSeconds": retry_after::seconds(refused.retry_after),
-                }),
-            );
+            let body = serde_json::to_value(QuotaExceededBody::of(refused)).unwrap_or_default();
+            let mut response = json_response(StatusCode::SERVICE_UNAVAILABLE, &body);
             set_retry_after(&mut response, refused.retry_after);
             (RequestOutcome::QuotaExceeded, response)
         }

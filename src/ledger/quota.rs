@@ -292,17 +292,20 @@ mod tests {
         }
     }
 
+    /// `(case, tenant, what it holds, its bucket, a session's?, the quota that refuses)`.
+    type QuotaCase = (
+        &'static str,
+        Tenancy,
+        TenantUsage,
+        Option<Bucket>,
+        bool,
+        Option<QuotaKind>,
+    );
+
     #[test]
     fn quotas_table() {
         let bucket = |tokens| Bucket { tokens, at: 1_000 };
-        let cases: [(
-            &str,
-            Tenancy,
-            TenantUsage,
-            Option<Bucket>,
-            bool,
-            Option<QuotaKind>,
-        ); 11] = [
+        let cases: [QuotaCase; 11] = [
             (
                 "no quota",
                 tenant(None, None, None),

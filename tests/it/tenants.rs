@@ -779,3 +779,58 @@ async fn quotas_hold_on_three_postgres_replicas_with_one_killed() {
         "each tenant with a quota has its row"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_left_a_tenants_scope_takes_no_renewal_and_no_more_of_its_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, file) = fleet_of_two_teams(dir.path(), &two_teams(&[TEAM_A])).await;
+    let api = fleet.operator.api().to_owned();
+    let held = lease(&fleet, TEAM_A, json!({})).await;
+    let id = held["leaseID"].as_str().unwrap().to_owned();
+    let (status, proxy) = through_gateway(&fleet, "crawler;session=s1", TEAM_A).await;
+    assert_eq!(status, 200);
+    assert!(proxy.is_some());
+
+    // Team-a's scope shrinks to a label no proxy carries.
+    replace_file(
+        &file,
+        &two_teams(&[TEAM_A]).replacen("{team: a}", "{team: gone}", 1),
+    );
+    let renew = format!("{api}/v1/leases/{id}/renew");
+    let deadline = Instant::now() + DEADLINE;
+    let refused = loop {
+        let (status, body) = call(
+            reqwest::Method::POST,
+            renew.clone(),
+            TEAM_A,
+            Some(json!({})),
+        )
+        .await;
+        if status != StatusCode::OK || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(refused.0, StatusCode::CONFLICT, "{}", refused.1);
+    assert_eq!(refused.1["error"], "proxy_out_of_scope");
+    // Its lease is still its own to report on and give back.
+    let (status, _) = call(
+        reqwest::Method::POST,
+        format!("{api}/v1/leases/{id}/report"),
+        TEAM_A,
+        Some(json!({"result": "ok"})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = call(
+        reqwest::Method::DELETE,
+        format!("{api}/v1/leases/{id}"),
+        TEAM_A,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    // The gateway no longer sends the session's requests through its old proxy.
+    let (status, proxy) = through_gateway(&fleet, "crawler;session=s1", TEAM_A).await;
+    assert_eq!((status, proxy), (503, None));
+}

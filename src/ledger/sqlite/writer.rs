@@ -72,6 +72,10 @@ pub(crate) enum Job {
 pub(super) type Queued = (Job, Option<Duration>);
 
 /// What travels through the queue.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one message per write, moved once through the queue; boxing would allocate per write"
+)]
 pub(crate) enum Message {
     /// A write and the moment (on the clock's monotonic time) past which it is refused
     /// instead of decided; housekeeping has none.

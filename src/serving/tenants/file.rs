@@ -339,12 +339,14 @@ fn name_problem(name: &str) -> Option<String> {
     })
 }
 
-/// The digest `sha256:<64 hex digits>` names.
+/// The digest `sha256:<64 hex digits>` names. The error never repeats the value: it may be a
+/// token pasted by mistake, and errors are logged.
 fn parse_digest(text: &str) -> Result<TokenDigest, String> {
     let problem = || {
         format!(
-            "{text:?} is not a token digest: write sha256: and the 64 hex digits of \
-             `printf %s \"$TOKEN\" | sha256sum` (never the token itself)"
+            "is not a token digest ({} characters): write sha256: and the 64 hex digits of \
+             `printf %s \"$TOKEN\" | sha256sum`; if a token was written there, rotate it",
+            text.chars().count()
         )
     };
     let hex = text.strip_prefix(SHA256).ok_or_else(problem)?;
@@ -508,7 +510,7 @@ mod tests {
             ),
             (
                 "tenants:\n  - name: team-a\n    tokens: [\"team-a-token-0123456789\"]\n".into(),
-                "line 3: tenants[0].tokens[0]: \"team-a-token-0123456789\" is not a token digest",
+                "line 3: tenants[0].tokens[0]: is not a token digest (23 characters)",
             ),
             (
                 format!(
@@ -557,6 +559,10 @@ mod tests {
             assert!(
                 e.starts_with("--tenants-file /run/tenants.yaml:") && e.contains(expected),
                 "{text}\n=> {e}\nexpected {expected:?}"
+            );
+            assert!(
+                !e.contains("team-a-token"),
+                "a token is never repeated: {e}"
             );
         }
     }

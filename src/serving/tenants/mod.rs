@@ -9,11 +9,13 @@
 
 mod file;
 mod metrics;
+mod refusal;
 
 use std::sync::Arc;
 
 pub use file::{LoadedTenants, MAX_TENANTS, TenantsError, TenantsFile, load, watch_file};
 pub use metrics::TenantMetrics;
+pub use refusal::QuotaExceededBody;
 
 use super::candidates::Selector;
 use crate::ledger::{DEFAULT_TENANT, Quotas, Tenancy};

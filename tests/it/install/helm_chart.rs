@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use proxy_operator::cli::{Cli, Command, RunArgs};
 use proxy_operator::serving::tokens::TokenSet;
 
+use super::tenants::{self, Layout};
 use crate::support::ControlPlane;
 use crate::support::render::{
     Manifests, chart, helm, helm_template, helm_template_error, repo, run,
@@ -37,6 +38,8 @@ const TOGGLES: [&str; 6] = [
 const SIDECAR_LABEL: (&str, &str) = ("grafana_dashboard", "1");
 /// The dashboard's ConfigMap with the default release name.
 const DASHBOARD: &str = "proxy-operator-grafana-dashboard";
+/// The chart's tenants, in the Secret `overlays/tenants` mounts (docs/tenants.md).
+const TENANTS: [&str; 2] = ["--set", "tenants.existingSecret=proxy-operator-tenants"];
 /// The token the kustomize side is rendered with (the chart generates its own).
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
@@ -337,9 +340,9 @@ fn chart_copies_match_their_sources() {
 }
 
 #[test]
-fn chart_lints_clean_with_defaults_and_with_the_toggles() {
+fn chart_lints_clean_with_defaults_with_the_toggles_and_with_tenants() {
     let chart = chart();
-    for values in [&[][..], &TOGGLES[..]] {
+    for values in [&[][..], &TOGGLES[..], &TENANTS[..]] {
         for strict in [&[][..], &["--strict"][..]] {
             let mut args: Vec<&OsStr> = vec!["lint".as_ref(), chart.as_os_str()];
             args.extend(values.iter().chain(strict).map(OsStr::new));
@@ -562,6 +565,95 @@ fn values_the_chart_does_not_offer_are_refused() {
     let deployment = find(&objects, "Deployment", "proxy-operator");
     assert_eq!(deployment["spec"]["replicas"], 1);
     assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate");
+}
+
+/// `tenants.existingSecret` set: the same objects as `kubectl kustomize overlays/tenants`, as
+/// the defaults render `manifests/` (the flag, the mount and the volume alike, in order).
+#[test]
+fn tenants_value_renders_the_tenants_overlay() {
+    let Some(expected) = Layout::copy().kustomize(tenants::OVERLAY) else {
+        return;
+    };
+    let chart = assert_chart_renders(&TENANTS, expected);
+    let pod = &find(&chart, "Deployment", "proxy-operator")["spec"]["template"]["spec"];
+    let run = tenants::run_args(&pod["containers"][0]);
+    assert_eq!(
+        run.common.tenants_file.as_deref(),
+        Some("/etc/proxy-operator-tenants/tenants.yaml".as_ref())
+    );
+}
+
+/// `helm template` with `args` and the generated token taken out (it differs between two
+/// renders by design).
+fn without_tokens(args: &[&str]) -> Option<Vec<Value>> {
+    let mut objects = helm_template(RELEASE, NAMESPACE, args)?;
+    for secret in objects.iter_mut().filter(|o| o["kind"] == "Secret") {
+        take_tokens(secret);
+    }
+    Some(objects)
+}
+
+/// With `tenants.existingSecret` the chart renders what it renders without, plus exactly the
+/// flag, the read-only mount and the volume of that Secret's key (`tenants.key`); without it,
+/// `tenants.key` changes nothing. The chart never renders the tenants' Secret itself.
+#[test]
+fn tenants_values_add_exactly_the_mount_and_the_flag() {
+    let Some(unset) = without_tokens(&[]) else {
+        return;
+    };
+    for (values, secret, key) in [
+        (TENANTS[1], tenants::SECRET, tenants::KEY),
+        (
+            "tenants.existingSecret=crawl-teams,tenants.key=teams.yaml",
+            "crawl-teams",
+            "teams.yaml",
+        ),
+    ] {
+        let set = without_tokens(&["--set", values]).expect("helm is installed");
+        if let Err(difference) = tenants::tenants_added(&unset, &set, secret, key) {
+            panic!("--set {values}: not the defaults plus the tenants: {difference}");
+        }
+        assert!(
+            set.iter().all(|o| o["metadata"]["name"] != secret),
+            "--set {values}: the chart renders {secret}"
+        );
+    }
+    let key_only = without_tokens(&["--set", "tenants.key=teams.yaml"]).expect("helm is installed");
+    assert_eq!(key_only, unset, "tenants.key alone changed the rendering");
+    // Not vacuous: the comparison sees the wrong key, and the wrong Secret.
+    let set = without_tokens(&["--set", "tenants.existingSecret=crawl-teams"]).expect("helm");
+    let wrong_key = tenants::tenants_added(&unset, &set, "crawl-teams", "teams.yaml");
+    assert!(
+        wrong_key
+            .as_ref()
+            .is_err_and(|e| e.contains("is not the Secret's key teams.yaml")),
+        "{wrong_key:?}"
+    );
+    let wrong_secret = tenants::tenants_added(&unset, &set, tenants::SECRET, tenants::KEY);
+    assert!(
+        wrong_secret
+            .as_ref()
+            .is_err_and(|e| e.contains("is not Secret proxy-operator-tenants")),
+        "{wrong_secret:?}"
+    );
+}
+
+/// Tenants values the chart does not offer, or that Kubernetes would refuse, fail the render.
+#[test]
+fn tenants_values_the_chart_does_not_offer_are_refused() {
+    for (value, message) in [
+        ("tenants.secret=crawl-teams", "Additional property secret"),
+        (
+            "tenants.existingSecret=Crawl_Teams",
+            "tenants.existingSecret",
+        ),
+        ("tenants.key=teams/a.yaml", "tenants.key"),
+    ] {
+        let Some(error) = helm_template_error(RELEASE, NAMESPACE, &["--set", value]) else {
+            return;
+        };
+        assert!(error.contains(message), "--set {value}: {error}");
+    }
 }
 
 /// The generated token is read by the command the install notes print, survives `helm upgrade`

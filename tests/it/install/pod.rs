@@ -24,23 +24,23 @@ use crate::support::render::{Manifests, repo, run, tool};
 use crate::support::world::within;
 use crate::support::{ControlPlane, Kubelet, Squid, Target};
 
-const NAMESPACE: &str = "proxy-operator";
-const DEPLOYMENT: &str = "proxy-operator";
+pub(super) const NAMESPACE: &str = "proxy-operator";
+pub(super) const DEPLOYMENT: &str = "proxy-operator";
 /// The Pod's start: a debug binary, the in-cluster client, the Proxy watch's first sync and a
 /// readiness probe every 5 s, on a loaded machine.
-const POD_READY: Duration = Duration::from_secs(120);
+pub(super) const POD_READY: Duration = Duration::from_secs(120);
 /// A Proxy's first Ready under the shipped (not shortened) poll intervals.
 const PROXY_READY: Duration = Duration::from_secs(120);
 /// The API's port in the Deployment (`http-api`) and docs/install.md.
-const API_PORT: u16 = 8090;
+pub(super) const API_PORT: u16 = 8090;
 
 /// A random token, as `openssl rand -hex 32` makes one.
-fn new_token() -> String {
+pub(super) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string() + &uuid::Uuid::new_v4().simple().to_string()
 }
 
 /// `kubectl --kubeconfig <admin> <args>`, asserting success; returns stdout.
-fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
+pub(super) fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
     let kubectl = tool("kubectl").expect("kubectl was found before");
     run(Command::new(kubectl)
         .arg("--kubeconfig")
@@ -218,7 +218,7 @@ async fn apply_sample(
     name
 }
 
-fn proxies(plane: &'static ControlPlane, namespace: &str) -> Api<DynamicObject> {
+pub(super) fn proxies(plane: &'static ControlPlane, namespace: &str) -> Api<DynamicObject> {
     let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "crawl.example.com",
         "v1alpha1",
@@ -227,7 +227,7 @@ fn proxies(plane: &'static ControlPlane, namespace: &str) -> Api<DynamicObject> 
     Api::namespaced_with(plane.admin_client(), namespace, &resource)
 }
 
-async fn wait_proxy_ready(
+pub(super) async fn wait_proxy_ready(
     plane: &'static ControlPlane,
     namespace: &str,
     name: &str,
