@@ -186,7 +186,12 @@ impl Timed {
 }
 
 /// Signs in as a person would and returns the session cookie (`name=value`) the pages take.
-async fn sign_in(api: &str, client: &reqwest::Client) -> Result<String, String> {
+async fn sign_in(api: &str) -> Result<String, String> {
+    // The answer is a redirect carrying the cookie: read it, do not follow it.
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| format!("sign in: {e}"))?;
     let answer = client
         .post(format!("{api}/signin"))
         .header(reqwest::header::ORIGIN, api)
@@ -204,7 +209,7 @@ async fn sign_in(api: &str, client: &reqwest::Client) -> Result<String, String> 
 }
 
 async fn time_routes(api: &str, client: &reqwest::Client) -> Result<Vec<Timed>, String> {
-    let cookie = sign_in(api, client).await?;
+    let cookie = sign_in(api).await?;
     let mut timed = Vec::new();
     for route in ROUTES {
         let mut sorted = Vec::with_capacity(REQUESTS);
