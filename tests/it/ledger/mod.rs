@@ -6,4 +6,5 @@ mod demand;
 mod durability;
 mod end_leases;
 mod leases;
+mod tenants;
 mod writer;
