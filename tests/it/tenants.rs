@@ -170,6 +170,36 @@ async fn gateway_head(fleet: &GatewayFleet, user: &str, token: &str) -> (u16, St
     (status, head)
 }
 
+/// The HTML of `path` for a person signed in with `token`.
+async fn signed_in_page(api: &str, token: &str, path: &str) -> String {
+    let no_redirects = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let signed_in = no_redirects
+        .post(format!("{api}/signin"))
+        .form(&[("token", token)])
+        .send()
+        .await
+        .unwrap();
+    let cookie = signed_in
+        .headers()
+        .get(reqwest::header::SET_COOKIE)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.split(';').next())
+        .expect("a session cookie")
+        .to_owned();
+    client()
+        .get(format!("{api}{path}"))
+        .header(reqwest::header::COOKIE, cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 fn names(list: &[&str]) -> BTreeSet<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
@@ -279,6 +309,17 @@ async fn each_tenant_sees_and_leases_only_its_scope_through_the_api_gateway_and_
         names(&["default", "team-a", "team-b"]),
         "{everything}"
     );
+    // The page itself: the default tenant's fleet view lists every tenant's usage.
+    let page = signed_in_page(fleet.operator.api(), TOKEN, "/").await;
+    assert!(page.contains("id=\"tenants\""), "{page}");
+    for name in ["team-a", "team-b"] {
+        assert!(
+            page.contains(&format!("data-tenant=\"{name}\"")),
+            "{name}: {page}"
+        );
+    }
+    let page = signed_in_page(fleet.operator.api(), TEAM_B, "/").await;
+    assert!(page.contains("data-tenant=\"team-b\"") && !page.contains("data-tenant=\"team-a\""));
     let url = format!("{}/v1/status/events", fleet.operator.api());
     let (_, events) = call(reqwest::Method::GET, url, TEAM_B, None).await;
     let events = events["events"].as_array().unwrap();
