@@ -11,3 +11,4 @@ pub mod retry_after;
 pub mod sessions;
 pub mod tenants;
 pub mod tokens;
+pub mod watched_file;

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Tenant, TokenDigest};
 use crate::ledger::{DEFAULT_TENANT, Quotas, Rate};
 use crate::serving::candidates::Selector;
+use crate::serving::watched_file;
 
 /// Most tenants one file may name: they are metric labels, so their number stays bounded.
 pub const MAX_TENANTS: usize = 100;
@@ -368,63 +369,39 @@ pub fn load(path: &Path) -> Result<LoadedTenants, TenantsError> {
     TenantsFile::new(path).load()
 }
 
-/// Re-reads the tenants file every `poll` and, when its content changed, hands its tenants'
-/// tokens to `replace` (which makes them the valid ones). A read or parse failure keeps the
-/// previous tenants and logs an error (once per distinct failure): it never opens the API.
-/// Content is compared, not the modification time, as a Kubernetes Secret volume swaps a
-/// symlink.
+/// Re-reads the tenants file every `poll` until `shutdown` (see
+/// [`watched_file`](crate::serving::watched_file)) and, when its content changed, hands its
+/// tenants' tokens to `replace` (which makes them the valid ones). A read or parse failure
+/// keeps the previous tenants and is logged: it never opens the API.
 pub async fn watch_file(
     file: TenantsFile,
-    mut content: Vec<u8>,
+    content: Vec<u8>,
     replace: impl Fn(Vec<(TokenDigest, Arc<Tenant>)>) + Send,
     poll: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut ticker = tokio::time::interval(poll);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    ticker.tick().await;
-    let mut last_error: Option<String> = None;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let read = {
-            let path = file.path().to_path_buf();
-            tokio::task::spawn_blocking(move || std::fs::read(path)).await
-        };
-        let outcome = match read {
-            Ok(Ok(new)) if new == content => continue,
-            Ok(Ok(new)) => match file.parse(new) {
-                Ok(loaded) => {
-                    content = loaded.content;
-                    log::info!(
-                        "--tenants-file {} changed: {} tenant(s), {} token(s)",
-                        file.path().display(),
-                        loaded.tenants.len(),
-                        loaded.tokens.len()
-                    );
-                    replace(loaded.tokens);
-                    Ok(())
-                }
-                Err(e) => Err(e.0),
-            },
-            Ok(Err(e)) => Err(format!(
-                "--tenants-file {}: cannot read: {e}",
-                file.path().display()
-            )),
-            Err(e) => Err(format!("reading --tenants-file: {e}")),
-        };
-        match outcome {
-            Ok(()) => last_error = None,
-            Err(e) => {
-                if last_error.as_deref() != Some(e.as_str()) {
-                    log::error!("{e}; keeping the previous tenants");
-                }
-                last_error = Some(e);
-            }
-        }
-    }
+    let path = file.path().to_path_buf();
+    let apply = move |new: &[u8]| {
+        let loaded = file.parse(new.to_vec()).map_err(|e| e.0)?;
+        let applied = format!(
+            "{} tenant(s), {} token(s)",
+            loaded.tenants.len(),
+            loaded.tokens.len()
+        );
+        replace(loaded.tokens);
+        Ok(applied)
+    };
+    let keeping = "keeping the previous tenants";
+    watched_file::watch(
+        "--tenants-file",
+        path,
+        content,
+        apply,
+        keeping,
+        poll,
+        shutdown,
+    )
+    .await;
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::ApiToken;
+use crate::serving::watched_file;
 
 /// Shortest token accepted, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 16;
@@ -236,64 +237,31 @@ pub fn load(sources: &TokenSources<'_>) -> Result<LoadedTokens, TokenError> {
     })
 }
 
-/// Re-reads the token file every `poll` and, when its content changed, replaces the valid
-/// tokens with the file's (plus `DISCOVERY_TOKEN`'s). A read or parse failure keeps the
-/// previous tokens and logs an error (once per distinct failure): it never opens the API.
-/// Content is compared, not the modification time, as a Kubernetes Secret volume swaps a
-/// symlink.
+/// Re-reads the token file every `poll` (see [`watched_file`]) and, when its content changed,
+/// replaces the valid tokens with the file's (plus `DISCOVERY_TOKEN`'s). A read or parse
+/// failure keeps the previous tokens and is logged: it never opens the API.
 pub async fn watch_file(
     path: PathBuf,
-    mut content: Vec<u8>,
+    content: Vec<u8>,
     env_tokens: Option<TokenSet>,
     token: ApiToken,
     poll: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut ticker = tokio::time::interval(poll);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    ticker.tick().await;
-    let mut last_error: Option<String> = None;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let read = {
-            let path = path.clone();
-            tokio::task::spawn_blocking(move || read_file(&path)).await
+    let file = path.clone();
+    let apply = move |new: &[u8]| {
+        let set = TokenSet::from_file_content(new, &file).map_err(|e| e.0)?;
+        let set = match &env_tokens {
+            Some(env) => set.union(env),
+            None => set,
         };
-        let outcome = match read {
-            Ok(Ok(new)) if new == content => continue,
-            Ok(Ok(new)) => match TokenSet::from_file_content(&new, &path) {
-                Ok(set) => {
-                    content = new;
-                    let set = match &env_tokens {
-                        Some(env) => set.union(env),
-                        None => set,
-                    };
-                    let count = set.len();
-                    token.replace(set);
-                    log::info!(
-                        "--discovery-token-file {} changed: {count} valid API token(s)",
-                        path.display()
-                    );
-                    Ok(())
-                }
-                Err(e) => Err(e.0),
-            },
-            Ok(Err(e)) => Err(e.0),
-            Err(e) => Err(format!("reading --discovery-token-file: {e}")),
-        };
-        match outcome {
-            Ok(()) => last_error = None,
-            Err(e) => {
-                if last_error.as_deref() != Some(e.as_str()) {
-                    log::error!("{e}; keeping the previous API tokens");
-                }
-                last_error = Some(e);
-            }
-        }
-    }
+        let count = set.len();
+        token.replace(set);
+        Ok(format!("{count} valid API token(s)"))
+    };
+    let keeping = "keeping the previous API tokens";
+    let flag = "--discovery-token-file";
+    watched_file::watch(flag, path, content, apply, keeping, poll, shutdown).await;
 }
 
 #[cfg(test)]
