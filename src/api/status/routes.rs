@@ -134,6 +134,18 @@ fn failed(error: &ApiError, access: Access) -> HttpResponse {
     )
 }
 
+/// The page of a view that could be gathered, or its error on a page.
+fn shown<V>(
+    view: Result<V, ApiError>,
+    access: Access,
+    render: impl FnOnce(&V, Access) -> Markup,
+) -> HttpResponse {
+    match view {
+        Ok(view) => page(StatusCode::OK, render(&view, access)),
+        Err(e) => failed(&e, access),
+    }
+}
+
 /// Who may see a page (`None`: send them to [`to_sign_in`]).
 fn viewer(req: &HttpRequest, state: &ApiState, token: &ApiToken) -> Option<Viewer> {
     access(req, token, now_ms(state), false)
@@ -153,10 +165,8 @@ pub async fn fleet(
     let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::fleet_view(&state, &caller.tenant, &token.tenants()).await {
-        Ok(view) => page(StatusCode::OK, pages::fleet(&view, access)),
-        Err(e) => failed(&e, access),
-    }
+    let view = data::fleet_view(&state, &caller.tenant, &token.tenants()).await;
+    shown(view, access, pages::fleet)
 }
 
 /// `GET /proxies`: the proxies table.
@@ -178,10 +188,10 @@ pub async fn proxies(
         Ok(filter) => filter,
         Err(e) => return failed(&e, access),
     };
-    match data::proxies_view(&state, &caller.tenant, &filter).await {
-        Ok(view) => page(StatusCode::OK, pages::proxies(&view, &filter, access)),
-        Err(e) => failed(&e, access),
-    }
+    let view = data::proxies_view(&state, &caller.tenant, &filter).await;
+    shown(view, access, |view, access| {
+        pages::proxies(view, &filter, access)
+    })
 }
 
 /// `GET /proxies/{namespace}/{name}`: one proxy.
@@ -195,11 +205,10 @@ pub async fn proxy(
     let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::proxy_detail(&state, &caller.tenant, &namespace, &name).await {
-        Ok(Some(view)) => page(StatusCode::OK, pages::proxy(&view, access)),
-        Ok(None) => failed(&data::unknown_proxy(&namespace, &name), access),
-        Err(e) => failed(&e, access),
-    }
+    let view = data::proxy_detail(&state, &caller.tenant, &namespace, &name)
+        .await
+        .and_then(|found| found.ok_or_else(|| data::unknown_proxy(&namespace, &name)));
+    shown(view, access, pages::proxy)
 }
 
 /// `GET /targets`: per target over the last hour.
@@ -211,10 +220,11 @@ pub async fn targets(
     let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::targets_view(&state, &caller.tenant).await {
-        Ok(view) => page(StatusCode::OK, pages::targets(&view, access)),
-        Err(e) => failed(&e, access),
-    }
+    shown(
+        data::targets_view(&state, &caller.tenant).await,
+        access,
+        pages::targets,
+    )
 }
 
 /// `GET /events`: the newest lease events.
@@ -226,10 +236,11 @@ pub async fn events(
     let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
         return to_sign_in();
     };
-    match data::events_view(&state, &caller.tenant, 100).await {
-        Ok(view) => page(StatusCode::OK, pages::events(&view, access)),
-        Err(e) => failed(&e, access),
-    }
+    shown(
+        data::events_view(&state, &caller.tenant, 100).await,
+        access,
+        pages::events,
+    )
 }
 
 /// `GET /signin`: the form (or the fleet, for a viewer already in).
