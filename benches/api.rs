@@ -33,6 +33,13 @@
 //! - `PROXY_OPERATOR_BENCH_LOG`: the binary's `RUST_LOG` (default `info`, the shipped
 //!   default: one log line per request, written to a file).
 //!
+//! **Latency at a given load**: after the saturated runs of `this` (SQLite) and `postgres`
+//! (one replica), the same binary is offered a third of the pairs/s it reached, for
+//! `PROXY_OPERATOR_BENCH_OPEN_SECONDS` (default 20), by an open-loop client
+//! (`tests/support/open_loop.rs`: each request's latency from when it was due, as wrk2
+//! counts it): p50, p99, p99.9 and max per request. Targets: SQLite p99 < 5 ms and p99.9 < 25
+//! ms, PostgreSQL p99 < 10 ms, no errors.
+//!
 //! Everything shares the machine: the operator, the squids, the probe target and wrk.
 
 #[path = "../tests/support/mod.rs"]
@@ -44,6 +51,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use support::open_loop::{self, OpenLoopResult};
 use support::operator::metric_sum;
 use support::postgres::Postgres;
 use support::wrk::{self, WrkResult};
@@ -63,6 +71,13 @@ const WARM_UP: Duration = Duration::from_secs(2);
 const HEALTHY_DEADLINE: Duration = Duration::from_secs(120);
 const RATIO_TARGET: f64 = 0.15;
 const P99_TARGET: Duration = Duration::from_millis(10);
+/// The share of a run's saturated pairs/s offered to it open-loop.
+const OPEN_LOOP_SHARE: f64 = 1.0 / 3.0;
+const DEFAULT_OPEN_SECONDS: u64 = 20;
+/// Open-loop targets, per request, at a third of saturation.
+const OPEN_P99_TARGET: Duration = Duration::from_millis(5);
+const OPEN_P999_TARGET: Duration = Duration::from_millis(25);
+const OPEN_POSTGRES_P99_TARGET: Duration = Duration::from_millis(10);
 /// The run with a tenants file against the same run without.
 const TENANTS_RATIO_TARGET: f64 = 0.9;
 /// Tenants in the tenants file.
@@ -87,6 +102,8 @@ struct Figures {
     /// PostgreSQL: acquires decided again (or transactions retried) per pair, over every
     /// replica, during the pair run.
     conflicts_per_pair: Option<f64>,
+    /// The open-loop run at a third of `pairs`, when one was asked for.
+    open_loop: Option<OpenLoopResult>,
 }
 
 impl Figures {
@@ -274,19 +291,19 @@ fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult 
     wrk::run(script, url, (WRK_THREADS, WRK_CONNECTIONS), duration, args)
 }
 
-/// Starts `replicas` processes of `binary` on the ledger `ledger` (`None`: a fresh SQLite
-/// file), grows their inventory to the full fleet (proxies that appear after start-up are
-/// probed at once, not spread over the 1 h interval), waits until all are healthy on every
-/// replica, then measures, the connections spread over the replicas. With `tenants`, the
-/// processes read [`tenants_file`] and wrk calls as its first tenant.
-async fn measure(
-    label: &str,
-    binary: &Path,
-    fleet: &Fleet<'_>,
-    ledger: Option<&str>,
-    replicas: usize,
-    tenants: bool,
-) -> Figures {
+/// Starts `setup.replicas` processes of `binary` on its ledger, grows their inventory to the
+/// full fleet (proxies that appear after start-up are probed at once, not spread over the 1 h
+/// interval), waits until all are healthy on every replica, then measures, the connections
+/// spread over the replicas. With `tenants`, the processes read [`tenants_file`] and wrk calls
+/// as its first tenant; with `open_loop`, the first replica is then offered a third of the
+/// pairs/s reached.
+async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>) -> Figures {
+    let Setup {
+        ledger,
+        replicas,
+        tenants,
+        open_loop,
+    } = setup;
     let dir = tempfile::tempdir().expect("temp dir");
     let inventory = dir.path().join("inventory.yaml");
     std::fs::write(&inventory, "").expect("write the inventory");
@@ -354,6 +371,15 @@ async fn measure(
     let writes_per_batch = batches_before
         .zip(operators[0].batches(&http).await)
         .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
+    let open_loop = match open_loop {
+        true => {
+            let offered = pairs_done / pairs.seconds().max(1e-9) * OPEN_LOOP_SHARE;
+            let connections = WRK_CONNECTIONS as usize;
+            let api = &operators[0].api;
+            Some(open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await)
+        }
+        false => None,
+    };
     let healthz = wrk(
         "healthz.lua",
         &format!("{}/healthz", operators[0].api),
@@ -373,6 +399,7 @@ async fn measure(
         pairs_cpu,
         writes_per_batch,
         conflicts_per_pair,
+        open_loop,
     }
 }
 
@@ -390,6 +417,28 @@ struct Fleet<'a> {
     squids: &'a [Squid],
     probe_url: &'a str,
     seconds: Duration,
+    /// How long an open-loop run lasts.
+    open_seconds: Duration,
+}
+
+/// One replica on a fresh SQLite file, measured saturated only.
+const SQLITE: Setup<'static> = Setup {
+    ledger: None,
+    replicas: 1,
+    tenants: false,
+    open_loop: false,
+};
+
+/// How one measurement runs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Setup<'a> {
+    /// The ledger's URL (`None`: a fresh SQLite file).
+    ledger: Option<&'a str>,
+    replicas: usize,
+    /// With the tenants file, wrk calling as its first tenant.
+    tenants: bool,
+    /// Then offered a third of its pairs/s, open-loop.
+    open_loop: bool,
 }
 
 /// Polls `/readyz` until the operator answers 200.
@@ -495,6 +544,53 @@ fn table(runs: &[Figures]) -> String {
     out
 }
 
+/// Prints the open-loop runs and whether they met their targets.
+fn report_open_loop(runs: &[Figures]) -> bool {
+    let mut ok = true;
+    println!(
+        "\nopen loop, a third of each run's saturated pairs/s, latency per request from when it \
+         was due:"
+    );
+    println!(
+        "{:<10} {:>14} {:>14} {:>9} {:>9} {:>10} {:>9} {:>7}",
+        "binary", "offered pairs/s", "done pairs/s", "p50", "p99", "p99.9", "max", "errors"
+    );
+    for run in runs {
+        let Some(open) = &run.open_loop else {
+            continue;
+        };
+        println!(
+            "{:<10} {:>14.0} {:>14.0} {:>9} {:>9} {:>10} {:>9} {:>7}",
+            run.label,
+            open.offered,
+            open.achieved(),
+            ms(open.quantile(0.5)),
+            ms(open.quantile(0.99)),
+            ms(open.quantile(0.999)),
+            ms(open.quantile(1.0)),
+            open.errors
+        );
+        if let Some(error) = &open.first_error {
+            println!("  first error of {}: {error}", run.label);
+        }
+        let (p99_target, p999_target) = match run.label.starts_with("postgres") {
+            true => (OPEN_POSTGRES_P99_TARGET, None),
+            false => (OPEN_P99_TARGET, Some(OPEN_P999_TARGET)),
+        };
+        let met = open.quantile(0.99) < p99_target
+            && p999_target.is_none_or(|t| open.quantile(0.999) < t)
+            && open.errors == 0;
+        println!(
+            "  targets: p99 < {}{}, no errors: {}",
+            ms(p99_target),
+            p999_target.map_or_else(String::new, |t| format!(", p99.9 < {}", ms(t))),
+            if met { "met" } else { "MISSED" }
+        );
+        ok &= met;
+    }
+    ok
+}
+
 fn binary_from(var: &str) -> Option<PathBuf> {
     std::env::var_os(var)
         .filter(|v| !v.is_empty())
@@ -517,34 +613,66 @@ async fn main() -> ExitCode {
     let target = Target::start();
     let probe_url = target.http_url();
     let squids: Vec<Squid> = (0..SQUIDS).map(|_| Squid::start()).collect();
+    let open_seconds = std::env::var("PROXY_OPERATOR_BENCH_OPEN_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(
+            Duration::from_secs(DEFAULT_OPEN_SECONDS),
+            Duration::from_secs,
+        );
     let fleet = Fleet {
         squids: &squids,
         probe_url: &probe_url,
         seconds,
+        open_seconds,
     };
 
     let mut runs = Vec::new();
     // A baseline is measured before and after, so drift in the machine's load shows.
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &fleet, None, 1, false).await);
+        runs.push(measure("before", baseline, &fleet, SQLITE).await);
     }
-    runs.push(measure("this", &binary, &fleet, None, 1, false).await);
+    let open = Setup {
+        open_loop: true,
+        ..SQLITE
+    };
+    runs.push(measure("this", &binary, &fleet, open).await);
     // With and without tenants in the order A B B A, so a drift of the machine's load weighs
     // on both alike.
-    runs.push(measure("tenants", &binary, &fleet, None, 1, true).await);
-    runs.push(measure("tenants", &binary, &fleet, None, 1, true).await);
-    runs.push(measure("this", &binary, &fleet, None, 1, false).await);
+    let tenants = Setup {
+        tenants: true,
+        ..SQLITE
+    };
+    runs.push(measure("tenants", &binary, &fleet, tenants).await);
+    runs.push(measure("tenants", &binary, &fleet, tenants).await);
+    runs.push(measure("this", &binary, &fleet, SQLITE).await);
     if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &fleet, None, 1, false).await);
+        runs.push(measure("before", baseline, &fleet, SQLITE).await);
     }
     let postgres = Postgres::start();
     if let Some(postgres) = &postgres {
         let one = postgres.database().url();
-        runs.push(measure("postgres", &binary, &fleet, Some(&one), 1, false).await);
+        let setup = Setup {
+            ledger: Some(&one),
+            open_loop: true,
+            ..SQLITE
+        };
+        runs.push(measure("postgres", &binary, &fleet, setup).await);
         let three = postgres.database().url();
-        runs.push(measure("postgres×3", &binary, &fleet, Some(&three), 3, false).await);
+        let setup = Setup {
+            ledger: Some(&three),
+            replicas: 3,
+            ..SQLITE
+        };
+        runs.push(measure("postgres×3", &binary, &fleet, setup).await);
         let hot = postgres.database().url();
-        runs.push(measure("pg×3 tenant", &binary, &fleet, Some(&hot), 3, true).await);
+        let setup = Setup {
+            ledger: Some(&hot),
+            replicas: 3,
+            tenants: true,
+            ..SQLITE
+        };
+        runs.push(measure("pg×3 tenant", &binary, &fleet, setup).await);
         // For scale, not a target: the same without waiting for the WAL flush of each commit,
         // about what SQLite's `normal` durability waits for (a crash of the database server
         // may lose the last commits, one of the operator never).
@@ -554,7 +682,11 @@ async fn main() -> ExitCode {
             unflushed.name()
         ));
         let url = unflushed.url();
-        runs.push(measure("pg unsync", &binary, &fleet, Some(&url), 1, false).await);
+        let setup = Setup {
+            ledger: Some(&url),
+            ..SQLITE
+        };
+        runs.push(measure("pg unsync", &binary, &fleet, setup).await);
     }
 
     println!(
@@ -630,6 +762,7 @@ async fn main() -> ExitCode {
             ms(three.pairs.p99())
         );
     }
+    let open_ok = report_open_loop(&runs);
     let mut postgres_ok = true;
     if let Some(one) = runs.iter().find(|r| r.label == "postgres") {
         let against = one.pairs_per_s() / this.pairs_per_s();
@@ -654,7 +787,7 @@ async fn main() -> ExitCode {
             "postgres: not measured (PostgreSQL is not installed: apt-get install -y postgresql)"
         );
     }
-    if ratio_ok && p99_ok && errors == 0 && postgres_ok && tenants_ok {
+    if ratio_ok && p99_ok && errors == 0 && postgres_ok && tenants_ok && open_ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

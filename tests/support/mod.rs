@@ -14,6 +14,7 @@ pub mod kubelet;
 pub mod ledger;
 pub mod loopback;
 pub mod mock_api;
+pub mod open_loop;
 pub mod operator;
 pub mod pod;
 pub mod pools;
