@@ -18,7 +18,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use proxy_operator::pool::members::template_hash;
 use proxy_operator::resources::pool::{POOL_LABEL, TEMPLATE_HASH_LABEL};
 use proxy_operator::resources::proxy::Proxy;
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::curl::{curl, header_value};
 use support::kubelet::Behaviour;
@@ -34,12 +34,14 @@ use support::world::{World, within};
 const FALLING_ASLEEP: Duration = Duration::from_secs(180);
 
 /// Waits until pool `name` sleeps: `spec.replicas` and `status.replicas` 0, no member, and no
-/// Pod left in the namespace. Returns how long that took.
-async fn wait_asleep(world: &World, name: &str) -> Duration {
+/// Pod left in the namespace, and none of its members listed by `operator`. Returns how long
+/// that took.
+async fn wait_asleep(world: &World, operator: &OperatorProcess, name: &str, geo: &str) -> Duration {
     let start = Instant::now();
+    let listed = format!("/v1/proxies?selector=geo={geo}");
     within(
         FALLING_ASLEEP,
-        &format!("pool {name} asleep: no member, no Pod"),
+        &format!("pool {name} asleep: no member, no Pod, none listed by the operator"),
         || async {
             let pool = world.pools().get(name).await.ok()?;
             let replicas = pool.status.as_ref().map(|s| s.replicas);
@@ -50,7 +52,14 @@ async fn wait_asleep(world: &World, name: &str) -> Duration {
                 return None;
             }
             let pods = world.pods().list(&ListParams::default()).await.ok()?;
-            pods.items.is_empty().then_some(())
+            if !pods.items.is_empty() {
+                return None;
+            }
+            // The operator serves from its own watch, which may trail the API server by a
+            // moment: asleep means it has seen the last member go too.
+            let (status, list) = operator.call(Method::GET, &listed, None).await;
+            (status == StatusCode::OK && list["proxies"].as_array().is_some_and(Vec::is_empty))
+                .then_some(())
         },
     )
     .await;
@@ -121,7 +130,7 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
         .expect("create the pool");
 
     // Idle from the start (one member by default): it goes to sleep.
-    let slept = wait_asleep(&world, pool).await;
+    let slept = wait_asleep(&world, &operator, pool, geo).await;
     eprintln!("pool-wake: idle pool asleep after {slept:?}");
     assert!(
         !world
@@ -185,7 +194,7 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
     );
 
     // b. A Scrapy crawl started against the sleeping pool: every page, no 503.
-    let slept = wait_asleep(&world, pool).await;
+    let slept = wait_asleep(&world, &operator, pool, geo).await;
     eprintln!("pool-wake: asleep again after {slept:?}");
     let items = world.dir.path().join("items.jsonl");
     let asked = Instant::now();
@@ -240,7 +249,7 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
     // c. The API's answer for a sleeping pool, then the Python client waiting through it. The
     // kubelet leaves the woken member's Pod unscheduled until the client has been answered
     // `pool_waking` once (a slow scheduler), so the client's first ask cannot find it Ready.
-    let slept = wait_asleep(&world, pool).await;
+    let slept = wait_asleep(&world, &operator, pool, geo).await;
     eprintln!("pool-wake: asleep a third time after {slept:?}");
     world
         .kubelet
