@@ -32,13 +32,17 @@
 //! - `PROXY_OPERATOR_BENCH_SECONDS`: length of each measured wrk run (default 10).
 //! - `PROXY_OPERATOR_BENCH_LOG`: the binary's `RUST_LOG` (default `info`, the shipped
 //!   default: one log line per request, written to a file).
+//! - `PROXY_OPERATOR_BENCH_PARTS`: which runs besides the first SQLite one, comma-separated
+//!   (default `sqlite,tenants,postgres`; `sqlite` alone measures the SQLite and baseline runs).
 //!
 //! **Latency at a given load**: after the saturated runs of `this` (SQLite) and `postgres`
 //! (one replica), the same binary is offered a third of the pairs/s it reached, for
 //! `PROXY_OPERATOR_BENCH_OPEN_SECONDS` (default 20), by an open-loop client
 //! (`tests/support/open_loop.rs`: each request's latency from when it was due, as wrk2
 //! counts it): p50, p99, p99.9 and max per request. Targets: SQLite p99 < 5 ms and p99.9 < 25
-//! ms, PostgreSQL p99 < 10 ms, no errors.
+//! ms, PostgreSQL p99 < 10 ms, no errors. A baseline binary gets the same open-loop run. Below
+//! each SQLite open-loop row, the writer's batch, commit and checkpoint times over the run
+//! (from its `proxy_operator_ledger_*_seconds` histograms) show what the tail waited behind.
 //!
 //! Everything shares the machine: the operator, the squids, the probe target and wrk.
 
@@ -104,6 +108,103 @@ struct Figures {
     conflicts_per_pair: Option<f64>,
     /// The open-loop run at a third of `pairs`, when one was asked for.
     open_loop: Option<OpenLoopResult>,
+    /// The SQLite writer's histograms over the open-loop run (`None`: not asked for, or a
+    /// ledger or binary without them).
+    open_writer: Option<WriterTimes>,
+}
+
+/// One histogram of the operator's `/metrics` over a window.
+#[derive(Debug, Clone, Default)]
+struct HistogramWindow {
+    count: f64,
+    /// Seconds observed.
+    sum: f64,
+    /// Cumulative counts per upper bound (seconds), as exported.
+    buckets: Vec<(f64, f64)>,
+}
+
+impl HistogramWindow {
+    /// `name`'s histogram with the label `by` (if given) in the metrics text `text` (`None`
+    /// when it is not there).
+    fn read(text: &str, name: &str, by: Option<&str>) -> Option<HistogramWindow> {
+        let label = by.map_or_else(String::new, |by| format!("by=\"{by}\""));
+        let labels: &[&str] = match by {
+            Some(_) => &[&label],
+            None => &[],
+        };
+        let prefix = match by {
+            Some(_) => format!("{name}_bucket{{{label},le=\""),
+            None => format!("{name}_bucket{{le=\""),
+        };
+        let buckets: Vec<(f64, f64)> = text
+            .lines()
+            .filter_map(|line| {
+                let (le, value) = line.strip_prefix(&prefix)?.split_once("\"} ")?;
+                Some((le.parse().ok()?, value.parse().ok()?))
+            })
+            .collect();
+        (!buckets.is_empty()).then(|| HistogramWindow {
+            count: metric_sum(text, &format!("{name}_count"), labels),
+            sum: metric_sum(text, &format!("{name}_sum"), labels),
+            buckets,
+        })
+    }
+
+    /// What was observed after `before`.
+    fn since(&self, before: &HistogramWindow) -> HistogramWindow {
+        HistogramWindow {
+            count: self.count - before.count,
+            sum: self.sum - before.sum,
+            buckets: self
+                .buckets
+                .iter()
+                .zip(&before.buckets)
+                .map(|(&(le, after), &(_, earlier))| (le, after - earlier))
+                .collect(),
+        }
+    }
+
+    /// The upper bound of the bucket holding quantile `q`, in seconds.
+    fn quantile(&self, q: f64) -> f64 {
+        self.buckets
+            .iter()
+            .find(|(_, count)| *count >= self.count * q)
+            .map_or(f64::INFINITY, |(le, _)| *le)
+    }
+}
+
+/// The SQLite writer's batch, commit and checkpoint histograms over a window.
+#[derive(Debug, Clone)]
+struct WriterTimes {
+    batch: HistogramWindow,
+    commit: HistogramWindow,
+    /// Checkpoints by the writer, between batches.
+    checkpoint: HistogramWindow,
+    /// Checkpoints in the background.
+    background: HistogramWindow,
+}
+
+impl WriterTimes {
+    fn read(text: &str) -> Option<WriterTimes> {
+        let read = |step: &str, by| {
+            HistogramWindow::read(text, &format!("proxy_operator_ledger_{step}_seconds"), by)
+        };
+        Some(WriterTimes {
+            batch: read("batch", None)?,
+            commit: read("commit", None)?,
+            checkpoint: read("checkpoint", Some("writer"))?,
+            background: read("checkpoint", Some("background"))?,
+        })
+    }
+
+    fn since(&self, before: &WriterTimes) -> WriterTimes {
+        WriterTimes {
+            batch: self.batch.since(&before.batch),
+            commit: self.commit.since(&before.commit),
+            checkpoint: self.checkpoint.since(&before.checkpoint),
+            background: self.background.since(&before.background),
+        }
+    }
 }
 
 impl Figures {
@@ -174,14 +275,7 @@ impl Operator {
 
     /// The ledger writer's (transactions, writes) so far, if the binary exports them.
     async fn batches(&self, http: &reqwest::Client) -> Option<(f64, f64)> {
-        let text = http
-            .get(&self.metrics)
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = self.metrics_text(http).await?;
         let batches = "proxy_operator_ledger_batches_total";
         text.contains(batches).then(|| {
             (
@@ -193,17 +287,19 @@ impl Operator {
 
     /// The PostgreSQL ledger's conflicts so far, if the binary exports them.
     async fn conflicts(&self, http: &reqwest::Client) -> Option<f64> {
-        let text = http
-            .get(&self.metrics)
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = self.metrics_text(http).await?;
         let conflicts = "proxy_operator_ledger_conflicts_total";
         text.contains(conflicts)
             .then(|| metric_sum(&text, conflicts, &[]))
+    }
+
+    /// The SQLite writer's histograms so far, if the binary and its ledger export them.
+    async fn writer_times(&self, http: &reqwest::Client) -> Option<WriterTimes> {
+        WriterTimes::read(&self.metrics_text(http).await?)
+    }
+
+    async fn metrics_text(&self, http: &reqwest::Client) -> Option<String> {
+        http.get(&self.metrics).send().await.ok()?.text().await.ok()
     }
 
     /// User + system CPU seconds of the process so far.
@@ -371,14 +467,19 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
     let writes_per_batch = batches_before
         .zip(operators[0].batches(&http).await)
         .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
-    let open_loop = match open_loop {
+    let (open_loop, open_writer) = match open_loop {
         true => {
             let offered = pairs_done / pairs.seconds().max(1e-9) * OPEN_LOOP_SHARE;
             let connections = WRK_CONNECTIONS as usize;
             let api = &operators[0].api;
-            Some(open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await)
+            let before = operators[0].writer_times(&http).await;
+            let run =
+                open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await;
+            let after = operators[0].writer_times(&http).await;
+            let writer = before.zip(after).map(|(b, a)| a.since(&b));
+            (Some(run), writer)
         }
-        false => None,
+        false => (None, None),
     };
     let healthz = wrk(
         "healthz.lua",
@@ -400,6 +501,7 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
         writes_per_batch,
         conflicts_per_pair,
         open_loop,
+        open_writer,
     }
 }
 
@@ -573,6 +675,9 @@ fn report_open_loop(runs: &[Figures]) -> bool {
         if let Some(error) = &open.first_error {
             println!("  first error of {}: {error}", run.label);
         }
+        if let Some(writer) = &run.open_writer {
+            report_writer_times(writer, open.elapsed);
+        }
         let (p99_target, p999_target) = match run.label.starts_with("postgres") {
             true => (OPEN_POSTGRES_P99_TARGET, None),
             false => (OPEN_P99_TARGET, Some(OPEN_P999_TARGET)),
@@ -589,6 +694,36 @@ fn report_open_loop(runs: &[Figures]) -> bool {
         ok &= met;
     }
     ok
+}
+
+/// Prints how long the writer's batches, commits and checkpoints took during an open-loop run,
+/// and the share of the run each kept the writer busy: a step that is rare but long enough to
+/// hold the writer for more than 1% of the run is what p99 waits behind.
+fn report_writer_times(writer: &WriterTimes, elapsed: Duration) {
+    for (step, histogram) in [
+        ("batches", &writer.batch),
+        ("commits", &writer.commit),
+        ("checkpoints", &writer.checkpoint),
+        ("background", &writer.background),
+    ] {
+        let mean = histogram.sum / histogram.count.max(1.0);
+        println!(
+            "  writer {step:<11} {:>8.0}, mean {:>7}, p99 <= {:>8}, max <= {:>8}, {:>5.2}% of the run",
+            histogram.count,
+            ms(Duration::from_secs_f64(mean)),
+            bucket_ms(histogram.quantile(0.99)),
+            bucket_ms(histogram.quantile(1.0)),
+            100.0 * histogram.sum / elapsed.as_secs_f64().max(1e-9),
+        );
+    }
+}
+
+/// A bucket bound in milliseconds (`+Inf` as such).
+fn bucket_ms(seconds: f64) -> String {
+    match seconds.is_finite() {
+        true => ms(Duration::from_secs_f64(seconds)),
+        false => "+Inf".to_owned(),
+    }
 }
 
 fn binary_from(var: &str) -> Option<PathBuf> {
@@ -627,29 +762,35 @@ async fn main() -> ExitCode {
         open_seconds,
     };
 
+    let parts = std::env::var("PROXY_OPERATOR_BENCH_PARTS")
+        .unwrap_or_else(|_| "sqlite,tenants,postgres".to_owned());
+    let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
+
     let mut runs = Vec::new();
-    // A baseline is measured before and after, so drift in the machine's load shows.
-    if let Some(baseline) = &baseline {
-        runs.push(measure("before", baseline, &fleet, SQLITE).await);
-    }
     let open = Setup {
         open_loop: true,
         ..SQLITE
     };
+    // A baseline is measured before and after, so drift in the machine's load shows.
+    if let Some(baseline) = &baseline {
+        runs.push(measure("before", baseline, &fleet, open).await);
+    }
     runs.push(measure("this", &binary, &fleet, open).await);
-    // With and without tenants in the order A B B A, so a drift of the machine's load weighs
-    // on both alike.
-    let tenants = Setup {
-        tenants: true,
-        ..SQLITE
-    };
-    runs.push(measure("tenants", &binary, &fleet, tenants).await);
-    runs.push(measure("tenants", &binary, &fleet, tenants).await);
-    runs.push(measure("this", &binary, &fleet, SQLITE).await);
+    if part("tenants") {
+        // With and without tenants in the order A B B A, so a drift of the machine's load
+        // weighs on both alike.
+        let tenants = Setup {
+            tenants: true,
+            ..SQLITE
+        };
+        runs.push(measure("tenants", &binary, &fleet, tenants).await);
+        runs.push(measure("tenants", &binary, &fleet, tenants).await);
+        runs.push(measure("this", &binary, &fleet, SQLITE).await);
+    }
     if let Some(baseline) = &baseline {
         runs.push(measure("before", baseline, &fleet, SQLITE).await);
     }
-    let postgres = Postgres::start();
+    let postgres = part("postgres").then(Postgres::start).flatten();
     if let Some(postgres) = &postgres {
         let one = postgres.database().url();
         let setup = Setup {
@@ -749,7 +890,7 @@ async fn main() -> ExitCode {
             );
             against >= TENANTS_RATIO_TARGET && errors == 0
         }
-        None => false,
+        None => !part("tenants"),
     };
     if let Some(hot) = runs.iter().find(|r| r.label == "pg×3 tenant")
         && let Some(three) = runs.iter().find(|r| r.label == "postgres×3")
@@ -782,7 +923,7 @@ async fn main() -> ExitCode {
             met(errors == 0),
         );
         postgres_ok = ratio_ok && p99_ok && errors == 0;
-    } else {
+    } else if part("postgres") {
         println!(
             "postgres: not measured (PostgreSQL is not installed: apt-get install -y postgresql)"
         );

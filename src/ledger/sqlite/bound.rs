@@ -3,8 +3,8 @@
 //! pruned. Pure arithmetic over page counts, so every decision is tested without a file.
 //!
 //! The bound covers the database file and its WAL together. The WAL gets an allowance (an
-//! eighth of the bound, at most 8 MiB): a commit checkpoints once half of it is written
-//! (`wal_autocheckpoint`) and a reset WAL is truncated back to it (`journal_size_limit`). The
+//! eighth of the bound, at most 64 MiB): the writer starts the log over before it is full
+//! (`checkpoint.rs`) and a reset WAL is truncated back to it (`journal_size_limit`). The
 //! rest is the database's page budget, enforced by SQLite with `max_page_count`: a write that
 //! would need a page past it fails with SQLITE_FULL, so the file never outgrows the bound.
 //! Within the page budget:
@@ -19,9 +19,11 @@
 
 use super::options::check_max_size;
 
-/// Largest WAL allowance: enough for SQLite's usual checkpoint interval (about 1000 pages)
-/// twice over; a longer WAL only slows readers down.
-const MAX_WAL_ALLOWANCE: u64 = 8 << 20;
+/// Largest WAL allowance. The writer pauses to checkpoint the log's tail once per allowance
+/// (`checkpoint.rs`), so a longer log pauses it less often; at a few thousand commits a second
+/// 64 MiB lasts about a second, and readers find a page in a log of that length through a
+/// handful of hash-table segments.
+const MAX_WAL_ALLOWANCE: u64 = 64 << 20;
 /// Bytes of a WAL frame besides its page.
 const WAL_FRAME_HEADER: u64 = 24;
 /// Fewest rows one prune step deletes, so a step always outpaces what a batch adds.
@@ -61,10 +63,8 @@ pub(crate) enum Check {
 pub(crate) struct SizeBound {
     /// The file's page size in bytes.
     pub page_size: u64,
-    /// WAL bytes kept after a reset (`journal_size_limit`).
+    /// The WAL's allowance, and the bytes kept after a reset (`journal_size_limit`).
     pub wal_limit: u64,
-    /// WAL frames after which a commit checkpoints (`wal_autocheckpoint`).
-    pub checkpoint_frames: u64,
     /// `max_page_count` while housekeeping runs: the whole page budget.
     pub housekeeping_pages: u64,
     /// `max_page_count` of client batches.
@@ -88,7 +88,6 @@ impl SizeBound {
         Ok(SizeBound {
             page_size,
             wal_limit,
-            checkpoint_frames: (wal_limit / 2 / (page_size + WAL_FRAME_HEADER)).max(1),
             housekeeping_pages,
             client_pages: housekeeping_pages - housekeeping_pages / 16,
             high_water: housekeeping_pages - housekeeping_pages / 8,
@@ -122,6 +121,11 @@ impl SizeBound {
         bytes.div_ceil(row_bytes).clamp(MIN_PRUNE_ROWS, most)
     }
 
+    /// Bytes of one WAL frame: a page and its header.
+    pub fn frame_bytes(&self) -> u64 {
+        self.page_size + WAL_FRAME_HEADER
+    }
+
     /// What one prune step may write to the WAL.
     fn step_bytes(&self) -> u64 {
         self.wal_limit / 4
@@ -142,34 +146,33 @@ mod tests {
 
     #[test]
     fn the_bound_is_split_between_the_wal_and_the_pages() {
-        // (max_size, page size, wal_limit, checkpoint frames, housekeeping, client, high, low)
+        // (max_size, page size, wal_limit, housekeeping, client, high, low)
         let cases = [
-            (MIN_MAX_SIZE, 4096, MIB / 8, 15, 224, 210, 196, 168),
-            (16 * MIB, 4096, 2 * MIB, 254, 3584, 3360, 3136, 2688),
+            (MIN_MAX_SIZE, 4096, MIB / 8, 224, 210, 196, 168),
+            (16 * MIB, 4096, 2 * MIB, 3584, 3360, 3136, 2688),
             (
                 DEFAULT_MAX_SIZE,
                 4096,
-                8 * MIB,
-                1018,
-                129_024,
-                120_960,
-                112_896,
-                96_768,
+                64 * MIB,
+                114_688,
+                107_520,
+                100_352,
+                86_016,
             ),
-            (16 * MIB, 65536, 2 * MIB, 15, 224, 210, 196, 168),
+            (1 << 30, 4096, 64 * MIB, 245_760, 230_400, 215_040, 184_320),
+            (16 * MIB, 65536, 2 * MIB, 224, 210, 196, 168),
         ];
-        for (max, page, wal, frames, housekeeping, client, high, low) in cases {
+        for (max, page, wal, housekeeping, client, high, low) in cases {
             let bound = SizeBound::new(max, page).unwrap();
             assert_eq!(
                 (
                     bound.wal_limit,
-                    bound.checkpoint_frames,
                     bound.housekeeping_pages,
                     bound.client_pages,
                     bound.high_water,
                     bound.low_water
                 ),
-                (wal, frames, housekeeping, client, high, low),
+                (wal, housekeeping, client, high, low),
                 "{max} bytes, {page}-byte pages"
             );
             // The file at its page limit plus a full WAL allowance fit in the bound.

@@ -1,6 +1,7 @@
 //! What only the SQLite ledger can report to Prometheus: the bytes its file takes on disk beside
-//! the bound it must stay within, and how its writer batches writes into transactions (writes
-//! per batch = the ratio of the two counters, what amortises each COMMIT).
+//! the bound it must stay within, how its writer batches writes into transactions (writes
+//! per batch = the ratio of the two counters, what amortises each COMMIT), and how long its
+//! batches, commits and checkpoints take (where a slow answer waited).
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -10,8 +11,8 @@ use super::SqliteLedger;
 
 /// `proxy_operator_ledger_bytes` (two `stat` calls, no query), `proxy_operator_ledger_max_bytes`,
 /// `proxy_operator_ledger_batches_total` and `proxy_operator_ledger_batched_writes_total`, read
-/// at scrape time; register it with `registry.register(Box::new(..))` beside the fleet
-/// collector.
+/// at scrape time, and the writer's `proxy_operator_ledger_{batch,commit,checkpoint}_seconds`
+/// histograms; register it with `registry.register(Box::new(..))` beside the fleet collector.
 pub struct SqliteLedgerCollector {
     ledger: SqliteLedger,
     bytes: IntGauge,
@@ -42,11 +43,15 @@ impl SqliteLedgerCollector {
             "proxy_operator_ledger_batched_writes_total",
             "Writes (acquire, renew, release, report) the writer's transactions carried.",
         )?;
+        let timings = &ledger.inner.shared.timings;
         let descs = [
             bytes.desc(),
             max_bytes.desc(),
             batches.desc(),
             writes.desc(),
+            timings.batch.desc(),
+            timings.commit.desc(),
+            timings.checkpoint.desc(),
         ]
         .into_iter()
         .flatten()
@@ -80,11 +85,15 @@ impl Collector for SqliteLedgerCollector {
         let stats = self.ledger.writer_stats();
         set_counter(&self.batches, stats.batches);
         set_counter(&self.writes, stats.writes());
+        let timings = &self.ledger.inner.shared.timings;
         [
             self.bytes.collect(),
             self.max_bytes.collect(),
             self.batches.collect(),
             self.writes.collect(),
+            timings.batch.collect(),
+            timings.commit.collect(),
+            timings.checkpoint.collect(),
         ]
         .concat()
     }

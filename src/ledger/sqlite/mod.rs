@@ -62,6 +62,7 @@
 //! the row is retained), so replays work after a restart.
 
 mod bound;
+mod checkpoint;
 mod counts;
 mod metrics;
 mod options;
@@ -82,6 +83,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use checkpoint::Checkpoints;
 use counts::Counts;
 use space::Space;
 use stats::Shared;
@@ -158,7 +160,18 @@ impl SqliteLedger {
         let counts = Arc::new(RwLock::new(Counts::of(&state, now)));
         let pool = store::reader_pool(path, options.durability)?;
         let (queue, receiver) = sync_channel(config.queue_capacity);
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(
+            Shared::new()
+                .map_err(|e| LedgerError::Config(format!("ledger writer metrics: {e}")))?,
+        );
+        let checkpoints = Checkpoints::start(
+            path,
+            options.durability,
+            &bound,
+            shared.timings.checkpoint.with_label_values(&["writer"]),
+            shared.timings.checkpoint.with_label_values(&["background"]),
+        )
+        .map_err(LedgerError::Writer)?;
         let writer = Writer {
             conn,
             state,
@@ -168,6 +181,7 @@ impl SqliteLedger {
             queue: receiver,
             shared: shared.clone(),
             space: Space::new(bound),
+            checkpoints,
         };
         let thread = std::thread::Builder::new()
             .name("ledger-writer".into())

@@ -13,6 +13,7 @@ use rusqlite::types::Type;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Row};
 
 use super::bound::{SizeBound, Usage};
+use super::checkpoint;
 use super::options::Durability;
 use super::schema;
 use super::state::{ActiveLease, LedgerState, RequestEntry};
@@ -94,15 +95,11 @@ pub(crate) fn open_writer(
     Ok((conn, bound))
 }
 
-/// Keeps the WAL within its allowance (checkpoint at half of it, truncate back to it after a
-/// reset) and caps the file at the client writes' page limit.
+/// Keeps the WAL within its allowance (the writer checkpoints at half of it, a reset truncates
+/// it back to it) and caps the file at the client writes' page limit.
 fn apply_bound(conn: &Connection, bound: &SizeBound) -> rusqlite::Result<()> {
     conn.pragma_update(None, "journal_size_limit", to_sql_int(bound.wal_limit))?;
-    conn.pragma_update(
-        None,
-        "wal_autocheckpoint",
-        to_sql_int(bound.checkpoint_frames),
-    )?;
+    checkpoint::take_over(conn)?;
     set_page_limit(conn, bound.client_pages)
 }
 
@@ -187,6 +184,19 @@ pub(crate) fn reader_pool(path: &Path, durability: Durability) -> Result<ReaderP
         .min_idle(Some(1))
         .test_on_check_out(false)
         .build(manager)?)
+}
+
+/// The background checkpoint's own connection to the ledger at `path`.
+pub(crate) fn checkpoint_connection(
+    path: &Path,
+    durability: Durability,
+) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    configure(&conn, durability)?;
+    Ok(conn)
 }
 
 /// Per-connection settings (the journal mode is a property of the file, set at open).
@@ -824,10 +834,8 @@ mod tests {
         let pragma =
             |name: &str| -> i64 { conn.pragma_query_value(None, name, |r| r.get(0)).unwrap() };
         assert_eq!(pragma("journal_size_limit"), 2 << 20);
-        assert_eq!(
-            pragma("wal_autocheckpoint"),
-            to_sql_int(bound.checkpoint_frames)
-        );
+        // The writer checkpoints itself, between batches.
+        assert_eq!(pragma("wal_autocheckpoint"), 0);
         assert_eq!(pragma("max_page_count"), to_sql_int(bound.client_pages));
         let usage = usage(&conn).unwrap();
         assert!(usage.pages > 0 && usage.used() <= usage.pages, "{usage:?}");

@@ -10,6 +10,7 @@ use std::time::Duration;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use super::checkpoint::Checkpoints;
 use super::counts::Counts;
 use super::space::{self, Space, is_full};
 use super::state::{AcquireDecision, ActiveLease, LedgerState, RenewOutcome};
@@ -171,6 +172,8 @@ pub(crate) struct Writer {
     pub shared: Arc<Shared>,
     /// Where the writer stands with the size bound.
     pub space: Space,
+    /// Keeps the WAL within its allowance without making writes wait for whole checkpoints.
+    pub checkpoints: Checkpoints,
 }
 
 /// How long an overloaded caller is told to wait: the smallest `Retry-After` the API can say.
@@ -204,6 +207,7 @@ impl Writer {
             }
             // Begin before collecting the batch: whatever queues while the transaction waits
             // for the file's write lock joins this batch.
+            let timer = self.shared.timings.batch.start_timer();
             let begun = self.conn.execute_batch("BEGIN IMMEDIATE");
             let mut batch = vec![first];
             while batch.len() < self.config.max_batch {
@@ -228,6 +232,7 @@ impl Writer {
                 Ok(()) => self.run_batch(batch),
                 Err(error) => self.fail(error, Vec::new(), batch),
             }
+            timer.observe_duration();
             self.after_batch();
         }
         log::debug!("ledger writer stopped");
@@ -252,7 +257,10 @@ impl Writer {
                 return;
             }
         }
-        if let Err(error) = self.conn.execute_batch("COMMIT") {
+        let timer = self.shared.timings.commit.start_timer();
+        let committed = self.conn.execute_batch("COMMIT");
+        timer.observe_duration();
+        if let Err(error) = committed {
             self.fail(error, settled, Vec::new());
             return;
         }
@@ -562,5 +570,6 @@ impl Writer {
             clock: self.clock.as_ref(),
         };
         self.space.after_batch(&parts);
+        self.checkpoints.after_batch(&self.conn);
     }
 }

@@ -22,7 +22,8 @@ use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
-    LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger, SqliteOptions,
+    LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger, SqliteLedgerCollector,
+    SqliteOptions,
 };
 use proxy_operator::resources::proxy::{Proxy, ProxySpec};
 use proxy_operator::serving::candidates::CandidateIndex;
@@ -37,6 +38,18 @@ use tempfile::TempDir;
 const MIB: u64 = 1 << 20;
 const MINUTE: Duration = Duration::from_secs(60);
 
+/// Checkpoints the ledger's metrics count `by` the writer or in the background.
+fn checkpoints(ledger: &SqliteLedger, by: &str) -> u64 {
+    let collector = SqliteLedgerCollector::new(ledger.clone()).unwrap();
+    prometheus::core::Collector::collect(&collector)
+        .iter()
+        .filter(|family| family.name() == "proxy_operator_ledger_checkpoint_seconds")
+        .flat_map(|family| family.get_metric())
+        .filter(|metric| metric.get_label().iter().any(|l| l.value() == by))
+        .map(|metric| metric.get_histogram().get_sample_count())
+        .sum()
+}
+
 fn full<T: std::fmt::Debug>(answer: Result<T, LedgerError>) -> Duration {
     match answer {
         Err(LedgerError::Full { retry_after }) => retry_after,
@@ -47,7 +60,8 @@ fn full<T: std::fmt::Debug>(answer: Result<T, LedgerError>) -> Duration {
 /// 200,000 acquire+release cycles (two history rows each, and a retained lease row for the
 /// cooldown window) through the ledger handle, 64 callers at once so group commit batches,
 /// against a 16 MiB bound: the file plus its WAL, sampled after every write, never exceed the
-/// bound; the oldest history is pruned and the recent history kept; nothing is refused.
+/// bound; the oldest history is pruned and the recent history kept; nothing is refused. The
+/// WAL was checkpointed both in the background and by the writer (which starts it over).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
     const CYCLES: u64 = 200_000;
@@ -124,6 +138,9 @@ async fn two_hundred_thousand_lease_cycles_stay_within_a_16_mib_bound() {
         "{stats:?}"
     );
     assert_eq!(stats.pruned_leases, 0, "history sufficed: {stats:?}");
+    for by in ["background", "writer"] {
+        assert!(checkpoints(&ledger, by) > 0, "no checkpoint by the {by}");
+    }
     assert_eq!(ledger.counts().active_total(), 0);
     ledger.self_check().await.unwrap();
     tokio::task::spawn_blocking(move || ledger.shutdown())

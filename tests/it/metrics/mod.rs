@@ -240,6 +240,8 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
         // The acquire's transaction and the write it carried.
         "proxy_operator_ledger_batches_total",
         "proxy_operator_ledger_batched_writes_total",
+        "proxy_operator_ledger_batch_seconds_count",
+        "proxy_operator_ledger_commit_seconds_count",
     ] {
         assert!(
             line_value(&text, series).is_some_and(|v| v > 0.0),
