@@ -7,7 +7,10 @@
 //! one interval, so a restart does not probe the whole fleet at once; a proxy that appears later
 //! is probed at once; vanished ones are pruned together with their snapshot entry and metric
 //! series) and queues the proxies that are due. At most `workers` probes run at once, and a proxy that is queued or in flight is never
-//! queued again.
+//! queued again. A proxy not yet probed at its address (new, or moved) is queued ahead of the
+//! re-probes: with a large fleet the workers can be busy with re-probes for a while, and a new
+//! proxy's first verdict is what makes it Ready (and what an External proxy's first status
+//! write waits for).
 //! Transitions are sent with `try_send`: a full channel never stalls probing, and the transition
 //! stays pending (not marked as reported) so the next probe of that proxy retries it.
 
@@ -107,6 +110,7 @@ impl HealthEngine {
                 credentials: config.credentials,
                 tracked: HashMap::new(),
                 started: false,
+                first: VecDeque::new(),
                 ready: VecDeque::new(),
                 snapshot,
                 metrics,
@@ -164,6 +168,8 @@ struct Tracked {
     state: HealthState,
     next_due: Instant,
     queued: bool,
+    /// Whether a probe of the current address has finished (a first probe jumps the queue).
+    probed: bool,
     in_flight: Option<AbortHandle>,
     /// The most recent failure at the current address.
     last_failure: Option<LastFailure>,
@@ -217,6 +223,7 @@ impl Tracked {
         }
         self.state = HealthState::seeded(None);
         self.last_failure = None;
+        self.probed = false;
         // Its result is dropped by `record`, which only accepts the task in `in_flight`.
         if let Some(probe) = self.in_flight.take() {
             probe.abort();
@@ -235,6 +242,9 @@ struct Scheduler {
     /// Whether a complete inventory has been synced: proxies tracked after that are new to the
     /// fleet and probed at once rather than jittered.
     started: bool,
+    /// Due proxies not yet probed at their address, dispatched before `ready`.
+    first: VecDeque<ProxyId>,
+    /// Due proxies to probe again.
     ready: VecDeque<ProxyId>,
     snapshot: HealthSnapshot,
     metrics: ProbeMetrics,
@@ -291,6 +301,7 @@ impl Scheduler {
                 state: HealthState::seeded(seed),
                 next_due: now + jitter,
                 queued: false,
+                probed: false,
                 in_flight: None,
                 last_failure: None,
             },
@@ -321,19 +332,31 @@ impl Scheduler {
             }
         }
         if !gone.is_empty() {
+            self.first.retain(|id| live.contains(id));
             self.ready.retain(|id| live.contains(id));
             self.snapshot.retain(|id| live.contains(id));
         }
     }
 
-    /// Queues every proxy that is due and neither queued nor in flight.
+    /// Queues every proxy that is due and neither queued nor in flight: first probes in
+    /// `first`, the others in `ready`.
     fn queue_due(&mut self, now: Instant) {
         for (id, tracked) in &mut self.tracked {
             if tracked.next_due <= now && !tracked.queued && tracked.in_flight.is_none() {
                 tracked.queued = true;
-                self.ready.push_back(id.clone());
+                let queue = if tracked.probed {
+                    &mut self.ready
+                } else {
+                    &mut self.first
+                };
+                queue.push_back(id.clone());
             }
         }
+    }
+
+    /// The queued proxy to probe next: first probes before re-probes.
+    fn next_queued(&mut self) -> Option<ProxyId> {
+        self.first.pop_front().or_else(|| self.ready.pop_front())
     }
 
     /// Starts queued probes while fewer than `workers` are in flight.
@@ -344,7 +367,7 @@ impl Scheduler {
         now: Instant,
     ) {
         while probes.len() < workers {
-            let Some(id) = self.ready.pop_front() else {
+            let Some(id) = self.next_queued() else {
                 return;
             };
             let Some(tracked) = self.tracked.get_mut(&id) else {
@@ -381,6 +404,7 @@ impl Scheduler {
             return;
         }
         tracked.in_flight = None;
+        tracked.probed = true;
         let at = jiff::Timestamp::now();
         let report =
             tracked
@@ -515,6 +539,36 @@ mod tests {
         serde_json::from_value(value).unwrap()
     }
 
+    #[test]
+    fn first_probes_go_ahead_of_re_probes() {
+        let named = |name: &str| {
+            let mut proxy = proxy(Some(("127.0.0.1", 3128)), None, "5s");
+            proxy.metadata.name = Some(name.to_owned());
+            proxy.metadata.uid = Some(format!("uid-{name}"));
+            proxy
+        };
+        let mut scheduler = scheduler();
+        let t0 = Instant::now();
+        let inventory = Inventory::new();
+        inventory.replace([named("a-probed"), named("b-probed")]);
+        scheduler.sync(&inventory.snapshot(), t0);
+        for tracked in scheduler.tracked.values_mut() {
+            tracked.probed = true;
+        }
+        inventory.replace([named("a-probed"), named("b-probed"), named("c-new")]);
+        scheduler.sync(&inventory.snapshot(), t0);
+        scheduler.queue_due(t0);
+        let mut order = Vec::new();
+        while let Some(id) = scheduler.next_queued() {
+            order.push(id.name);
+        }
+        let (first, rest) = order.split_first().unwrap();
+        assert_eq!(first, "c-new", "the new proxy is probed first: {order:?}");
+        let mut rest = rest.to_vec();
+        rest.sort();
+        assert_eq!(rest, ["a-probed", "b-probed"]);
+    }
+
     fn scheduler() -> Scheduler {
         let (transitions, _) = mpsc::channel(8);
         Scheduler {
@@ -522,6 +576,7 @@ mod tests {
             tls: ProbeTls::new(&[]),
             tracked: HashMap::new(),
             started: true,
+            first: VecDeque::new(),
             ready: VecDeque::new(),
             snapshot: HealthSnapshot::new(),
             metrics: ProbeMetrics::register(&Registry::new()).unwrap(),
@@ -628,7 +683,7 @@ mod tests {
                 "{name}"
             );
             scheduler.queue_due(t1);
-            assert_eq!(scheduler.ready, VecDeque::from([id.clone()]), "{name}");
+            assert_eq!(scheduler.first, VecDeque::from([id.clone()]), "{name}");
         }
     }
 }

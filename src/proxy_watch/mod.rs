@@ -40,6 +40,9 @@ pub const INVENTORY_BATCH: Duration = Duration::from_millis(100);
 /// Reconcile triggers buffered for the reconciler before the watch waits for it.
 const TRIGGER_BUFFER: usize = 1024;
 
+/// Deletions buffered for the reconciler; beyond that one is left to its sweep.
+const DELETED_BUFFER: usize = 1024;
+
 /// Reports buffered for the Event publisher; beyond that a report is only logged.
 pub const REPORT_BUFFER: usize = 256;
 
@@ -99,6 +102,9 @@ pub struct ReconcilerFeed {
     pub store: Store<Proxy>,
     /// Every Proxy applied to the store (each one once after every complete list).
     pub triggers: mpsc::Receiver<Arc<Proxy>>,
+    /// The UID of every Proxy the API server deleted, as the watch reports it (a full buffer
+    /// drops some: the reconciler's sweep finds those).
+    pub deleted: mpsc::Receiver<String>,
 }
 
 /// Changes buffered per [`ProxyWatch::subscribe`]r; a slower one misses the oldest (the pool
@@ -111,6 +117,7 @@ pub struct ProxyWatch {
     store: Store<Proxy>,
     triggers: mpsc::Sender<Arc<Proxy>>,
     changes: broadcast::Sender<Arc<Proxy>>,
+    deleted: mpsc::Sender<String>,
 }
 
 impl ProxyWatch {
@@ -125,23 +132,27 @@ impl ProxyWatch {
 pub fn shared_store() -> (ProxyWatch, ReconcilerFeed) {
     let (store, writer) = reflector::store();
     let (triggers, receiver) = mpsc::channel(TRIGGER_BUFFER);
+    let (deleted, deletions) = mpsc::channel(DELETED_BUFFER);
     (
         ProxyWatch {
             writer,
             store: store.clone(),
             triggers,
             changes: broadcast::channel(CHANGE_BUFFER).0,
+            deleted,
         },
         ReconcilerFeed {
             store,
             triggers: receiver,
+            deleted: deletions,
         },
     )
 }
 
 /// Runs the watch until `shutdown`: decodes each raw event, keeps the store, rebuilds
-/// `inventory` (synced once the first complete list is in), triggers the reconciler, counts
-/// and reports undecodable Proxies. Returns an error if the watch stream ends.
+/// `inventory` (synced once the first complete list is in), triggers the reconciler, tells it
+/// of deletions, counts and reports undecodable Proxies. Returns an error if the watch stream
+/// ends.
 pub async fn run(
     watch: ProxyWatch,
     raw: impl Stream<Item = watcher::Result<watcher::Event<DynamicObject>>> + Send + 'static,
@@ -155,8 +166,9 @@ pub async fn run(
         store,
         triggers,
         changes,
+        deleted,
     } = watch;
-    let decoded = decoded(raw, store.clone(), metrics, reports);
+    let decoded = decoded(raw, store.clone(), metrics, reports, deleted);
     let mut events = std::pin::pin!(reflector::reflector(writer, decoded));
     let mut listed = false;
     let mut rebuild_at: Option<Instant> = None;
@@ -214,12 +226,14 @@ async fn trigger(triggers: &mpsc::Sender<Arc<Proxy>>, proxy: Arc<Proxy>) {
 }
 
 /// The raw events decoded one object at a time: undecodable objects are skipped (evicting an
-/// earlier good version from `store`), counted and reported.
+/// earlier good version from `store`), counted and reported; the UIDs of deleted Proxies go to
+/// `deleted`.
 fn decoded(
     raw: impl Stream<Item = watcher::Result<watcher::Event<DynamicObject>>> + Send + 'static,
     store: Store<Proxy>,
     metrics: WatchMetrics,
     reports: mpsc::Sender<Undecodable>,
+    deleted: mpsc::Sender<String>,
 ) -> impl Stream<Item = watcher::Result<watcher::Event<Proxy>>> + Send + 'static {
     let mut skipped = SkipList::default();
     raw.filter_map(move |item| {
@@ -236,6 +250,11 @@ fn decoded(
                     if reports.try_send(report).is_err() {
                         log::debug!("Proxy watch: the Event publisher is behind; Event dropped");
                     }
+                }
+                if let Some(uid) = triage.deleted
+                    && deleted.try_send(uid).is_err()
+                {
+                    log::debug!("Proxy watch: the reconciler is behind on deletions; one dropped");
                 }
                 match triage.change {
                     StoreChange::Forward(event) => Some(Ok(*event)),

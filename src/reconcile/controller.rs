@@ -1,6 +1,7 @@
 //! The controller around the reconciler: one reconcile from start to end ([`reconcile`]:
-//! gather, decide, execute, write), the backoff after its errors, and the trigger streams that
-//! start reconciles (the Proxy store, cloud-init Secrets, managed Pods, health transitions).
+//! gather, decide, execute, write), the backoff after its errors, the trigger streams that
+//! start reconciles (the Proxy store, cloud-init Secrets, managed Pods, health transitions),
+//! and the leases of deleted Proxies (`deleted`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -11,9 +12,11 @@ use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
+use tokio::sync::mpsc;
 
 use super::context::Context;
 use super::decide::decide;
+use super::deleted;
 use super::error::Error;
 use super::execute::{self, RetryEffect};
 use super::observe::{self, Gathered};
@@ -107,13 +110,15 @@ fn error_policy(proxy: Arc<Proxy>, error: &Error, ctx: Arc<Context>) -> controll
     controller::Action::requeue(delay)
 }
 
-/// How often health and retry memory of deleted Proxies is dropped.
+/// How often health and retry memory of deleted Proxies is dropped, and the leases of deleted
+/// Proxies no delete event reported are looked for.
 const FORGET_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Once the store has its first list, publishes it as the fleet view (`Context::fleet`) and
-/// then drops the health transitions, retry memory and budget grants of Proxies no longer in
-/// it, every [`FORGET_PERIOD`].
-async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>) {
+/// Once the store has its first list, publishes it as the fleet view (`Context::fleet`), then
+/// at once and every [`FORGET_PERIOD`] drops the health transitions, retry memory and budget
+/// grants of Proxies no longer in it and ends the leases of Proxies the API server no longer
+/// has ([`deleted::sweep`]; `namespace` is the watch's).
+async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>, namespace: Option<String>) {
     if store.wait_until_ready().await.is_err() {
         return;
     }
@@ -129,6 +134,7 @@ async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>) {
         ctx.health.retain(&live);
         ctx.pacing.retain(&live);
         ctx.grants.retain(&live);
+        deleted::sweep(&ctx, &store, namespace.as_deref()).await;
     }
 }
 
@@ -137,13 +143,17 @@ async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>) {
 /// stores), re-triggers on cloud-init Secrets and on this install's machine Pods (in
 /// `namespace`, or in all namespaces) and on `health` transitions, at most
 /// [`ReconcilerConfig::concurrency`] at once. A Proxy that is not in the store (deleted, or
-/// skipped as undecodable) is never reconciled.
+/// skipped as undecodable) is never reconciled; the leases of one the watch reports
+/// `deleted` (by UID) end.
+///
+/// [`ReconcilerConfig::concurrency`]: super::ReconcilerConfig::concurrency
 pub async fn run_controller(
     ctx: Arc<Context>,
     store: Store<Proxy>,
     proxies: impl Stream<Item = Arc<Proxy>> + Send + 'static,
     namespace: Option<&str>,
     health: impl Stream<Item = ObjectRef<Proxy>> + Send + 'static,
+    deletions: mpsc::Receiver<String>,
 ) {
     let secrets: Api<Secret> = match namespace {
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
@@ -158,7 +168,11 @@ pub async fn run_controller(
         ctx.install
     ));
     let pod_store = store.clone();
-    let tracking = track_fleet(store.clone(), ctx.clone());
+    let tracking = track_fleet(store.clone(), ctx.clone(), namespace.map(str::to_owned));
+    let following = {
+        let ctx = ctx.clone();
+        async move { deleted::follow(&ctx, deletions).await }
+    };
     let controller = Controller::for_shared_stream(proxies, store.clone())
         .with_config(controller::Config::default().concurrency(ctx.config.concurrency));
     let secret_selector =
@@ -185,6 +199,7 @@ pub async fn run_controller(
     tokio::select! {
         () = reconciling => {}
         () = tracking => {}
+        () = following => {}
     }
 }
 

@@ -399,10 +399,21 @@ fn loss(inputs: &Inputs<'_>) -> Loss {
     }
 }
 
+/// An External proxy: no machine and no provider, so nothing its deletion must wait for and
+/// no finalizer. One that carries ours anyway (from a manifest copied off a finalized object,
+/// or added by hand) loses it, so that its deletion never waits on this operator.
+fn external(inputs: &Inputs<'_>) -> Action {
+    if inputs.finalizer_present {
+        Action::RemoveFinalizer
+    } else {
+        Action::External
+    }
+}
+
 /// The design's reconcile table: exactly one action for the given inputs.
 pub fn decide(inputs: &Inputs<'_>) -> Action {
     if inputs.mode == Mode::External {
-        return Action::External;
+        return external(inputs);
     }
     let provider_id = inputs.provider_id.filter(|id| !id.is_empty());
     let create_pending = inputs.create_pending.filter(|h| !h.is_empty());

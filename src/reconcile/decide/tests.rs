@@ -444,9 +444,25 @@ fn self_healing_rows() {
 }
 
 #[test]
-fn external_proxies_never_touch_finalizers_or_providers() {
+fn external_proxies_never_touch_providers_and_lose_our_finalizer() {
     let obs = Observation::NotQueried;
-    for (deleting, finalizer) in [(false, false), (true, false), (false, true)] {
+    let cases = [
+        ("settled", false, false, Action::External),
+        ("being deleted", true, false, Action::External),
+        (
+            "carries our finalizer",
+            false,
+            true,
+            Action::RemoveFinalizer,
+        ),
+        (
+            "being deleted, held by our finalizer",
+            true,
+            true,
+            Action::RemoveFinalizer,
+        ),
+    ];
+    for (name, deleting, finalizer, expected) in cases {
         let inputs = Inputs {
             mode: Mode::External,
             deleting,
@@ -454,7 +470,7 @@ fn external_proxies_never_touch_finalizers_or_providers() {
             provider_id: None,
             ..base(&obs)
         };
-        assert_eq!(decide(&inputs), Action::External);
+        assert_eq!(decide(&inputs), expected, "{name}");
     }
 }
 

@@ -1,5 +1,6 @@
-//! The finalizer that keeps a Proxy until its machine is gone: added before the first create,
-//! removed once nothing is left to delete.
+//! The finalizer that keeps a Managed Proxy until its machine is gone: added before the first
+//! create, removed once nothing is left to delete. An External proxy has no machine and never
+//! gets it; one that carries it anyway loses it.
 
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller;
@@ -20,7 +21,8 @@ pub(super) async fn add_finalizer(machine: &Machine<'_>, api: &Api<Proxy>) -> Re
     Ok(Step::requeue(controller::Action::await_change()))
 }
 
-/// Removes the finalizer and forgets the Proxy's health and budget slot: it goes now.
+/// Removes the finalizer. A Proxy being deleted goes now, so its health and budget slot are
+/// forgotten; an External proxy that only loses a finalizer it never needed stays, with both.
 pub(super) async fn remove_finalizer(
     machine: &Machine<'_>,
     api: &Api<Proxy>,
@@ -33,8 +35,10 @@ pub(super) async fn remove_finalizer(
         .cloned()
         .collect();
     patch_finalizers(api, proxy, finalizers).await?;
-    machine.ctx.health.forget(&proxy.id());
-    machine.ctx.grants.release(&machine.uid());
+    if proxy.metadata.deletion_timestamp.is_some() {
+        machine.ctx.health.forget(&proxy.id());
+        machine.ctx.grants.release(&machine.uid());
+    }
     Ok(Step::requeue(controller::Action::await_change()))
 }
 
