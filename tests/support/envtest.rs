@@ -190,6 +190,17 @@ impl ControlPlane {
         &self.root
     }
 
+    /// The process IDs of etcd and kube-apiserver, for a bench that reports the CPU time
+    /// they spend.
+    pub fn process_ids(&self) -> Vec<u32> {
+        self._children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(Child::id)
+            .collect()
+    }
+
     /// How long etcd + kube-apiserver took to become ready.
     pub fn startup_time(&self) -> Duration {
         self.startup

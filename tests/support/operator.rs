@@ -67,6 +67,8 @@ pub struct OperatorOptions {
 pub struct OperatorProcess {
     child: Option<Child>,
     options: OperatorOptions,
+    /// The `proxy-operator` executable: this build's, or another build a bench compares.
+    binary: PathBuf,
     api_port: u16,
     metrics_port: u16,
     gateway_port: u16,
@@ -78,8 +80,15 @@ impl OperatorProcess {
     /// Starts the binary with `options` on fresh loopback ports (not yet ready: see
     /// [`OperatorProcess::wait_ready`]).
     pub fn start(options: OperatorOptions) -> OperatorProcess {
+        OperatorProcess::start_binary(options, this_build())
+    }
+
+    /// Starts `binary` (a `proxy-operator` of another build, for a bench comparing builds)
+    /// with `options`, as [`OperatorProcess::start`] starts this build's.
+    pub fn start_binary(options: OperatorOptions, binary: PathBuf) -> OperatorProcess {
         let mut process = OperatorProcess {
             child: None,
+            binary,
             api_port: free_port(),
             metrics_port: free_port(),
             gateway_port: free_port(),
@@ -102,6 +111,28 @@ impl OperatorProcess {
         watch_namespace: Option<&str>,
         extra_args: &[&str],
     ) -> OperatorProcess {
+        OperatorProcess::start_ready_binary(
+            cp,
+            dir,
+            target,
+            install_id,
+            watch_namespace,
+            extra_args,
+            this_build(),
+        )
+        .await
+    }
+
+    /// [`OperatorProcess::start_ready`] with `binary` instead of this build's executable.
+    pub async fn start_ready_binary(
+        cp: &ControlPlane,
+        dir: &Path,
+        target: &Target,
+        install_id: &str,
+        watch_namespace: Option<&str>,
+        extra_args: &[&str],
+        binary: PathBuf,
+    ) -> OperatorProcess {
         let kubeconfig = dir.join("operator.kubeconfig");
         cp.operator_kubeconfig(&kubeconfig).await;
         let probe_ca = write_file(dir, "probe-ca.pem", target.ca_cert_pem());
@@ -110,14 +141,15 @@ impl OperatorProcess {
             .into_iter()
             .collect();
         args.extend(extra_args.iter().map(|a| (*a).to_owned()));
-        let mut operator = OperatorProcess::start(OperatorOptions {
+        let options = OperatorOptions {
             kubeconfig,
             dir: dir.to_owned(),
             install_id: install_id.to_owned(),
             watch_namespace: watch_namespace.map(str::to_owned),
             extra_args: args,
             probe_ca: Some(probe_ca),
-        });
+        };
+        let mut operator = OperatorProcess::start_binary(options, binary);
         operator.wait_ready(READY_DEADLINE).await;
         operator
     }
@@ -136,7 +168,7 @@ impl OperatorProcess {
             .append(true)
             .open(&self.log)
             .expect("open the operator log");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_proxy-operator"));
+        let mut command = Command::new(&self.binary);
         command.arg("run").arg("--providers-config").arg(&providers);
         // An SQLite file of its own, unless the test shares a ledger among processes.
         if !self.options.extra_args.iter().any(|a| a == "--ledger") {
@@ -409,6 +441,11 @@ impl Drop for OperatorProcess {
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// This build's `proxy-operator` executable.
+pub fn this_build() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_proxy-operator"))
 }
 
 /// The `leaseID` of a lease the API answered with.
