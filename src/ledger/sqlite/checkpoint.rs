@@ -29,8 +29,6 @@ use rusqlite::Connection;
 use rusqlite::hooks::Wal;
 
 use super::bound::SizeBound;
-use super::options::Durability;
-use super::store;
 
 thread_local! {
     /// Frames in the WAL after the last commit on this thread's connection (the writer's
@@ -104,10 +102,11 @@ pub(super) struct Checkpoints {
 }
 
 impl Checkpoints {
-    /// Starts the background checkpoint of the ledger at `path`, timed on `background_time`.
+    /// Starts the background checkpoint of the ledger at `path` on the connection `open`
+    /// makes (on its own thread), timed on `background_time`.
     pub fn start(
         path: &Path,
-        durability: Durability,
+        open: impl FnOnce() -> rusqlite::Result<Connection> + Send + 'static,
         bound: &SizeBound,
         writer_time: Histogram,
         background_time: Histogram,
@@ -116,7 +115,7 @@ impl Checkpoints {
         let path = path.to_owned();
         let background = std::thread::Builder::new()
             .name("ledger-checkpoint".into())
-            .spawn(move || background(&path, durability, &woken, &background_time))?;
+            .spawn(move || background(&path, open, &woken, &background_time))?;
         Ok(Checkpoints {
             policy: Policy::of(bound),
             woken: 0,
@@ -176,8 +175,13 @@ fn passive(conn: &Connection) -> rusqlite::Result<()> {
 }
 
 /// The background thread: a checkpoint each time it is woken, until the writer goes.
-fn background(path: &Path, durability: Durability, woken: &Receiver<()>, time: &Histogram) {
-    let conn = match store::checkpoint_connection(path, durability) {
+fn background(
+    path: &Path,
+    open: impl FnOnce() -> rusqlite::Result<Connection>,
+    woken: &Receiver<()>,
+    time: &Histogram,
+) {
+    let conn = match open() {
         Ok(conn) => conn,
         Err(error) => {
             log::warn!(

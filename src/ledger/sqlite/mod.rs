@@ -164,9 +164,11 @@ impl SqliteLedger {
             Shared::new()
                 .map_err(|e| LedgerError::Config(format!("ledger writer metrics: {e}")))?,
         );
+        let background_path = path.to_owned();
+        let durability = options.durability;
         let checkpoints = Checkpoints::start(
             path,
-            options.durability,
+            move || store::checkpoint_connection(&background_path, durability),
             &bound,
             shared.timings.checkpoint.with_label_values(&["writer"]),
             shared.timings.checkpoint.with_label_values(&["background"]),
