@@ -226,7 +226,7 @@ async fn standalone_end_to_end() {
     let (api_port, metrics_port) = (free_port(), free_port());
     let mut operator = Operator::start(dir.path(), &inventory, &ca, api_port, metrics_port);
     let client = Client {
-        http: reqwest::Client::new(),
+        http: crate::support::http::client(),
         base: operator.api.clone(),
     };
     wait_ready(&client).await;
@@ -647,7 +647,7 @@ async fn tokens_rotate_through_the_token_file_without_a_restart() {
         api: api.clone(),
         metrics: String::new(),
     };
-    let http = reqwest::Client::new();
+    let http = crate::support::http::client();
     eventually("the API to serve the file's token", || {
         let (http, api) = (&http, &api);
         async move { proxies_status(http, api, Some(OLD)).await == StatusCode::OK }
@@ -723,7 +723,7 @@ async fn insecure_no_auth_serves_without_a_token_and_says_so() {
         api: api.clone(),
         metrics: String::new(),
     };
-    let http = reqwest::Client::new();
+    let http = crate::support::http::client();
     eventually("the open API to answer", || {
         let (http, api) = (&http, &api);
         async move { proxies_status(http, api, None).await == StatusCode::OK }
@@ -796,7 +796,7 @@ async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
     );
     operator.wait_healthy(TOKEN, 2, DEADLINE * 2).await;
     let client = Client {
-        http: reqwest::Client::new(),
+        http: crate::support::http::client(),
         base: operator.api().to_owned(),
     };
     let pool = json!({"selector": {"pool": "cordon"}, "ttlSeconds": 60});

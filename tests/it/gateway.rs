@@ -303,7 +303,7 @@ async fn sticky_sessions_keep_their_exit_and_move_when_their_upstream_dies_or_is
     }
 
     // Inside TLS only the crawler sees a ban: it reports it for the session by name.
-    let api = reqwest::Client::new();
+    let api = crate::support::http::client();
     let report = |name: &str| {
         api.post(format!(
             "{}/v1/sessions/{name}/report",
@@ -661,7 +661,7 @@ async fn per_target_caps_refuse_with_their_own_reason_and_credentials_are_given_
     assert!(other.retry_after.is_some());
 
     // The lease API holds acquires to the same cap, and gives the credentials out (the flag).
-    let api = reqwest::Client::new();
+    let api = crate::support::http::client();
     let acquire = |target: Option<&str>| {
         let mut body = json!({"ttlSeconds": 60});
         if let Some(target) = target {

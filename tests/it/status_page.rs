@@ -19,7 +19,7 @@ use crate::support::{DEADLINE, sqlite3};
 
 /// A client that shows redirects instead of following them.
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
+    crate::support::http::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap()

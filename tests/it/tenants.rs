@@ -89,7 +89,7 @@ async fn fleet_of_two_teams(dir: &Path, tenants: &str) -> (GatewayFleet, PathBuf
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
+    crate::support::http::builder()
         .timeout(Duration::from_secs(30))
         .build()
         .unwrap()
@@ -172,7 +172,7 @@ async fn gateway_head(fleet: &GatewayFleet, user: &str, token: &str) -> (u16, St
 
 /// The HTML of `path` for a person signed in with `token`.
 async fn signed_in_page(api: &str, token: &str, path: &str) -> String {
-    let no_redirects = reqwest::Client::builder()
+    let no_redirects = crate::support::http::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();

@@ -160,13 +160,11 @@ where
 
 /// The client of every crawler and check: `timeout` per request (a request not answered by
 /// then counts as unanswered), enough idle connections for `crawlers` crawlers on one host.
-/// An idle connection is dropped after 2 s, before the server's 5 s keep-alive closes it: a
-/// request sent on a connection the server is closing at that instant fails to send.
+/// Idle connections are dropped before the server closes them ([`super::http::POOL_IDLE`]).
 pub fn http_client(crawlers: usize, timeout: Duration) -> reqwest::Client {
-    reqwest::Client::builder()
+    super::http::builder()
         .timeout(timeout)
         .pool_max_idle_per_host(crawlers)
-        .pool_idle_timeout(Duration::from_secs(2))
         .build()
         .unwrap()
 }

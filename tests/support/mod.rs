@@ -10,6 +10,7 @@ pub mod crawl_load;
 pub mod curl;
 pub mod envtest;
 pub mod fleet;
+pub mod http;
 pub mod kubelet;
 pub mod ledger;
 pub mod loopback;

@@ -94,7 +94,7 @@ impl OperatorProcess {
             gateway_port: free_port(),
             log: options.dir.join("operator.log"),
             options,
-            http: reqwest::Client::new(),
+            http: super::http::client(),
         };
         process.spawn();
         process

@@ -1061,7 +1061,7 @@ impl ProbeState {
 
 impl Runner {
     async fn run(mut self) {
-        let http = reqwest::Client::new();
+        let http = super::http::client();
         let fs_group = self.spec.security_context.as_ref().and_then(|s| s.fs_group);
         let grace =
             Duration::from_secs(self.spec.termination_grace_period_seconds.unwrap_or(30) as u64);

@@ -56,7 +56,7 @@ impl Prometheus {
                 child,
                 dir,
                 base: format!("http://127.0.0.1:{port}"),
-                http: reqwest::Client::new(),
+                http: super::http::client(),
             };
             if started.ready().await {
                 return Some(started);

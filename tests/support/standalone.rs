@@ -186,7 +186,7 @@ impl Standalone {
     /// Polls `GET /v1/proxies?healthy=true` until at least `count` proxies are healthy,
     /// panicking after `deadline` (or when the process has exited) with the log.
     pub async fn wait_healthy(&mut self, token: &str, count: usize, deadline: Duration) {
-        let client = reqwest::Client::new();
+        let client = super::http::client();
         let url = format!("{}/v1/proxies?healthy=true", self.api);
         let start = Instant::now();
         let mut last: String;

@@ -126,7 +126,7 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
         candidates: CandidateIndex::default(),
     };
     let (base, handle) = support::serve_api(state, TOKEN);
-    let client = reqwest::Client::new();
+    let client = crate::support::http::client();
 
     // Poll until every proxy has its verdict (and the undecided one has failed a few times).
     let deadline = tokio::time::Instant::now() + DEADLINE;

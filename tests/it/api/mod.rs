@@ -231,7 +231,7 @@ impl Harness {
         tokio::spawn(server);
         Harness {
             base,
-            client: reqwest::Client::new(),
+            client: crate::support::http::client(),
             inventory,
             health,
             clock,

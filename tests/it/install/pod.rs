@@ -282,7 +282,7 @@ async fn the_helm_install_runs_as_its_own_pod() {
 
 /// The Pod becomes Ready; Proxies reach Ready; a lease; a rotation; a Recreate keeps the lease.
 async fn the_install_serves(plane: &'static ControlPlane, host: &PodHost, mut install: Install) {
-    let http = reqwest::Client::new();
+    let http = crate::support::http::client();
 
     let pod = host.start(NAMESPACE, DEPLOYMENT).await;
     pod.wait_ready(POD_READY).await;

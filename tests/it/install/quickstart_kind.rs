@@ -232,7 +232,7 @@ struct Api {
 impl Api {
     fn new(forward: &PortForward) -> Api {
         Api {
-            http: reqwest::Client::new(),
+            http: crate::support::http::client(),
             base: forward.base.clone(),
             token: token(),
         }

@@ -646,7 +646,7 @@ async fn the_tenants_overlay_runs_as_its_own_pod() {
     if tool("kubectl").is_none() {
         return;
     }
-    let http = reqwest::Client::new();
+    let http = crate::support::http::client();
     let admin = new_token();
     let layout = Layout::copy_with_token(&admin);
     let kubeconfig = layout.path("admin.kubeconfig");

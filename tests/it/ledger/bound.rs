@@ -541,7 +541,7 @@ impl Api {
         let (base, handle) = support::serve_api(state, TOKEN);
         Api {
             base,
-            http: reqwest::Client::new(),
+            http: crate::support::http::client(),
             clock,
             ledger,
             registry,

@@ -288,7 +288,7 @@ async fn traffic(fleet: &GatewayFleet) {
         assert_eq!(code, 0, "{err}");
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     }
-    let client = reqwest::Client::new();
+    let client = crate::support::http::client();
     let api = fleet.operator.api();
     let response = client
         .post(format!("{api}/v1/leases"))

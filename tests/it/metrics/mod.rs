@@ -181,7 +181,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
     let server = metrics::serve(listener, registry).unwrap();
     let handle = server.handle();
     tokio::spawn(server);
-    let client = reqwest::Client::new();
+    let client = crate::support::http::client();
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let text = loop {
         let text = client.get(&url).send().await.unwrap().text().await.unwrap();
@@ -442,7 +442,7 @@ impl CooldownWorld {
             api_server,
             metrics,
             metrics_server,
-            http: reqwest::Client::new(),
+            http: crate::support::http::client(),
         }
     }
 

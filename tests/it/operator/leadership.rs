@@ -148,7 +148,7 @@ async fn only_the_lease_holder_reconciles_and_a_follower_takes_over_when_it_dies
         let (answering, calls, failures) = (answering.clone(), calls.clone(), failures.clone());
         let url = follower.api_url("/v1/proxies?selector=pool=envtest");
         tokio::spawn(async move {
-            let http = reqwest::Client::new();
+            let http = crate::support::http::client();
             while answering.load(Ordering::Relaxed) {
                 let answer = http
                     .get(&url)

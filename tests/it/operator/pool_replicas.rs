@@ -69,7 +69,7 @@ async fn gauge(operator: &OperatorProcess, metric: &str, labels: &[&str]) -> f64
 /// An acquire on `operator`'s lease API with `body`: the status, the `Retry-After` header (in
 /// seconds) and the JSON answer.
 async fn acquire(operator: &OperatorProcess, body: &Value) -> (StatusCode, Option<u64>, Value) {
-    let response = reqwest::Client::new()
+    let response = crate::support::http::client()
         .post(operator.api_url("/v1/leases"))
         .bearer_auth(API_TOKEN)
         .json(body)

@@ -262,7 +262,7 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
         )
     };
     let rejected_before = rejections().await;
-    let response = reqwest::Client::new()
+    let response = crate::support::http::client()
         .post(operator.api_url("/v1/leases"))
         .bearer_auth(API_TOKEN)
         .json(&json!({"selector": {"geo": geo}}))

@@ -203,7 +203,7 @@ async fn start(others: Vec<Value>) -> Running {
         requests,
         api: format!("http://127.0.0.1:{api_port}"),
         metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
-        http: reqwest::Client::new(),
+        http: crate::support::http::client(),
         stop,
         operator,
         server,

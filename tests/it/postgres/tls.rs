@@ -86,7 +86,7 @@ impl Operator {
     /// Polls `/readyz` until it answers 200, and returns its body; panics with the log when
     /// the process exits or [`DEADLINE`] passes first.
     async fn wait_ready(&mut self) -> Value {
-        let http = reqwest::Client::new();
+        let http = crate::support::http::client();
         let url = format!("{}/readyz", self.api);
         let start = Instant::now();
         let mut last: String;
