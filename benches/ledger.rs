@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Ledger, LedgerConfig, SqliteLedger, SqliteOptions,
-    SystemClock, WriterStats,
+    AcquireOutcome, AcquireRequest, Candidate, Candidates, Ledger, LedgerConfig, SqliteLedger,
+    SqliteOptions, SystemClock, WriterStats,
 };
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
@@ -35,7 +35,7 @@ const ROUND_PAIRS: usize = 8_000;
 struct LedgerSide {
     _dir: TempDir,
     ledger: SqliteLedger,
-    candidates: Arc<[Candidate]>,
+    candidates: Candidates,
 }
 
 impl LedgerSide {

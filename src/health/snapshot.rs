@@ -5,9 +5,11 @@
 //! ([`HealthTable::slot`]) stay put until a proxy is added or removed. [`HealthTable::layout`]
 //! changes exactly then, so a reader may cache the positions of the proxies it cares about
 //! for as long as the layout is unchanged; [`HealthTable::version`] also changes when a
-//! proxy's verdict or latency does, so a reader may cache what it derived from those.
+//! proxy's verdict or latency does, so a reader may cache what it derived from those, and
+//! [`HealthTable::changed_since`] says which positions changed since a version, so that
+//! reader can update what it derived instead of deriving it again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
@@ -48,6 +50,9 @@ fn next_layout() -> u64 {
     NEXT_LAYOUT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Changes the journal keeps at least, however few proxies are tracked.
+const MIN_JOURNAL: usize = 1024;
+
 /// Health of every tracked proxy, by identity or by position.
 #[derive(Debug)]
 pub struct HealthTable {
@@ -55,6 +60,12 @@ pub struct HealthTable {
     slots: Vec<ProxyHealth>,
     layout: u64,
     version: u64,
+    /// `(version, slot)` of each change of a verdict or latency in this layout, oldest first;
+    /// at most as many as there are slots (or [`MIN_JOURNAL`]), so a fleet probed every 30 s
+    /// keeps half a minute of changes or more.
+    journal: VecDeque<(u64, usize)>,
+    /// Every change after this version is in the journal.
+    journal_since: u64,
 }
 
 impl Default for HealthTable {
@@ -65,6 +76,8 @@ impl Default for HealthTable {
             slots: Vec::new(),
             layout,
             version: layout,
+            journal: VecDeque::new(),
+            journal_since: layout,
         }
     }
 }
@@ -96,6 +109,17 @@ impl HealthTable {
         self.version
     }
 
+    /// The positions whose verdict or latency changed after `version` (a version of this
+    /// layout), in the order they changed, a position once per change; `None` when that is
+    /// no longer known (the version is of another layout, or older than the journal).
+    pub fn changed_since(&self, version: u64) -> Option<impl Iterator<Item = usize> + '_> {
+        if version < self.journal_since || version > self.version {
+            return None;
+        }
+        let start = self.journal.partition_point(|&(v, _)| v <= version);
+        Some(self.journal.range(start..).map(|&(_, slot)| slot))
+    }
+
     /// Number of tracked proxies.
     pub fn len(&self) -> usize {
         self.slots.len()
@@ -107,17 +131,38 @@ impl HealthTable {
     }
 
     fn set(&mut self, id: ProxyId, health: ProxyHealth) {
-        if let Some(slot) = self.slot(&id).and_then(|slot| self.slots.get_mut(slot)) {
-            if (slot.healthy, slot.latency) != (health.healthy, health.latency) {
-                self.version = next_layout();
-            }
+        if let Some(position) = self.slot(&id)
+            && let Some(slot) = self.slots.get_mut(position)
+        {
+            let changed = (slot.healthy, slot.latency) != (health.healthy, health.latency);
             *slot = health;
+            if changed {
+                self.version = next_layout();
+                self.note(position);
+            }
             return;
         }
         self.index.insert(id, self.slots.len());
         self.slots.push(health);
+        self.new_layout();
+    }
+
+    /// Journals a change of the slot at `position`, made at the current version.
+    fn note(&mut self, position: usize) {
+        if self.journal.len() >= self.slots.len().max(MIN_JOURNAL)
+            && let Some((dropped, _)) = self.journal.pop_front()
+        {
+            self.journal_since = dropped;
+        }
+        self.journal.push_back((self.version, position));
+    }
+
+    /// Positions moved: every reader derives again, and the journal starts over.
+    fn new_layout(&mut self) {
         self.layout = next_layout();
         self.version = self.layout;
+        self.journal.clear();
+        self.journal_since = self.version;
     }
 
     fn retain(&mut self, mut keep: impl FnMut(&ProxyId) -> bool) {
@@ -136,8 +181,7 @@ impl HealthTable {
                 self.slots.push(health);
             }
         }
-        self.layout = next_layout();
-        self.version = self.layout;
+        self.new_layout();
     }
 }
 
@@ -264,5 +308,53 @@ mod tests {
             HealthSnapshot::new().read().layout(),
             snapshot.read().layout()
         );
+    }
+
+    #[test]
+    fn the_journal_names_the_positions_changed_since_a_version() {
+        let snapshot = HealthSnapshot::new();
+        snapshot.set(id("a"), latency(1));
+        snapshot.set(id("b"), latency(1));
+        let version = || snapshot.read().version();
+        let changed = |since| {
+            snapshot
+                .read()
+                .changed_since(since)
+                .map(|slots| slots.collect::<Vec<_>>())
+        };
+        let (a, b) = {
+            let table = snapshot.read();
+            (table.slot(&id("a")).unwrap(), table.slot(&id("b")).unwrap())
+        };
+        let start = version();
+        assert_eq!(changed(start), Some(vec![]));
+        snapshot.set(id("b"), latency(2));
+        let after_b = version();
+        snapshot.set(id("a"), latency(2));
+        // Only the error text or probe time: no change.
+        snapshot.set(
+            id("a"),
+            ProxyHealth {
+                last_error: Some("slow".into()),
+                ..latency(2)
+            },
+        );
+        assert_eq!(changed(start), Some(vec![b, a]));
+        assert_eq!(changed(after_b), Some(vec![a]));
+        assert_eq!(changed(version()), Some(vec![]));
+        // A version this table never had, or one of an earlier layout: not known.
+        assert_eq!(changed(version() + 1_000_000), None);
+        snapshot.set(id("c"), latency(1));
+        assert_eq!(changed(after_b), None);
+        // The journal keeps the newest changes only.
+        let before = version();
+        snapshot.set(id("a"), latency(10));
+        let first = version();
+        for i in 0..MIN_JOURNAL {
+            snapshot.set(id("a"), latency(11 + (i % 2) as u64));
+        }
+        assert_eq!(changed(before), None);
+        let kept = changed(first).expect("the newest changes are kept");
+        assert_eq!(kept.len(), MIN_JOURNAL);
     }
 }

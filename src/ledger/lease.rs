@@ -3,11 +3,11 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
 
+use super::candidates::Candidates;
 use super::quota::{QuotaExceeded, Tenancy};
 use crate::resources::proxy::ProxyId;
 
@@ -236,32 +236,12 @@ pub(crate) fn timestamp(ms: i64) -> Result<Timestamp, LeaseRowError> {
     Timestamp::from_millisecond(ms).map_err(|source| LeaseRowError::Time { ms, source })
 }
 
-/// A proxy an acquire may choose: every proxy matching the crawler's selector, healthy or not.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Candidate {
-    /// The proxy; capacity is counted by its UID. Shared with the inventory, so building a
-    /// candidate list copies no string.
-    pub proxy: Arc<ProxyId>,
-    /// How many leases it grants at once; 0 means never.
-    pub max_leases: u32,
-    /// Whether the health engine considers it healthy (unhealthy ones are only counted).
-    pub healthy: bool,
-    /// Whether its spec says `cordoned: true`: never chosen, only counted. (The flag sits in
-    /// the struct's padding, so the candidate list takes no more memory for it.)
-    pub cordoned: bool,
-    /// Whether it is draining (being deleted, or its machine about to be replaced): never
-    /// chosen, only counted. (In the padding too, like `cordoned`.)
-    pub draining: bool,
-    /// Latency of its last probe; proxies without one sort after those with one.
-    pub latency: Option<Duration>,
-}
-
 /// One acquire, as the API hands it to the ledger.
 #[derive(Debug, Clone)]
 pub struct AcquireRequest {
     /// Every proxy matching the selector, healthy or not. Shared: the ledger reads it in
     /// place and never copies it.
-    pub candidates: Arc<[Candidate]>,
+    pub candidates: Candidates,
     /// The target the crawler names (already normalised by the API); an empty one is none.
     pub target: Option<String>,
     /// The requested TTL; the ledger caps it at `max_ttl`.
@@ -526,14 +506,6 @@ mod tests {
             assert!(!is_release_reason(bad), "{bad:?}");
         }
         assert!(is_release_reason(&long[1..]));
-    }
-
-    #[test]
-    #[cfg(target_pointer_width = "64")]
-    fn the_cordoned_and_draining_flags_cost_a_candidate_no_memory() {
-        // Acquires over large fleets read these lists in place: more flags must not make
-        // each entry bigger (they fit next to `max_leases` and `healthy`).
-        assert_eq!(std::mem::size_of::<Candidate>(), 32);
     }
 
     #[test]

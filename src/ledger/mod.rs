@@ -43,6 +43,7 @@
 //!   before the last [`DEMAND_RETENTION`].
 
 mod activity;
+mod candidates;
 mod clock;
 mod config;
 mod counts;
@@ -66,13 +67,14 @@ pub use activity::{
     ActiveCooldown, Activity, EventEntry, EventsQuery, MAX_COOLDOWNS, MAX_EVENTS, ReportCounts,
     SCAN_EVENTS, TargetCounts,
 };
+pub use candidates::{Candidate, Candidates};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::LedgerConfig;
 pub use counts::LedgerCounts;
 pub use error::LedgerError;
 pub use lease::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseReport, LeaseState, NoMatch,
-    NoMatchReason, ReportResult, RequestKey, SweepStats, UnknownValue,
+    AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, NoMatch, NoMatchReason,
+    ReportResult, RequestKey, SweepStats, UnknownValue,
 };
 pub use location::LedgerLocation;
 pub use postgres::{

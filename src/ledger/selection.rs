@@ -4,7 +4,8 @@
 
 use jiff::Timestamp;
 
-use super::lease::{Candidate, NoMatch};
+use super::candidates::Candidates;
+use super::lease::NoMatch;
 
 /// What the ledger knows about one proxy's active leases at the moment of an acquire.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -31,55 +32,41 @@ pub(crate) enum Selection {
 /// `load` gives a proxy's load by UID; `cooldown_until` gives the end of a cooldown in force
 /// for the acquire's target, by UID; `target_limit` says, by UID, whether the per-target
 /// limits let the proxy take one more lease for the acquire's target (`None`) or not, and then
-/// when the earliest of the leases holding them back expires. A cordoned or draining candidate is never chosen and its
-/// load is never looked up, like an unhealthy one. When nothing is chosen, every candidate is
-/// counted in one bucket (cordoned, then draining, then unhealthy, then at capacity, then at the
-/// target limit, then in cooldown) and `retry_after` is the earliest moment a healthy candidate
-/// that is neither cordoned nor draining frees up: for a proxy at capacity the earliest expiry
-/// of its leases (or the end of its cooldown if that is later), for one at the target limit
-/// the expiry that frees it (or its cooldown's end), for one in cooldown the cooldown's end (an
-/// uncordon is an edit, and a drain ends with the machine deleted, so the leases of a cordoned
-/// or draining proxy free nothing an acquire could take).
-/// When `maxLeases` was lowered below a proxy's active count, freeing one slot is not enough;
-/// the hint is then early, and the next attempt gets a fresh one.
+/// when the earliest of the leases holding them back expires. A cordoned or draining candidate
+/// is never chosen and its load is never looked up, like an unhealthy one. When nothing is
+/// chosen, every candidate is counted in one bucket (cordoned, then draining, then unhealthy,
+/// then at capacity, then at the target limit, then in cooldown) and `retry_after` is the
+/// earliest moment a healthy candidate that is neither cordoned nor draining frees up: for a
+/// proxy at capacity the earliest expiry of its leases (or the end of its cooldown if that is
+/// later), for one at the target limit the expiry that frees it (or its cooldown's end), for
+/// one in cooldown the cooldown's end (an uncordon is an edit, and a drain ends with the
+/// machine deleted, so the leases of a cordoned or draining proxy free nothing an acquire
+/// could take). When `maxLeases` was lowered below a proxy's active count, freeing one slot is
+/// not enough; the hint is then early, and the next attempt gets a fresh one.
 ///
-/// Once a candidate without any lease is the best so far, a later one that ranks after it even
-/// with no lease cannot win, so its load is never looked up: an acquire over a large fleet
-/// looks up only the few candidates that improve on the best (the stats are incomplete then,
-/// but they are only reported when nothing is chosen).
+/// The candidates come ranked by everything but their load ([`Candidates::ranked`]), and a
+/// proxy without a lease ranks before every proxy with one: the first free candidate in that
+/// order without a lease is the choice, and the walk stops there. An acquire looks up only the
+/// candidates ahead of its choice, those holding leases or cooling down, not the whole fleet
+/// (the stats are incomplete then, but they are only reported when nothing is chosen).
 pub(crate) fn select(
-    candidates: &[Candidate],
+    candidates: &Candidates,
     load: impl Fn(&str) -> ProxyLoad,
     cooldown_until: impl Fn(&str) -> Option<Timestamp>,
     target_limit: impl Fn(&str) -> Option<Option<Timestamp>>,
 ) -> Selection {
+    let excluded = candidates.excluded();
     let mut stats = NoMatch {
         considered: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
+        cordoned: excluded.cordoned,
+        draining: excluded.draining,
+        unhealthy: excluded.unhealthy,
+        at_capacity: excluded.no_slots,
         ..NoMatch::default()
     };
+    // The fewest leases seen among free candidates, first in rank order among equals.
     let mut best: Option<(usize, u32)> = None;
-    for (index, candidate) in candidates.iter().enumerate() {
-        if candidate.cordoned {
-            stats.cordoned += 1;
-            continue;
-        }
-        if candidate.draining {
-            stats.draining += 1;
-            continue;
-        }
-        if !candidate.healthy {
-            stats.unhealthy += 1;
-            continue;
-        }
-        if candidate.max_leases == 0 {
-            stats.at_capacity += 1;
-            continue;
-        }
-        if let Some((best_index, 0)) = best
-            && !ranks_before(candidate, 0, &candidates[best_index], 0)
-        {
-            continue;
-        }
+    for (position, candidate) in candidates.ranked() {
         let uid = candidate.proxy.uid.as_str();
         let load = load(uid);
         let cooldown = cooldown_until(uid);
@@ -102,36 +89,17 @@ pub(crate) fn select(
             stats.retry_after = earliest(stats.retry_after, Some(until));
             continue;
         }
-        let better = match best {
-            None => true,
-            Some((best_index, best_active)) => {
-                ranks_before(candidate, load.active, &candidates[best_index], best_active)
-            }
-        };
-        if better {
-            best = Some((index, load.active));
+        if load.active == 0 {
+            return Selection::Chosen(position);
+        }
+        if best.is_none_or(|(_, fewest)| load.active < fewest) {
+            best = Some((position, load.active));
         }
     }
     match best {
-        Some((index, _)) => Selection::Chosen(index),
+        Some((position, _)) => Selection::Chosen(position),
         None => Selection::NoMatch(stats),
     }
-}
-
-/// Selection order: active leases asc, latency asc (unknown last), name, namespace, UID asc.
-fn ranks_before(a: &Candidate, a_active: u32, b: &Candidate, b_active: u32) -> bool {
-    let key = |c: &Candidate, active: u32| (active, c.latency.is_none(), c.latency);
-    (
-        key(a, a_active),
-        &a.proxy.name,
-        &a.proxy.namespace,
-        &a.proxy.uid,
-    ) < (
-        key(b, b_active),
-        &b.proxy.name,
-        &b.proxy.namespace,
-        &b.proxy.uid,
-    )
 }
 
 fn earliest(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
@@ -148,6 +116,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::ledger::Candidate;
 
     /// `(proxy name, active leases, earliest expiry second)`.
     type Loads = Vec<(&'static str, u32, i64)>;
@@ -164,6 +133,10 @@ mod tests {
             latency: latency_ms.map(Duration::from_millis),
             ..crate::fixtures::candidate(name, max_leases)
         }
+    }
+
+    fn list(candidates: &[Candidate]) -> Candidates {
+        candidates.iter().cloned().collect()
     }
 
     fn cordoned(mut c: Candidate) -> Candidate {
@@ -198,7 +171,7 @@ mod tests {
             .map(|&(name, until)| (format!("uid-{name}"), ts(until)))
             .collect();
         match select(
-            candidates,
+            &list(candidates),
             |uid| loads.get(uid).copied().unwrap_or_default(),
             |uid| cooldowns.get(uid).copied(),
             |_| None,
@@ -342,7 +315,7 @@ mod tests {
         };
         // a, the fastest, holds its limit for the target: c, the next fastest, is chosen.
         let chosen = select(
-            &candidates,
+            &list(&candidates),
             |_| ProxyLoad::default(),
             |_| None,
             limited(&[("a", 40)]),
@@ -351,7 +324,7 @@ mod tests {
         // Every one held back: counted apart, and retried at the earliest expiry, or later
         // when that proxy also cools down for the target.
         let none = select(
-            &candidates,
+            &list(&candidates),
             |_| ProxyLoad::default(),
             |uid| (uid == "uid-a").then(|| ts(90)),
             limited(&[("a", 40), ("b", 60), ("c", 70)]),
@@ -367,7 +340,7 @@ mod tests {
         );
         // A full proxy is at capacity first, whatever its target limit.
         let full = select(
-            &candidates[..1],
+            &list(&candidates[..1]),
             |_| ProxyLoad {
                 active: 10,
                 earliest_expiry: Some(ts(20)),
@@ -602,7 +575,7 @@ mod tests {
             }
         };
         let selection = select(
-            &candidates,
+            &list(&candidates),
             full,
             |uid| {
                 record(uid);
@@ -693,7 +666,7 @@ mod tests {
                 .map(|c| (c.proxy.uid.clone(), ts(30)))
                 .collect();
             let chosen = match select(
-                &candidates,
+                &list(&candidates),
                 |uid| loads.get(uid).copied().unwrap_or_default(),
                 |uid| cooldowns.get(uid).copied(),
                 |_| None,
@@ -714,6 +687,154 @@ mod tests {
                 chosen,
                 reference(&candidates, &loads, &cooldowns),
                 "case {case}: {candidates:?} {loads:?} {cooldowns:?}"
+            );
+        }
+    }
+
+    /// The selection before candidates were ranked: one pass over every candidate in list
+    /// order, keeping the best so far (and, once the best has no lease, looking up only
+    /// candidates that could still beat it).
+    fn linear_select(
+        candidates: &[Candidate],
+        load: impl Fn(&str) -> ProxyLoad,
+        cooldown_until: impl Fn(&str) -> Option<Timestamp>,
+        target_limit: impl Fn(&str) -> Option<Option<Timestamp>>,
+    ) -> Selection {
+        fn ranks_before(a: &Candidate, a_active: u32, b: &Candidate, b_active: u32) -> bool {
+            let key = |c: &Candidate, active: u32| (active, c.latency.is_none(), c.latency);
+            (
+                key(a, a_active),
+                &a.proxy.name,
+                &a.proxy.namespace,
+                &a.proxy.uid,
+            ) < (
+                key(b, b_active),
+                &b.proxy.name,
+                &b.proxy.namespace,
+                &b.proxy.uid,
+            )
+        }
+        let mut stats = NoMatch {
+            considered: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
+            ..NoMatch::default()
+        };
+        let mut best: Option<(usize, u32)> = None;
+        for (index, candidate) in candidates.iter().enumerate() {
+            if candidate.cordoned {
+                stats.cordoned += 1;
+                continue;
+            }
+            if candidate.draining {
+                stats.draining += 1;
+                continue;
+            }
+            if !candidate.healthy {
+                stats.unhealthy += 1;
+                continue;
+            }
+            if candidate.max_leases == 0 {
+                stats.at_capacity += 1;
+                continue;
+            }
+            if let Some((best_index, 0)) = best
+                && !ranks_before(candidate, 0, &candidates[best_index], 0)
+            {
+                continue;
+            }
+            let uid = candidate.proxy.uid.as_str();
+            let load = load(uid);
+            let cooldown = cooldown_until(uid);
+            if load.active >= candidate.max_leases {
+                stats.at_capacity += 1;
+                let frees_at = load
+                    .earliest_expiry
+                    .map(|expiry| cooldown.map_or(expiry, |until| until.max(expiry)));
+                stats.retry_after = earliest(stats.retry_after, frees_at);
+                continue;
+            }
+            if let Some(frees_at) = target_limit(uid) {
+                stats.at_target_limit += 1;
+                let frees_at = frees_at.map(|at| cooldown.map_or(at, |until| until.max(at)));
+                stats.retry_after = earliest(stats.retry_after, frees_at);
+                continue;
+            }
+            if let Some(until) = cooldown {
+                stats.in_cooldown += 1;
+                stats.retry_after = earliest(stats.retry_after, Some(until));
+                continue;
+            }
+            let better = match best {
+                None => true,
+                Some((best_index, best_active)) => {
+                    ranks_before(candidate, load.active, &candidates[best_index], best_active)
+                }
+            };
+            if better {
+                best = Some((index, load.active));
+            }
+        }
+        match best {
+            Some((index, _)) => Selection::Chosen(index),
+            None => Selection::NoMatch(stats),
+        }
+    }
+
+    /// The ranked selection makes the linear one's choices on random fleets: the same
+    /// candidate (ties cannot differ: the UID and then the position settle them), and when
+    /// nothing is chosen the same counts and the same `retryAfter`. Names, latencies and loads
+    /// are drawn from small ranges so that ties are common.
+    #[test]
+    fn the_ranked_selection_agrees_with_the_linear_one() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(39);
+        for case in 0..5000 {
+            let n = rng.random_range(0..16);
+            let candidates: Vec<Candidate> = (0..n)
+                .map(|i| {
+                    let latency = rng.random_bool(0.8).then(|| rng.random_range(1..4));
+                    let mut c = candidate(
+                        &format!("p{}", rng.random_range(0..6)),
+                        rng.random_range(0..4),
+                        rng.random_bool(0.85),
+                        latency,
+                    );
+                    c.cordoned = rng.random_bool(0.1);
+                    c.draining = rng.random_bool(0.1);
+                    // Now and then the same UID twice, as two namespaces of one name would not
+                    // be, to hold the position as the last tie-break.
+                    let uid = if rng.random_bool(0.1) { 0 } else { i };
+                    Arc::make_mut(&mut c.proxy).uid = format!("uid-{uid}");
+                    c
+                })
+                .collect();
+            let uids: Vec<String> = candidates.iter().map(|c| c.proxy.uid.clone()).collect();
+            // A value from `f` for each UID with probability `p`.
+            let mut draw = |p: f64, f: &mut dyn FnMut(&mut rand::rngs::StdRng) -> i64| {
+                let mut drawn = HashMap::new();
+                for uid in &uids {
+                    if rng.random_bool(p) {
+                        drawn.insert(uid.clone(), f(&mut rng));
+                    }
+                }
+                drawn
+            };
+            let actives = draw(0.6, &mut |rng| rng.random_range(0..4));
+            let expiries = draw(0.9, &mut |rng| rng.random_range(10..50));
+            let cooldowns = draw(0.2, &mut |rng| rng.random_range(5..60));
+            let limits = draw(0.15, &mut |rng| rng.random_range(0..40));
+            let load = |uid: &str| ProxyLoad {
+                active: actives
+                    .get(uid)
+                    .map_or(0, |&a| u32::try_from(a).unwrap_or(0)),
+                earliest_expiry: expiries.get(uid).map(|&s| ts(s)),
+            };
+            let cooldown = |uid: &str| cooldowns.get(uid).map(|&s| ts(s));
+            // A limit of 0 stands for one held back by leases without an expiry.
+            let limit = |uid: &str| limits.get(uid).map(|&s| (s > 0).then(|| ts(s)));
+            assert_eq!(
+                select(&list(&candidates), load, cooldown, limit),
+                linear_select(&candidates, load, cooldown, limit),
+                "case {case}: {candidates:?} {actives:?} {expiries:?} {cooldowns:?} {limits:?}"
             );
         }
     }

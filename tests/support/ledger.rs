@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, Ledger, LedgerConfig, LedgerError,
-    ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger, SqliteOptions,
+    AcquireOutcome, AcquireRequest, Candidate, Candidates, Clock, Lease, Ledger, LedgerConfig,
+    LedgerError, ManualClock, NoMatch, PostgresLedger, PostgresOptions, SqliteLedger,
+    SqliteOptions,
 };
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
@@ -299,7 +300,7 @@ pub fn count(path: &Path, sql: &str) -> i64 {
 
 /// `count` proxies `p0`, `p1`, … as [`candidate`]s with `max_leases` each, shared so
 /// requests built from it copy nothing.
-pub fn candidates(count: usize, max_leases: u32) -> Arc<[Candidate]> {
+pub fn candidates(count: usize, max_leases: u32) -> Candidates {
     (0..count)
         .map(|i| candidate(&format!("p{i}"), max_leases))
         .collect()
@@ -307,11 +308,7 @@ pub fn candidates(count: usize, max_leases: u32) -> Arc<[Candidate]> {
 
 /// An acquire of one of `candidates` for `target` and `ttl`, without a request ID. Takes a
 /// slice (copied) or a shared list (`pool.clone()`, not copied).
-pub fn request(
-    candidates: impl Into<Arc<[Candidate]>>,
-    target: &str,
-    ttl: Duration,
-) -> AcquireRequest {
+pub fn request(candidates: impl Into<Candidates>, target: &str, ttl: Duration) -> AcquireRequest {
     AcquireRequest {
         client: None,
         candidates: candidates.into(),

@@ -24,11 +24,10 @@ use tokio_postgres::Row;
 
 use super::pipelined::Pipelined;
 use super::store::{self, StoreError, lease_by_ids, query};
+use crate::ledger::candidates::Candidate;
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::error::LedgerError;
-use crate::ledger::lease::{
-    AcquireOutcome, AcquireRequest, Candidate, Lease, LeaseRow, LeaseState,
-};
+use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Lease, LeaseRow, LeaseState};
 use crate::ledger::quota::{self, Bucket, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
@@ -883,19 +882,19 @@ fn target_hold<'a>(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
+    use crate::ledger::Candidates;
     use crate::ledger::lease::RequestKey;
 
-    fn proxies(count: usize, max_leases: u32) -> Arc<[Candidate]> {
+    fn proxies(count: usize, max_leases: u32) -> Candidates {
         (0..count)
             .map(|i| crate::fixtures::candidate(&format!("p{i}"), max_leases))
             .collect()
     }
 
-    fn pending(id: &str, candidates: &Arc<[Candidate]>, key: Option<&str>) -> Pending {
+    fn pending(id: &str, candidates: &Candidates, key: Option<&str>) -> Pending {
         Pending {
             request: AcquireRequest {
                 candidates: candidates.clone(),
@@ -929,7 +928,7 @@ mod tests {
     }
 
     /// `pending` of tenant `team-a`, held to at most `leases` leases.
-    fn limited(id: &str, candidates: &Arc<[Candidate]>, leases: u32) -> Pending {
+    fn limited(id: &str, candidates: &Candidates, leases: u32) -> Pending {
         let mut pending = pending(id, candidates, None);
         pending.request.tenant = crate::ledger::quota::Tenancy {
             name: "team-a".into(),
@@ -982,7 +981,7 @@ mod tests {
         let two = proxies(2, 1);
         let already = Lease {
             id: "a".into(),
-            proxy: ProxyId::clone(&two[0].proxy),
+            proxy: ProxyId::clone(&two.get(0).unwrap().proxy),
             target: None,
             state: LeaseState::Active,
             acquired_at: Timestamp::UNIX_EPOCH,

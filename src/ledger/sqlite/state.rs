@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use jiff::Timestamp;
 
-use crate::ledger::lease::{Candidate, NoMatch, RequestKey};
+use crate::ledger::candidates::Candidates;
+use crate::ledger::lease::{NoMatch, RequestKey};
 use crate::ledger::quota::{self, Bucket, QuotaExceeded, Tenancy, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
@@ -194,7 +195,7 @@ impl LedgerState {
     /// tenant's quotas are checked; then the selection picks among the candidates.
     pub fn decide_acquire(
         &self,
-        candidates: &[Candidate],
+        candidates: &Candidates,
         target: Option<&str>,
         request: Option<&RequestKey>,
         tenant: &Tenancy,
@@ -774,7 +775,7 @@ mod tests {
         })
     }
 
-    fn candidates(names: &[(&str, u32)]) -> Vec<Candidate> {
+    fn candidates(names: &[(&str, u32)]) -> Candidates {
         names
             .iter()
             .map(|&(name, max_leases)| crate::fixtures::candidate(name, max_leases))
@@ -937,7 +938,14 @@ mod tests {
         );
         assert_eq!(s.load("uid-a", 2 * MIN).active, 1);
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r1", "f")), &anyone(), false, 2 * MIN),
+            s.decide_acquire(
+                &Candidates::default(),
+                None,
+                Some(&key("r1", "f")),
+                &anyone(),
+                false,
+                2 * MIN
+            ),
             AcquireDecision::Replay("l1".into()),
             "renewing moves the request ID's window"
         );
@@ -947,7 +955,14 @@ mod tests {
         assert_eq!(s.load("uid-a", 20).active, 0);
         assert_eq!(s.lease("l1"), None);
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r1", "f")), &anyone(), false, 20),
+            s.decide_acquire(
+                &Candidates::default(),
+                None,
+                Some(&key("r1", "f")),
+                &anyone(),
+                false,
+                20
+            ),
             AcquireDecision::Replay("l1".into()),
             "a released lease is still the answer to its request ID"
         );
@@ -981,7 +996,14 @@ mod tests {
             "the expired lease waits for the sweep"
         );
         assert_eq!(
-            s.decide_acquire(&[], None, Some(&key("r3", "f")), &anyone(), false, MIN),
+            s.decide_acquire(
+                &Candidates::default(),
+                None,
+                Some(&key("r3", "f")),
+                &anyone(),
+                false,
+                MIN
+            ),
             AcquireDecision::Replay("l3".into()),
             "an ended lease still answers its request ID"
         );

@@ -8,8 +8,10 @@
 //! table (cached per table layout) instead of hashing identities. A candidate shares its
 //! identity with the snapshot (`Arc<ProxyId>`), so a request copies no string. The assembled
 //! list is kept too, and handed out again for as long as no verdict or latency in the health
-//! table has changed (a fleet probed every 30 s changes a few times a second, acquires come
-//! far more often): it is then exactly the list a fresh assembly would produce.
+//! table has changed: it is then exactly the list a fresh assembly would produce. A fleet
+//! probed every 30 s changes hundreds of times a second at 10,000 proxies, so after a change
+//! the kept list is updated at the positions the health table's journal names, each in
+//! O(log n) ([`Candidates`] is persistent), instead of being assembled again.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLockReadGuard, Weak};
@@ -20,7 +22,8 @@ pub use selector::{Selector, SelectorError, selector_pattern};
 
 use crate::health::{HealthSnapshot, HealthTable, ProxyHealth};
 use crate::inventory::InventorySnapshot;
-use crate::ledger::Candidate;
+use crate::inventory::Leasable;
+use crate::ledger::{Candidate, Candidates};
 
 /// Selectors whose matches are kept per inventory snapshot. Crawlers use a handful; the bound
 /// keeps a client sending endless distinct selectors from growing the cache without limit (a
@@ -53,11 +56,12 @@ struct SnapshotIndex {
     lists: Mutex<HashMap<Selector, AssembledList>>,
 }
 
-/// A candidate list and the health-table version it reflects.
+/// A candidate list and the health-table layout and version it reflects.
 #[derive(Debug)]
 struct AssembledList {
+    layout: u64,
     version: u64,
-    candidates: Arc<[Candidate]>,
+    candidates: Candidates,
 }
 
 #[derive(Debug)]
@@ -65,6 +69,9 @@ struct HealthSlots {
     layout: u64,
     /// Indexed by inventory position; [`NO_SLOT`] when the proxy has no health entry.
     slots: Box<[u32]>,
+    /// The inverse: indexed by health-table position, the inventory position ([`NO_SLOT`]
+    /// when the proxy is not in this inventory snapshot).
+    positions: Box<[u32]>,
 }
 
 /// The health table read-locked, addressed by inventory position. Hold it only while
@@ -78,6 +85,21 @@ impl PositionedHealth<'_> {
     /// The health table's version (see [`HealthTable::version`]).
     pub fn version(&self) -> u64 {
         self.table.version()
+    }
+
+    /// The health table's layout (see [`HealthTable::layout`]).
+    fn layout(&self) -> u64 {
+        self.slots.layout
+    }
+
+    /// Inventory positions whose verdict or latency changed after `version` of this layout
+    /// (see [`HealthTable::changed_since`]).
+    fn changed_since(&self, version: u64) -> Option<impl Iterator<Item = usize> + '_> {
+        let changed = self.table.changed_since(version)?;
+        Some(changed.filter_map(|slot| {
+            let position = *self.slots.positions.get(slot)?;
+            (position != NO_SLOT).then_some(position as usize)
+        }))
     }
 
     /// Health of the proxy at `position` of the inventory snapshot this view was built for.
@@ -138,52 +160,81 @@ impl CandidateIndex {
         snapshot: &Arc<InventorySnapshot>,
         health: &HealthSnapshot,
         selector: &Selector,
-    ) -> Arc<[Candidate]> {
+    ) -> Candidates {
         let index = self.index(snapshot);
         let positions = matching(&index, snapshot, selector);
         let health = positioned(&index, snapshot, health);
         let version = health.version();
-        if let Some(list) = lock(&index.lists).get(selector)
-            && list.version == version
-        {
-            return list.candidates.clone();
-        }
+        let kept = lock(&index.lists)
+            .get(selector)
+            .filter(|list| list.layout == health.layout())
+            .map(|list| (list.version, list.candidates.clone()));
         let leasable = snapshot.leasable();
-        let mut candidates = Vec::with_capacity(positions.len());
-        for &position in positions.iter() {
-            let Ok(position) = usize::try_from(position) else {
-                continue;
-            };
-            let Some(proxy) = leasable.get(position) else {
-                continue;
-            };
-            let h = health.at(position);
-            candidates.push(Candidate {
-                proxy: proxy.id.clone(),
-                max_leases: proxy.max_leases,
-                healthy: proxy.has_address && h.and_then(|h| h.healthy) == Some(true),
-                cordoned: proxy.cordoned,
-                draining: proxy.draining,
-                latency: h.and_then(|h| h.latency),
-            });
-        }
+        let candidates = match kept {
+            Some((kept_version, candidates)) if kept_version == version => return candidates,
+            Some((kept_version, mut candidates)) => match health.changed_since(kept_version) {
+                Some(changed) => {
+                    for position in changed {
+                        let at = u32::try_from(position)
+                            .ok()
+                            .and_then(|p| positions.binary_search(&p).ok());
+                        if let (Some(at), Some(proxy)) = (at, leasable.get(position)) {
+                            candidates.set(at, candidate(proxy, health.at(position)));
+                        }
+                    }
+                    candidates
+                }
+                None => assemble(leasable, &positions, &health),
+            },
+            None => assemble(leasable, &positions, &health),
+        };
+        let layout = health.layout();
         drop(health);
-        let list: Arc<[Candidate]> = candidates.into();
         let mut lists = lock(&index.lists);
         if lists.len() >= MAX_CACHED_LISTS && !lists.contains_key(selector) {
             lists.clear();
         }
-        let replaced = lists.insert(
-            selector.clone(),
-            AssembledList {
-                version,
-                candidates: list.clone(),
-            },
-        );
+        // Another request may have kept a newer list meanwhile (versions only grow).
+        let replaced = match lists.get(selector) {
+            Some(list) if list.layout == layout && list.version > version => None,
+            _ => lists.insert(
+                selector.clone(),
+                AssembledList {
+                    layout,
+                    version,
+                    candidates: candidates.clone(),
+                },
+            ),
+        };
         drop(lists);
         // Releasing the previous list's identities happens outside the lock.
         drop(replaced);
-        list
+        candidates
+    }
+}
+
+/// The candidate list of the proxies at `positions` of the inventory, as of `health`.
+fn assemble(leasable: &[Leasable], positions: &[u32], health: &PositionedHealth<'_>) -> Candidates {
+    positions
+        .iter()
+        .filter_map(|&position| {
+            let position = usize::try_from(position).ok()?;
+            let proxy = leasable.get(position)?;
+            Some(candidate(proxy, health.at(position)))
+        })
+        .collect()
+}
+
+/// One proxy as a candidate: only one that passes health checks and has an address counts as
+/// healthy.
+fn candidate(proxy: &Leasable, health: Option<&ProxyHealth>) -> Candidate {
+    Candidate {
+        proxy: proxy.id.clone(),
+        max_leases: proxy.max_leases,
+        healthy: proxy.has_address && health.and_then(|h| h.healthy) == Some(true),
+        cordoned: proxy.cordoned,
+        draining: proxy.draining,
+        latency: health.and_then(|h| h.latency),
     }
 }
 
@@ -223,18 +274,28 @@ fn positioned<'a>(
     let slots = match cached {
         Some(slots) => slots,
         None => {
+            let slots: Box<[u32]> = snapshot
+                .leasable()
+                .iter()
+                .map(|l| {
+                    table
+                        .slot(&l.id)
+                        .and_then(|s| u32::try_from(s).ok())
+                        .unwrap_or(NO_SLOT)
+                })
+                .collect();
+            let mut positions = vec![NO_SLOT; table.len()].into_boxed_slice();
+            for (position, &slot) in slots.iter().enumerate() {
+                if let (Ok(slot), Ok(position)) = (usize::try_from(slot), u32::try_from(position))
+                    && let Some(entry) = positions.get_mut(slot)
+                {
+                    *entry = position;
+                }
+            }
             let slots = Arc::new(HealthSlots {
                 layout: table.layout(),
-                slots: snapshot
-                    .leasable()
-                    .iter()
-                    .map(|l| {
-                        table
-                            .slot(&l.id)
-                            .and_then(|s| u32::try_from(s).ok())
-                            .unwrap_or(NO_SLOT)
-                    })
-                    .collect(),
+                slots,
+                positions,
             });
             *lock(&index.health_slots) = Some(slots.clone());
             slots
@@ -279,7 +340,7 @@ mod tests {
     }
 
     /// (name, max leases, healthy, latency ms)
-    fn summary(candidates: &[Candidate]) -> Vec<(String, u32, bool, Option<u128>)> {
+    fn summary(candidates: &Candidates) -> Vec<(String, u32, bool, Option<u128>)> {
         candidates
             .iter()
             .map(|c| {
@@ -328,8 +389,9 @@ mod tests {
                 ("eu-unprobed".to_owned(), 2, false, None),
             ]
         );
-        let position = snapshot.position(&eu[0].proxy).unwrap();
-        assert!(Arc::ptr_eq(&eu[0].proxy, &snapshot.leasable()[position].id));
+        let first = eu.get(0).unwrap();
+        let position = snapshot.position(&first.proxy).unwrap();
+        assert!(Arc::ptr_eq(&first.proxy, &snapshot.leasable()[position].id));
         assert_eq!(index.candidates(&snapshot, &health, &selector("")).len(), 5);
         assert!(
             index
@@ -339,7 +401,7 @@ mod tests {
 
         // While no verdict or latency changes, the same list is handed out again.
         let again = index.candidates(&snapshot, &health, &selector("geo=eu"));
-        assert!(Arc::ptr_eq(&eu, &again));
+        assert!(eu.shares(&again));
 
         // Health changes in place are seen at once; so are proxies that appear in the table.
         health.set(
@@ -353,7 +415,7 @@ mod tests {
             .position(|p| p.key() == "crawl/eu-unprobed");
         health.set(snapshot.proxies()[unprobed.unwrap()].id(), healthy(7));
         let eu = index.candidates(&snapshot, &health, &selector("geo=eu"));
-        assert_eq!(eu[0].latency, Some(Duration::from_millis(50)));
+        assert_eq!(eu.get(0).unwrap().latency, Some(Duration::from_millis(50)));
         assert_eq!(
             summary(&eu)[3],
             ("eu-unprobed".to_owned(), 2, true, Some(7))
@@ -379,7 +441,7 @@ mod tests {
         health.set(open.id(), healthy(9));
         inventory.replace([cordoned.clone(), open]);
         let index = CandidateIndex::default();
-        let flags = |list: &[Candidate]| -> Vec<(String, bool, bool)> {
+        let flags = |list: &Candidates| -> Vec<(String, bool, bool)> {
             list.iter()
                 .map(|c| (c.proxy.name.clone(), c.healthy, c.cordoned))
                 .collect()
@@ -417,7 +479,7 @@ mod tests {
         inventory.replace([deleted.clone(), both, open.clone()]);
         let index = CandidateIndex::default();
         // (name, healthy, cordoned, draining)
-        let flags = |list: &[Candidate]| -> Vec<(String, bool, bool, bool)> {
+        let flags = |list: &Candidates| -> Vec<(String, bool, bool, bool)> {
             list.iter()
                 .map(|c| (c.proxy.name.clone(), c.healthy, c.cordoned, c.draining))
                 .collect()
@@ -466,6 +528,55 @@ mod tests {
             index.matching(&second, &selector(&format!("geo=x{i}")));
             let cached = lock(&index.index(&second).matches).len();
             assert!(cached <= MAX_CACHED_SELECTORS, "{cached}");
+        }
+    }
+
+    /// A kept list updated at the positions the health journal names is the list a fresh
+    /// assembly makes, through any mix of verdicts and latencies changing, also when more
+    /// changes come than the journal keeps between two acquires.
+    #[test]
+    fn a_list_updated_from_the_journal_is_the_list_assembled_afresh() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let proxies: Vec<Proxy> = (0..60)
+            .map(|i| proxy(&format!("p{i:02}"), ["eu", "us"][i % 2], 2, i % 7 != 0))
+            .collect();
+        for p in &proxies {
+            health.set(p.id(), healthy(5));
+        }
+        inventory.replace(proxies.clone());
+        let snapshot = inventory.snapshot();
+        let index = CandidateIndex::default();
+        let order = |list: &Candidates| -> Vec<usize> { list.ranked().map(|(p, _)| p).collect() };
+        for round in 0..200 {
+            let changes = if round % 50 == 49 {
+                3_000
+            } else {
+                rng.random_range(0..8)
+            };
+            for _ in 0..changes {
+                let p = &proxies[rng.random_range(0..proxies.len())];
+                let verdict = rng.random_bool(0.8).then(|| rng.random_bool(0.8));
+                let latency = rng.random_bool(0.9).then(|| rng.random_range(1..6));
+                health.set(
+                    p.id(),
+                    ProxyHealth {
+                        healthy: verdict,
+                        latency: latency.map(Duration::from_millis),
+                        ..Default::default()
+                    },
+                );
+            }
+            for text in ["geo=eu", ""] {
+                let kept = index.candidates(&snapshot, &health, &selector(text));
+                let fresh =
+                    CandidateIndex::default().candidates(&snapshot, &health, &selector(text));
+                assert_eq!(kept, fresh, "round {round}, {text:?}");
+                assert_eq!(kept.excluded(), fresh.excluded(), "round {round}, {text:?}");
+                assert_eq!(order(&kept), order(&fresh), "round {round}, {text:?}");
+            }
         }
     }
 }

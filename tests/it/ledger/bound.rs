@@ -21,7 +21,7 @@ use proxy_operator::api::{ApiState, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
+    AcquireOutcome, AcquireRequest, Candidates, Clock, Lease, LeaseReport, Ledger, LedgerConfig,
     LedgerError, ManualClock, ReportResult, RequestKey, SqliteLedger, SqliteLedgerCollector,
     SqliteOptions,
 };
@@ -263,7 +263,7 @@ struct Full {
     path: PathBuf,
     clock: Arc<ManualClock>,
     ledger: SqliteLedger,
-    pool: Arc<[Candidate]>,
+    pool: Candidates,
     held: Lease,
     granted: Vec<Lease>,
 }
@@ -396,7 +396,7 @@ impl Full {
     }
 }
 
-fn keyed(pool: &Arc<[Candidate]>, request_id: &str) -> AcquireRequest {
+fn keyed(pool: &Candidates, request_id: &str) -> AcquireRequest {
     AcquireRequest {
         request: Some(RequestKey {
             id: request_id.into(),

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, LeaseState, Ledger, LedgerConfig, RequestKey,
-    SqliteLedger, SqliteOptions, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Candidates, LeaseState, Ledger, LedgerConfig,
+    RequestKey, SqliteLedger, SqliteOptions, SystemClock,
 };
 use proxy_operator::resources::proxy::ProxyId;
 
@@ -31,7 +31,7 @@ const CHILD_CALLERS: usize = 8;
 /// Fingerprint of every child acquire.
 const FINGERPRINT: &str = "crash-test";
 
-fn candidates() -> Arc<[Candidate]> {
+fn candidates() -> Candidates {
     (0..20)
         .map(|i| Candidate {
             proxy: Arc::new(ProxyId {

@@ -18,9 +18,9 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Durability, Lease, LeaseReport, LeaseState, Ledger,
-    LedgerConfig, LedgerError, ManualClock, NoMatch, ReportResult, RequestKey, SCHEMA_VERSION,
-    SqliteLedger, SqliteOptions, SweepStats, SystemClock,
+    AcquireOutcome, AcquireRequest, Candidate, Candidates, Durability, Lease, LeaseReport,
+    LeaseState, Ledger, LedgerConfig, LedgerError, ManualClock, NoMatch, ReportResult, RequestKey,
+    SCHEMA_VERSION, SqliteLedger, SqliteOptions, SweepStats, SystemClock,
 };
 use support::ledger::{Backend, Fixture, candidate, granted, no_match, start};
 
@@ -1164,7 +1164,7 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
         return;
     };
     let f = Arc::new(f);
-    let candidates: Arc<[Candidate]> = (0..PROXIES)
+    let candidates: Candidates = (0..PROXIES)
         .map(|i| measured(&format!("p{i}"), MAX, i as u64))
         .collect();
     let granted_total = Arc::new(AtomicU32::new(0));

@@ -6,7 +6,6 @@
 
 use crate::support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use proxy_operator::ledger::{
@@ -33,7 +32,7 @@ fn ask(
     session: Option<&str>,
 ) -> AcquireRequest {
     AcquireRequest {
-        candidates: Arc::from(candidates),
+        candidates: candidates.into(),
         target: None,
         ttl: MINUTE,
         request: id.map(|id| RequestKey {

@@ -13,11 +13,11 @@ use crate::support;
 use proxy_operator::ledger::DEFAULT_TENANT;
 
 use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, LeaseReport, LedgerConfig, LedgerError,
+    AcquireOutcome, AcquireRequest, Candidates, LeaseReport, LedgerConfig, LedgerError,
     ReportResult, RequestKey,
 };
 use support::ledger::{Fixture, candidates, granted, request};
@@ -26,7 +26,7 @@ use support::{FileLock, queue, wait_until};
 const MINUTE: Duration = Duration::from_secs(60);
 
 /// What every acquire of these tests may choose from: four proxies, 100 leases each.
-static POOL: LazyLock<Arc<[Candidate]>> = LazyLock::new(|| candidates(4, 100));
+static POOL: LazyLock<Candidates> = LazyLock::new(|| candidates(4, 100));
 
 /// How these tests queue writes and hold the writer.
 impl Fixture {

@@ -47,11 +47,7 @@ async fn replicas<const N: usize>() -> Option<(Database, Arc<ManualClock>, [Post
 }
 
 /// An acquire with request ID `id` for `fingerprint`.
-fn keyed(
-    pool: &Arc<[proxy_operator::ledger::Candidate]>,
-    id: &str,
-    fingerprint: &str,
-) -> AcquireRequest {
+fn keyed(pool: &proxy_operator::ledger::Candidates, id: &str, fingerprint: &str) -> AcquireRequest {
     AcquireRequest {
         request: Some(RequestKey {
             id: id.into(),
