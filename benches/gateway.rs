@@ -2,11 +2,15 @@
 //! run: `wrk -t2 -c32` plain-HTTP GETs through the release binary's gateway → squid → a
 //! loopback site, against the same wrk straight to the same squid (`benches/wrk/proxy_get.lua`
 //! sends the absolute-form request and the `Proxy-Authorization` header, as a proxy client
-//! does), each twice, alternating; then a 256 MiB download through a CONNECT tunnel (`curl -p`)
-//! through the gateway against straight through squid. Prints requests/s, p99 and transfer
-//! rates with their ratios, and the CPU a gateway request costs against squid's, and exits
-//! non-zero when the requests/s ratio is below 0.6, the gateway adds 2 ms or more to the p99,
-//! or the transfer ratio is below 0.8.
+//! does), each twice, alternating. Then the latency the gateway adds at a load it handles, not
+//! at its breaking point: a third of the gateway's requests/s offered at a fixed rate by an
+//! open-loop client (each request's latency counted from when it was due; 32 connections),
+//! straight to squid and through the gateway, each twice, alternating. Then a 256 MiB download
+//! through a CONNECT tunnel (`curl -p`) through the gateway against straight through squid.
+//! Prints requests/s, percentiles and transfer rates with their ratios, and the CPU a gateway
+//! request costs against squid's, and exits non-zero when the requests/s ratio is below 0.6,
+//! the gateway adds 2 ms or more to the p99 at the fixed load, or the transfer ratio is below
+//! 0.8.
 //!
 //! Run with `cargo bench --bench gateway` (needs `wrk`, `squid` and `curl`: `apt-get install
 //! -y wrk squid curl`). `PROXY_OPERATOR_BENCH_SECONDS` sets the length of each wrk run
@@ -18,6 +22,7 @@ mod support;
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
+use support::open_loop::{self, OpenLoopResult};
 use support::site::Site;
 use support::squid::Squid;
 use support::standalone::{ExternalProxy, Standalone};
@@ -29,7 +34,9 @@ const THREADS: u32 = 2;
 const WARM_UP: Duration = Duration::from_secs(2);
 const BULK_BYTES: u64 = 256 << 20;
 const MIN_RATE_RATIO: f64 = 0.6;
+/// The gateway's added p99 at [`FIXED_LOAD_SHARE`] of its requests/s.
 const MAX_ADDED_P99: Duration = Duration::from_millis(2);
+const FIXED_LOAD_SHARE: f64 = 1.0 / 3.0;
 const MIN_BULK_RATIO: f64 = 0.8;
 
 /// Bytes per second of one `curl -p` download of `url` through `proxy`.
@@ -140,16 +147,43 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
 
+    let rate = |runs: &[WrkResult]| mean(&runs.iter().map(WrkResult::rate).collect::<Vec<_>>());
+    let gateway_with_user = format!("http://bench:{TOKEN}@{}", operator.gateway());
+    let offered = rate(&through) * FIXED_LOAD_SHARE;
+    let mut fixed_direct: Vec<OpenLoopResult> = Vec::new();
+    let mut fixed_through: Vec<OpenLoopResult> = Vec::new();
+    let fixed = |proxy: &str| {
+        runtime.block_on(open_loop::gets(
+            proxy,
+            &target,
+            CONNECTIONS as usize,
+            offered,
+            seconds,
+        ))
+    };
+    for _ in 0..2 {
+        fixed_direct.push(fixed(&squid.url()));
+        fixed_through.push(fixed(&gateway_with_user));
+    }
+    let failures: Vec<String> = fixed_direct
+        .iter()
+        .chain(&fixed_through)
+        .filter(|r| r.errors > 0)
+        .map(|r| format!("{} errors, first: {:?}", r.errors, r.first_error))
+        .collect();
+    if !failures.is_empty() {
+        eprintln!("failed requests at the fixed load: {failures:?}");
+        return ExitCode::FAILURE;
+    }
+
     let bulk = site.http(&format!("/bytes/{BULK_BYTES}"));
-    let gateway_tunnel = format!("http://bench:{TOKEN}@{}", operator.gateway());
     let mut bulk_direct = Vec::new();
     let mut bulk_through = Vec::new();
     for _ in 0..2 {
         bulk_direct.push(download_rate(&squid.url(), &bulk));
-        bulk_through.push(download_rate(&gateway_tunnel, &bulk));
+        bulk_through.push(download_rate(&gateway_with_user, &bulk));
     }
 
-    let rate = |runs: &[WrkResult]| mean(&runs.iter().map(WrkResult::rate).collect::<Vec<_>>());
     let p99 = |runs: &[WrkResult]| {
         Duration::from_secs_f64(mean(
             &runs
@@ -159,7 +193,16 @@ fn main() -> ExitCode {
         ))
     };
     let rate_ratio = rate(&through) / rate(&direct);
-    let added_p99 = p99(&through).saturating_sub(p99(&direct));
+    let fixed_quantile = |runs: &[OpenLoopResult], q: f64| {
+        Duration::from_secs_f64(mean(
+            &runs
+                .iter()
+                .map(|r| r.quantile(q).as_secs_f64())
+                .collect::<Vec<_>>(),
+        ))
+    };
+    let added_p99 =
+        fixed_quantile(&fixed_through, 0.99).saturating_sub(fixed_quantile(&fixed_direct, 0.99));
     let bulk_ratio = mean(&bulk_through) / mean(&bulk_direct);
     let requests: u64 = through.iter().map(|r| r.get("requests")).sum();
     let cpu_ratio = gateway_cpu / squid_cpu.max(1e-9);
@@ -181,8 +224,31 @@ fn main() -> ExitCode {
         p99(&through)
     );
     println!(
-        "ratio {rate_ratio:.2} (at least {MIN_RATE_RATIO}), added p99 {added_p99:.2?} (under {MAX_ADDED_P99:?})"
+        "ratio {rate_ratio:.2} (at least {MIN_RATE_RATIO}), added p99 at saturation {:.2?}",
+        p99(&through).saturating_sub(p99(&direct))
     );
+    println!(
+        "\nat a fixed load: {offered:.0} GETs/s (a third of the gateway's), open loop, \
+         {CONNECTIONS} connections, {}s, 2 runs each (means)",
+        seconds.as_secs()
+    );
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>10}",
+        "plain HTTP", "p50", "p99", "p99.9", "max"
+    );
+    for (name, runs) in [
+        ("straight to squid", &fixed_direct),
+        ("through the gateway", &fixed_through),
+    ] {
+        println!(
+            "{name:<22} {:>10.2?} {:>10.2?} {:>10.2?} {:>10.2?}",
+            fixed_quantile(runs, 0.5),
+            fixed_quantile(runs, 0.99),
+            fixed_quantile(runs, 0.999),
+            fixed_quantile(runs, 1.0),
+        );
+    }
+    println!("added p99 {added_p99:.2?} (under {MAX_ADDED_P99:?})");
     println!(
         "CPU per request: gateway {:.1} µs, squid {:.1} µs, ratio {cpu_ratio:.2}",
         gateway_cpu / requests as f64 * 1e6,

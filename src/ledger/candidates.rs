@@ -84,12 +84,17 @@ struct Lists {
     excluded: Excluded,
 }
 
-/// A choosable candidate's place in the order.
+/// A choosable candidate's place in the order, with what the selection reads of it (so a walk
+/// of the order never looks the candidate up by position).
 #[derive(Debug, Clone)]
-struct Ranked {
+pub(crate) struct Ranked {
     latency: Option<Duration>,
-    proxy: Arc<ProxyId>,
-    position: usize,
+    /// The proxy; its load and cooldowns are looked up by its UID.
+    pub proxy: Arc<ProxyId>,
+    /// Its position among all the candidates: what a choice names.
+    pub position: usize,
+    /// Its `maxLeases` (never 0 here).
+    pub max_leases: u32,
 }
 
 impl Ranked {
@@ -98,6 +103,7 @@ impl Ranked {
             latency: candidate.latency,
             proxy: candidate.proxy.clone(),
             position,
+            max_leases: candidate.max_leases,
         }
     }
 
@@ -176,13 +182,10 @@ impl Candidates {
         self.0.excluded
     }
 
-    /// The candidates that may be chosen with their positions, best first by their own part
-    /// of the order (the ledger's loads come first in the selection, before all of it).
-    pub(crate) fn ranked(&self) -> impl Iterator<Item = (usize, &Candidate)> {
-        self.0
-            .ranked
-            .iter()
-            .filter_map(|r| self.0.all.get(r.position).map(|c| (r.position, c)))
+    /// The candidates that may be chosen, best first by their own part of the order (the
+    /// ledger's loads come first in the selection, before all of it).
+    pub(crate) fn ranked(&self) -> impl Iterator<Item = &Ranked> {
+        self.0.ranked.iter()
     }
 }
 
@@ -257,10 +260,7 @@ mod tests {
     }
 
     fn ranked_names(candidates: &Candidates) -> Vec<String> {
-        candidates
-            .ranked()
-            .map(|(_, c)| c.proxy.name.clone())
-            .collect()
+        candidates.ranked().map(|r| r.proxy.name.clone()).collect()
     }
 
     #[test]
@@ -298,7 +298,7 @@ mod tests {
             ["a-fast", "b-fast", "slow", "unknown"]
         );
         assert_eq!(
-            candidates.ranked().map(|(p, _)| p).collect::<Vec<_>>(),
+            candidates.ranked().map(|r| r.position).collect::<Vec<_>>(),
             [5, 3, 1, 0]
         );
         assert_eq!(
@@ -370,8 +370,8 @@ mod tests {
             assert_eq!(candidates, fresh, "case {case}");
             assert_eq!(candidates.excluded(), fresh.excluded(), "case {case}");
             assert_eq!(
-                candidates.ranked().map(|(p, _)| p).collect::<Vec<_>>(),
-                fresh.ranked().map(|(p, _)| p).collect::<Vec<_>>(),
+                candidates.ranked().map(|r| r.position).collect::<Vec<_>>(),
+                fresh.ranked().map(|r| r.position).collect::<Vec<_>>(),
                 "case {case}"
             );
         }

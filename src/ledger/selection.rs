@@ -66,7 +66,7 @@ pub(crate) fn select(
     };
     // The fewest leases seen among free candidates, first in rank order among equals.
     let mut best: Option<(usize, u32)> = None;
-    for (position, candidate) in candidates.ranked() {
+    for candidate in candidates.ranked() {
         let uid = candidate.proxy.uid.as_str();
         let load = load(uid);
         let cooldown = cooldown_until(uid);
@@ -90,10 +90,10 @@ pub(crate) fn select(
             continue;
         }
         if load.active == 0 {
-            return Selection::Chosen(position);
+            return Selection::Chosen(candidate.position);
         }
         if best.is_none_or(|(_, fewest)| load.active < fewest) {
-            best = Some((position, load.active));
+            best = Some((candidate.position, load.active));
         }
     }
     match best {

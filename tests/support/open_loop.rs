@@ -1,22 +1,24 @@
-//! Lease pairs offered at a fixed rate, whatever the server does (an open loop, as wrk2
-//! offers load): each connection sends its pairs on a schedule, and a request's latency counts
+//! Requests offered at a fixed rate, whatever the server does (an open loop, as wrk2 offers
+//! load): each connection sends its requests on a schedule, and a request's latency counts
 //! from when it was due, so a server that stalls is charged for every request that waited
 //! behind the stall, not only for the one in flight (what a closed loop such as wrk
 //! under-reports: "coordinated omission").
 //!
-//! A pair is an acquire (`POST /v1/leases`) and the release of the lease it got (`DELETE`).
-//! The acquire is due at its slot; the release is due when the acquire's answer arrived.
+//! Two kinds of work: lease pairs ([`pairs`]), an acquire (`POST /v1/leases`) and the release
+//! of the lease it got (`DELETE`), the acquire due at its slot and the release when the
+//! acquire's answer arrived; and plain-HTTP GETs through a forward proxy ([`gets`]).
 
 use std::time::{Duration, Instant};
 
 /// What an open-loop run saw.
 #[derive(Debug, Default, Clone)]
 pub struct OpenLoopResult {
-    /// Pairs offered per second.
+    /// Units (pairs, or GETs) offered per second.
     pub offered: f64,
-    /// Pairs completed.
+    /// Units completed.
     pub pairs: u64,
-    /// Requests answered with anything but 201 / 204, or not answered.
+    /// Requests answered with anything but the expected status (201 / 204, or 200), or not
+    /// answered.
     pub errors: u64,
     /// The first of those, for the report.
     pub first_error: Option<String>,
@@ -37,7 +39,7 @@ impl OpenLoopResult {
         Duration::from_micros(self.latencies_us[index.min(last)])
     }
 
-    /// Pairs completed per second.
+    /// Units completed per second.
     pub fn achieved(&self) -> f64 {
         self.pairs as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -59,6 +61,19 @@ impl Lane {
     }
 }
 
+/// What each connection does at its slots.
+#[derive(Debug, Clone)]
+enum Work {
+    /// Acquire+release pairs on the lease API at `api`, with `token` and the acquire `body`.
+    Pairs {
+        api: String,
+        token: String,
+        body: String,
+    },
+    /// A GET of `url` through the forward proxy `proxy` (credentials in its user part).
+    Gets { proxy: String, url: String },
+}
+
 /// Offers `pairs_per_s` acquire+release pairs to the lease API at `api` for `duration`, over
 /// `connections` keep-alive connections (each its own client), with `token` and the acquire
 /// body `body`.
@@ -70,16 +85,39 @@ pub async fn pairs(
     pairs_per_s: f64,
     duration: Duration,
 ) -> OpenLoopResult {
-    let interval = Duration::from_secs_f64(connections as f64 / pairs_per_s);
+    let work = Work::Pairs {
+        api: api.to_owned(),
+        token: token.to_owned(),
+        body: body.to_owned(),
+    };
+    offer(work, connections, pairs_per_s, duration).await
+}
+
+/// Offers `gets_per_s` GETs of `url` through the forward proxy `proxy` (an `http://user:pass@`
+/// URL) for `duration`, over `connections` keep-alive connections; a GET counts when
+/// answered 200.
+pub async fn gets(
+    proxy: &str,
+    url: &str,
+    connections: usize,
+    gets_per_s: f64,
+    duration: Duration,
+) -> OpenLoopResult {
+    let work = Work::Gets {
+        proxy: proxy.to_owned(),
+        url: url.to_owned(),
+    };
+    offer(work, connections, gets_per_s, duration).await
+}
+
+async fn offer(work: Work, connections: usize, per_s: f64, duration: Duration) -> OpenLoopResult {
+    let interval = Duration::from_secs_f64(connections as f64 / per_s);
     let started = Instant::now() + Duration::from_millis(100);
     let lanes: Vec<_> = (0..connections)
         .map(|i| {
             let offset = interval.mul_f64(i as f64 / connections as f64);
-            let (api, token, body) = (api.to_owned(), token.to_owned(), body.to_owned());
             tokio::spawn(lane(
-                api,
-                token,
-                body,
+                work.clone(),
                 started + offset,
                 interval,
                 started + duration,
@@ -87,7 +125,7 @@ pub async fn pairs(
         })
         .collect();
     let mut result = OpenLoopResult {
-        offered: pairs_per_s,
+        offered: per_s,
         ..OpenLoopResult::default()
     };
     for lane in lanes {
@@ -104,70 +142,104 @@ pub async fn pairs(
     result
 }
 
-/// One connection's pairs, the first due at `first`, then one every `interval`, until `end`.
-async fn lane(
-    api: String,
-    token: String,
-    body: String,
-    first: Instant,
-    interval: Duration,
-    end: Instant,
-) -> Lane {
+/// One connection's work, the first due at `first`, then one every `interval`, until `end`.
+async fn lane(work: Work, first: Instant, interval: Duration, end: Instant) -> Lane {
     let mut lane = Lane::default();
-    let Ok(http) = reqwest::Client::builder()
+    let mut builder = reqwest::Client::builder()
         .pool_max_idle_per_host(1)
-        .timeout(Duration::from_secs(10))
-        .build()
-    else {
+        .timeout(Duration::from_secs(10));
+    if let Work::Gets { proxy, .. } = &work {
+        match reqwest::Proxy::http(proxy) {
+            Ok(proxy) => builder = builder.proxy(proxy),
+            Err(e) => {
+                lane.failed(format!("proxy {proxy}: {e}"));
+                return lane;
+            }
+        }
+    }
+    let Ok(http) = builder.build() else {
         lane.failed("cannot build a client".into());
         return lane;
     };
-    let acquire_url = format!("{api}/v1/leases");
     let mut due = first;
     while due < end {
         tokio::time::sleep_until(due.into()).await;
-        let acquired = http
-            .post(&acquire_url)
-            .bearer_auth(&token)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body.clone())
-            .send()
-            .await;
-        let lease_id = match acquired {
-            Ok(answer) if answer.status() == reqwest::StatusCode::CREATED => answer
-                .json::<serde_json::Value>()
-                .await
-                .ok()
-                .and_then(|lease| lease["leaseID"].as_str().map(str::to_owned)),
-            Ok(answer) => {
-                lane.failed(format!("acquire answered {}", answer.status()));
-                None
-            }
-            Err(e) => {
-                lane.failed(format!("acquire: {e}"));
-                None
-            }
-        };
-        let answered = Instant::now();
-        lane.latencies_us.push(micros(answered - due));
-        if let Some(id) = lease_id {
-            let released = http
-                .delete(format!("{api}/v1/leases/{id}"))
-                .bearer_auth(&token)
-                .send()
-                .await;
-            lane.latencies_us.push(micros(answered.elapsed()));
-            match released {
-                Ok(answer) if answer.status() == reqwest::StatusCode::NO_CONTENT => {
-                    lane.pairs += 1;
-                }
-                Ok(answer) => lane.failed(format!("release answered {}", answer.status())),
-                Err(e) => lane.failed(format!("release: {e}")),
-            }
+        match &work {
+            Work::Pairs { api, token, body } => pair(&http, api, token, body, due, &mut lane).await,
+            Work::Gets { url, .. } => get(&http, url, due, &mut lane).await,
         }
         due += interval;
     }
     lane
+}
+
+/// One acquire due at `due`, and the release of its lease.
+async fn pair(
+    http: &reqwest::Client,
+    api: &str,
+    token: &str,
+    body: &str,
+    due: Instant,
+    lane: &mut Lane,
+) {
+    let acquired = http
+        .post(format!("{api}/v1/leases"))
+        .bearer_auth(token)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.to_owned())
+        .send()
+        .await;
+    let lease_id = match acquired {
+        Ok(answer) if answer.status() == reqwest::StatusCode::CREATED => answer
+            .json::<serde_json::Value>()
+            .await
+            .ok()
+            .and_then(|lease| lease["leaseID"].as_str().map(str::to_owned)),
+        Ok(answer) => {
+            lane.failed(format!("acquire answered {}", answer.status()));
+            None
+        }
+        Err(e) => {
+            lane.failed(format!("acquire: {e}"));
+            None
+        }
+    };
+    let answered = Instant::now();
+    lane.latencies_us.push(micros(answered - due));
+    if let Some(id) = lease_id {
+        let released = http
+            .delete(format!("{api}/v1/leases/{id}"))
+            .bearer_auth(token)
+            .send()
+            .await;
+        lane.latencies_us.push(micros(answered.elapsed()));
+        match released {
+            Ok(answer) if answer.status() == reqwest::StatusCode::NO_CONTENT => {
+                lane.pairs += 1;
+            }
+            Ok(answer) => lane.failed(format!("release answered {}", answer.status())),
+            Err(e) => lane.failed(format!("release: {e}")),
+        }
+    }
+}
+
+/// One GET due at `due`, its body read whole.
+async fn get(http: &reqwest::Client, url: &str, due: Instant, lane: &mut Lane) {
+    let answer = http.get(url).send().await;
+    let outcome = match answer {
+        Ok(answer) if answer.status() == reqwest::StatusCode::OK => answer
+            .bytes()
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("body: {e}")),
+        Ok(answer) => Err(format!("GET answered {}", answer.status())),
+        Err(e) => Err(format!("GET: {e}")),
+    };
+    lane.latencies_us.push(micros(due.elapsed()));
+    match outcome {
+        Ok(()) => lane.pairs += 1,
+        Err(what) => lane.failed(what),
+    }
 }
 
 fn micros(d: Duration) -> u64 {

@@ -549,7 +549,8 @@ mod tests {
         inventory.replace(proxies.clone());
         let snapshot = inventory.snapshot();
         let index = CandidateIndex::default();
-        let order = |list: &Candidates| -> Vec<usize> { list.ranked().map(|(p, _)| p).collect() };
+        let order =
+            |list: &Candidates| -> Vec<usize> { list.ranked().map(|r| r.position).collect() };
         for round in 0..200 {
             let changes = if round % 50 == 49 {
                 3_000
