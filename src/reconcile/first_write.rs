@@ -7,8 +7,10 @@
 //! large fleet the API server's time goes on writes, so the watch's trigger of such a proxy is
 //! held back ([`hold_first_writes`]): the first verdict's transition triggers the reconcile
 //! anyway, which then writes once, with both. A held trigger is let go at the latest its probe
-//! timeout and [`FIRST_PROBE_MARGIN`] after the proxy's creation (a probe that never answers,
-//! thresholds above one result), and dropped when the proxy got a status meanwhile.
+//! interval, timeout and [`FIRST_PROBE_MARGIN`] after the proxy's creation (a probe that never
+//! answers, thresholds above one result), and dropped when the proxy got a status meanwhile.
+//! The interval counts because a proxy that is already there when the operator starts (in the
+//! health engine's first inventory) has its first probe jittered over one interval.
 //!
 //! Only the watch's triggers wait: a reconcile, once started, writes what it knows, and every
 //! other trigger (the transition, the leader's start, a requeue) reconciles at once.
@@ -34,7 +36,8 @@ pub const FIRST_PROBE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Until when the watch's trigger of `proxy` is held back at `now`: a new External proxy
 /// without a status, not being deleted and without our finalizer (which goes at once), until
-/// its probe timeout and [`FIRST_PROBE_MARGIN`] after its creation. `None`: reconcile now.
+/// its probe interval, timeout and [`FIRST_PROBE_MARGIN`] after its creation. `None`:
+/// reconcile now.
 pub fn hold_until(proxy: &Proxy, now: Timestamp) -> Option<Timestamp> {
     let unwritten = proxy.status.as_ref().and_then(|s| s.phase).is_none();
     let finalized = proxy.finalizers().iter().any(|f| f == FINALIZER);
@@ -46,10 +49,10 @@ pub fn hold_until(proxy: &Proxy, now: Timestamp) -> Option<Timestamp> {
         return None;
     }
     let created = proxy.metadata.creation_timestamp.as_ref()?.0;
-    let wait = proxy
-        .spec
-        .health_check()
-        .timeout()
+    let check = proxy.spec.health_check();
+    let wait = check
+        .interval()
+        .saturating_add(check.timeout())
         .saturating_add(FIRST_PROBE_MARGIN);
     Some(after(created, wait)).filter(|until| *until > now)
 }
@@ -160,7 +163,8 @@ mod tests {
         Timestamp::from_second(seconds).unwrap()
     }
 
-    /// A new External proxy `name` created at `created` (seconds), its probe timeout 5 s.
+    /// A new External proxy `name` created at `created` (seconds), its probe interval 30 s and
+    /// timeout 5 s.
     fn new_external(name: &str, created: i64) -> Proxy {
         let mut proxy = fixtures::external(name, "10.0.0.1", 3128).build();
         proxy.metadata.creation_timestamp = Some(Time(ts(created)));
@@ -194,16 +198,16 @@ mod tests {
         slow_probe.spec.health_check.timeout = Duration::from_secs(20).into();
         let cases = [
             (
-                "new: until 5 s timeout + 5 s margin",
+                "new: until 30 s interval + 5 s timeout + 5 s margin",
                 new(),
-                Some(ts(NOW + 8)),
+                Some(ts(NOW + 38)),
             ),
             (
                 "a longer probe timeout waits longer",
                 slow_probe,
-                Some(ts(NOW + 23)),
+                Some(ts(NOW + 53)),
             ),
-            ("the wait is over", new_external("p", NOW - 10), None),
+            ("the wait is over", new_external("p", NOW - 40), None),
             ("written already (an edit)", written(new()), None),
             ("our finalizer goes at once", finalized, None),
             ("being deleted", deleting, None),
@@ -223,7 +227,7 @@ mod tests {
     fn held_for(name: &str, ms: i64) -> Proxy {
         let mut proxy = new_external(name, 0);
         let created = now()
-            .checked_sub(jiff::SignedDuration::from_secs(10))
+            .checked_sub(jiff::SignedDuration::from_secs(40))
             .and_then(|t| t.checked_add(jiff::SignedDuration::from_millis(ms)))
             .unwrap();
         proxy.metadata.creation_timestamp = Some(Time(created));

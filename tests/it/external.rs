@@ -17,9 +17,11 @@ use support::world::{SLOW, World, eventually, wait_gone};
 use proxy_operator::reconcile::deleted::LEASES_PROXY_DELETED;
 use proxy_operator::resources::proxy::FINALIZER;
 
-/// An External spec on `squid` probing the world's target. A 20 s probe timeout gives the
-/// first status write 25 s to wait for the first probe: a loaded machine's first probe through
-/// a loopback squid takes well under that.
+/// An External spec on `squid` probing the world's target. The first status write waits up
+/// to the 30 s interval, the 20 s probe timeout and 5 s for the first probe: a loaded
+/// machine's first probe through a loopback squid comes well within that, even when the
+/// operator's health engine had not listed its first inventory yet and spread the probe over
+/// one interval.
 fn spec(world: &World, squid: &Squid) -> Value {
     json!({
         "mode": "External",

@@ -27,7 +27,14 @@ import os
 import sys
 from typing import Any, Callable
 
-from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, ProxySettings
+from playwright.sync_api import (
+    Browser,
+    ConsoleMessage,
+    Page,
+    Playwright,
+    ProxySettings,
+    Request,
+)
 
 #: Debian's Chromium (`apt-get install -y chromium`).
 EXECUTABLE = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -81,8 +88,15 @@ def launch(playwright: Playwright, **kwargs: Any) -> Browser:
 def watch_errors(page: Page) -> list[str]:
     """A list that fills with the page's console errors (`console: ...`), uncaught exceptions
     (`pageerror: ...`) and failed requests (`requestfailed: URL: reason`) from now on. A
-    missing `/favicon.ico`, which Chromium asks every site for, is not an error of the page."""
+    missing `/favicon.ico`, which Chromium asks every site for, is not an error of the page;
+    nor is a request the browser cancelled itself (`net::ERR_ABORTED`), such as a page's
+    refresh still in flight when the test navigates away. A server or proxy that fails a
+    request shows another reason (reset, refused, empty response, tunnel failed)."""
     errors: list[str] = []
+
+    def request_failed(request: Request) -> None:
+        if request.failure != "net::ERR_ABORTED":
+            errors.append(f"requestfailed: {request.url}: {request.failure}")
 
     def console(message: ConsoleMessage) -> None:
         if message.type == "error" and not message.location.get("url", "").endswith(
@@ -92,10 +106,7 @@ def watch_errors(page: Page) -> list[str]:
 
     page.on("console", console)
     page.on("pageerror", lambda error: errors.append(f"pageerror: {error}"))
-    page.on(
-        "requestfailed",
-        lambda request: errors.append(f"requestfailed: {request.url}: {request.failure}"),
-    )
+    page.on("requestfailed", request_failed)
     return errors
 
 
