@@ -85,10 +85,15 @@ impl Ord for Held {
     }
 }
 
-/// Forwards the watch's `triggers` to `output`, holding back those [`hold_until`] says to
-/// until then; a held one is let go as `store` has it then, unless it has a status by then or
-/// is gone. Returns when either channel closes.
+/// Forwards the Proxies `present` when leadership began, then the watch's `triggers`, to
+/// `output`, holding back those [`hold_until`] says to until then; a held one is let go as
+/// `store` has it then, unless it has a status by then or is gone. Returns when either channel
+/// closes.
+///
+/// The present ones are held too: a Proxy created while the operator was starting (before it
+/// held the Lease) is as new as one created after.
 pub async fn hold_first_writes(
+    present: Vec<Arc<Proxy>>,
     mut triggers: mpsc::Receiver<Arc<Proxy>>,
     output: mpsc::Sender<Arc<Proxy>>,
     store: Store<Proxy>,
@@ -96,6 +101,19 @@ pub async fn hold_first_writes(
 ) {
     let mut held: BinaryHeap<Reverse<Held>> = BinaryHeap::new();
     let mut seq: u64 = 0;
+    for proxy in present {
+        match hold_until(&proxy, clock()) {
+            Some(until) => {
+                held.push(Reverse(Held { until, seq, proxy }));
+                seq = seq.wrapping_add(1);
+            }
+            None => {
+                if output.send(proxy).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
     loop {
         let next = held.peek().map(|Reverse(h)| h.until);
         let due = async {
@@ -239,19 +257,42 @@ mod tests {
         let (store, mut writer) = kube::runtime::reflector::store::<Proxy>();
         let (triggers, input) = mpsc::channel(8);
         let (output, mut forwarded) = mpsc::channel(8);
-        let task = tokio::spawn(hold_first_writes(input, output, store, now));
-
+        // Present when leadership began: one written already, one new.
+        let present_settled = written(new_external("present-settled", 0));
+        let present_waits = held_for("present-waits", 50);
         let waits = held_for("waits", 300);
         let gets_written = held_for("gets-written", 200);
         let settled = written(new_external("settled", 0));
-        for proxy in [&waits, &gets_written, &settled] {
+        for proxy in [
+            &present_settled,
+            &present_waits,
+            &waits,
+            &gets_written,
+            &settled,
+        ] {
             writer.apply_watcher_event(&watcher::Event::Apply(proxy.clone()));
         }
+        let present = vec![Arc::new(present_settled), Arc::new(present_waits)];
+        let task = tokio::spawn(hold_first_writes(present, input, output, store, now));
         for proxy in [&waits, &gets_written, &settled] {
             triggers.send(Arc::new(proxy.clone())).await.unwrap();
         }
-        let first = forwarded.recv().await.unwrap();
-        assert_eq!(first.metadata.name.as_deref(), Some("settled"), "not held");
+        let name = |proxy: Option<Arc<Proxy>>| proxy.and_then(|p| p.metadata.name.clone());
+        assert_eq!(
+            name(forwarded.recv().await).as_deref(),
+            Some("present-settled"),
+            "a written one present at the start goes at once"
+        );
+        // The written trigger at once, and the present one once its short hold is over.
+        let mut next_two = Vec::new();
+        for _ in 0..2 {
+            let next = tokio::time::timeout(Duration::from_secs(10), forwarded.recv())
+                .await
+                .expect("the written trigger, and the held one present at the start");
+            next_two.extend(name(next));
+        }
+        next_two.sort();
+        assert_eq!(next_two, ["present-waits", "settled"]);
         // Its first verdict was written before its hold ended: nothing left to trigger.
         writer.apply_watcher_event(&watcher::Event::Apply(written(gets_written)));
         let next = tokio::time::timeout(Duration::from_secs(10), forwarded.recv())

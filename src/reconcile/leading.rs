@@ -23,8 +23,8 @@ const PACED_BUFFER: usize = 1024;
 /// watch's triggers, its deletions and the health transitions are drained (the watch must never
 /// wait on a reconciler that does not run, and health states are recorded as they come; the
 /// leader's sweep finds the deletions); once it is held every Proxy in the store is reconciled,
-/// then the triggers follow, a new External proxy's held back until its first probe
-/// ([`hold_first_writes`]). Losing the Lease is an
+/// then the triggers follow, a new External proxy's held back until its first probe, also one
+/// that was in the store already ([`hold_first_writes`]). Losing the Lease is an
 /// error that stops the process: its restart contends again as a follower, and two processes
 /// never reconcile at once.
 pub async fn run_while_leading(
@@ -58,18 +58,10 @@ pub async fn run_while_leading(
         return Ok(());
     }
     log::info!("holding the leader Lease: reconciling");
-    let current = futures::stream::iter(store.state());
     let (forward, mut paced) = mpsc::channel(PACED_BUFFER);
-    let holding = hold_first_writes(triggers, forward, store.clone(), ctx.clock);
-    let later = futures::stream::poll_fn(move |cx| paced.poll_recv(cx));
-    let controller = run_controller(
-        ctx,
-        store,
-        current.chain(later),
-        namespace.as_deref(),
-        health,
-        deleted,
-    );
+    let holding = hold_first_writes(store.state(), triggers, forward, store.clone(), ctx.clock);
+    let triggers = futures::stream::poll_fn(move |cx| paced.poll_recv(cx));
+    let controller = run_controller(ctx, store, triggers, namespace.as_deref(), health, deleted);
     // Either ends only when the watch stops feeding the reconciler.
     let work = async {
         tokio::select! {
