@@ -10,11 +10,17 @@
 //!   grows (PASSIVE: it never blocks the writer, which keeps appending meanwhile);
 //! - the log can only start over from its beginning once a checkpoint has copied all of it,
 //!   which cannot happen while the writer appends. So once the log reaches its restart length
-//!   (three quarters of the WAL allowance), the writer itself checkpoints between two batches:
+//!   (half the WAL allowance, so a restart that has to wait for the background's checkpoint
+//!   or a reader leaves the log the other half to grow into), the writer itself checkpoints between two batches:
 //!   by then the background has copied nearly everything, so this copies the tail, and the
 //!   next transaction starts the log over (truncated to `journal_size_limit`). The log stays
 //!   within its allowance, and the writer pauses for a tail once per restart length instead
 //!   of for a whole checkpoint at every half allowance.
+//! - That checkpoint is a RESTART: it waits (the connection's busy timeout) for readers still
+//!   on the log to move on, since a log a reader holds cannot start over. A PASSIVE one there
+//!   let the log outgrow its allowance while readers and the background checkpoint kept it
+//!   from finishing. One that cannot finish (the background's checkpoint under way) is tried
+//!   again after the next batch.
 //!
 //! Both kinds are timed on `proxy_operator_ledger_checkpoint_seconds{by}`.
 
@@ -74,7 +80,7 @@ impl Policy {
         let allowance = bound.wal_limit / bound.frame_bytes();
         Policy {
             background_every: (allowance / 16).max(1),
-            restart_at: (allowance - allowance / 4).max(1),
+            restart_at: (allowance / 2).max(1),
         }
     }
 
@@ -143,10 +149,14 @@ impl Checkpoints {
             }
             Step::Restart => {
                 let timer = self.writer_time.start_timer();
-                match passive(conn) {
-                    Ok(()) => {
+                match restart(conn) {
+                    Ok(true) => {
                         self.woken = 0;
                         WAL_FRAMES.set(0);
+                    }
+                    Ok(false) => log::debug!("ledger checkpoint unfinished; tried again"),
+                    Err(error) if is_busy(&error) => {
+                        log::debug!("ledger checkpoint busy ({error}); tried again");
                     }
                     Err(error) => log::warn!("ledger checkpoint failed: {error}"),
                 }
@@ -172,6 +182,21 @@ impl Drop for Checkpoints {
 /// later checkpoint finishes what one held back.
 fn passive(conn: &Connection) -> rusqlite::Result<()> {
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+}
+
+/// Copies all of the log into the file, waiting for readers of the log to move on, so that the
+/// next transaction starts it over; `false` when it could not finish.
+fn restart(conn: &Connection) -> rusqlite::Result<bool> {
+    conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| {
+        row.get::<_, i64>(0)
+    })
+    .map(|busy| busy == 0)
+}
+
+/// Whether `error` is SQLite's "busy": another connection's checkpoint under way, or a reader
+/// past the busy timeout.
+fn is_busy(error: &rusqlite::Error) -> bool {
+    error.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
 }
 
 /// The background thread: a checkpoint each time it is woken, until the writer goes.
@@ -208,12 +233,12 @@ mod tests {
     fn the_background_copies_the_log_as_it_grows_and_the_writer_restarts_it() {
         let bound = SizeBound::new(16 << 20, 4096).unwrap();
         let policy = Policy::of(&bound);
-        // 2 MiB of 4120-byte frames: 509; a sixteenth 31, three quarters 382.
+        // 2 MiB of 4120-byte frames: 509; a sixteenth 31, half 254.
         assert_eq!(
             policy,
             Policy {
                 background_every: 31,
-                restart_at: 382
+                restart_at: 254
             }
         );
         // (frames, woken at, step)
@@ -223,8 +248,8 @@ mod tests {
             (31, 0, Step::Background),
             (40, 31, Step::Nothing),
             (62, 31, Step::Background),
-            (381, 370, Step::Nothing),
-            (382, 370, Step::Restart),
+            (253, 248, Step::Nothing),
+            (254, 248, Step::Restart),
             (900, 0, Step::Restart),
         ];
         for (frames, woken, step) in cases {
