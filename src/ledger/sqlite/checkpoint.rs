@@ -19,8 +19,8 @@
 //! - That checkpoint is a RESTART: it waits (the connection's busy timeout) for readers still
 //!   on the log to move on, since a log a reader holds cannot start over. A PASSIVE one there
 //!   let the log outgrow its allowance while readers and the background checkpoint kept it
-//!   from finishing. One that cannot finish (the background's checkpoint under way) is tried
-//!   again after the next batch.
+//!   from finishing. While the background's checkpoint holds the checkpoint lock, SQLite
+//!   answers busy at once, so the writer waits for it (up to [`RESTART_PATIENCE`]).
 //!
 //! Both kinds are timed on `proxy_operator_ledger_checkpoint_seconds{by}`.
 
@@ -55,6 +55,10 @@ pub(crate) fn take_over(conn: &Connection) -> rusqlite::Result<()> {
     conn.wal_hook(Some(note_frames));
     Ok(())
 }
+
+/// How long the writer keeps trying to start the log over before it goes on (and tries again
+/// after the next batch): a background checkpoint takes milliseconds.
+const RESTART_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the writer does about the log after a batch, given its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,16 +153,24 @@ impl Checkpoints {
             }
             Step::Restart => {
                 let timer = self.writer_time.start_timer();
-                match restart(conn) {
-                    Ok(true) => {
-                        self.woken = 0;
-                        WAL_FRAMES.set(0);
+                // SQLite answers busy at once while the background's checkpoint holds the
+                // checkpoint lock (the busy timeout covers only readers): wait for it to end,
+                // so the log starts over now, not batches later.
+                let started = std::time::Instant::now();
+                loop {
+                    match restart(conn) {
+                        Ok(true) => {
+                            self.woken = 0;
+                            WAL_FRAMES.set(0);
+                        }
+                        Ok(false) | Err(_) if started.elapsed() < RESTART_PATIENCE => {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                            continue;
+                        }
+                        Ok(false) => log::warn!("ledger checkpoint unfinished; tried again"),
+                        Err(error) => log::warn!("ledger checkpoint failed: {error}"),
                     }
-                    Ok(false) => log::debug!("ledger checkpoint unfinished; tried again"),
-                    Err(error) if is_busy(&error) => {
-                        log::debug!("ledger checkpoint busy ({error}); tried again");
-                    }
-                    Err(error) => log::warn!("ledger checkpoint failed: {error}"),
+                    break;
                 }
                 timer.observe_duration();
             }
@@ -191,12 +203,6 @@ fn restart(conn: &Connection) -> rusqlite::Result<bool> {
         row.get::<_, i64>(0)
     })
     .map(|busy| busy == 0)
-}
-
-/// Whether `error` is SQLite's "busy": another connection's checkpoint under way, or a reader
-/// past the busy timeout.
-fn is_busy(error: &rusqlite::Error) -> bool {
-    error.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
 }
 
 /// The background thread: a checkpoint each time it is woken, until the writer goes.

@@ -68,16 +68,21 @@ async fn a_proxy_page_shows_its_conditions_and_events() {
     }
 
     let path = format!("/v1/status/proxies/{}/edge", world.ns);
-    // The page reads the Proxy from the operator's watch, which sees the Ready status a
-    // moment after the API server has it.
-    let detail: Value = eventually("the proxy's page to list its Event, Ready", || async {
-        let (status, body) = operator.call(Method::GET, &path, None).await;
-        assert_eq!(status, StatusCode::OK, "{body}");
-        let listed = body["events"]
-            .as_array()
-            .is_some_and(|e| e.iter().any(|e| e["reason"] == "Tested"));
-        (listed && body["proxy"]["phase"] == "Ready").then_some(body)
-    })
+    // The page reads the Proxy from the operator's watch, which sees the status a moment
+    // after the API server has it (and a new External proxy's status is written once its
+    // first probe answered, so its health can say Ready before its conditions are there).
+    let detail: Value = eventually(
+        "the proxy's page to list its Event and conditions",
+        || async {
+            let (status, body) = operator.call(Method::GET, &path, None).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            let listed = body["events"]
+                .as_array()
+                .is_some_and(|e| e.iter().any(|e| e["reason"] == "Tested"));
+            let conditions = body["conditions"].as_array().is_some_and(|c| !c.is_empty());
+            (listed && conditions && body["proxy"]["phase"] == "Ready").then_some(body)
+        },
+    )
     .await;
     let tested: Vec<&Value> = detail["events"]
         .as_array()
