@@ -193,8 +193,12 @@ pub(crate) fn pool(target: &Target, size: usize, wait: Duration) -> Result<Pool,
         .get_connect_timeout()
         .copied()
         .unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    // Last in, first out: a quiet ledger keeps reusing the same few connections, and each
+    // backend that sits idle skips the cache rebuilds every commit's invalidations cost the
+    // ones in use (measured: more pairs/s with three replicas on one database).
     Pool::builder(manager)
         .max_size(size)
+        .queue_mode(deadpool_postgres::QueueMode::Lifo)
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(wait))
         .create_timeout(Some(connect))
