@@ -190,14 +190,17 @@ const INSERT_FITTING_LEASES: &str = grant_sql!(
 /// for the common batch ([`grant_at_once`]), or two for one with request IDs or under a
 /// per-target limit ([`check_under_locks`]). `retried`: an earlier attempt of this batch
 /// failed, perhaps after its COMMIT went through, so its grants are looked for first.
+/// `releasing`: releases to commit in the grants' transaction (only for a batch decided
+/// [`at_once`]), or in a statement of their own when nothing is granted.
 pub(crate) async fn decide(
     conn: &Pipelined<'_>,
     batch: &[Pending],
+    releasing: Releasing<'_>,
     config: &LedgerConfig,
     snapshot: Option<HashMap<String, ProxyLoad>>,
     retried: bool,
     now: i64,
-) -> Result<Vec<Verdict>> {
+) -> Result<Decided> {
     let client = conn.client();
     let ids: Vec<&str> = batch.iter().map(|p| p.id.as_str()).collect();
     let (keys, key_tenants): (Vec<&str>, Vec<&str>) = batch
@@ -266,6 +269,7 @@ pub(crate) async fn decide(
         }
         None => plan(batch, &known, loads_of(load_rows), config, now),
     };
+    let mut released_with_grants = None;
     if !planning.planned.is_empty() {
         let keyed = planning
             .planned
@@ -274,17 +278,72 @@ pub(crate) async fn decide(
         let checked = if TargetLimits::of(config).any() || keyed {
             check_under_locks(conn, batch, &planning.planned, config, now).await?
         } else {
-            grant_at_once(conn, batch, &planning.planned, now).await?
+            let (checked, ended) =
+                grant_at_once(conn, batch, &planning.planned, releasing, now).await?;
+            released_with_grants = Some(ended);
+            checked
         };
         for (i, verdict) in checked {
             planning.verdicts[i] = Some(verdict);
         }
     }
-    Ok(planning
-        .verdicts
-        .into_iter()
-        .map(|v| v.unwrap_or(Verdict::Again))
-        .collect())
+    let released = match released_with_grants {
+        Some(ended) => ended,
+        None => release(client, releasing, now).await?,
+    };
+    Ok(Decided {
+        verdicts: planning
+            .verdicts
+            .into_iter()
+            .map(|v| v.unwrap_or(Verdict::Again))
+            .collect(),
+        released,
+    })
+}
+
+/// The releases a batch carries: lease IDs, each of the tenant at the same position.
+#[derive(Clone, Copy)]
+pub(crate) struct Releasing<'a> {
+    pub ids: &'a [&'a str],
+    pub tenants: &'a [&'a str],
+}
+
+/// What a batch decided: a verdict per acquire, in order, and the (proxy UID, lease ID) of
+/// each lease its releases ended.
+pub(crate) struct Decided {
+    pub verdicts: Vec<Verdict>,
+    pub released: Vec<(String, String)>,
+}
+
+/// Whether `batch` can be decided in the one round trip of [`grant_at_once`] (no request IDs,
+/// tenants' quotas or per-target limits to check between the locks and the insert), where
+/// releases can commit with the grants at no cost.
+pub(crate) fn at_once(batch: &[Pending], config: &LedgerConfig) -> bool {
+    !TargetLimits::of(config).any()
+        && batch
+            .iter()
+            .all(|p| p.request.request.is_none() && !p.request.tenant.quotas.any())
+}
+
+/// Ends the leases `releasing` names, in a statement of its own (none when it names none).
+pub(crate) async fn release(
+    client: &impl GenericClient,
+    releasing: Releasing<'_>,
+    now: i64,
+) -> Result<Vec<(String, String)>> {
+    if releasing.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    store::release(client, releasing.ended(), None, now).await
+}
+
+impl<'a> Releasing<'a> {
+    fn ended(self) -> store::Ended<'a> {
+        store::Ended::Leases {
+            ids: self.ids,
+            tenants: self.tenants,
+        }
+    }
 }
 
 /// What a batch's reads found, besides the loads.
@@ -625,19 +684,22 @@ async fn grant_at_once(
     conn: &Pipelined<'_>,
     batch: &[Pending],
     planned: &[Planned],
+    releasing: Releasing<'_>,
     now: i64,
-) -> Result<Vec<(usize, Verdict)>> {
+) -> Result<(Vec<(usize, Verdict)>, Vec<(String, String)>)> {
     let client = conn.client();
     let uids = in_lock_order(planned.iter().map(|p| p.uid.as_str()));
     let plans: Vec<&Planned> = planned.iter().collect();
-    conn.prepare(&[LOCK_PROXIES, INSERT_FITTING_LEASES]).await?;
-    let (_, _, granted, ()) = tokio::try_join!(
+    conn.prepare(&[LOCK_PROXIES, INSERT_FITTING_LEASES, &store::RELEASE_LEASES])
+        .await?;
+    let (_, released, _, granted, ()) = tokio::try_join!(
         conn.begin(),
+        release(client, releasing, now),
         async { query(client, LOCK_PROXIES, &[&uids]).await },
         insert_leases(client, INSERT_FITTING_LEASES, batch, &plans, now),
         conn.commit(),
     )?;
-    Ok(answers(batch, &plans, granted))
+    Ok((answers(batch, &plans, granted), released))
 }
 
 /// The rows to lock, each once, in the order every replica locks them (so none deadlock).
@@ -974,6 +1036,44 @@ mod tests {
         loads: Vec<(String, ProxyLoad)>,
         expected: Vec<&'static str>,
         refuses: bool,
+    }
+
+    #[test]
+    fn only_a_batch_without_checks_between_locks_and_insert_is_decided_at_once() {
+        let two = proxies(2, 1);
+        let limits = LedgerConfig {
+            max_leases_per_proxy_target: Some(1),
+            ..LedgerConfig::default()
+        };
+        let cases: [(&str, Vec<Pending>, &LedgerConfig, bool); 4] = [
+            (
+                "plain acquires",
+                vec![pending("a", &two, None), pending("b", &two, None)],
+                &LedgerConfig::default(),
+                true,
+            ),
+            (
+                "one with a request ID",
+                vec![pending("a", &two, None), pending("b", &two, Some("r"))],
+                &LedgerConfig::default(),
+                false,
+            ),
+            (
+                "one of a tenant with a quota",
+                vec![pending("a", &two, None), limited("b", &two, 2)],
+                &LedgerConfig::default(),
+                false,
+            ),
+            (
+                "under a per-target limit",
+                vec![pending("a", &two, None)],
+                &limits,
+                false,
+            ),
+        ];
+        for (name, batch, config, expected) in cases {
+            assert_eq!(at_once(&batch, config), expected, "{name}");
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! never from the database.
 
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
@@ -144,31 +145,34 @@ pub(crate) async fn release(
     reason: Option<&str>,
     now: i64,
 ) -> Result<Vec<(String, String)>> {
-    let (which, key, tenants): (&str, &(dyn ToSql + Sync), &(dyn ToSql + Sync)) = match &ended {
-        Ended::Leases { ids, tenants } => (
-            "(id, tenant) IN (SELECT * FROM unnest($1::text[], $4::text[]))",
-            ids,
-            tenants,
-        ),
-        Ended::Proxy(uid) => ("proxy_uid = $1 AND $4::text[] IS NULL", uid, &NO_TENANTS),
+    let (sql, key, tenants): (&str, &(dyn ToSql + Sync), &(dyn ToSql + Sync)) = match &ended {
+        Ended::Leases { ids, tenants } => (&RELEASE_LEASES, ids, tenants),
+        Ended::Proxy(uid) => (&RELEASE_PROXY, uid, &NO_TENANTS),
     };
-    // One statement: the leases and their `released` events (in lease-ID order, so the
-    // history is deterministic), a single round trip however many end.
-    let rows = query(
-        tx,
-        &format!(
-            "WITH ended AS (UPDATE leases SET state = 'released', released_at = $2, \
-             release_reason = $3 WHERE {which} AND state = 'active' AND expires_at > $2 \
-             RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, tenant) \
-             INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
-             proxy_uid, target, expires_at, reason, tenant) SELECT $2, id, 'released', \
-             proxy_namespace, proxy_name, proxy_uid, target, expires_at, $3, tenant FROM ended \
-             ORDER BY id RETURNING proxy_uid, lease_id"
-        ),
-        &[key, &now, &reason, tenants],
-    )
-    .await?;
+    let rows = query(tx, sql, &[key, &now, &reason, tenants]).await?;
     Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+}
+
+/// Releases the leases `$1` names, each of the tenant at the same position of `$4`.
+pub(crate) static RELEASE_LEASES: LazyLock<String> =
+    LazyLock::new(|| release_sql("(id, tenant) IN (SELECT * FROM unnest($1::text[], $4::text[]))"));
+/// Releases the leases of the proxy with UID `$1` (`$4` is NULL).
+static RELEASE_PROXY: LazyLock<String> =
+    LazyLock::new(|| release_sql("proxy_uid = $1 AND $4::text[] IS NULL"));
+
+/// The release of the counting leases `which` picks, at `$2` with the reason `$3`: the leases
+/// and their `released` events (in lease-ID order, so the history is deterministic) in one
+/// statement, a single round trip however many end.
+fn release_sql(which: &str) -> String {
+    format!(
+        "WITH ended AS (UPDATE leases SET state = 'released', released_at = $2, \
+         release_reason = $3 WHERE {which} AND state = 'active' AND expires_at > $2 \
+         RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, tenant) \
+         INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
+         proxy_uid, target, expires_at, reason, tenant) SELECT $2, id, 'released', \
+         proxy_namespace, proxy_name, proxy_uid, target, expires_at, $3, tenant FROM ended \
+         ORDER BY id RETURNING proxy_uid, lease_id"
+    )
 }
 
 /// The tenants parameter of a release that names none.
