@@ -195,7 +195,7 @@ const INSERT_FITTING_LEASES: &str = grant_sql!(
 pub(crate) async fn decide(
     conn: &Pipelined<'_>,
     batch: &[Pending],
-    releasing: Releasing<'_>,
+    releasing: &Releasing<'_>,
     config: &LedgerConfig,
     snapshot: Option<HashMap<String, ProxyLoad>>,
     retried: bool,
@@ -302,10 +302,9 @@ pub(crate) async fn decide(
 }
 
 /// The releases a batch carries: lease IDs, each of the tenant at the same position.
-#[derive(Clone, Copy)]
 pub(crate) struct Releasing<'a> {
-    pub ids: &'a [&'a str],
-    pub tenants: &'a [&'a str],
+    pub ids: Vec<&'a str>,
+    pub tenants: Vec<&'a str>,
 }
 
 /// What a batch decided: a verdict per acquire, in order, and the (proxy UID, lease ID) of
@@ -328,7 +327,7 @@ pub(crate) fn at_once(batch: &[Pending], config: &LedgerConfig) -> bool {
 /// Ends the leases `releasing` names, in a statement of its own (none when it names none).
 pub(crate) async fn release(
     client: &impl GenericClient,
-    releasing: Releasing<'_>,
+    releasing: &Releasing<'_>,
     now: i64,
 ) -> Result<Vec<(String, String)>> {
     if releasing.ids.is_empty() {
@@ -337,11 +336,11 @@ pub(crate) async fn release(
     store::release(client, releasing.ended(), None, now).await
 }
 
-impl<'a> Releasing<'a> {
-    fn ended(self) -> store::Ended<'a> {
+impl Releasing<'_> {
+    fn ended(&self) -> store::Ended<'_> {
         store::Ended::Leases {
-            ids: self.ids,
-            tenants: self.tenants,
+            ids: &self.ids,
+            tenants: &self.tenants,
         }
     }
 }
@@ -684,7 +683,7 @@ async fn grant_at_once(
     conn: &Pipelined<'_>,
     batch: &[Pending],
     planned: &[Planned],
-    releasing: Releasing<'_>,
+    releasing: &Releasing<'_>,
     now: i64,
 ) -> Result<(Vec<(usize, Verdict)>, Vec<(String, String)>)> {
     let client = conn.client();

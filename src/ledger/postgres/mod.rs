@@ -433,6 +433,15 @@ async fn run_batches(
     }
 }
 
+/// The leases `releases` name, for a batch's release statement.
+fn releasing(releases: &[PendingRelease]) -> batch::Releasing<'_> {
+    let (ids, tenants) = releases
+        .iter()
+        .map(|r| (r.id.as_str(), r.tenant.as_str()))
+        .unzip();
+    batch::Releasing { ids, tenants }
+}
+
 /// Queues `write`; a full queue refuses at once, as SQLite's does (nothing was decided).
 fn enqueue<T>(queue: &mpsc::Sender<T>, write: T) -> Result<(), LedgerError> {
     queue.try_send(write).map_err(|e| match e {
@@ -482,12 +491,7 @@ impl PostgresLedger {
         }
         let now = self.now_ms();
         let config = &self.inner.config;
-        let ids: Vec<&str> = releases.iter().map(|r| r.id.as_str()).collect();
-        let tenants: Vec<&str> = releases.iter().map(|r| r.tenant.as_str()).collect();
-        let releasing = batch::Releasing {
-            ids: &ids,
-            tenants: &tenants,
-        };
+        let releasing = releasing(&releases);
         // An acquire decided again lost a race to another replica's grant that the counts
         // may not show yet: that batch starts from the database's loads.
         let snapshot = batch
@@ -498,7 +502,7 @@ impl PostgresLedger {
         let decided = on_connection!(self, |conn| batch::decide(
             &conn,
             &batch,
-            releasing,
+            &releasing,
             config,
             snapshot.clone(),
             attempted.swap(true, Ordering::Relaxed),
@@ -554,13 +558,8 @@ impl PostgresLedger {
             return;
         }
         let now = self.now_ms();
-        let ids: Vec<&str> = releases.iter().map(|r| r.id.as_str()).collect();
-        let tenants: Vec<&str> = releases.iter().map(|r| r.tenant.as_str()).collect();
-        let releasing = batch::Releasing {
-            ids: &ids,
-            tenants: &tenants,
-        };
-        let released = on_connection!(self, |conn| batch::release(conn.client(), releasing, now));
+        let releasing = releasing(&releases);
+        let released = on_connection!(self, |conn| batch::release(conn.client(), &releasing, now));
         if let Err(error) = &released {
             log::debug!("ledger: a batch of releases failed: {error}");
         }
