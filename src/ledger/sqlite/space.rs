@@ -35,6 +35,8 @@ struct Logged {
     exhausted: bool,
     /// Finished leases had to go.
     leases: bool,
+    /// A prune step failed.
+    failed: bool,
 }
 
 /// What the size bound's checks need besides the bound: the writer's connection, the counters
@@ -44,6 +46,9 @@ pub(super) struct WriterParts<'a> {
     pub shared: &'a Shared,
     pub clock: &'a dyn Clock,
 }
+
+/// How often an idle writer tries a failed prune step again.
+const PRUNE_RETRY: Duration = Duration::from_secs(1);
 
 /// How long a caller refused for a full ledger is told to wait when pruning just freed pages:
 /// the retry lands on them.
@@ -78,21 +83,24 @@ impl Space {
         page_limit(conn, self.bound.client_pages);
     }
 
-    /// After a batch: prunes one step of the oldest history when the size bound calls for it,
-    /// then goes on pruning, step by step, while a pruning episode is under way and no write
-    /// waits: idle time brings the file back within its marks, and a write arriving is served
-    /// after at most one step.
-    pub fn after_batch(&mut self, writer: &WriterParts<'_>) {
+    /// After a batch, or while the writer is idle: prunes one step of the oldest history when
+    /// the size bound calls for it. Returns whether the writer should go on with another step
+    /// before it waits for work: this one deleted rows and no write waits. Idle time so brings
+    /// the file back within its marks, and a write arriving is served after at most one step.
+    pub fn after_batch(&mut self, writer: &WriterParts<'_>) -> bool {
         self.keep_in_bound(
             writer,
             Check::AfterBatch {
                 pruning: self.pruning,
             },
-        );
-        while self.pruning
-            && writer.shared.depth.load(Ordering::Relaxed) == 0
-            && self.keep_in_bound(writer, Check::AfterBatch { pruning: true })
-        {}
+        ) && writer.shared.depth.load(Ordering::Relaxed) == 0
+    }
+
+    /// How long the writer may wait for work before it tries pruning again: only while a
+    /// pruning episode is unfinished, so a step that failed (the file locked by another
+    /// process, a full disk) is retried even when no batch comes to retry it after.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.pruning.then_some(PRUNE_RETRY)
     }
 
     /// Prunes one step of the oldest history when the size bound calls for it. Returns
@@ -154,10 +162,11 @@ impl Space {
                 true
             }
             Err(error) => {
-                // Logged with the episode when the disk is full; otherwise here.
-                if !is_full(&error) {
+                writer.shared.count(|s| s.failed_prune_steps += 1);
+                if !std::mem::replace(&mut self.logged.failed, true) {
                     log::error!(
-                        "ledger: pruning failed (will retry after the next batch): {error}"
+                        "ledger: a prune step failed (tried again every {PRUNE_RETRY:?} while \
+                         the file stays above its bound): {error}"
                     );
                 }
                 false

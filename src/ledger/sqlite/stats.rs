@@ -28,6 +28,8 @@ pub struct WriterStats {
     pub pruned_events: u64,
     /// Finished leases those deleted once the history had run out.
     pub pruned_leases: u64,
+    /// Prune transactions that failed (rolled back); pruning is tried again.
+    pub failed_prune_steps: u64,
 }
 
 impl WriterStats {

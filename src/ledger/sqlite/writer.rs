@@ -3,7 +3,7 @@
 //! in one transaction (group commit), answering each caller only after that COMMIT.
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -192,12 +192,12 @@ impl Writer {
             let first = match next.take() {
                 Some(queued) => queued,
                 None if stopping => break,
-                None => match self.queue.recv() {
-                    Ok(Message::Job { job, deadline }) => {
+                None => match self.next_message() {
+                    Some(Message::Job { job, deadline }) => {
                         self.shared.depth.fetch_sub(1, Ordering::Relaxed);
                         (job, deadline)
                     }
-                    Ok(Message::Stop) | Err(_) => break,
+                    Some(Message::Stop) | None => break,
                 },
             };
             if first.0.is_housekeeping() {
@@ -562,14 +562,34 @@ impl Writer {
         self.space.client_pages(&self.conn);
     }
 
-    /// Keeps the file within its size bound between batches.
+    /// The next message, `None` once every handle is gone. While a pruning episode is
+    /// unfinished, waiting for work is split into retries of the prune step.
+    fn next_message(&mut self) -> Option<Message> {
+        while let Some(wait) = self.space.retry_after() {
+            match self.queue.recv_timeout(wait) {
+                Ok(message) => return Some(message),
+                Err(RecvTimeoutError::Timeout) => self.after_batch(),
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+        self.queue.recv().ok()
+    }
+
+    /// Keeps the file within its size bound between batches, and the WAL within its
+    /// allowance: each prune step is followed by the checkpoint its frames call for, also
+    /// when steps follow one another while idle.
     fn after_batch(&mut self) {
-        let parts = space::WriterParts {
-            conn: &self.conn,
-            shared: &self.shared,
-            clock: self.clock.as_ref(),
-        };
-        self.space.after_batch(&parts);
-        self.checkpoints.after_batch(&self.conn);
+        loop {
+            let parts = space::WriterParts {
+                conn: &self.conn,
+                shared: &self.shared,
+                clock: self.clock.as_ref(),
+            };
+            let more = self.space.after_batch(&parts);
+            self.checkpoints.after_batch(&self.conn);
+            if !more {
+                break;
+            }
+        }
     }
 }

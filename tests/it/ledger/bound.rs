@@ -730,31 +730,33 @@ fn used_pages(path: &Path) -> i64 {
     )
 }
 
-/// A ledger reopened with a bound lower than its file: the writer prunes it down while idle —
-/// all the history, then the oldest finished leases, as the history is not enough — without
-/// shrinking the file (no VACUUM), and writes go on in the freed pages.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
-    const CYCLES: usize = 20_000;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ledger.db");
-    let clock = Arc::new(ManualClock::new(start()));
-    let options = |max_size| SqliteOptions {
-        max_size,
+/// Bytes of the ledger's write-ahead log now (0 when there is none).
+fn wal_bytes(path: &Path) -> u64 {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).map_or(0, |metadata| metadata.len())
+}
+
+/// Runs `cycles` acquire+release cycles (64 callers at once) on a ledger at `path` bounded to
+/// 16 MiB, which stays within it without pruning, and shuts it down: a file for reopening
+/// with a lower bound. Returns the candidates it leased from.
+async fn cycled_ledger(
+    path: &Path,
+    config: &LedgerConfig,
+    clock: &Arc<ManualClock>,
+    cycles: usize,
+) -> Candidates {
+    let options = SqliteOptions {
+        max_size: 16 * MIB,
         ..SqliteOptions::default()
     };
-    let config = LedgerConfig {
-        cooldown: MINUTE,
-        ..LedgerConfig::default()
-    };
-    let ledger =
-        SqliteLedger::open(&path, options(16 * MIB), config.clone(), clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(path, options, config.clone(), clock.clone()).unwrap();
     let pool = candidates(8, 1_000);
-    let mut cycles = tokio::task::JoinSet::new();
+    let mut callers = tokio::task::JoinSet::new();
     for caller in 0..64 {
         let (ledger, pool) = (ledger.clone(), pool.clone());
-        cycles.spawn(async move {
-            for _ in (caller..CYCLES).step_by(64) {
+        callers.spawn(async move {
+            for _ in (caller..cycles).step_by(64) {
                 let lease = granted(
                     ledger
                         .acquire(request(pool.clone(), "t.example", MINUTE))
@@ -764,23 +766,49 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
             }
         });
     }
-    while let Some(done) = cycles.join_next().await {
+    while let Some(done) = callers.join_next().await {
         done.unwrap();
     }
     assert_eq!(ledger.writer_stats().prune_steps, 0, "within 16 MiB");
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await
         .unwrap();
+    pool
+}
+
+/// A ledger reopened with a bound lower than its file: the writer prunes it down while idle —
+/// all the history, then the oldest finished leases, as the history is not enough — without
+/// shrinking the file (no VACUUM), with the WAL kept within its allowance; and writes go on in
+/// the freed pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
+    const CYCLES: usize = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let clock = Arc::new(ManualClock::new(start()));
+    let config = LedgerConfig {
+        cooldown: MINUTE,
+        ..LedgerConfig::default()
+    };
+    let pool = cycled_ledger(&path, &config, &clock, CYCLES).await;
     let file = std::fs::metadata(&path).unwrap().len();
     assert!(file > 4 * MIB, "{file} bytes");
 
-    // 4 MiB: 512 KiB of WAL, 896 pages for the file, pruned down to 672.
     let reopened = Instant::now();
-    let ledger = SqliteLedger::open(&path, options(4 * MIB), config, clock.clone()).unwrap();
+    let ledger = SqliteLedger::open(&path, four_mib(), config, clock.clone()).unwrap();
+    let mut wal = 0;
     wait_until("the writer prunes the file down to the new bound", || {
+        wal = wal.max(wal_bytes(&path));
         used_pages(&path) <= 672
     })
     .await;
+    // Checkpoints run between the steps: without them the WAL took every step, 89 MB. (One
+    // step of scattered index pages can still outgrow the 512 KiB allowance of a bound this
+    // small.)
+    assert!(
+        wal <= 4 * MIB,
+        "the WAL is checkpointed while pruning: {wal} bytes"
+    );
     eprintln!(
         "pruned {file} bytes of ledger down to the 4 MiB bound in {:.1?}",
         reopened.elapsed()
@@ -814,4 +842,48 @@ async fn a_ledger_reopened_with_a_lower_bound_is_pruned_to_it_while_idle() {
     tokio::task::spawn_blocking(move || ledger.shutdown())
         .await
         .unwrap();
+}
+
+/// The same on a disk that is full when the ledger reopens: the first prune step fails (its
+/// WAL frames find no room) and the idle writer tries again until one fits, so the file is
+/// pruned once space is back, with no batch to try again after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_step_that_fails_on_a_full_disk_is_tried_again_while_idle() {
+    let Some(tmpfs) = Tmpfs::mount("8m") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(start()));
+    let config = LedgerConfig::default();
+    cycled_ledger(&dir.path().join("ledger.db"), &config, &clock, 8_000).await;
+    let path = tmpfs.path().join("ledger.db");
+    std::fs::copy(dir.path().join("ledger.db"), &path).unwrap();
+    assert!(used_pages(&path) > 896, "over the 4 MiB bound's pages");
+    // Room for the shared-memory index (32 KiB) and a few WAL frames, not for a prune step.
+    let filler = tmpfs.fill(48 * 1024);
+
+    let ledger = SqliteLedger::open(&path, four_mib(), config, clock).unwrap();
+    wait_until("a prune step fails on the full disk", || {
+        ledger.writer_stats().failed_prune_steps > 0
+    })
+    .await;
+    std::fs::remove_file(filler).unwrap();
+    wait_until("the writer prunes the file down to the new bound", || {
+        used_pages(&path) <= 672
+    })
+    .await;
+    let stats = ledger.writer_stats();
+    assert_eq!(stats.batches, 0, "pruned while idle: {stats:?}");
+    ledger.self_check().await.unwrap();
+    tokio::task::spawn_blocking(move || ledger.shutdown())
+        .await
+        .unwrap();
+}
+
+/// A 4 MiB bound: 512 KiB of WAL, 896 pages for the file, pruned down to 672 used pages.
+fn four_mib() -> SqliteOptions {
+    SqliteOptions {
+        max_size: 4 * MIB,
+        ..SqliteOptions::default()
+    }
 }
