@@ -43,6 +43,7 @@
 //!   before the last [`DEMAND_RETENTION`].
 
 mod activity;
+mod batch_counters;
 mod candidates;
 mod clock;
 mod config;

@@ -1,5 +1,5 @@
-//! The PostgreSQL ledger's own series: whether its database answers, and how often
-//! replicas' transactions met, read at scrape time.
+//! The PostgreSQL ledger's own series: whether its database answers, how often replicas'
+//! transactions met, and how this replica batches acquires and releases, read at scrape time.
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -7,13 +7,16 @@ use prometheus::{IntCounter, IntGauge};
 
 use super::PostgresLedger;
 use crate::ledger::Ledger;
+use crate::ledger::batch_counters::BatchCounters;
 
-/// `proxy_operator_ledger_database_up` and `proxy_operator_ledger_conflicts_total`; register
-/// it with `registry.register(Box::new(..))` beside the fleet collector.
+/// `proxy_operator_ledger_database_up`, `proxy_operator_ledger_conflicts_total`,
+/// `proxy_operator_ledger_batches_total` and `proxy_operator_ledger_batched_writes_total`;
+/// register it with `registry.register(Box::new(..))` beside the fleet collector.
 pub struct PostgresLedgerCollector {
     ledger: PostgresLedger,
     up: IntGauge,
     conflicts: IntCounter,
+    batched: BatchCounters,
     descs: Vec<Desc>,
 }
 
@@ -30,16 +33,23 @@ impl PostgresLedgerCollector {
             "Ledger transactions decided again because a concurrent one (on this or another \
              replica) changed what they read.",
         )?;
+        let batched = BatchCounters::new(
+            "Batches this replica decided: the acquires and releases that arrived while the \
+             one before ran, decided together.",
+            "Acquires and releases those batches carried.",
+        )?;
         let descs = up
             .desc()
             .into_iter()
             .chain(conflicts.desc())
+            .chain(batched.descs())
             .cloned()
             .collect();
         Ok(PostgresLedgerCollector {
             ledger,
             up,
             conflicts,
+            batched,
             descs,
         })
     }
@@ -56,10 +66,12 @@ impl Collector for PostgresLedgerCollector {
         let seen = self.ledger.conflicts();
         self.conflicts
             .inc_by(seen.saturating_sub(self.conflicts.get()));
-        self.up
-            .collect()
-            .into_iter()
-            .chain(self.conflicts.collect())
-            .collect()
+        let (batches, writes) = self.ledger.batched();
+        [
+            self.up.collect(),
+            self.conflicts.collect(),
+            self.batched.collect(batches, writes),
+        ]
+        .concat()
     }
 }

@@ -89,6 +89,9 @@ struct Inner {
     /// Acquires decided again because a concurrent one took the chosen proxy, and
     /// transactions the database aborted for a conflict.
     conflicts: AtomicU64,
+    /// Batches decided, and the acquires and releases they carried (see `run_batches`).
+    batches: AtomicU64,
+    batched_writes: AtomicU64,
 }
 
 impl std::fmt::Debug for PostgresLedger {
@@ -214,6 +217,8 @@ impl PostgresLedger {
                 up: AtomicBool::new(true),
                 last_error: Mutex::new(None),
                 conflicts: AtomicU64::new(0),
+                batches: AtomicU64::new(0),
+                batched_writes: AtomicU64::new(0),
             }),
         };
         ledger.refresh().await?;
@@ -248,6 +253,15 @@ impl PostgresLedger {
     /// Transactions decided again after a conflict with another replica's.
     pub fn conflicts(&self) -> u64 {
         self.inner.conflicts.load(Ordering::Relaxed)
+    }
+
+    /// Batches this replica decided so far, and the acquires and releases they carried: their
+    /// ratio is how much one batch's transaction amortises.
+    pub fn batched(&self) -> (u64, u64) {
+        (
+            self.inner.batches.load(Ordering::Relaxed),
+            self.inner.batched_writes.load(Ordering::Relaxed),
+        )
     }
 
     fn mark(&self, result: Result<(), String>) {
@@ -429,6 +443,12 @@ async fn run_batches(
         if batch.is_empty() && released.is_empty() {
             continue;
         }
+        ledger.inner.batches.fetch_add(1, Ordering::Relaxed);
+        let writes = u64::try_from(batch.len() + released.len()).unwrap_or(u64::MAX);
+        ledger
+            .inner
+            .batched_writes
+            .fetch_add(writes, Ordering::Relaxed);
         again = ledger.decide(batch, released).await;
     }
 }

@@ -3,11 +3,12 @@
 //! per batch = the ratio of the two counters, what amortises each COMMIT), and how long its
 //! batches, commits and checkpoints take (where a slow answer waited).
 
+use prometheus::IntGauge;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounter, IntGauge};
 
 use super::SqliteLedger;
+use crate::ledger::batch_counters::BatchCounters;
 
 /// `proxy_operator_ledger_bytes` (two `stat` calls, no query), `proxy_operator_ledger_max_bytes`,
 /// `proxy_operator_ledger_batches_total` and `proxy_operator_ledger_batched_writes_total`, read
@@ -18,8 +19,7 @@ pub struct SqliteLedgerCollector {
     bytes: IntGauge,
     /// `--ledger-max-size`, so an alert can compare the size with it on any install.
     max_bytes: IntGauge,
-    batches: IntCounter,
-    writes: IntCounter,
+    batched: BatchCounters,
     descs: Vec<Desc>,
 }
 
@@ -35,43 +35,31 @@ impl SqliteLedgerCollector {
             "The size bound of the lease ledger's file plus write-ahead log (--ledger-max-size).",
         )?;
         max_bytes.set(i64::try_from(ledger.inner.options.max_size).unwrap_or(i64::MAX));
-        let batches = IntCounter::new(
-            "proxy_operator_ledger_batches_total",
+        let batched = BatchCounters::new(
             "Transactions the ledger's writer ran, each carrying a batch of writes.",
-        )?;
-        let writes = IntCounter::new(
-            "proxy_operator_ledger_batched_writes_total",
             "Writes (acquire, renew, release, report) the writer's transactions carried.",
         )?;
         let timings = &ledger.inner.shared.timings;
         let descs = [
             bytes.desc(),
             max_bytes.desc(),
-            batches.desc(),
-            writes.desc(),
             timings.batch.desc(),
             timings.commit.desc(),
             timings.checkpoint.desc(),
         ]
         .into_iter()
         .flatten()
+        .chain(batched.descs())
         .cloned()
         .collect();
         Ok(SqliteLedgerCollector {
             ledger,
             bytes,
             max_bytes,
-            batches,
-            writes,
+            batched,
             descs,
         })
     }
-}
-
-/// Sets `counter` to `value` (a figure the writer keeps itself, read at scrape time).
-fn set_counter(counter: &IntCounter, value: u64) {
-    counter.reset();
-    counter.inc_by(value);
 }
 
 impl Collector for SqliteLedgerCollector {
@@ -83,14 +71,11 @@ impl Collector for SqliteLedgerCollector {
         self.bytes
             .set(i64::try_from(self.ledger.disk_bytes()).unwrap_or(i64::MAX));
         let stats = self.ledger.writer_stats();
-        set_counter(&self.batches, stats.batches);
-        set_counter(&self.writes, stats.writes());
         let timings = &self.ledger.inner.shared.timings;
         [
             self.bytes.collect(),
             self.max_bytes.collect(),
-            self.batches.collect(),
-            self.writes.collect(),
+            self.batched.collect(stats.batches, stats.writes()),
             timings.batch.collect(),
             timings.commit.collect(),
             timings.checkpoint.collect(),

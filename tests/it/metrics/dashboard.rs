@@ -361,6 +361,11 @@ async fn every_postgresql_panel_answers_from_a_real_prometheus() {
     assert_every_panel_answers(&prometheus, Mode::Postgres).await;
     let up = prometheus.query("proxy_operator_ledger_database_up").await;
     assert_eq!(up.first().map(|s| s.2), Some(1.0), "{up:?}");
+    // The Ledger row's batch panels read a PostgreSQL ledger's batches as well.
+    let carried = prometheus
+        .query("proxy_operator_ledger_batched_writes_total")
+        .await;
+    assert!(carried.first().is_some_and(|s| s.2 > 0.0), "{carried:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use proxy_operator::ledger::{
     AcquireOutcome, AcquireRequest, Clock, Ledger, LedgerConfig, LedgerError, ManualClock,
-    POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresOptions, RequestKey,
+    POSTGRES_SCHEMA_VERSION, PostgresLedger, PostgresLedgerCollector, PostgresOptions, RequestKey,
 };
 use support::ledger::{candidates, granted, request, start};
+use support::operator::metric_sum;
 use support::postgres::{Database, Postgres};
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -154,6 +155,55 @@ async fn a_replica_decides_on_what_is_committed_when_its_counts_are_behind() {
             other => panic!("round {round}: {other:?}"),
         }
         b.release(&again.id, DEFAULT_TENANT).await.unwrap();
+    }
+}
+
+/// A replica's batches carry the acquires and releases that arrive together, and its scrape
+/// shows how many batches carried how many writes (their ratio: what one transaction
+/// amortises).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_count_the_acquires_and_releases_they_carry_and_the_scrape_shows_them() {
+    let Some((_, _, [ledger])) = replicas::<1>().await else {
+        return;
+    };
+    let registry = prometheus::Registry::new();
+    registry
+        .register(Box::new(
+            PostgresLedgerCollector::new(ledger.clone()).unwrap(),
+        ))
+        .unwrap();
+    let pool = candidates(10, 100);
+    let mut acquires = tokio::task::JoinSet::new();
+    for _ in 0..40 {
+        let (ledger, pool) = (ledger.clone(), pool.clone());
+        acquires.spawn(
+            async move { granted(ledger.acquire(request(pool, "t.example", MINUTE)).await) },
+        );
+    }
+    let mut releases = tokio::task::JoinSet::new();
+    while let Some(lease) = acquires.join_next().await {
+        let (ledger, lease) = (ledger.clone(), lease.unwrap());
+        releases.spawn(async move { ledger.release(&lease.id, DEFAULT_TENANT).await });
+    }
+    while let Some(released) = releases.join_next().await {
+        released.unwrap().unwrap();
+    }
+    let (batches, writes) = ledger.batched();
+    assert_eq!(writes, 80, "{batches} batches");
+    assert!((1..=80).contains(&batches), "{batches}");
+    let mut text = String::new();
+    prometheus::TextEncoder::new()
+        .encode_utf8(&registry.gather(), &mut text)
+        .unwrap();
+    for (series, want) in [
+        ("proxy_operator_ledger_batches_total", batches),
+        ("proxy_operator_ledger_batched_writes_total", writes),
+    ] {
+        assert_eq!(
+            metric_sum(&text, series, &[]),
+            want as f64,
+            "{series} in {text}"
+        );
     }
 }
 
