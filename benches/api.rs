@@ -4,8 +4,8 @@
 //! `wrk -t2 -c32 -s benches/wrk/lease_pairs.lua` (each connection alternates an acquire and
 //! the release of the lease it got), then by the same wrk settings on `GET /healthz` as the
 //! framework floor. Prints acquire+release pairs/s, /healthz req/s, their ratio, the p99
-//! latency, the operator's CPU per pair and the ledger's writes per transaction (from its
-//! metrics; `-` for a binary without them) per run in one table, and exits non-zero when a run
+//! latency, the operator's CPU per pair and the ledger's writes per batch (from its metrics,
+//! over every replica; `-` for a binary without them) per run in one table, and exits non-zero when a run
 //! answers anything but 201/204 (200 for /healthz) or misses the target (pair p99 < 10 ms).
 //! The ratio to `/healthz` is printed, not a target: even a ledger that persists nothing
 //! reaches only about 0.28 of the framework's floor, and crawlers feel latency at the load
@@ -32,6 +32,9 @@
 //! - `PROXY_OPERATOR_BENCH_BASELINE`: another binary (e.g. one built from an older commit)
 //!   measured the same way, before and after the first, for a before/after table.
 //! - `PROXY_OPERATOR_BENCH_SECONDS`: length of each measured wrk run (default 10).
+//! - `PROXY_OPERATOR_BENCH_CONNECTIONS`: wrk's connections, spread over the replicas
+//!   (default 32). A replica's batch holds at most what its connections have in flight, so
+//!   this is what sets the batches' size, and with it the database's cost per pair.
 //! - `PROXY_OPERATOR_BENCH_LOG`: the binary's `RUST_LOG` (default `info`, the shipped
 //!   default: one log line per request, written to a file).
 //! - `PROXY_OPERATOR_BENCH_PARTS`: which runs besides the first SQLite one, comma-separated
@@ -66,7 +69,7 @@ use support::{Squid, Target, free_port};
 const PROXIES: usize = 1_000;
 const SQUIDS: usize = 2;
 const WRK_THREADS: u32 = 2;
-const WRK_CONNECTIONS: u32 = 32;
+const DEFAULT_CONNECTIONS: u32 = 32;
 /// Leases a proxy grants at once: far above what 32 connections can hold, so no acquire is
 /// refused for capacity.
 const MAX_LEASES: u32 = 1_000;
@@ -384,8 +387,14 @@ fn tenants_file() -> String {
 }
 
 /// Runs wrk with a script; returns its parsed result line.
-fn wrk(script: &str, url: &str, duration: Duration, args: &[&str]) -> WrkResult {
-    wrk::run(script, url, (WRK_THREADS, WRK_CONNECTIONS), duration, args)
+fn wrk(script: &str, url: &str, fleet: &Fleet<'_>, args: &[&str]) -> WrkResult {
+    wrk::run(
+        script,
+        url,
+        (WRK_THREADS, fleet.connections),
+        fleet.seconds,
+        args,
+    )
 }
 
 /// Starts `setup.replicas` processes of `binary` on its ledger, grows their inventory to the
@@ -455,23 +464,23 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
     );
 
     let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
-    pair_runs(&operators, WARM_UP, token, body);
-    let batches_before = operators[0].batches(&http).await;
+    pair_runs(&operators, fleet.connections, WARM_UP, token, body);
+    let batches_before = batches(&operators, &http).await;
     let conflicts_before = conflicts(&operators, &http).await;
     let cpu_before: f64 = operators.iter().map(Operator::cpu_seconds).sum();
-    let pairs = pair_runs(&operators, fleet.seconds, token, body);
+    let pairs = pair_runs(&operators, fleet.connections, fleet.seconds, token, body);
     let pairs_done = (pairs.get("acquired") + pairs.get("released")) as f64 / 2.0;
     let conflicts_per_pair = conflicts_before
         .zip(conflicts(&operators, &http).await)
         .map(|(before, after)| (after - before) / pairs_done.max(1.0));
     let pairs_cpu = operators.iter().map(Operator::cpu_seconds).sum::<f64>() - cpu_before;
     let writes_per_batch = batches_before
-        .zip(operators[0].batches(&http).await)
+        .zip(batches(&operators, &http).await)
         .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
     let (open_loop, open_writer) = match open_loop {
         true => {
             let offered = pairs_done / pairs.seconds().max(1e-9) * OPEN_LOOP_SHARE;
-            let connections = WRK_CONNECTIONS as usize;
+            let connections = fleet.connections as usize;
             let api = &operators[0].api;
             let before = operators[0].writer_times(&http).await;
             let run =
@@ -485,7 +494,7 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
     let healthz = wrk(
         "healthz.lua",
         &format!("{}/healthz", operators[0].api),
-        fleet.seconds,
+        fleet,
         &[],
     );
     for mut operator in operators {
@@ -515,11 +524,24 @@ async fn conflicts(operators: &[Operator], http: &reqwest::Client) -> Option<f64
     Some(total)
 }
 
+/// Every replica's ledger batches so far and the writes they carried (`None` when one does not
+/// export them).
+async fn batches(operators: &[Operator], http: &reqwest::Client) -> Option<(f64, f64)> {
+    let mut total = (0.0, 0.0);
+    for operator in operators {
+        let (batches, writes) = operator.batches(http).await?;
+        total = (total.0 + batches, total.1 + writes);
+    }
+    Some(total)
+}
+
 /// What every measurement runs against.
 struct Fleet<'a> {
     squids: &'a [Squid],
     probe_url: &'a str,
     seconds: Duration,
+    /// wrk's connections, spread over the replicas.
+    connections: u32,
     /// How long an open-loop run lasts.
     open_seconds: Duration,
 }
@@ -564,8 +586,14 @@ async fn wait_ready(label: &str, operator: &Operator, http: &reqwest::Client) {
 
 /// Acquire+release pairs for `duration` with `token`, the connections spread over `operators`
 /// (one wrk each, side by side).
-fn pair_runs(operators: &[Operator], duration: Duration, token: &str, body: &str) -> WrkResult {
-    let share = WRK_CONNECTIONS / u32::try_from(operators.len()).unwrap_or(1);
+fn pair_runs(
+    operators: &[Operator],
+    total: u32,
+    duration: Duration,
+    token: &str,
+    body: &str,
+) -> WrkResult {
+    let share = total / u32::try_from(operators.len()).unwrap_or(1);
     let runs: Vec<WrkResult> = std::thread::scope(|scope| {
         let handles: Vec<_> = operators
             .iter()
@@ -573,7 +601,7 @@ fn pair_runs(operators: &[Operator], duration: Duration, token: &str, body: &str
             .map(|(i, operator)| {
                 // The first replica takes what the division leaves over.
                 let connections = if i == 0 {
-                    WRK_CONNECTIONS - share * (u32::try_from(operators.len()).unwrap_or(1) - 1)
+                    total - share * (u32::try_from(operators.len()).unwrap_or(1) - 1)
                 } else {
                     share
                 };
@@ -756,10 +784,15 @@ async fn main() -> ExitCode {
             Duration::from_secs(DEFAULT_OPEN_SECONDS),
             Duration::from_secs,
         );
+    let connections = std::env::var("PROXY_OPERATOR_BENCH_CONNECTIONS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_CONNECTIONS);
     let fleet = Fleet {
         squids: &squids,
         probe_url: &probe_url,
         seconds,
+        connections,
         open_seconds,
     };
 
@@ -832,7 +865,7 @@ async fn main() -> ExitCode {
     }
 
     println!(
-        "\n{PROXIES} proxies over {SQUIDS} squids, wrk -t{WRK_THREADS} -c{WRK_CONNECTIONS} -d{}s, \
+        "\n{PROXIES} proxies over {SQUIDS} squids, wrk -t{WRK_THREADS} -c{connections} -d{}s, \
          --ledger-durability normal",
         seconds.as_secs()
     );
