@@ -277,26 +277,6 @@ impl Operator {
         }
     }
 
-    /// The ledger writer's (transactions, writes) so far, if the binary exports them.
-    async fn batches(&self, http: &reqwest::Client) -> Option<(f64, f64)> {
-        let text = self.metrics_text(http).await?;
-        let batches = "proxy_operator_ledger_batches_total";
-        text.contains(batches).then(|| {
-            (
-                metric_sum(&text, batches, &[]),
-                metric_sum(&text, "proxy_operator_ledger_batched_writes_total", &[]),
-            )
-        })
-    }
-
-    /// The PostgreSQL ledger's conflicts so far, if the binary exports them.
-    async fn conflicts(&self, http: &reqwest::Client) -> Option<f64> {
-        let text = self.metrics_text(http).await?;
-        let conflicts = "proxy_operator_ledger_conflicts_total";
-        text.contains(conflicts)
-            .then(|| metric_sum(&text, conflicts, &[]))
-    }
-
     /// The SQLite writer's histograms so far, if the binary and its ledger export them.
     async fn writer_times(&self, http: &reqwest::Client) -> Option<WriterTimes> {
         WriterTimes::read(&self.metrics_text(http).await?)
@@ -465,17 +445,19 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
 
     let body = r#"{"selector":{"pool":"bench"},"ttlSeconds":60}"#;
     pair_runs(&operators, fleet.connections, WARM_UP, token, body);
-    let batches_before = batches(&operators, &http).await;
-    let conflicts_before = conflicts(&operators, &http).await;
+    let before = LedgerTotals::of(&operators, &http).await;
     let cpu_before: f64 = operators.iter().map(Operator::cpu_seconds).sum();
     let pairs = pair_runs(&operators, fleet.connections, fleet.seconds, token, body);
     let pairs_done = (pairs.get("acquired") + pairs.get("released")) as f64 / 2.0;
-    let conflicts_per_pair = conflicts_before
-        .zip(conflicts(&operators, &http).await)
-        .map(|(before, after)| (after - before) / pairs_done.max(1.0));
     let pairs_cpu = operators.iter().map(Operator::cpu_seconds).sum::<f64>() - cpu_before;
-    let writes_per_batch = batches_before
-        .zip(batches(&operators, &http).await)
+    let after = LedgerTotals::of(&operators, &http).await;
+    let conflicts_per_pair = before
+        .conflicts
+        .zip(after.conflicts)
+        .map(|(before, after)| (after - before) / pairs_done.max(1.0));
+    let writes_per_batch = before
+        .batches
+        .zip(after.batches)
         .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
     let (open_loop, open_writer) = match open_loop {
         true => {
@@ -515,24 +497,37 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
     }
 }
 
-/// The PostgreSQL conflicts of every replica so far (`None` when one does not export them).
-async fn conflicts(operators: &[Operator], http: &reqwest::Client) -> Option<f64> {
-    let mut total = 0.0;
-    for operator in operators {
-        total += operator.conflicts(http).await?;
-    }
-    Some(total)
+/// What the replicas' ledgers counted so far, summed over every replica from one scrape of
+/// each; a figure is `None` when a replica does not export it.
+struct LedgerTotals {
+    /// Batches, and the writes they carried.
+    batches: Option<(f64, f64)>,
+    /// PostgreSQL conflicts.
+    conflicts: Option<f64>,
 }
 
-/// Every replica's ledger batches so far and the writes they carried (`None` when one does not
-/// export them).
-async fn batches(operators: &[Operator], http: &reqwest::Client) -> Option<(f64, f64)> {
-    let mut total = (0.0, 0.0);
-    for operator in operators {
-        let (batches, writes) = operator.batches(http).await?;
-        total = (total.0 + batches, total.1 + writes);
+impl LedgerTotals {
+    async fn of(operators: &[Operator], http: &reqwest::Client) -> LedgerTotals {
+        let mut totals = LedgerTotals {
+            batches: Some((0.0, 0.0)),
+            conflicts: Some(0.0),
+        };
+        for operator in operators {
+            let text = operator.metrics_text(http).await.unwrap_or_default();
+            let sum = |name: &str| text.contains(name).then(|| metric_sum(&text, name, &[]));
+            let batches = sum("proxy_operator_ledger_batches_total")
+                .zip(sum("proxy_operator_ledger_batched_writes_total"));
+            totals.batches = totals
+                .batches
+                .zip(batches)
+                .map(|((b, w), (more_b, more_w))| (b + more_b, w + more_w));
+            totals.conflicts = totals
+                .conflicts
+                .zip(sum("proxy_operator_ledger_conflicts_total"))
+                .map(|(c, more)| c + more);
+        }
+        totals
     }
-    Some(total)
 }
 
 /// What every measurement runs against.
