@@ -20,7 +20,11 @@
 //!   on the log to move on, since a log a reader holds cannot start over. A PASSIVE one there
 //!   let the log outgrow its allowance while readers and the background checkpoint kept it
 //!   from finishing. While the background's checkpoint holds the checkpoint lock, SQLite
-//!   answers busy at once, so the writer waits for it (up to [`RESTART_PATIENCE`]).
+//!   answers busy at once. The writer does not wait for it then: the background's fsync can
+//!   take a hundred milliseconds on a busy disk, and every write would wait behind it. It
+//!   tries again after the next batch, until the log reaches three quarters of its allowance;
+//!   from there it waits for the background (up to [`RESTART_PATIENCE`]), so the log keeps
+//!   within its allowance.
 //!
 //! Both kinds are timed on `proxy_operator_ledger_checkpoint_seconds{by}`.
 
@@ -66,8 +70,12 @@ pub(crate) enum Step {
     Nothing,
     /// Wake the background checkpoint.
     Background,
-    /// Checkpoint the tail now, so the next transaction starts the log over.
+    /// Checkpoint the tail now, so the next transaction starts the log over, unless the
+    /// background's checkpoint is under way (then after a later batch).
     Restart,
+    /// Checkpoint the tail now, waiting for the background's checkpoint: the log is near its
+    /// allowance.
+    RestartWaiting,
 }
 
 /// When the log's length calls for which checkpoint.
@@ -77,6 +85,8 @@ pub(crate) struct Policy {
     pub background_every: u64,
     /// Frames at which the writer checkpoints the tail itself.
     pub restart_at: u64,
+    /// Frames from which it waits for the background's checkpoint to do so.
+    pub wait_at: u64,
 }
 
 impl Policy {
@@ -85,12 +95,15 @@ impl Policy {
         Policy {
             background_every: (allowance / 16).max(1),
             restart_at: (allowance / 2).max(1),
+            wait_at: (allowance * 3 / 4).max(1),
         }
     }
 
     /// The step for a log of `frames`, the background last woken at `woken` frames.
     pub fn step(&self, frames: u64, woken: u64) -> Step {
-        if frames >= self.restart_at {
+        if frames >= self.wait_at {
+            Step::RestartWaiting
+        } else if frames >= self.restart_at {
             Step::Restart
         } else if frames >= woken + self.background_every {
             Step::Background
@@ -151,29 +164,34 @@ impl Checkpoints {
                     }
                 }
             }
-            Step::Restart => {
-                let timer = self.writer_time.start_timer();
-                // SQLite answers busy at once while the background's checkpoint holds the
-                // checkpoint lock (the busy timeout covers only readers): wait for it to end,
-                // so the log starts over now, not batches later.
-                let started = std::time::Instant::now();
-                loop {
-                    match restart(conn) {
-                        Ok(true) => {
-                            self.woken = 0;
-                            WAL_FRAMES.set(0);
-                        }
-                        Ok(false) | Err(_) if started.elapsed() < RESTART_PATIENCE => {
-                            std::thread::sleep(std::time::Duration::from_millis(1));
-                            continue;
-                        }
-                        Ok(false) => log::warn!("ledger checkpoint unfinished; tried again"),
-                        Err(error) => log::warn!("ledger checkpoint failed: {error}"),
-                    }
-                    break;
-                }
-                timer.observe_duration();
+            Step::Restart => self.restart(conn, std::time::Duration::ZERO),
+            Step::RestartWaiting => self.restart(conn, RESTART_PATIENCE),
+        }
+    }
+
+    /// Checkpoints the tail so that the next transaction starts the log over, trying again
+    /// every millisecond for up to `patience` while the background's checkpoint holds the
+    /// checkpoint lock (SQLite answers busy at once then; the busy timeout covers only readers).
+    fn restart(&mut self, conn: &Connection, patience: std::time::Duration) {
+        let timer = self.writer_time.start_timer();
+        let started = std::time::Instant::now();
+        let outcome = loop {
+            let outcome = restart(conn);
+            if matches!(outcome, Ok(true)) || started.elapsed() >= patience {
+                break outcome;
             }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        timer.observe_duration();
+        match outcome {
+            Ok(true) => {
+                self.woken = 0;
+                WAL_FRAMES.set(0);
+            }
+            // Not waited for: a later batch tries again.
+            Ok(false) if patience.is_zero() => {}
+            Ok(false) => log::warn!("ledger checkpoint unfinished; tried again"),
+            Err(error) => log::warn!("ledger checkpoint failed: {error}"),
         }
     }
 }
@@ -233,18 +251,22 @@ fn background(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
     fn the_background_copies_the_log_as_it_grows_and_the_writer_restarts_it() {
         let bound = SizeBound::new(16 << 20, 4096).unwrap();
         let policy = Policy::of(&bound);
-        // 2 MiB of 4120-byte frames: 509; a sixteenth 31, half 254.
+        // 2 MiB of 4120-byte frames: 509; a sixteenth 31, half 254, three quarters 381.
         assert_eq!(
             policy,
             Policy {
                 background_every: 31,
-                restart_at: 254
+                restart_at: 254,
+                wait_at: 381,
             }
         );
         // (frames, woken at, step)
@@ -256,10 +278,103 @@ mod tests {
             (62, 31, Step::Background),
             (253, 248, Step::Nothing),
             (254, 248, Step::Restart),
-            (900, 0, Step::Restart),
+            (380, 248, Step::Restart),
+            (381, 248, Step::RestartWaiting),
+            (900, 0, Step::RestartWaiting),
         ];
         for (frames, woken, step) in cases {
             assert_eq!(policy.step(frames, woken), step, "{frames} frames, {woken}");
         }
+    }
+
+    /// Set while another connection's checkpoint holds the checkpoint lock, waiting for a
+    /// reader; it lets go once [`LET_GO`] is set.
+    static HOLDING: AtomicBool = AtomicBool::new(false);
+    static LET_GO: AtomicBool = AtomicBool::new(false);
+
+    fn hold_until_let_go(_attempt: i32) -> bool {
+        HOLDING.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(1));
+        !LET_GO.load(Ordering::SeqCst)
+    }
+
+    /// A real ledger file: a checkpoint of another connection holds SQLite's checkpoint lock
+    /// (as the background's does during its fsync). At half the allowance the writer goes on
+    /// at once without starting the log over; at three quarters it waits for that checkpoint
+    /// to end, then starts the log over.
+    #[test]
+    fn the_writer_waits_for_a_checkpoint_under_way_only_near_the_allowance() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let open = {
+            let path = path.clone();
+            move || -> rusqlite::Result<Connection> {
+                let conn = Connection::open(&path)?;
+                conn.pragma_update(None, "journal_mode", "WAL")?;
+                Ok(conn)
+            }
+        };
+        let writer = open().unwrap();
+        take_over(&writer).unwrap();
+        writer
+            .execute_batch("CREATE TABLE t (x); INSERT INTO t VALUES (1);")
+            .unwrap();
+        // A reader on the log, and frames after its snapshot: a RESTART must wait for it.
+        let reader = open().unwrap();
+        reader.execute_batch("BEGIN").unwrap();
+        let rows: i64 = reader
+            .query_row("SELECT count(*) FROM t", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(rows, 1);
+        writer.execute_batch("INSERT INTO t VALUES (2);").unwrap();
+        let holder = std::thread::spawn({
+            let open = open.clone();
+            move || {
+                let conn = open().unwrap();
+                conn.busy_handler(Some(hold_until_let_go)).unwrap();
+                restart(&conn).unwrap()
+            }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !HOLDING.load(Ordering::SeqCst) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint under way"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+
+        let bound = SizeBound::new(16 << 20, 4096).unwrap();
+        let time = || Histogram::with_opts(prometheus::HistogramOpts::new("t", "t")).unwrap();
+        let mut checkpoints = Checkpoints::start(&path, open, &bound, time(), time()).unwrap();
+        let policy = Policy::of(&bound);
+        WAL_FRAMES.set(policy.restart_at);
+        let started = std::time::Instant::now();
+        checkpoints.after_batch(&writer);
+        assert!(
+            started.elapsed() < RESTART_PATIENCE / 2,
+            "the writer waited {:?} for the other checkpoint",
+            started.elapsed()
+        );
+        assert_eq!(
+            WAL_FRAMES.get(),
+            policy.restart_at,
+            "the log started over while another checkpoint held the lock"
+        );
+        assert!(!LET_GO.load(Ordering::SeqCst));
+
+        // The reader moves on and the other checkpoint ends a moment later: the writer, near
+        // the allowance, waits for that and starts the log over.
+        let ending = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            reader.execute_batch("COMMIT").unwrap();
+            LET_GO.store(true, Ordering::SeqCst);
+        });
+        WAL_FRAMES.set(policy.wait_at);
+        checkpoints.after_batch(&writer);
+        assert_eq!(WAL_FRAMES.get(), 0, "the log did not start over");
+        ending.join().unwrap();
+        holder.join().unwrap();
+        assert_eq!(checkpoints.writer_time.get_sample_count(), 2);
     }
 }
