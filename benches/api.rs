@@ -47,7 +47,9 @@
 //! counts it): p50, p99, p99.9 and max per request. Targets: SQLite p99 < 5 ms and p99.9 < 25
 //! ms, PostgreSQL p99 < 10 ms, no errors. A baseline binary gets the same open-loop run. Below
 //! each SQLite open-loop row, the writer's batch, commit and checkpoint times over the run
-//! (from its `proxy_operator_ledger_*_seconds` histograms) show what the tail waited behind.
+//! (from its `proxy_operator_ledger_*_seconds` histograms) show what the tail waited behind;
+//! below the PostgreSQL one, the database server's checkpoints over the run
+//! (`pg_stat_bgwriter`), whose fsyncs commits waiting for their WAL flush can queue behind.
 //!
 //! Everything shares the machine: the operator, the squids, the probe target and wrk.
 
@@ -115,6 +117,53 @@ struct Figures {
     /// The SQLite writer's histograms over the open-loop run (`None`: not asked for, or a
     /// ledger or binary without them).
     open_writer: Option<WriterTimes>,
+    /// PostgreSQL: the database server's checkpoints over the open-loop run.
+    open_database: Option<DatabaseCheckpoints>,
+}
+
+/// The database server's checkpoints so far (`pg_stat_bgwriter`): a checkpoint ends with an
+/// fsync of every file it wrote, which commits waiting for their WAL flush can queue behind.
+#[derive(Debug, Clone, Copy)]
+struct DatabaseCheckpoints {
+    timed: i64,
+    /// Started because the WAL reached `max_wal_size`.
+    requested: i64,
+    /// Milliseconds spent in the checkpoints' fsyncs.
+    sync_ms: f64,
+}
+
+impl DatabaseCheckpoints {
+    /// Read from the database at `url`; `None` when it cannot be read (a figure, not a target).
+    async fn read(url: &str) -> Option<DatabaseCheckpoints> {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .ok()?;
+        let connection = tokio::spawn(connection);
+        let row = client
+            .query_one(
+                "SELECT checkpoints_timed, checkpoints_req, checkpoint_sync_time \
+                 FROM pg_stat_bgwriter",
+                &[],
+            )
+            .await
+            .ok();
+        drop(client);
+        let _ = connection.await;
+        let row = row?;
+        Some(DatabaseCheckpoints {
+            timed: row.get(0),
+            requested: row.get(1),
+            sync_ms: row.get(2),
+        })
+    }
+
+    fn since(&self, before: &DatabaseCheckpoints) -> DatabaseCheckpoints {
+        DatabaseCheckpoints {
+            timed: self.timed - before.timed,
+            requested: self.requested - before.requested,
+            sync_ms: self.sync_ms - before.sync_ms,
+        }
+    }
 }
 
 /// One histogram of the operator's `/metrics` over a window.
@@ -394,6 +443,7 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
     let inventory = dir.path().join("inventory.yaml");
     std::fs::write(&inventory, "").expect("write the inventory");
     let file = dir.path().join("ledger.db").display().to_string();
+    let postgres = ledger;
     let ledger = ledger.unwrap_or(&file);
     let tenants_path = dir.path().join("tenants.yaml");
     std::fs::write(&tenants_path, tenants_file()).expect("write the tenants file");
@@ -459,19 +509,29 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
         .batches
         .zip(after.batches)
         .map(|((b0, w0), (b1, w1))| (w1 - w0) / (b1 - b0).max(1.0));
-    let (open_loop, open_writer) = match open_loop {
+    let (open_loop, open_writer, open_database) = match open_loop {
         true => {
             let offered = pairs_done / pairs.seconds().max(1e-9) * OPEN_LOOP_SHARE;
             let connections = fleet.connections as usize;
             let api = &operators[0].api;
             let before = operators[0].writer_times(&http).await;
+            let database_before = match postgres {
+                Some(url) => DatabaseCheckpoints::read(url).await,
+                None => None,
+            };
             let run =
                 open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await;
             let after = operators[0].writer_times(&http).await;
             let writer = before.zip(after).map(|(b, a)| a.since(&b));
-            (Some(run), writer)
+            let database = match (postgres, database_before) {
+                (Some(url), Some(before)) => DatabaseCheckpoints::read(url)
+                    .await
+                    .map(|after| after.since(&before)),
+                _ => None,
+            };
+            (Some(run), writer, database)
         }
-        false => (None, None),
+        false => (None, None, None),
     };
     let healthz = wrk(
         "healthz.lua",
@@ -494,6 +554,7 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
         conflicts_per_pair,
         open_loop,
         open_writer,
+        open_database,
     }
 }
 
@@ -701,6 +762,12 @@ fn report_open_loop(runs: &[Figures]) -> bool {
         }
         if let Some(writer) = &run.open_writer {
             report_writer_times(writer, open.elapsed);
+        }
+        if let Some(database) = &run.open_database {
+            println!(
+                "  database checkpoints {} timed, {} requested by WAL volume, {:.0} ms in their fsyncs",
+                database.timed, database.requested, database.sync_ms
+            );
         }
         let (p99_target, p999_target) = match run.label.starts_with("postgres") {
             true => (OPEN_POSTGRES_P99_TARGET, None),
