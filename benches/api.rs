@@ -153,9 +153,9 @@ impl DatabaseCheckpoints {
         let _ = connection.await;
         let row = row?;
         Some(DatabaseCheckpoints {
-            timed: row.get(0),
-            requested: row.get(1),
-            sync_ms: row.get(2),
+            timed: row.try_get(0).ok()?,
+            requested: row.try_get(1).ok()?,
+            sync_ms: row.try_get(2).ok()?,
         })
     }
 
