@@ -135,9 +135,10 @@ struct DatabaseCheckpoints {
 }
 
 impl DatabaseCheckpoints {
-    /// Read from the database at `url`; `None` when it cannot be read (a figure, not a target).
-    async fn read(url: &str) -> Option<DatabaseCheckpoints> {
-        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+    /// Read from the database at `url`; `None` without one, or when it cannot be read (a
+    /// figure, not a target).
+    async fn read(url: Option<&str>) -> Option<DatabaseCheckpoints> {
+        let (client, connection) = tokio_postgres::connect(url?, tokio_postgres::NoTls)
             .await
             .ok()?;
         let connection = tokio::spawn(connection);
@@ -517,20 +518,14 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
             let connections = fleet.connections as usize;
             let api = &operators[0].api;
             let before = operators[0].writer_times(&http).await;
-            let database_before = match postgres {
-                Some(url) => DatabaseCheckpoints::read(url).await,
-                None => None,
-            };
+            let database_before = DatabaseCheckpoints::read(postgres).await;
             let run =
                 open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await;
             let after = operators[0].writer_times(&http).await;
             let writer = before.zip(after).map(|(b, a)| a.since(&b));
-            let database = match (postgres, database_before) {
-                (Some(url), Some(before)) => DatabaseCheckpoints::read(url)
-                    .await
-                    .map(|after| after.since(&before)),
-                _ => None,
-            };
+            let database = database_before
+                .zip(DatabaseCheckpoints::read(postgres).await)
+                .map(|(b, a)| a.since(&b));
             (Some(run), writer, database)
         }
         false => (None, None, None),
