@@ -48,8 +48,10 @@
 //! ms, PostgreSQL p99 < 10 ms, no errors. A baseline binary gets the same open-loop run. Below
 //! each SQLite open-loop row, the writer's batch, commit and checkpoint times over the run
 //! (from its `proxy_operator_ledger_*_seconds` histograms) show what the tail waited behind;
-//! below the PostgreSQL one, the database server's checkpoints over the run
-//! (`pg_stat_bgwriter`), whose fsyncs commits waiting for their WAL flush can queue behind.
+//! below the PostgreSQL one, the database server's checkpoints that started during the run
+//! and the fsync time of those that ended in it (`pg_stat_bgwriter`; a checkpoint spreads its
+//! writes over minutes, so one started before the run can still be writing in it), whose
+//! fsyncs commits waiting for their WAL flush can queue behind.
 //!
 //! Everything shares the machine: the operator, the squids, the probe target and wrk.
 
@@ -127,10 +129,11 @@ struct Figures {
 /// fsync of every file it wrote, which commits waiting for their WAL flush can queue behind.
 #[derive(Debug, Clone, Copy)]
 struct DatabaseCheckpoints {
+    /// Started because `checkpoint_timeout` passed (counted when they start).
     timed: i64,
-    /// Started because the WAL reached `max_wal_size`.
+    /// Started because the WAL reached `max_wal_size` (counted when they start).
     requested: i64,
-    /// Milliseconds spent in the checkpoints' fsyncs.
+    /// Milliseconds spent in the fsyncs of the checkpoints that ended.
     sync_ms: f64,
 }
 
@@ -762,7 +765,7 @@ fn report_open_loop(runs: &[Figures]) -> bool {
         }
         if let Some(database) = &run.open_database {
             println!(
-                "  database checkpoints {} timed, {} requested by WAL volume, {:.0} ms in their fsyncs",
+                "  database checkpoints started {} timed, {} by WAL volume; {:.0} ms in the fsyncs of those that ended",
                 database.timed, database.requested, database.sync_ms
             );
         }
