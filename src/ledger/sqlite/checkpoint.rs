@@ -164,15 +164,15 @@ impl Checkpoints {
                     }
                 }
             }
-            Step::Restart => self.restart(conn, std::time::Duration::ZERO),
-            Step::RestartWaiting => self.restart(conn, RESTART_PATIENCE),
+            Step::Restart => self.start_log_over(conn, std::time::Duration::ZERO),
+            Step::RestartWaiting => self.start_log_over(conn, RESTART_PATIENCE),
         }
     }
 
     /// Checkpoints the tail so that the next transaction starts the log over, trying again
     /// every millisecond for up to `patience` while the background's checkpoint holds the
     /// checkpoint lock (SQLite answers busy at once then; the busy timeout covers only readers).
-    fn restart(&mut self, conn: &Connection, patience: std::time::Duration) {
+    fn start_log_over(&mut self, conn: &Connection, patience: std::time::Duration) {
         let timer = self.writer_time.start_timer();
         let started = std::time::Instant::now();
         let outcome = loop {
