@@ -100,7 +100,12 @@ fn main() -> ExitCode {
         &[proxy],
         &ca,
         TOKEN,
-        &["--gateway-allowed-ports", &ports],
+        &[
+            "--gateway-allowed-ports",
+            &ports,
+            "--gateway-allowed-destinations",
+            "127.0.0.0/8",
+        ],
     );
     runtime.block_on(operator.wait_healthy(TOKEN, 1, Duration::from_secs(60)));
 

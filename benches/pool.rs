@@ -98,7 +98,12 @@ async fn bench() -> ExitCode {
         &target,
         "pool-bench",
         None,
-        &["--gateway-allowed-ports", &target_port.to_string()],
+        &[
+            "--gateway-allowed-ports",
+            &target_port.to_string(),
+            "--gateway-allowed-destinations",
+            "127.0.0.0/8",
+        ],
     )
     .await;
     let spec = json!({

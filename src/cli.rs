@@ -208,6 +208,22 @@ pub struct GatewayArgs {
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_ALLOWED_PORTS", default_value = "80,443", value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..), required = false)]
     pub gateway_allowed_ports: Vec<u16>,
 
+    /// Destinations opened to crawlers (comma-separated CIDR ranges or addresses, e.g.
+    /// `10.20.0.0/16,127.0.0.1`): by default the gateway refuses, and the squids the operator
+    /// generates (`run`) refuse too, every destination that is not a public address:
+    /// loopback, link-local (the cloud metadata server), RFC 1918, carrier-grade NAT,
+    /// unique-local, unspecified, broadcast, multicast and reserved ranges, in every spelling.
+    /// A name is judged by every address it resolves to.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_ALLOWED_DESTINATIONS", value_name = "RANGES", default_value = "", value_parser = crate::egress::AllowedRanges::parse)]
+    pub gateway_allowed_destinations: crate::egress::AllowedRanges,
+
+    /// Pass a target name the gateway cannot resolve to the upstream proxy, which resolves it
+    /// itself (names only the upstreams' DNS knows), instead of refusing it. The upstream's
+    /// own destination rules are then the only check: the squids the operator generates have
+    /// them; an External proxy may not.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_PASS_UNRESOLVED")]
+    pub gateway_pass_unresolved: bool,
+
     /// Other proxies a gateway request is tried on after an upstream failed (refused, timed
     /// out, answered the CONNECT with an error) before anything reached the crawler; then 502.
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_RETRIES", default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=10))]
@@ -226,6 +242,37 @@ pub struct GatewayArgs {
     /// Idle lifetime of a sticky session whose proxy URL names no `sessionTTL`.
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_SESSION_TTL", default_value = "5m", value_parser = session_ttl)]
     pub gateway_session_ttl: Duration,
+
+    /// Longest a client may take to send a request head, from its first byte (and a new
+    /// connection's first head, from the accept); the connection is then closed.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_HEADER_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub gateway_header_timeout: Duration,
+
+    /// Longest a kept-alive client connection may stay without a request before it is closed
+    /// (tunnels are not affected: a tunnel ends when either side closes it).
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_IDLE_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
+    pub gateway_idle_timeout: Duration,
+
+    /// Most client connections (and tunnels) open at once; one more is answered 503
+    /// `too_many_connections` and closed.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_MAX_CONNECTIONS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..))]
+    pub gateway_max_connections: u32,
+
+    /// Most client connections open at once for one tenant of the tenants file (the default
+    /// tenant's tokens have only --gateway-max-connections); one more is answered 503
+    /// `too_many_connections` and closed.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_MAX_TENANT_CONNECTIONS", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    pub gateway_max_tenant_connections: u32,
+
+    /// Most leases one client connection without a session holds, one per target it names;
+    /// for another target, the least recently used one is given back first.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_CONNECTION_LEASES", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub gateway_connection_leases: u32,
+
+    /// Most requests held at once while their ProxyPools wake; one more is refused at once
+    /// as if no pool were waking (503 with `Retry-After`).
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_MAX_HELD_REQUESTS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub gateway_max_held_requests: u32,
 }
 
 /// Where a server listens, or `off`.
@@ -272,6 +319,16 @@ impl CommonArgs {
                 ban_rule: gateway.gateway_ban_statuses.clone(),
                 session_ttl: gateway.gateway_session_ttl,
                 connection_lease_ttl: self.default_lease_ttl,
+                allowed_destinations: gateway.gateway_allowed_destinations.0.clone(),
+                pass_unresolved: gateway.gateway_pass_unresolved,
+                timeouts: crate::gateway::Timeouts {
+                    header: gateway.gateway_header_timeout,
+                    idle: gateway.gateway_idle_timeout,
+                },
+                max_connections: gateway.gateway_max_connections as usize,
+                max_tenant_connections: gateway.gateway_max_tenant_connections as usize,
+                max_connection_leases: gateway.gateway_connection_leases as usize,
+                max_held: gateway.gateway_max_held_requests as usize,
                 ..GatewayConfig::default()
             },
         ))
@@ -561,6 +618,23 @@ mod tests {
         assert_eq!(gateway.upstream_timeout, defaults.upstream_timeout);
         assert_eq!(gateway.ban_rule, defaults.ban_rule);
         assert_eq!(gateway.session_ttl, defaults.session_ttl);
+        assert_eq!(gateway.allowed_destinations, defaults.allowed_destinations);
+        assert!(
+            gateway.allowed_destinations.is_empty(),
+            "nothing opened by default"
+        );
+        assert!(!gateway.pass_unresolved);
+        assert_eq!(gateway.timeouts, defaults.timeouts);
+        assert_eq!(gateway.max_connections, defaults.max_connections);
+        assert_eq!(
+            gateway.max_tenant_connections,
+            defaults.max_tenant_connections
+        );
+        assert_eq!(
+            gateway.max_connection_leases,
+            defaults.max_connection_leases
+        );
+        assert_eq!(gateway.max_held, defaults.max_held);
     }
 
     #[test]
@@ -578,6 +652,12 @@ mod tests {
             "",
             "--gateway-session-ttl",
             "30s",
+            "--gateway-allowed-destinations",
+            "10.20.0.0/16,127.0.0.1",
+            "--gateway-header-timeout",
+            "2s",
+            "--gateway-idle-timeout",
+            "5s",
         ])
         .unwrap();
         let Command::Standalone(args) = cli.command else {
@@ -588,6 +668,12 @@ mod tests {
         assert_eq!(gateway.allowed_ports, vec![443, 8443]);
         assert_eq!(gateway.ban_rule.of(429), None);
         assert_eq!(gateway.session_ttl, Duration::from_secs(30));
+        assert_eq!(
+            gateway.allowed_destinations,
+            crate::egress::parse_allowed("10.20.0.0/16,127.0.0.1/32").unwrap()
+        );
+        assert_eq!(gateway.timeouts.header, Duration::from_secs(2));
+        assert_eq!(gateway.timeouts.idle, Duration::from_secs(5));
         let off = Cli::try_parse_from([
             "proxy-operator",
             "standalone",
@@ -740,6 +826,22 @@ mod tests {
                 "i",
                 "--gateway-session-ttl",
                 "2days",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-allowed-destinations",
+                "10.20.0.1/16",
+            ],
+            vec![
+                "proxy-operator",
+                "standalone",
+                "--inventory",
+                "i",
+                "--gateway-header-timeout",
+                "0s",
             ],
         ] {
             let err = Cli::try_parse_from(&args).unwrap_err().to_string();

@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod egress;
 pub mod events;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;

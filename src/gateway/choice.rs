@@ -17,8 +17,12 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use super::Gateway;
+use super::limits::Slot;
+use super::timeouts::Activity;
 use super::upstream::{HttpUpstream, Upstream};
 use super::user::Options;
+use crate::egress::host::{self, Host};
+use crate::ledger::DEFAULT_TENANT;
 use crate::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, LeaseState, LedgerError, NoMatch, QuotaExceeded,
     RequestKey,
@@ -26,6 +30,7 @@ use crate::ledger::{
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::Selector;
 use crate::serving::sessions::{self, Session, SessionKey, Uses};
+use crate::serving::tenants::Tenant;
 use crate::serving::tokens::Caller;
 
 /// How many epochs a session's acquire walks through to find (after a restart) the lease its
@@ -38,10 +43,13 @@ const IDLE_SWEEP: Duration = Duration::from_millis(250);
 /// What a request is for: the target host and the port on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
-    /// Lower-cased host: the lease's target and the cooldown key.
+    /// Lower-cased host, an address in its usual spelling: the lease's target and the
+    /// cooldown key.
     pub host: String,
     /// The port on the target.
     pub port: u16,
+    /// What the host names, for the destination policy.
+    pub destination: Host,
 }
 
 /// Why a request names no target the gateway relays to.
@@ -51,6 +59,8 @@ pub enum TargetError {
     Bad(&'static str),
     /// A port outside `--gateway-allowed-ports` (403).
     PortNotAllowed(u16),
+    /// A host that is no host (400): a name ending in a number that is no IPv4 address.
+    BadHost(String),
 }
 
 impl Target {
@@ -87,9 +97,15 @@ impl Target {
         if !allowed_ports.contains(&port) {
             return Err(TargetError::PortNotAllowed(port));
         }
+        let destination = host::parse(host).map_err(TargetError::BadHost)?;
+        let host = match &destination {
+            Host::Ip(ip) => ip.to_string(),
+            Host::Metadata(_) | Host::Name(_) => host.to_ascii_lowercase(),
+        };
         Ok(Target {
-            host: host.to_ascii_lowercase(),
+            host,
             port,
+            destination,
         })
     }
 
@@ -165,21 +181,56 @@ pub enum Refusal {
     Ledger(LedgerError),
 }
 
-/// One client connection: the leases it holds without a session (by target) and its open
-/// upstream connections for plain HTTP (by lease). Requests of one HTTP/1 connection come one
-/// after the other, so the locks are never contended.
+/// One client connection: the leases it holds without a session (by target, with when each
+/// was last used) and its open upstream connections for plain HTTP (by lease). Requests of one
+/// HTTP/1 connection come one after the other, so the locks are never contended.
 pub struct ClientConnection {
     pub(super) gateway: Arc<Gateway>,
-    leases: Mutex<HashMap<String, Held>>,
+    /// Its requests under way, for its stream's timers.
+    pub(super) activity: Arc<Activity>,
+    leases: Mutex<HashMap<String, (Held, Instant)>>,
     pub(super) upstreams: Mutex<HashMap<String, HttpUpstream>>,
+    /// The tenants it counts against (see [`ClientConnection::admit`]).
+    tenants: std::sync::Mutex<Vec<(Arc<str>, Slot)>>,
 }
 
 impl ClientConnection {
-    pub(super) fn new(gateway: Arc<Gateway>) -> Self {
+    pub(super) fn new(gateway: Arc<Gateway>, activity: Arc<Activity>) -> Self {
         ClientConnection {
             gateway,
+            activity,
             leases: Mutex::new(HashMap::new()),
             upstreams: Mutex::new(HashMap::new()),
+            tenants: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Whether the connection may serve `tenant`: it counts against each tenant of the
+    /// tenants file it served, from that tenant's first request on, and the first request over
+    /// a tenant's cap is refused (the default tenant, the operators', has only the process's
+    /// cap).
+    pub(super) fn admit(&self, tenant: &Tenant) -> bool {
+        if &*tenant.name == DEFAULT_TENANT {
+            return true;
+        }
+        let mut counted = self
+            .tenants
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if counted.iter().any(|(name, _)| *name == tenant.name) {
+            return true;
+        }
+        match self.gateway.limits.tenant_connection(&tenant.name) {
+            Some(slot) => {
+                counted.push((tenant.name.clone(), slot));
+                true
+            }
+            None => {
+                self.gateway
+                    .metrics
+                    .connection_refused(super::limits::TENANT_LIMIT);
+                false
+            }
         }
     }
 
@@ -239,13 +290,15 @@ impl ClientConnection {
         let gateway = &self.gateway;
         let mut leases = self.leases.lock().await;
         let mut moved_from = None;
-        if let Some(held) = leases.get(&ask.target.host) {
+        let now = Instant::now();
+        if let Some((held, _)) = leases.get(&ask.target.host) {
             if !tried.contains(&held.proxy.uid)
                 && let Some(upstream) = gateway.usable(&held.proxy, ask)
             {
-                let now = Instant::now();
                 if now.saturating_duration_since(held.renewed) < held.ttl / 2 {
-                    return Ok((held.clone(), upstream));
+                    let held = held.clone();
+                    leases.insert(ask.target.host.clone(), (held.clone(), now));
+                    return Ok((held, upstream));
                 }
                 if gateway
                     .ledger
@@ -257,13 +310,26 @@ impl ClientConnection {
                         renewed: now,
                         ..held.clone()
                     };
-                    leases.insert(ask.target.host.clone(), held.clone());
+                    leases.insert(ask.target.host.clone(), (held.clone(), now));
                     return Ok((held, upstream));
                 }
             }
-            if let Some(old) = leases.remove(&ask.target.host) {
+            if let Some((old, _)) = leases.remove(&ask.target.host) {
                 gateway.give_back(&old.lease_id, &old.tenant).await;
                 moved_from = Some(old.proxy);
+            }
+        }
+        // At the cap, the lease used longest ago goes back first.
+        while leases.len() >= gateway.config.max_connection_leases.max(1) {
+            let Some(oldest) = leases
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(target, _)| target.clone())
+            else {
+                break;
+            };
+            if let Some((old, _)) = leases.remove(&oldest) {
+                gateway.give_back(&old.lease_id, &old.tenant).await;
             }
         }
         let ttl = gateway.config.connection_lease_ttl;
@@ -284,7 +350,7 @@ impl ClientConnection {
             moved_from,
             uses: Uses::default(),
         };
-        leases.insert(ask.target.host.clone(), held.clone());
+        leases.insert(ask.target.host.clone(), (held.clone(), now));
         Ok((held, upstream))
     }
 
@@ -300,7 +366,7 @@ impl ClientConnection {
                 let mut leases = self.leases.lock().await;
                 if let Some(host) = leases
                     .iter()
-                    .find(|(_, h)| h.lease_id == held.lease_id)
+                    .find(|(_, (h, _))| h.lease_id == held.lease_id)
                     .map(|(host, _)| host.clone())
                 {
                     leases.remove(&host);
@@ -323,8 +389,8 @@ impl ClientConnection {
             return;
         };
         let released: Vec<Held> = leases
-            .extract_if(|_, held| held.uses.idle() && gone(&held.proxy))
-            .map(|(_, held)| held)
+            .extract_if(|_, (held, _)| held.uses.idle() && gone(&held.proxy))
+            .map(|(_, (held, _))| held)
             .collect();
         drop(leases);
         for held in released {
@@ -335,7 +401,13 @@ impl ClientConnection {
     /// The connection closed: its own leases go back (a session's stay with the session).
     pub(super) async fn close(&self) {
         self.upstreams.lock().await.clear();
-        let leases: Vec<Held> = self.leases.lock().await.drain().map(|(_, h)| h).collect();
+        let leases: Vec<Held> = self
+            .leases
+            .lock()
+            .await
+            .drain()
+            .map(|(_, (h, _))| h)
+            .collect();
         for held in leases {
             self.gateway.give_back(&held.lease_id, &held.tenant).await;
         }

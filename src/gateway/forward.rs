@@ -24,8 +24,8 @@ use super::choice::{Ask, ClientConnection, Held};
 use super::metrics::GatewayMetrics;
 use super::upstream::{Busy, HttpUpstream, Upstream, UpstreamFailure};
 use super::{
-    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, RequestOutcome, Through, bans, error,
-    lease_headers,
+    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, PROXY_STATUS, PROXY_STATUS_NAME,
+    RequestOutcome, Through, bans, error, lease_headers,
 };
 use crate::ledger::LeaseReport;
 use crate::serving::outcomes::Outcome;
@@ -197,7 +197,13 @@ async fn answer(
     moved_from: Option<crate::resources::proxy::ProxyId>,
 ) -> Response<Incoming> {
     let status = response.status().as_u16();
-    let ban = gateway.config.ban_rule.of(status);
+    // A squid's own error page (its access refusal, a failed DNS lookup) is the proxy's
+    // answer, not the target's: never a ban.
+    let ban = if response.headers().contains_key(SQUID_ERROR) {
+        None
+    } else {
+        gateway.config.ban_rule.of(status)
+    };
     let outcome = Outcome::Http {
         status,
         banned: ban.is_some(),
@@ -237,6 +243,7 @@ async fn answer(
     let mut response = response;
     drop_hop_by_hop(response.headers_mut());
     response.headers_mut().remove(PROXY_AUTHENTICATE);
+    drop_forged(response.headers_mut());
     lease_headers(&mut response, held, moved_from);
     if let Some(result) = reported {
         response.headers_mut().insert(
@@ -279,6 +286,72 @@ fn drop_hop_by_hop(headers: &mut HeaderMap) {
     for name in ["keep-alive", "proxy-connection"] {
         headers.remove(name);
     }
+}
+
+/// The header squid puts on the error pages it makes itself.
+const SQUID_ERROR: &str = "x-squid-error";
+
+/// Drops what a target may send that a crawler would read as the gateway's own: every
+/// `X-Proxy-*` header, and the members of `Proxy-Status` that name this gateway (another
+/// proxy's members stay).
+fn drop_forged(headers: &mut HeaderMap) {
+    let forged: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("x-proxy-"))
+        .cloned()
+        .collect();
+    for name in forged {
+        headers.remove(name);
+    }
+    let kept: Vec<HeaderValue> = headers
+        .get_all(PROXY_STATUS)
+        .iter()
+        .filter_map(|value| {
+            let Ok(text) = value.to_str() else {
+                // Not text: nothing a client could read as ours.
+                return Some(value.clone());
+            };
+            let members: Vec<&str> = list_members(text)
+                .into_iter()
+                .filter(|member| !names_this_gateway(member))
+                .collect();
+            HeaderValue::try_from(members.join(", ")).ok()
+        })
+        .filter(|value| !value.is_empty())
+        .collect();
+    headers.remove(PROXY_STATUS);
+    for value in kept {
+        headers.append(PROXY_STATUS, value);
+    }
+}
+
+/// The members of a structured-field list (RFC 8941), split at the commas outside quoted
+/// strings.
+fn list_members(text: &str) -> Vec<&str> {
+    let mut members = Vec::new();
+    let (mut start, mut quoted, mut escaped) = (0, false, false);
+    for (i, c) in text.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                members.push(text[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    members.push(text[start..].trim());
+    members.retain(|m| !m.is_empty());
+    members
+}
+
+/// Whether a `Proxy-Status` member is this gateway's (its name, a token or a string).
+fn names_this_gateway(member: &str) -> bool {
+    let name = member.split(';').next().unwrap_or_default().trim();
+    name.trim_matches('"')
+        .eq_ignore_ascii_case(PROXY_STATUS_NAME)
 }
 
 /// A response body on its way to the crawler: counts the bytes, and keeps the upstream
@@ -352,6 +425,48 @@ mod tests {
         let mut left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
         left.sort_unstable();
         assert_eq!(left, ["accept", "cookie"]);
+    }
+
+    #[test]
+    fn what_a_target_forges_of_the_gateways_headers_is_dropped() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("x-proxy-session-moved", "default/elsewhere"),
+            ("x-proxy-ban-reported", "blocked"),
+            ("X-Proxy-Name", "default/fake"),
+            ("proxy-status", "proxy-operator; details=\"no_match\""),
+            (
+                "proxy-status",
+                "cdn-edge; error=http_response_incomplete, \"proxy-operator\"; details=\"a, b\"",
+            ),
+            (
+                "proxy-status",
+                "other; details=\"proxy-operator, said \\\"x\\\"\"",
+            ),
+            ("x-proxyish", "kept"),
+            ("content-type", "text/html"),
+        ] {
+            headers.append(
+                HeaderName::try_from(name).unwrap(),
+                HeaderValue::from_static(value),
+            );
+        }
+        drop_forged(&mut headers);
+        let mut names: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["content-type", "proxy-status", "x-proxyish"]);
+        let status: Vec<&str> = headers
+            .get_all(PROXY_STATUS)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(
+            status,
+            [
+                "cdn-edge; error=http_response_incomplete",
+                "other; details=\"proxy-operator, said \\\"x\\\"\""
+            ]
+        );
     }
 
     #[test]

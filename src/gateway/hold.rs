@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::Gateway;
 use super::choice::{Ask, Refusal};
+use super::limits::Slot;
+use super::metrics::HOLD_REFUSED;
 use crate::pool::directory;
 use crate::serving::candidates::Selector;
 
@@ -26,6 +28,8 @@ pub(super) struct Hold {
     deadline: Instant,
     pools: Vec<String>,
     recorded: Instant,
+    /// Counts the request among those held (`--gateway-max-held-requests`).
+    _slot: Slot,
 }
 
 impl Hold {
@@ -62,6 +66,10 @@ pub(super) async fn wait_for_pool(
             else {
                 return false;
             };
+            let Some(slot) = gateway.limits.held() else {
+                gateway.metrics.held(HOLD_REFUSED, Duration::ZERO);
+                return false;
+            };
             log::debug!(
                 "gateway: holding a request for {} while pools {:?} wake",
                 ask.target.host,
@@ -72,6 +80,7 @@ pub(super) async fn wait_for_pool(
                 deadline: now + waking.wake_timeout,
                 pools: waking.pools,
                 recorded: now,
+                _slot: slot,
             });
         }
         Some(hold) => {

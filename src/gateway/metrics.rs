@@ -9,6 +9,9 @@ use prometheus::{
 };
 
 use super::RequestOutcome;
+use super::limits::{PROCESS_LIMIT, TENANT_LIMIT};
+use super::timeouts::Expired;
+use crate::egress::{Kind, UNRESOLVABLE};
 use crate::ledger::ReportResult;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::TenantMetrics;
@@ -17,6 +20,10 @@ use crate::serving::tenants::TenantMetrics;
 #[derive(Clone, Debug)]
 pub struct GatewayMetrics {
     connections: IntCounter,
+    open: IntGauge,
+    refused_connections: IntCounterVec,
+    closed_connections: IntCounterVec,
+    refused_destinations: IntCounterVec,
     requests: IntCounterVec,
     bytes: IntCounterVec,
     retries: IntCounter,
@@ -30,6 +37,8 @@ pub struct GatewayMetrics {
 pub const HOLD_RELAYED: &str = "relayed";
 /// Label value of a hold that reached its wake timeout without a member.
 pub const HOLD_TIMED_OUT: &str = "timed_out";
+/// Label value of a request not held because as many as may be were held already.
+pub const HOLD_REFUSED: &str = "refused";
 
 impl GatewayMetrics {
     /// Creates the metrics, registers them in `registry` with the gauge of `sessions`.
@@ -42,12 +51,45 @@ impl GatewayMetrics {
             "proxy_operator_gateway_connections_total",
             "Client connections the gateway accepted.",
         )?;
+        let open = IntGauge::new(
+            "proxy_operator_gateway_connections_open",
+            "Client connections open now (--gateway-max-connections caps them).",
+        )?;
+        let refused_connections = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_connections_refused_total",
+                "Client connections refused with 503 too_many_connections, by cap: \
+                 process_limit (--gateway-max-connections) or tenant_limit \
+                 (--gateway-max-tenant-connections).",
+            ),
+            &["reason"],
+        )?;
+        let closed_connections = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_connections_timed_out_total",
+                "Client connections the gateway closed by a timeout: header_timeout (a request \
+                 head not whole within --gateway-header-timeout) or idle_timeout (no request \
+                 within --gateway-idle-timeout).",
+            ),
+            &["reason"],
+        )?;
+        let refused_destinations = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_destinations_refused_total",
+                "Gateway requests whose target the destination policy refused, by reason: the \
+                 range of the address refused (loopback, link_local, private, ...) or \
+                 unresolvable.",
+            ),
+            &["reason"],
+        )?;
         let requests = IntCounterVec::new(
             Opts::new(
                 "proxy_operator_gateway_requests_total",
                 "Gateway requests by kind (connect, http) and outcome: tunneled, forwarded, \
                  auth_required (407), bad_request (400), port_refused (403), no_proxy (503), \
-                 unavailable (503: the ledger could not take the lease), upstream_failed (502).",
+                 unavailable (503: the ledger could not take the lease), upstream_failed (502), \
+                 quota_exceeded (503), destination_refused (403, or 502 for a name that does \
+                 not resolve), too_many_connections (503).",
             ),
             &["kind", "outcome"],
         )?;
@@ -76,19 +118,24 @@ impl GatewayMetrics {
             HistogramOpts::new(
                 "proxy_operator_gateway_held_seconds",
                 "Gateway requests held while a pool woke, by how the hold ended (relayed, \
-                 timed_out), and how long they waited.",
+                 timed_out, or refused: as many held as --gateway-max-held-requests allows), \
+                 and how long they waited.",
             )
             .buckets(vec![
                 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
             ]),
             &["outcome"],
         )?;
-        for outcome in [HOLD_RELAYED, HOLD_TIMED_OUT] {
+        for outcome in [HOLD_RELAYED, HOLD_TIMED_OUT, HOLD_REFUSED] {
             held.with_label_values(&[outcome]);
         }
         for metric in [
             Box::new(held.clone()) as Box<dyn Collector>,
             Box::new(connections.clone()),
+            Box::new(open.clone()),
+            Box::new(refused_connections.clone()),
+            Box::new(closed_connections.clone()),
+            Box::new(refused_destinations.clone()),
             Box::new(requests.clone()),
             Box::new(bytes.clone()),
             Box::new(retries.clone()),
@@ -105,11 +152,28 @@ impl GatewayMetrics {
         for direction in ["up", "down"] {
             bytes.with_label_values(&[direction]);
         }
+        for reason in [PROCESS_LIMIT, TENANT_LIMIT] {
+            refused_connections.with_label_values(&[reason]);
+        }
+        for expired in Expired::ALL {
+            closed_connections.with_label_values(&[expired.as_str()]);
+        }
+        for reason in Kind::ALL
+            .map(Kind::as_str)
+            .into_iter()
+            .chain([UNRESOLVABLE])
+        {
+            refused_destinations.with_label_values(&[reason]);
+        }
         for result in [ReportResult::RateLimited, ReportResult::Blocked] {
             bans.with_label_values(&[result.as_str()]);
         }
         Ok(GatewayMetrics {
             connections,
+            open,
+            refused_connections,
+            closed_connections,
+            refused_destinations,
             requests,
             bytes,
             retries,
@@ -129,6 +193,29 @@ impl GatewayMetrics {
     /// Counts an accepted connection.
     pub fn connection(&self) {
         self.connections.inc();
+    }
+
+    /// Counts a connection open until the guard drops.
+    pub fn open_connection(&self) -> OpenConnection {
+        self.open.inc();
+        OpenConnection(self.open.clone())
+    }
+
+    /// Counts a connection refused at the cap `reason` names.
+    pub fn connection_refused(&self, reason: &str) {
+        self.refused_connections.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a connection closed by a timeout.
+    pub fn connection_closed(&self, expired: Expired) {
+        self.closed_connections
+            .with_label_values(&[expired.as_str()])
+            .inc();
+    }
+
+    /// Counts a target the destination policy refused, by reason.
+    pub fn destination_refused(&self, reason: &str) {
+        self.refused_destinations.with_label_values(&[reason]).inc();
     }
 
     /// Counts a request of `kind` (`connect`, `http`) that ended with `outcome`.
@@ -153,6 +240,15 @@ impl GatewayMetrics {
     /// Counts a ban reported.
     pub fn banned(&self, result: ReportResult) {
         self.bans.with_label_values(&[result.as_str()]).inc();
+    }
+}
+
+/// An open connection in `proxy_operator_gateway_connections_open`, until dropped.
+pub struct OpenConnection(IntGauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -27,7 +27,9 @@ mod choice;
 mod drain;
 mod forward;
 mod hold;
+mod limits;
 mod metrics;
+mod timeouts;
 mod tunnel;
 mod upstream;
 pub mod user;
@@ -54,7 +56,9 @@ use tokio_util::task::TaskTracker;
 pub use bans::BanRule;
 pub use metrics::GatewayMetrics;
 use metrics::{HOLD_RELAYED, HOLD_TIMED_OUT};
+pub use timeouts::Timeouts;
 
+use crate::egress::{Destinations, IpNet, Refused};
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, LeaseReport, Ledger, LedgerError, NoMatch, ReportResult};
@@ -68,6 +72,8 @@ use crate::serving::sessions::Sessions;
 use crate::serving::tenants::QuotaExceededBody;
 use crate::serving::tokens::ApiToken;
 use choice::{Ask, ClientConnection, Held, Refusal, Target, TargetError};
+use limits::Limits;
+use timeouts::{Activity, Timed};
 use upstream::{Upstream, UpstreamFailure};
 
 /// Header naming the upstream proxy a request went through (`namespace/name`).
@@ -88,6 +94,12 @@ pub const PROXY_STATUS: &str = "proxy-status";
 const PROXY_STATUS_NAME: &str = "proxy-operator";
 /// The error code of a refusal for a tenant's quota.
 const QUOTA_EXCEEDED: &str = "quota_exceeded";
+/// The error code of a refusal for a destination the policy denies (see [`crate::egress`]).
+pub const DESTINATION_NOT_ALLOWED: &str = "destination_not_allowed";
+/// The error code of a refusal for a target name that does not resolve.
+pub const DESTINATION_UNRESOLVABLE: &str = "destination_unresolvable";
+/// The error code of a refusal for a connection over a cap.
+pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
 
 /// The body of every gateway answer.
 pub type Body = BoxBody<Bytes, hyper::Error>;
@@ -112,6 +124,21 @@ pub struct GatewayConfig {
     /// Largest plain-HTTP request body, buffered so the request can be tried on another
     /// proxy.
     pub max_request_body: usize,
+    /// Non-public destination ranges opened to crawlers (every other one is refused).
+    pub allowed_destinations: Vec<IpNet>,
+    /// Whether a target name the gateway cannot resolve goes on to the upstream to resolve.
+    pub pass_unresolved: bool,
+    /// How long a request head and an idle kept-alive connection may take.
+    pub timeouts: Timeouts,
+    /// Most client connections open at once.
+    pub max_connections: usize,
+    /// Most client connections open at once for one tenant of the tenants file.
+    pub max_tenant_connections: usize,
+    /// Most leases one client connection without a session holds (one per target); the
+    /// least recently used one goes back first.
+    pub max_connection_leases: usize,
+    /// Most requests held at once while their pools wake.
+    pub max_held: usize,
 }
 
 impl Default for GatewayConfig {
@@ -124,6 +151,16 @@ impl Default for GatewayConfig {
             session_ttl: Duration::from_secs(300),
             connection_lease_ttl: Duration::from_secs(300),
             max_request_body: 16 << 20,
+            allowed_destinations: Vec::new(),
+            pass_unresolved: false,
+            timeouts: Timeouts {
+                header: Duration::from_secs(10),
+                idle: Duration::from_secs(60),
+            },
+            max_connections: 8192,
+            max_tenant_connections: 2048,
+            max_connection_leases: 4,
+            max_held: 1024,
         }
     }
 }
@@ -154,6 +191,10 @@ pub struct Gateway {
     pub config: GatewayConfig,
     /// The pools a refused request may wait for, and where refusals become their demand.
     pub pools: PoolDirectory,
+    /// What crawlers may reach.
+    destinations: Destinations,
+    /// The caps on connections and held requests.
+    limits: Arc<Limits>,
     /// Upstream connections, for closing a draining proxy's idle ones.
     upstreams: drain::Upstreams,
     /// Client connections and tunnels, awaited at shutdown.
@@ -178,6 +219,15 @@ impl Gateway {
         config: GatewayConfig,
     ) -> Self {
         Gateway {
+            destinations: Destinations::new(
+                config.allowed_destinations.clone(),
+                config.pass_unresolved,
+            ),
+            limits: Limits::new(
+                config.max_connections,
+                config.max_tenant_connections,
+                config.max_held,
+            ),
             inventory,
             health,
             ledger,
@@ -223,11 +273,16 @@ pub enum RequestOutcome {
     UpstreamFailed,
     /// 503 with `Proxy-Status` `quota_exceeded`: the caller's tenant is at a quota.
     QuotaExceeded,
+    /// 403 `destination_not_allowed` or 502 `destination_unresolvable`: the destination
+    /// policy refused the target.
+    DestinationRefused,
+    /// 503 `too_many_connections`: the caller's tenant holds as many connections as it may.
+    TooManyConnections,
 }
 
 impl RequestOutcome {
     /// Every outcome.
-    pub const ALL: [RequestOutcome; 9] = [
+    pub const ALL: [RequestOutcome; 11] = [
         RequestOutcome::Tunneled,
         RequestOutcome::Forwarded,
         RequestOutcome::AuthRequired,
@@ -237,6 +292,8 @@ impl RequestOutcome {
         RequestOutcome::Unavailable,
         RequestOutcome::UpstreamFailed,
         RequestOutcome::QuotaExceeded,
+        RequestOutcome::DestinationRefused,
+        RequestOutcome::TooManyConnections,
     ];
 
     /// The label value.
@@ -251,6 +308,8 @@ impl RequestOutcome {
             RequestOutcome::Unavailable => "unavailable",
             RequestOutcome::UpstreamFailed => "upstream_failed",
             RequestOutcome::QuotaExceeded => "quota_exceeded",
+            RequestOutcome::DestinationRefused => "destination_refused",
+            RequestOutcome::TooManyConnections => "too_many_connections",
         }
     }
 }
@@ -276,9 +335,19 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
                 gateway.metrics.connection();
-                gateway
-                    .tasks
-                    .spawn(serve_connection(stream, peer, gateway.clone()));
+                match gateway.limits.connection() {
+                    Some(slot) => {
+                        gateway
+                            .tasks
+                            .spawn(serve_connection(stream, peer, gateway.clone(), slot));
+                    }
+                    None => {
+                        gateway.metrics.connection_refused(limits::PROCESS_LIMIT);
+                        gateway
+                            .tasks
+                            .spawn(refuse_connection(stream, gateway.limits.max_connections()));
+                    }
+                }
             }
             Err(e) => {
                 log::warn!("gateway: accepting a connection failed: {e}");
@@ -298,9 +367,46 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
     }
 }
 
+/// How long a connection over the cap gets to read its refusal.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Answers a connection over the process's cap with `503 too_many_connections` and closes it,
+/// without reading its request.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, cap: usize) {
+    use tokio::io::AsyncWriteExt;
+    let body = json!({
+        "error": TOO_MANY_CONNECTIONS,
+        "message": format!(
+            "the gateway holds {cap} client connections, as many as it may \
+             (--gateway-max-connections); retry later"
+        ),
+    })
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         {PROXY_STATUS}: {}\r\nretry-after: 1\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n{body}",
+        proxy_status(TOO_MANY_CONNECTIONS),
+        body.len()
+    );
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+        stream.write_all(answer.as_bytes()).await?;
+        stream.shutdown().await
+    })
+    .await;
+}
+
 /// Serves one client connection, then gives back the leases it held.
-async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, gateway: Arc<Gateway>) {
-    let connection = Arc::new(ClientConnection::new(gateway.clone()));
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    gateway: Arc<Gateway>,
+    _slot: limits::Slot,
+) {
+    let _open = gateway.metrics.open_connection();
+    let activity = Arc::new(Activity::default());
+    let stream = Timed::new(stream, activity.clone(), gateway.config.timeouts);
+    let connection = Arc::new(ClientConnection::new(gateway.clone(), activity.clone()));
     let registered = gateway.upstreams.add(&connection);
     let service = {
         let connection = connection.clone();
@@ -319,6 +425,9 @@ async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, gatew
             log::debug!("gateway: connection from {peer} ended: {e}");
         },
     }
+    if let Some(expired) = activity.expired() {
+        gateway.metrics.connection_closed(expired);
+    }
     gateway.upstreams.remove(registered);
     connection.close().await;
 }
@@ -326,6 +435,7 @@ async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, gatew
 impl ClientConnection {
     /// Answers one request.
     async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
+        let under_way = self.activity.begin();
         let kind = if request.method() == Method::CONNECT {
             "connect"
         } else {
@@ -333,7 +443,7 @@ impl ClientConnection {
         };
         let (outcome, response) = self.route(request).await;
         self.gateway.metrics.request(kind, outcome);
-        response
+        response.map(|body| timeouts::Finishing::new(body, under_way).boxed())
     }
 
     async fn route(&self, request: Request<Incoming>) -> (RequestOutcome, Response<Body>) {
@@ -345,6 +455,15 @@ impl ClientConnection {
         let Some(caller) = auth::caller(&gateway.tokens, header) else {
             return (RequestOutcome::AuthRequired, proxy_auth_required());
         };
+        if !self.admit(&caller.caller.tenant) {
+            return (
+                RequestOutcome::TooManyConnections,
+                too_many_connections(
+                    &caller.caller.tenant.name,
+                    gateway.limits.max_tenant_connections(),
+                ),
+            );
+        }
         let options = match user::parse(&caller.user) {
             Ok(options) => options,
             Err(problem) => {
@@ -363,6 +482,12 @@ impl ClientConnection {
                     error(StatusCode::BAD_REQUEST, "bad_request", problem),
                 );
             }
+            Err(TargetError::BadHost(problem)) => {
+                return (
+                    RequestOutcome::BadRequest,
+                    error(StatusCode::BAD_REQUEST, "bad_request", &problem),
+                );
+            }
             Err(TargetError::PortNotAllowed(port)) => {
                 let message = format!(
                     "the gateway relays to ports {allowed_ports:?} only \
@@ -374,6 +499,17 @@ impl ClientConnection {
                 );
             }
         };
+        if let Err(refused) = gateway
+            .destinations
+            .check(&target.destination, target.port)
+            .await
+        {
+            gateway.metrics.destination_refused(refused.reason());
+            return (
+                RequestOutcome::DestinationRefused,
+                destination_refusal(&refused),
+            );
+        }
         let ask = choice::Ask {
             caller: caller.caller,
             options,
@@ -678,12 +814,58 @@ fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body>
 /// The `Proxy-Status` of an answer the gateway made with error `code`: a refusal for a quota
 /// is RFC 9209's `http_request_denied`, the rest say only the code.
 fn proxy_status(code: &str) -> String {
-    match code {
-        QUOTA_EXCEEDED => {
-            format!("{PROXY_STATUS_NAME}; error=http_request_denied; details=\"{code}\"")
-        }
-        _ => format!("{PROXY_STATUS_NAME}; details=\"{code}\""),
+    let error = match code {
+        QUOTA_EXCEEDED | TOO_MANY_CONNECTIONS => Some("http_request_denied"),
+        DESTINATION_NOT_ALLOWED => Some("destination_ip_prohibited"),
+        DESTINATION_UNRESOLVABLE => Some("dns_error"),
+        _ => None,
+    };
+    match error {
+        Some(error) => format!("{PROXY_STATUS_NAME}; error={error}; details=\"{code}\""),
+        None => format!("{PROXY_STATUS_NAME}; details=\"{code}\""),
     }
+}
+
+/// The answer to a target the destination policy refuses: `403 destination_not_allowed`
+/// naming the address and its range, or `502 destination_unresolvable` for a name that does
+/// not resolve.
+fn destination_refusal(refused: &Refused) -> Response<Body> {
+    match refused {
+        Refused::Denied { address, .. } => json_response(
+            StatusCode::FORBIDDEN,
+            &json!({
+                "error": DESTINATION_NOT_ALLOWED,
+                "reason": refused.reason(),
+                "address": address.to_string(),
+                "message": refused.message(),
+            }),
+        ),
+        Refused::Unresolvable { .. } => json_response(
+            StatusCode::BAD_GATEWAY,
+            &json!({
+                "error": DESTINATION_UNRESOLVABLE,
+                "reason": refused.reason(),
+                "message": refused.message(),
+            }),
+        ),
+    }
+}
+
+/// `503 too_many_connections` for a tenant at its cap of connections; the connection closes
+/// after it.
+fn too_many_connections(tenant: &str, cap: usize) -> Response<Body> {
+    let mut response = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        TOO_MANY_CONNECTIONS,
+        &format!(
+            "tenant {tenant} holds {cap} connections to the gateway, as many as it may \
+             (--gateway-max-tenant-connections); close one or retry later"
+        ),
+    );
+    let headers = response.headers_mut();
+    headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+    headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    response
 }
 
 /// A body from bytes.

@@ -13,6 +13,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::choice::{Ask, ClientConnection, Held};
+use super::timeouts::Timed;
 use super::upstream;
 use super::{Body, Failed, LeaseFor, RequestOutcome, Through, full, lease_headers};
 use crate::serving::outcomes::Outcome;
@@ -119,8 +120,14 @@ async fn pipe(client: Upgraded, upstream: Upgraded) -> std::io::Result<(u64, u64
     ))
 }
 
-/// The TCP stream under an upgraded connection, and the bytes hyper read past its head.
+/// The TCP stream under an upgraded connection (the client's, out of its timers: a tunnel is
+/// quiet as long as its crawler likes, or the upstream's), and the bytes hyper read past its
+/// head.
 fn tcp(upgraded: Upgraded) -> std::io::Result<(TcpStream, bytes::Bytes)> {
+    let upgraded = match upgraded.downcast::<TokioIo<Timed<TcpStream>>>() {
+        Ok(parts) => return Ok((parts.io.into_inner().into_inner(), parts.read_buf)),
+        Err(upgraded) => upgraded,
+    };
     let parts = upgraded
         .downcast::<TokioIo<TcpStream>>()
         .map_err(|_| std::io::Error::other("an upgraded connection that is not TCP"))?;

@@ -9,6 +9,14 @@ use std::time::Duration;
 
 /// Longest session name accepted, in bytes.
 pub const MAX_SESSION_LEN: usize = 128;
+/// Longest crawler name accepted, in bytes: it is written with every lease and its history.
+pub const MAX_CLIENT_LEN: usize = 128;
+/// Longest user part accepted, in bytes (name, session and labels together).
+pub const MAX_USER_LEN: usize = 1024;
+/// Longest selector key: a Kubernetes label key (a 253-byte prefix, `/`, a 63-byte name).
+const MAX_LABEL_KEY_LEN: usize = 317;
+/// Longest selector value: a Kubernetes label value.
+const MAX_LABEL_VALUE_LEN: usize = 63;
 /// Shortest `sessionTTL` accepted: the idle sweep (every quarter second) must find an idle
 /// session well before its lease (`1.5 T`) runs out.
 pub const MIN_SESSION_TTL: Duration = Duration::from_secs(1);
@@ -32,11 +40,23 @@ pub struct Options {
 
 /// Reads the user part `user`; the error names what is wrong, for a `400` answer.
 pub fn parse(user: &str) -> Result<Options, String> {
+    if user.len() > MAX_USER_LEN {
+        return Err(format!(
+            "the user part of the proxy URL is {} bytes; at most {MAX_USER_LEN}",
+            user.len()
+        ));
+    }
     let mut parts = user.split(';');
     let client = parts.next().unwrap_or_default();
     if !printable(client) {
         return Err(format!(
             "the crawler name {client:?} in front of the options must be printable ASCII"
+        ));
+    }
+    if client.len() > MAX_CLIENT_LEN {
+        return Err(format!(
+            "the crawler name in front of the options is {} bytes; at most {MAX_CLIENT_LEN}",
+            client.len()
         ));
     }
     let mut options = Options {
@@ -80,6 +100,13 @@ pub fn parse(user: &str) -> Result<Options, String> {
                 options.session_ttl = Some(ttl);
             }
             label => {
+                if label.len() > MAX_LABEL_KEY_LEN || value.len() > MAX_LABEL_VALUE_LEN {
+                    return Err(format!(
+                        "label {:?}: a key is at most {MAX_LABEL_KEY_LEN} bytes and a value at \
+                         most {MAX_LABEL_VALUE_LEN}, as in Kubernetes labels",
+                        truncated(label)
+                    ));
+                }
                 options.selector.insert(label.to_owned(), value.to_owned());
             }
         }
@@ -88,6 +115,14 @@ pub fn parse(user: &str) -> Result<Options, String> {
         return Err("sessionTTL without session: name the session it is for".to_owned());
     }
     Ok(options)
+}
+
+/// The first bytes of a long text, for a message that names it.
+fn truncated(text: &str) -> String {
+    match text.get(..32) {
+        Some(head) if text.len() > 32 => format!("{head}..."),
+        _ => text.to_owned(),
+    }
 }
 
 /// Printable ASCII without spaces (what a URL's userinfo carries once decoded).
@@ -141,12 +176,31 @@ mod tests {
         for (user, want) in cases {
             assert_eq!(parse(user), Ok(want), "{user}");
         }
+        let longest = format!("{};geo={}", "c".repeat(MAX_CLIENT_LEN), "e".repeat(63));
+        assert!(parse(&longest).is_ok());
     }
 
     #[test]
     fn a_malformed_user_part_says_what_is_wrong() {
         let long = format!("c;session={}", "s".repeat(MAX_SESSION_LEN + 1));
+        let long_name = format!("{};geo=eu", "c".repeat(MAX_CLIENT_LEN + 1));
+        let long_user = format!("c;geo={}", "e".repeat(MAX_USER_LEN));
+        let long_value = format!("c;geo={}", "e".repeat(64));
+        let long_key = format!("c;{}=eu", "k".repeat(318));
         let cases = [
+            (
+                long_name.as_str(),
+                "crawler name in front of the options is 129 bytes; at most 128",
+            ),
+            (
+                long_user.as_str(),
+                "user part of the proxy URL is 1030 bytes; at most 1024",
+            ),
+            (long_value.as_str(), "label \"geo\": a key is at most"),
+            (
+                long_key.as_str(),
+                "label \"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk...\"",
+            ),
             ("c;geo", "is not key=value"),
             ("c;=eu", "empty key"),
             ("c;geo=eu;geo=us", "given twice"),

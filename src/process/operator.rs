@@ -15,13 +15,15 @@ use tokio::sync::{broadcast, mpsc, watch};
 use crate::api::status::KubeEvents;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
-use crate::cli::RunArgs;
+use crate::cli::{GatewayArgs, RunArgs};
 use crate::gc::{self, GcConfig};
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
 use crate::pool::{self, PoolContext, PoolIntervals, PoolMetrics};
 use crate::provider::ProvidersConfig;
+use crate::provider::config::EgressConfig;
 use crate::provider::registry::{Constructors, build_providers};
+use crate::provider::squid_conf::{PortRange, SquidEgress};
 use crate::proxy_watch::{self, WatchMetrics};
 use crate::reconcile::metrics::RemediationGauge;
 use crate::reconcile::{self, Context, ReconcilerMetrics};
@@ -63,6 +65,25 @@ fn load_config(args: &RunArgs) -> Result<ProvidersConfig, StartError> {
         .check_scope()
         .map_err(|e| StartError(format!("--watch-namespace: {e}")))?;
     Ok(config)
+}
+
+/// What the generated squids may reach: what the gateway's flags open (at the gateway and in
+/// the squids alike) and what the providers config's `egress:` block opens for the squids.
+fn squid_egress(gateway: &GatewayArgs, config: &EgressConfig) -> Result<SquidEgress, StartError> {
+    let ports = gateway
+        .gateway_allowed_ports
+        .iter()
+        .map(|port| PortRange::single(*port))
+        .collect::<Result<_, _>>()
+        .map_err(|e| StartError(format!("--gateway-allowed-ports: {e}")))?;
+    let flags = SquidEgress {
+        destinations: gateway.gateway_allowed_destinations.0.clone(),
+        ports,
+    };
+    Ok(flags.union(&SquidEgress {
+        destinations: config.allowed_destinations.clone(),
+        ports: config.allowed_ports.clone(),
+    }))
 }
 
 fn gc_config(args: &RunArgs) -> GcConfig {
@@ -137,9 +158,10 @@ async fn start(
     let gc_config = gc_config(&args);
     let inventory = Inventory::new();
     let core = Core::open(&args.common, inventory.clone()).await?;
+    let egress = squid_egress(&args.common.gateway, &providers_config.egress)?;
     let providers = build_providers(
         &providers_config,
-        &Constructors::standard(client.clone()),
+        &Constructors::standard(client.clone(), egress),
         &args.install_id,
         &core.registry,
     )
@@ -286,4 +308,56 @@ async fn start(
         }
     });
     Ok(supervisor)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn gateway(flags: &[&str]) -> GatewayArgs {
+        let argv = ["proxy-operator", "run", "--providers-config", "/dev/null"];
+        let cli = Cli::try_parse_from(argv.iter().chain(flags)).unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        args.common.gateway
+    }
+
+    fn egress(text: &str) -> EgressConfig {
+        ProvidersConfig::parse(text, Path::new("providers.yaml"))
+            .unwrap()
+            .egress
+    }
+
+    fn ports(list: &[&str]) -> Vec<PortRange> {
+        list.iter().map(|p| PortRange::parse(p).unwrap()).collect()
+    }
+
+    #[test]
+    fn the_squids_reach_what_the_flags_and_the_providers_config_open() {
+        // Nothing opened anywhere: the default, no range, HTTP and HTTPS.
+        let none = squid_egress(&gateway(&[]), &egress("providers: []\n")).unwrap();
+        assert_eq!(none, SquidEgress::default());
+
+        let flags = gateway(&[
+            "--gateway-allowed-destinations",
+            "127.0.0.1,10.20.0.0/16",
+            "--gateway-allowed-ports",
+            "80,8080",
+        ]);
+        let config = egress(
+            "egress:\n  allowedDestinations: [192.168.1.0/24]\n  allowedPorts: [\"8000-8100\"]\n\
+             providers: []\n",
+        );
+        let both = squid_egress(&flags, &config).unwrap();
+        let ranges: Vec<String> = both.destinations.iter().map(ToString::to_string).collect();
+        assert_eq!(ranges, ["127.0.0.1/32", "10.20.0.0/16", "192.168.1.0/24"]);
+        // The flag's ports replace the default 80,443; the config's come on top.
+        assert_eq!(both.ports, ports(&["80", "8080", "8000-8100"]));
+    }
 }

@@ -1,11 +1,14 @@
-//! The providers config file (`--providers-config`): which machine providers exist and how
-//! they are set up. Strict and validated at load, because a typo here must stop start-up
-//! rather than leave Proxies silently unprovisioned.
+//! The providers config file (`--providers-config`): which machine providers exist, how they
+//! are set up, and what their squids may reach. Strict and validated at load, because a typo
+//! here must stop start-up rather than leave Proxies silently unprovisioned.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+use super::squid_conf::PortRange;
+use crate::egress::{IpNet, parse_range};
 
 /// Default image of the kubernetes provider's squid Pods.
 pub const DEFAULT_SQUID_IMAGE: &str = "ubuntu/squid";
@@ -14,9 +17,92 @@ pub const DEFAULT_SQUID_IMAGE: &str = "ubuntu/squid";
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ProvidersConfig {
+    /// What the generated squids may reach on top of what the operator's flags open.
+    #[serde(default)]
+    pub egress: EgressConfig,
     /// Named provider entries; `Proxy.spec.provider` refers to `name`.
     #[serde(default)]
     pub providers: Vec<ProviderEntry>,
+}
+
+/// The `egress:` block: ranges and ports opened for the squids the operator generates (every
+/// provider's), on top of `--gateway-allowed-destinations` and `--gateway-allowed-ports`, which
+/// open them at the gateway and in the squids alike. For what only the squids reach, such as
+/// the addresses and ports of health-probe URLs.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(try_from = "EgressText")]
+pub struct EgressConfig {
+    /// Ranges opened although not public (`allowedDestinations`: CIDR ranges or addresses).
+    pub allowed_destinations: Vec<IpNet>,
+    /// Ports opened (`allowedPorts`: ports or `low-high` ranges).
+    pub allowed_ports: Vec<PortRange>,
+}
+
+/// The `egress:` block as written; [`EgressConfig`] is the same checked, a refusal naming the
+/// entry.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct EgressText {
+    #[serde(default)]
+    allowed_destinations: Vec<String>,
+    #[serde(default)]
+    allowed_ports: Vec<PortText>,
+}
+
+/// One `allowedPorts` entry: a YAML number (`8080`) or a string (`"8000-8100"`).
+struct PortText(String);
+
+impl<'de> Deserialize<'de> for PortText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = PortText;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "egress.allowedPorts: a port (8080) or a range of ports (\"8000-8100\")",
+                )
+            }
+            fn visit_u64<E>(self, port: u64) -> Result<PortText, E> {
+                Ok(PortText(port.to_string()))
+            }
+            fn visit_i64<E>(self, port: i64) -> Result<PortText, E> {
+                Ok(PortText(port.to_string()))
+            }
+            fn visit_str<E>(self, text: &str) -> Result<PortText, E> {
+                Ok(PortText(text.to_owned()))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+impl TryFrom<EgressText> for EgressConfig {
+    type Error = String;
+
+    fn try_from(text: EgressText) -> Result<Self, String> {
+        let allowed_destinations = text
+            .allowed_destinations
+            .iter()
+            .enumerate()
+            .map(|(i, entry)| {
+                parse_range(entry.trim())
+                    .map_err(|problem| format!("egress.allowedDestinations[{i}] {problem}"))
+            })
+            .collect::<Result<_, _>>()?;
+        let allowed_ports = text
+            .allowed_ports
+            .iter()
+            .enumerate()
+            .map(|(i, PortText(entry))| {
+                PortRange::parse(entry)
+                    .map_err(|problem| format!("egress.allowedPorts[{i}] {problem}"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(EgressConfig {
+            allowed_destinations,
+            allowed_ports,
+        })
+    }
 }
 
 /// One named provider.
@@ -531,6 +617,91 @@ mod tests {
             "providers:\n- name: local\n  type: kubernetes\n  kubernetes:\n    pod_security: restricted\n",
         );
         assert!(msg.contains("pod_security"), "{msg}");
+    }
+
+    #[test]
+    fn egress_defaults_to_opening_nothing() {
+        let config = parse("providers: []\n").unwrap();
+        assert_eq!(config.egress, EgressConfig::default());
+        assert!(config.egress.allowed_destinations.is_empty());
+        assert!(config.egress.allowed_ports.is_empty());
+        let config = parse("egress: {}\nproviders: []\n").unwrap();
+        assert_eq!(config.egress, EgressConfig::default());
+    }
+
+    #[test]
+    fn egress_ranges_and_ports_are_read() {
+        let config = parse(
+            "egress:\n  allowedDestinations: [10.20.0.0/16, 127.0.0.1, \"fd00::/8\", ::1]\n  \
+             allowedPorts: [8080, \"8000-8100\", 1024-65535, \"9000\"]\n\
+             providers:\n- {name: local, type: kubernetes, kubernetes: {}}\n",
+        )
+        .unwrap();
+        let ranges: Vec<String> = config
+            .egress
+            .allowed_destinations
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            ranges,
+            ["10.20.0.0/16", "127.0.0.1/32", "fd00::/8", "::1/128"]
+        );
+        let ports: Vec<String> = config
+            .egress
+            .allowed_ports
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(ports, ["8080", "8000-8100", "1024-65535", "9000"]);
+        assert_eq!(config.providers.len(), 1);
+    }
+
+    #[test]
+    fn a_bad_egress_entry_is_refused_naming_the_file_and_the_entry() {
+        for (egress, wanted) in [
+            (
+                "allowedDestinations: [127.0.0.1, 10.0.0.1/8]",
+                "egress.allowedDestinations[1] \"10.0.0.1/8\" has host bits set: the range is 10.0.0.0/8",
+            ),
+            (
+                "allowedDestinations: [localhost]",
+                "egress.allowedDestinations[0] \"localhost\" is neither an IP address nor a CIDR range",
+            ),
+            (
+                "allowedDestinations: [10.0.0.0/33]",
+                "egress.allowedDestinations[0] \"10.0.0.0/33\"",
+            ),
+            (
+                "allowedPorts: [80, 0]",
+                "egress.allowedPorts[1] \"0\" includes port 0",
+            ),
+            (
+                "allowedPorts: [70000]",
+                "egress.allowedPorts[0] \"70000\" is neither a port",
+            ),
+            (
+                "allowedPorts: [-1]",
+                "egress.allowedPorts[0] \"-1\" is neither a port",
+            ),
+            (
+                "allowedPorts: [\"9000-8000\"]",
+                "egress.allowedPorts[0] \"9000-8000\" ends before it starts",
+            ),
+            ("allowedPorts: [[80]]", "egress.allowedPorts: a port"),
+            ("allowedPorts: [80.5]", "egress.allowedPorts: a port"),
+            ("allowedDestination: [127.0.0.1]", "allowedDestination"),
+        ] {
+            let text = format!("egress:\n  {egress}\nproviders: []\n");
+            let err = parse(&text).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{egress}: {err}");
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with("providers config /etc/proxy-operator/providers.yaml: "),
+                "{msg}"
+            );
+            assert!(msg.contains(wanted), "{egress}: {msg}");
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use google_cloud_gax::retry_policy::NeverRetry;
 
 use super::config::GcpConfig;
 use super::error::BoxError;
-use super::squid_conf::squid_cloud_init;
+use super::squid_conf::{SquidEgress, squid_cloud_init};
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider, ProviderError,
     machine_labels, op,
@@ -56,6 +56,7 @@ pub struct GcpProvider {
     config: GcpConfig,
     install_id: String,
     client: Instances,
+    egress: SquidEgress,
 }
 
 impl GcpProvider {
@@ -75,7 +76,9 @@ impl GcpProvider {
         Ok(Self::new(name, config, install_id, client))
     }
 
-    /// A provider over an already built client (another endpoint, other credentials).
+    /// A provider over an already built client (another endpoint, other credentials), whose
+    /// squids reach what [`SquidEgress::default`] allows until [`GcpProvider::with_egress`]
+    /// says otherwise.
     pub fn new(
         name: impl Into<String>,
         config: &GcpConfig,
@@ -87,7 +90,14 @@ impl GcpProvider {
             config: config.clone(),
             install_id: install_id.into(),
             client,
+            egress: SquidEgress::default(),
         }
+    }
+
+    /// The provider whose default cloud-init's squid reaches what `egress` allows (a Proxy's
+    /// own cloud-init runs its own squid configuration).
+    pub fn with_egress(self, egress: SquidEgress) -> Self {
+        GcpProvider { egress, ..self }
     }
 
     fn error(
@@ -189,14 +199,15 @@ fn qualify(prefix: &str, name: &str) -> String {
 
 /// The insert request for `request`: the machine type, boot image and disk size from the
 /// placement or the config defaults, one network interface with an external NAT address,
-/// cloud-init as `user-data` metadata (a squid install on the Proxy's port when the Proxy names
-/// none), the managed labels in GCP form, the [`NETWORK_TAG`] plus the placement's tags, and a
+/// cloud-init as `user-data` metadata (a squid install on the Proxy's port, relaying where
+/// `egress` allows, when the Proxy names none), the managed labels in GCP form, the [`NETWORK_TAG`] plus the placement's tags, and a
 /// service account when one is configured.
 pub fn insert_request(
     project: &str,
     config: &GcpConfig,
     request: &CreateRequest,
     install_id: &str,
+    egress: &SquidEgress,
 ) -> Result<instances::InsertRequest, InsertError> {
     let zone = zone_of(config, request).ok_or(InsertError::NoZone)?;
     let placement = request.placement.clone().unwrap_or_default();
@@ -254,7 +265,7 @@ pub fn insert_request(
     let user_data = request
         .cloud_init
         .clone()
-        .unwrap_or_else(|| squid_cloud_init(request.port, htpasswd));
+        .unwrap_or_else(|| squid_cloud_init(request.port, htpasswd, egress));
     let mut metadata = vec![
         metadata::Items::new()
             .set_key(USER_DATA_KEY)
@@ -460,6 +471,7 @@ impl Provider for GcpProvider {
             &self.config,
             request,
             &self.install_id,
+            &self.egress,
         )
         .map_err(|e| self.permanent(op::CREATE, &request.machine_name, e))?;
         let id = provider_id(&insert.zone, &request.machine_name);
@@ -619,7 +631,14 @@ mod tests {
 
     #[test]
     fn insert_request_with_defaults_field_by_field() {
-        let insert = insert_request("my-project", &config(), &request(), "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config(),
+            &request(),
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         assert_eq!(insert.project, "my-project");
         assert_eq!(insert.zone, "europe-west1-b");
         let vm = body(&insert);
@@ -692,7 +711,8 @@ mod tests {
             tags: vec!["egress".to_owned(), "proxy-operator".to_owned()],
             service_account: Some("proxy@my-project.iam.gserviceaccount.com".to_owned()),
         });
-        let insert = insert_request("my-project", &config, &req, "prod").unwrap();
+        let insert =
+            insert_request("my-project", &config, &req, "prod", &SquidEgress::default()).unwrap();
         assert_eq!(insert.zone, "us-central1-a");
         let vm = body(&insert);
         assert_eq!(
@@ -731,7 +751,14 @@ mod tests {
         config.default_image =
             Some("projects/debian-cloud/global/images/family/debian-12".to_owned());
         config.service_account = Some("config-sa@my-project.iam.gserviceaccount.com".to_owned());
-        let insert = insert_request("my-project", &config, &request(), "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config,
+            &request(),
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         let vm = body(&insert);
         assert_eq!(
             vm.machine_type.as_deref(),
@@ -762,7 +789,14 @@ mod tests {
             subnetwork: Some("projects/shared/regions/europe-west1/subnetworks/s".to_owned()),
             ..Placement::default()
         });
-        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config(),
+            &req,
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         let vm = body(&insert);
         assert_eq!(vm.machine_type.as_deref(), Some(machine_type));
         let nic = &vm.network_interfaces[0];
@@ -781,12 +815,33 @@ mod tests {
         let mut req = request();
         req.cloud_init = None;
         req.port = 8080;
-        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config(),
+            &req,
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         assert_eq!(
             metadata_value(body(&insert), USER_DATA_KEY),
-            Some(squid_cloud_init(8080, None).as_str())
+            Some(squid_cloud_init(8080, None, &SquidEgress::default()).as_str())
         );
         assert_eq!(metadata_value(body(&insert), HTPASSWD_METADATA_KEY), None);
+
+        // Its squid relays where the provider's egress allows.
+        let opened = SquidEgress {
+            destinations: vec!["10.20.0.0/16".parse().unwrap()],
+            ..SquidEgress::default()
+        };
+        let insert = insert_request("my-project", &config(), &req, "prod", &opened).unwrap();
+        let user_data = metadata_value(body(&insert), USER_DATA_KEY).unwrap();
+        assert_eq!(user_data, squid_cloud_init(8080, None, &opened));
+        assert!(
+            user_data.contains("      # Opened: 10.20.0.0/16\n")
+                && !user_data.contains(" 10.0.0.0/8"),
+            "{user_data}"
+        );
 
         // Generated credentials: the default cloud-init checks them, and a Proxy's own
         // cloud-init finds the password-file line in the metadata.
@@ -794,17 +849,34 @@ mod tests {
             secret_name: "proxy-x-credentials".into(),
             htpasswd: "proxy-operator:$6$s$h".into(),
         });
-        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config(),
+            &req,
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         assert_eq!(
             metadata_value(body(&insert), USER_DATA_KEY),
-            Some(squid_cloud_init(8080, Some("proxy-operator:$6$s$h")).as_str())
+            Some(
+                squid_cloud_init(8080, Some("proxy-operator:$6$s$h"), &SquidEgress::default())
+                    .as_str()
+            )
         );
         assert_eq!(
             metadata_value(body(&insert), HTPASSWD_METADATA_KEY),
             Some("proxy-operator:$6$s$h")
         );
         req.cloud_init = Some("#cloud-config\n".into());
-        let insert = insert_request("my-project", &config(), &req, "prod").unwrap();
+        let insert = insert_request(
+            "my-project",
+            &config(),
+            &req,
+            "prod",
+            &SquidEgress::default(),
+        )
+        .unwrap();
         assert_eq!(
             metadata_value(body(&insert), HTPASSWD_METADATA_KEY),
             Some("proxy-operator:$6$s$h")
@@ -816,12 +888,13 @@ mod tests {
         let mut config = config();
         config.default_zone = None;
         assert!(matches!(
-            insert_request("p", &config, &request(), "prod"),
+            insert_request("p", &config, &request(), "prod", &SquidEgress::default()),
             Err(InsertError::NoZone)
         ));
         let mut req = request();
         req.labels.insert("geo".to_owned(), "EU".to_owned());
-        let err = insert_request("p", &self::config(), &req, "prod").unwrap_err();
+        let err = insert_request("p", &self::config(), &req, "prod", &SquidEgress::default())
+            .unwrap_err();
         assert!(
             matches!(&err, InsertError::InvalidLabel { key, value } if key == "geo" && value == "EU"),
             "{err}"
@@ -833,7 +906,7 @@ mod tests {
         let mut req = request();
         req.labels
             .insert(INSTALL_LABEL.to_owned(), "someone-else".to_owned());
-        let insert = insert_request("p", &config(), &req, "prod").unwrap();
+        let insert = insert_request("p", &config(), &req, "prod", &SquidEgress::default()).unwrap();
         assert_eq!(body(&insert).labels["crawl-example-com_install"], "prod");
     }
 

@@ -20,8 +20,8 @@ use super::config::{KubernetesConfig, PodSecurity};
 use super::kube_refusal::{ApiFailure, classify};
 use super::pod_status::instance_from_pod;
 use super::squid_conf::{
-    POD_RUN_DIR, SQUID_CONFIG_ENV, SQUID_PASSWD_ENV, pod_launch_script, pod_squid_config,
-    pod_squid_config_unprivileged,
+    POD_RUN_DIR, SQUID_CONFIG_ENV, SQUID_PASSWD_ENV, SquidEgress, pod_launch_script,
+    pod_squid_config, pod_squid_config_unprivileged,
 };
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
@@ -48,11 +48,13 @@ pub struct KubernetesProvider {
     image: String,
     pod_security: PodSecurity,
     install_id: String,
+    egress: SquidEgress,
 }
 
 impl KubernetesProvider {
     /// A provider named `name` creating Pods from `config` with `client` (in-cluster or from a
-    /// kubeconfig; the caller decides).
+    /// kubeconfig; the caller decides), whose squids reach what [`SquidEgress::default`] allows
+    /// until [`KubernetesProvider::with_egress`] says otherwise.
     pub fn new(
         name: impl Into<String>,
         config: &KubernetesConfig,
@@ -65,7 +67,13 @@ impl KubernetesProvider {
             image: config.image.clone(),
             pod_security: config.pod_security,
             install_id: install_id.into(),
+            egress: SquidEgress::default(),
         }
+    }
+
+    /// The provider whose squids reach what `egress` allows.
+    pub fn with_egress(self, egress: SquidEgress) -> Self {
+        KubernetesProvider { egress, ..self }
     }
 
     fn error(&self, op: &'static str, id: &str, err: kube::Error) -> ProviderError {
@@ -81,9 +89,16 @@ impl KubernetesProvider {
     }
 }
 
-/// The Pod for `request` at the default level, [`PodSecurity::Baseline`]: see [`build_pod_with`].
+/// The Pod for `request` at the default level, [`PodSecurity::Baseline`], whose squid reaches
+/// what [`SquidEgress::default`] allows: see [`build_pod_with`].
 pub fn build_pod(request: &CreateRequest, default_image: &str, install_id: &str) -> Pod {
-    build_pod_with(request, default_image, install_id, PodSecurity::Baseline)
+    build_pod_with(
+        request,
+        default_image,
+        install_id,
+        PodSecurity::Baseline,
+        &SquidEgress::default(),
+    )
 }
 
 /// Why a squid Pod at `pod_security` cannot serve a proxy on `port`, if it cannot: a
@@ -102,7 +117,7 @@ pub fn port_problem(pod_security: PodSecurity, port: i32) -> Option<String> {
 
 /// The Pod for `request`: squid from `request.placement.image` or `default_image`, listening on
 /// `request.port`, labelled with the request's labels plus [`machine_labels`], built to pass the
-/// Pod Security Standards level `pod_security`.
+/// Pod Security Standards level `pod_security`, relaying only where `egress` allows.
 ///
 /// - [`PodSecurity::Baseline`]: no securityContext; squid starts as the image's user (root in
 ///   `ubuntu/squid`) and drops to `proxy` itself.
@@ -117,6 +132,7 @@ pub fn build_pod_with(
     default_image: &str,
     install_id: &str,
     pod_security: PodSecurity,
+    egress: &SquidEgress,
 ) -> Pod {
     let image = request
         .placement
@@ -133,9 +149,9 @@ pub fn build_pod_with(
     let restricted = pod_security == PodSecurity::Restricted;
     let authenticated = request.credentials.is_some();
     let squid_config = if restricted {
-        pod_squid_config_unprivileged(request.port, POD_RUN_DIR, authenticated)
+        pod_squid_config_unprivileged(request.port, POD_RUN_DIR, authenticated, egress)
     } else {
-        pod_squid_config(request.port, POD_RUN_DIR, authenticated)
+        pod_squid_config(request.port, POD_RUN_DIR, authenticated, egress)
     };
     let mut env = vec![EnvVar {
         name: SQUID_CONFIG_ENV.to_owned(),
@@ -299,7 +315,13 @@ impl Provider for KubernetesProvider {
                 problem,
             ));
         }
-        let pod = build_pod_with(request, &self.image, &self.install_id, self.pod_security);
+        let pod = build_pod_with(
+            request,
+            &self.image,
+            &self.install_id,
+            self.pod_security,
+            &self.egress,
+        );
         let pods = self.pods(&request.namespace);
         match pods.create(&PostParams::default(), &pod).await {
             Ok(created) => Ok(instance_from_pod(&created)),
@@ -382,6 +404,7 @@ impl Provider for KubernetesProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::squid_conf::PortRange;
     use crate::resources::proxy::{PROXY_UID_LABEL, Placement};
 
     const UID: &str = "0f8c7e4a-3b1d-4c2e-9a55-6d7e8f901234";
@@ -441,7 +464,10 @@ mod tests {
         let pod = build_pod(&request(), "ubuntu/squid", "prod");
         let c = container(&pod);
         assert_eq!(c.image.as_deref(), Some("ubuntu/squid"));
-        assert_launches_squid_with(c, &pod_squid_config(3129, POD_RUN_DIR, false));
+        assert_launches_squid_with(
+            c,
+            &pod_squid_config(3129, POD_RUN_DIR, false, &SquidEgress::default()),
+        );
     }
 
     /// The container runs the launch script with exactly `config` in its one env var.
@@ -492,7 +518,13 @@ mod tests {
     }
 
     fn restricted_pod() -> Pod {
-        build_pod_with(&request(), "ubuntu/squid", "prod", PodSecurity::Restricted)
+        build_pod_with(
+            &request(),
+            "ubuntu/squid",
+            "prod",
+            PodSecurity::Restricted,
+            &SquidEgress::default(),
+        )
     }
 
     #[test]
@@ -500,7 +532,13 @@ mod tests {
         let pod = build_pod(&request(), "ubuntu/squid", "prod");
         assert_eq!(
             pod,
-            build_pod_with(&request(), "ubuntu/squid", "prod", PodSecurity::Baseline)
+            build_pod_with(
+                &request(),
+                "ubuntu/squid",
+                "prod",
+                PodSecurity::Baseline,
+                &SquidEgress::default(),
+            )
         );
         // squid starts as the image's user and drops to `proxy` itself: nothing is set.
         let json = serde_json::to_value(&pod).unwrap();
@@ -511,7 +549,7 @@ mod tests {
         assert!(container.get("volumeMounts").is_none(), "{json}");
         assert_eq!(
             container["env"][0]["value"],
-            pod_squid_config(3129, POD_RUN_DIR, false)
+            pod_squid_config(3129, POD_RUN_DIR, false, &SquidEgress::default())
         );
     }
 
@@ -571,7 +609,10 @@ mod tests {
         assert_eq!(mounts[0].mount_path, POD_RUN_DIR);
         assert_eq!(mounts[0].read_only, None);
         // The same launch script; a config with nothing to write outside the run dir.
-        assert_launches_squid_with(c, &pod_squid_config_unprivileged(3129, POD_RUN_DIR, false));
+        assert_launches_squid_with(
+            c,
+            &pod_squid_config_unprivileged(3129, POD_RUN_DIR, false, &SquidEgress::default()),
+        );
     }
 
     #[test]
@@ -650,6 +691,33 @@ mod tests {
         req.port = 3128;
         let err = provider.create(&req).await.unwrap_err();
         assert_ne!(err.class, ErrorClass::Permanent, "{err}");
+    }
+
+    #[test]
+    fn the_squid_of_every_level_relays_only_where_the_egress_allows() {
+        let opened = SquidEgress {
+            destinations: vec!["10.20.0.0/16".parse().unwrap()],
+            ports: vec![PortRange::parse("8000-8100").unwrap()],
+        };
+        for (level, config) in [
+            (
+                PodSecurity::Baseline,
+                pod_squid_config(3129, POD_RUN_DIR, false, &opened),
+            ),
+            (
+                PodSecurity::Restricted,
+                pod_squid_config_unprivileged(3129, POD_RUN_DIR, false, &opened),
+            ),
+        ] {
+            let pod = build_pod_with(&request(), "ubuntu/squid", "prod", level, &opened);
+            assert_launches_squid_with(container(&pod), &config);
+            assert!(
+                config.contains("\n# Opened: 10.20.0.0/16\n")
+                    && !config.contains(" 10.0.0.0/8")
+                    && config.contains("\nacl Safe_ports port 8000-8100\n"),
+                "{level}: {config}"
+            );
+        }
     }
 
     #[test]

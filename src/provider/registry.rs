@@ -14,6 +14,7 @@ use super::config::{ProviderEntry, ProviderType, ProvidersConfig};
 use super::error::BoxError;
 use super::kubernetes::KubernetesProvider;
 use super::metered::{MeteredProvider, ProviderMetrics};
+use super::squid_conf::SquidEgress;
 
 /// What a constructor returns.
 pub type ConstructorFuture =
@@ -51,25 +52,33 @@ impl Constructors {
     }
 
     /// The constructors of a running operator: squid Pods through `client`, and (with the
-    /// `gcp` feature) Compute Engine VMs with Application Default Credentials.
-    pub fn standard(client: kube::Client) -> Self {
+    /// `gcp` feature) Compute Engine VMs with Application Default Credentials; every squid they
+    /// generate reaches what `egress` allows.
+    pub fn standard(client: kube::Client, egress: SquidEgress) -> Self {
+        let pods_egress = egress.clone();
         let constructors = Self::new().with(ProviderType::Kubernetes, move |entry, install_id| {
             let client = client.clone();
+            let egress = pods_egress.clone();
             async move {
                 let config = entry
                     .kubernetes
                     .as_ref()
                     .ok_or("the entry has no `kubernetes:` block")?;
-                let provider = KubernetesProvider::new(&entry.name, config, install_id, client);
+                let provider = KubernetesProvider::new(&entry.name, config, install_id, client)
+                    .with_egress(egress);
                 Ok(Arc::new(provider) as Arc<dyn Provider>)
             }
         });
         #[cfg(feature = "gcp")]
-        let constructors = constructors.with(ProviderType::Gcp, |entry, install_id| async move {
-            let config = entry.gcp.as_ref().ok_or("the entry has no `gcp:` block")?;
-            let provider =
-                super::gcp::GcpProvider::connect(&entry.name, config, install_id).await?;
-            Ok(Arc::new(provider) as Arc<dyn Provider>)
+        let constructors = constructors.with(ProviderType::Gcp, move |entry, install_id| {
+            let egress = egress.clone();
+            async move {
+                let config = entry.gcp.as_ref().ok_or("the entry has no `gcp:` block")?;
+                let provider = super::gcp::GcpProvider::connect(&entry.name, config, install_id)
+                    .await?
+                    .with_egress(egress);
+                Ok(Arc::new(provider) as Arc<dyn Provider>)
+            }
         });
         constructors
     }

@@ -69,22 +69,29 @@ fn replace_file(path: &Path, content: &str) {
 /// A fleet of four squids: `gw-0`, `gw-1` labelled `team: a`, `gw-2`, `gw-3` `team: b`; the
 /// binary reads `tenants` (written in `dir`) and re-reads it every 200 ms.
 async fn fleet_of_two_teams(dir: &Path, tenants: &str) -> (GatewayFleet, PathBuf) {
+    fleet_of_two_teams_with(dir, tenants, &[]).await
+}
+
+/// [`fleet_of_two_teams`] with `extra_args` for the binary.
+async fn fleet_of_two_teams_with(
+    dir: &Path,
+    tenants: &str,
+    extra_args: &[&str],
+) -> (GatewayFleet, PathBuf) {
     let file = dir.join("tenants.yaml");
     std::fs::write(&file, tenants).unwrap();
     let file_arg = file.to_str().unwrap().to_owned();
     let team = |i: usize| vec![("team".to_owned(), if i < 2 { "a" } else { "b" }.to_owned())];
-    let fleet = GatewayFleet::start_labelled(
-        dir,
-        4,
-        team,
-        &[
-            "--tenants-file",
-            &file_arg,
-            "--discovery-token-poll",
-            "200ms",
-        ],
-    )
-    .await;
+    let args: Vec<&str> = [
+        "--tenants-file",
+        &file_arg,
+        "--discovery-token-poll",
+        "200ms",
+    ]
+    .into_iter()
+    .chain(extra_args.iter().copied())
+    .collect();
+    let fleet = GatewayFleet::start_labelled(dir, 4, team, &args).await;
     (fleet, file)
 }
 
@@ -874,4 +881,82 @@ async fn a_proxy_that_left_a_tenants_scope_takes_no_renewal_and_no_more_of_its_r
     // The gateway no longer sends the session's requests through its old proxy.
     let (status, proxy) = through_gateway(&fleet, "crawler;session=s1", TEAM_A).await;
     assert_eq!((status, proxy), (503, None));
+}
+
+/// `--gateway-max-tenant-connections`: a tenant of the file holds at most that many gateway
+/// connections; the next is refused with `503 too_many_connections` and closed, other tenants
+/// and the default tenant's tokens go on, and a closed connection makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_holds_at_most_its_cap_of_gateway_connections() {
+    use support::raw::{closed_within, proxy_authorization, read_answer, send};
+    use tokio::net::TcpStream;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, _) = fleet_of_two_teams_with(
+        dir.path(),
+        &two_teams(&[TEAM_A]),
+        &["--gateway-max-tenant-connections", "1"],
+    )
+    .await;
+    let gateway = fleet.operator.gateway().to_owned();
+    let url = fleet.site.http("/page/1");
+    let request = |token: &str| {
+        format!(
+            "GET {url} HTTP/1.1\r\nHost: x\r\n{}\r\n",
+            proxy_authorization("c", token)
+        )
+    };
+    let open = async |token: &str| {
+        let mut stream = TcpStream::connect(&gateway).await.unwrap();
+        send(&mut stream, &request(token)).await;
+        let answer = read_answer(&mut stream, DEADLINE).await;
+        (stream, answer)
+    };
+    let (first, answer) = open(TEAM_A).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let (mut second, refused) = open(TEAM_A).await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.json()["error"], "too_many_connections");
+    assert!(
+        refused.json()["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("team-a") && m.contains("--gateway-max-tenant-connections")),
+        "{}",
+        refused.body
+    );
+    assert!(
+        closed_within(&mut second, DEADLINE).await,
+        "the refused connection stays open"
+    );
+    // Another tenant, and the operators' tokens, are not held to team-a's cap.
+    let (_b, answer) = open(TEAM_B).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let (_default_1, answer) = open(TOKEN).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let (_default_2, answer) = open(TOKEN).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let metrics = reqwest::get(fleet.operator.metrics_url())
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        support::operator::metric_sum(
+            &metrics,
+            "proxy_operator_gateway_connections_refused_total",
+            &["reason=\"tenant_limit\""],
+        ),
+        1.0
+    );
+    // The first connection closes: team-a has room again.
+    drop(first);
+    let start = Instant::now();
+    while open(TEAM_A).await.1.status != 200 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "team-a has no room after a close"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -13,6 +13,9 @@ use super::site::Site;
 use super::squid::{Squid, SquidOptions};
 use super::standalone::{ExternalProxy, Standalone};
 
+/// What the fleet's gateway opens: loopback, where the site and the squids are.
+pub const LOOPBACK: &str = "127.0.0.0/8";
+
 /// The API token of every fleet.
 pub const TOKEN: &str = "gateway-token-0123456789";
 
@@ -41,6 +44,23 @@ impl GatewayFleet {
         dir: &Path,
         count: usize,
         labels: impl Fn(usize) -> Vec<(String, String)>,
+        extra_args: &[&str],
+    ) -> GatewayFleet {
+        GatewayFleet::launch(dir, count, labels, Some(LOOPBACK), extra_args).await
+    }
+
+    /// [`GatewayFleet::start`] with no destination opened, as an install starts by default:
+    /// the gateway refuses the site, on loopback (the proxies' probes reach it: they do not
+    /// go through the gateway).
+    pub async fn start_closed(dir: &Path, count: usize, extra_args: &[&str]) -> GatewayFleet {
+        GatewayFleet::launch(dir, count, |_| Vec::new(), None, extra_args).await
+    }
+
+    async fn launch(
+        dir: &Path,
+        count: usize,
+        labels: impl Fn(usize) -> Vec<(String, String)>,
+        destinations: Option<&str>,
         extra_args: &[&str],
     ) -> GatewayFleet {
         let site = Site::start();
@@ -76,15 +96,21 @@ impl GatewayFleet {
         let ca = dir.join("site-ca.pem");
         std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
         let ports = format!("{},{}", site.http_port(), site.https_port());
+        // The squids and the site are on loopback, which the gateway opens only when told.
+        let opened = destinations
+            .map(|ranges| ["--gateway-allowed-destinations", ranges])
+            .into_iter()
+            .flatten();
         let args: Vec<String> = [
             "--gateway-allowed-ports",
             &ports,
             "--inventory-poll",
             "200ms",
         ]
-        .iter()
-        .chain(extra_args)
-        .map(|a| (*a).to_owned())
+        .into_iter()
+        .chain(opened)
+        .chain(extra_args.iter().copied())
+        .map(str::to_owned)
         .collect();
         let operator = start(dir, &proxies, &args).await;
         GatewayFleet {

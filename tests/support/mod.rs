@@ -22,6 +22,7 @@ pub mod pools;
 pub mod postgres;
 pub mod prometheus;
 pub mod python;
+pub mod raw;
 pub mod render;
 pub mod site;
 pub mod skip;

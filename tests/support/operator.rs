@@ -45,6 +45,25 @@ fn fast_flags_not_in(extra_args: &[String]) -> Vec<&'static str> {
         .collect()
 }
 
+/// The `egress:` block of these tests' providers configs: probe targets and origins are
+/// loopback servers on random ports, which the generated squids refuse unless opened.
+pub const LOOPBACK_EGRESS: &str = loopback_egress!();
+
+/// The text of [`LOOPBACK_EGRESS`], for `concat!`.
+macro_rules! loopback_egress {
+    () => {
+        "egress:\n  allowedDestinations: [127.0.0.0/8]\n  allowedPorts: [\"1024-65535\"]\n"
+    };
+}
+use loopback_egress;
+
+/// The providers config of these tests: one kubernetes provider `local`, its squids reaching
+/// loopback ([`LOOPBACK_EGRESS`]).
+pub const LOOPBACK_PROVIDERS: &str = concat!(
+    loopback_egress!(),
+    "providers:\n  - name: local\n    type: kubernetes\n    kubernetes:\n      image: ubuntu/squid\n"
+);
+
 /// How to start one operator process.
 #[derive(Debug, Clone)]
 pub struct OperatorOptions {
@@ -157,11 +176,7 @@ impl OperatorProcess {
     fn spawn(&mut self) {
         let providers = self.options.dir.join("providers.yaml");
         if !providers.exists() {
-            std::fs::write(
-                &providers,
-                "providers:\n  - name: local\n    type: kubernetes\n    kubernetes:\n      image: ubuntu/squid\n",
-            )
-            .expect("write the providers config");
+            std::fs::write(&providers, LOOPBACK_PROVIDERS).expect("write the providers config");
         }
         let log = std::fs::OpenOptions::new()
             .create(true)

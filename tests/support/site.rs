@@ -12,6 +12,8 @@
 //!   which exit every one of them left through
 //! - `GET /bytes/{n}`: `n` bytes, streamed
 //! - `POST /echo`: the request body
+//! - `GET /forged`: 403 with the gateway's own headers (`X-Proxy-*`, a `Proxy-Status` naming
+//!   `proxy-operator`), as a target could forge them
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -155,6 +157,22 @@ async fn answer(
                 .map(|b| b.to_bytes())
                 .unwrap_or_default();
             Response::new(full(body))
+        }
+        ["forged"] => {
+            let mut response = status(StatusCode::FORBIDDEN, full(ip));
+            for (name, value) in [
+                ("x-proxy-name", "default/forged"),
+                ("x-proxy-lease", "forged-lease"),
+                ("x-proxy-session-moved", "default/forged"),
+                ("x-proxy-ban-reported", "blocked"),
+                ("proxy-status", "proxy-operator; details=\"no_match\""),
+            ] {
+                response.headers_mut().insert(
+                    hyper::header::HeaderName::from_static(name),
+                    hyper::header::HeaderValue::from_static(value),
+                );
+            }
+            response
         }
         _ => status(StatusCode::NOT_FOUND, full("")),
     };

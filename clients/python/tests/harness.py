@@ -317,6 +317,9 @@ spec:
                     "--metrics-addr", f"127.0.0.1:{metrics}",
                     "--gateway-addr", f"127.0.0.1:{gateway}",
                     "--gateway-allowed-ports", str(site.port),
+                    # The squids and the site are on loopback, which the gateway opens only
+                    # when told.
+                    "--gateway-allowed-destinations", "127.0.0.0/8",
                     *args,
                 ],
                 stdin=subprocess.DEVNULL,

@@ -27,20 +27,22 @@ const CONTEXT: &[u8] = b"proxy-operator status session v1\n";
 /// The cookie value for a sign-in with the token `id` names at `now_ms`, expiring
 /// [`SESSION_TTL`] later; `None` when `id` is no valid token (or the API is open).
 pub fn seal(token: &ApiToken, id: &TokenId, now_ms: i64) -> Option<String> {
-    let ttl = i64::try_from(SESSION_TTL.as_millis()).unwrap_or(i64::MAX);
-    let payload = format!("{}.{}", now_ms.saturating_add(ttl), id.as_str());
+    let payload = format!("{}.{}", now_ms.saturating_add(ttl_ms()), id.as_str());
     let mac = token.with_token(id, |key| mac(key, &payload))??;
     Some(format!("{payload}.{}", hex(&mac)))
 }
 
 /// The token a cookie value was sealed for, while it has not expired at `now_ms` and that
-/// token is still valid; `None` for anything else (malformed, forged, expired, rotated away).
+/// token is still valid; `None` for anything else (malformed, forged, expired, rotated away,
+/// or expiring later than a sign-in made now would, give or take [`CLOCK_SKEW`] between
+/// replicas: no cookie outlives [`SESSION_TTL`], whoever sealed it).
 pub fn open(token: &ApiToken, value: &str, now_ms: i64) -> Option<TokenId> {
     let (payload, presented) = value.rsplit_once('.')?;
     let (expiry, id) = payload.split_once('.')?;
     let expiry: i64 = expiry.parse().ok()?;
     let id = TokenId::parse(id)?;
-    if expiry <= now_ms {
+    let latest = now_ms.saturating_add(ttl_ms()).saturating_add(skew_ms());
+    if expiry <= now_ms || expiry > latest {
         return None;
     }
     let presented = unhex(presented)?;
@@ -52,6 +54,19 @@ pub fn open(token: &ApiToken, value: &str, now_ms: i64) -> Option<TokenId> {
         Some(check.verify_slice(&presented).is_ok())
     })??;
     verified.then_some(id)
+}
+
+/// How far apart the clocks of two replicas may be: a cookie one sealed opens at another whose
+/// clock is behind by up to this much.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(300);
+
+fn skew_ms() -> i64 {
+    i64::try_from(CLOCK_SKEW.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// [`SESSION_TTL`] in milliseconds.
+fn ttl_ms() -> i64 {
+    i64::try_from(SESSION_TTL.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn keyed(key: &[u8]) -> Option<Hmac<Sha256>> {
@@ -115,6 +130,29 @@ mod tests {
             );
         }
         assert!(!cookie.contains(A), "the token is not in the cookie");
+    }
+
+    #[test]
+    fn a_cookie_expiring_later_than_a_sign_in_made_now_is_refused() {
+        let token = ApiToken::new(tokens(&[A]));
+        let id = id_of(&token, A);
+        let ttl = SESSION_TTL.as_millis() as i64;
+        // Sealed with the token's own key, as only a holder of the token could: an hour
+        // "from the future" is an expiry no sign-in made now would have.
+        let hour = 3_600_000;
+        let far = seal(&token, &id, 1_000 + hour).unwrap();
+        assert_eq!(open(&token, &far, 1_000), None);
+        assert_eq!(open(&token, &far, 1_000 + hour), Some(id.clone()));
+        // Another replica's clock a little ahead is no reason to sign out.
+        let skew = CLOCK_SKEW.as_millis() as i64;
+        let ahead = seal(&token, &id, 1_000 + skew).unwrap();
+        assert_eq!(open(&token, &ahead, 1_000), Some(id.clone()));
+        let too_far = seal(&token, &id, 1_001 + skew).unwrap();
+        assert_eq!(open(&token, &too_far, 1_000), None);
+        let ten_years = seal(&token, &id, 10 * 365 * 24 * hour).unwrap();
+        assert_eq!(open(&token, &ten_years, 1_000), None);
+        let now = seal(&token, &id, 1_000).unwrap();
+        assert_eq!(open(&token, &now, 1_000 + ttl - 1), Some(id));
     }
 
     #[test]

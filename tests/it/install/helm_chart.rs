@@ -426,6 +426,8 @@ fn image_extra_args_and_ledger_size_take_effect() {
             r#"extraArgs=["--watch-namespace","crawlers","--health-workers","16"]"#,
             "--set",
             "ledger.size=4Gi,logLevel=debug,installId=eu",
+            "--set-json",
+            r#"gateway.allowedDestinations=["10.20.0.0/16","127.0.0.1"]"#,
         ],
     ) else {
         return;
@@ -439,6 +441,10 @@ fn image_extra_args_and_ledger_size_take_effect() {
     assert_eq!(run.watch_namespace.as_deref(), Some("crawlers"));
     assert_eq!(run.common.health_workers, 16);
     assert_eq!(run.install_id, "eu");
+    assert_eq!(
+        run.common.gateway.gateway_allowed_destinations,
+        proxy_operator::egress::AllowedRanges::parse("10.20.0.0/16,127.0.0.1").unwrap()
+    );
     // Half the volume, as with the default 1Gi and 512MiB.
     assert_eq!(run.common.ledger_max_size, 2 << 30);
     let pvc = find(&objects, "PersistentVolumeClaim", "proxy-operator-ledger");

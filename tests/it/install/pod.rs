@@ -19,6 +19,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::support::operator::{LOOPBACK_EGRESS, LOOPBACK_PROVIDERS};
 use crate::support::pod::{PodHost, RunningPod, exited_cleanly};
 use crate::support::render::{Manifests, repo, run, tool};
 use crate::support::world::within;
@@ -54,7 +55,8 @@ struct Install {
     how: How,
     /// The API's tokens, one a line in the token Secret.
     tokens: Vec<String>,
-    _dir: tempfile::TempDir,
+    /// The install's own files (kubeconfig, Helm's providers config).
+    dir: tempfile::TempDir,
 }
 
 /// Which of the installs of docs/install.md.
@@ -66,9 +68,21 @@ enum How {
 }
 
 impl Install {
-    /// The kind install's steps 2 and 3: the token file, then `kubectl apply --server-side -k`.
+    /// The kind install's steps 2 and 3: the token file, then `kubectl apply --server-side -k`;
+    /// its providers config opening loopback to the squids (the probe target is on loopback).
     fn kustomize(plane: &'static ControlPlane) -> Option<Install> {
-        Install::kustomize_edited(plane, |_| {})
+        Install::kustomize_edited(plane, |dir| {
+            let path = dir.join("configmap.yaml");
+            let text = std::fs::read_to_string(&path).expect("read configmap.yaml");
+            let key = "  providers.yaml: |\n";
+            assert!(text.contains(key), "configmap.yaml holds {key:?}");
+            let egress: String = LOOPBACK_EGRESS
+                .lines()
+                .map(|line| format!("    {line}\n"))
+                .collect();
+            std::fs::write(&path, text.replacen(key, &format!("{key}{egress}"), 1))
+                .expect("write configmap.yaml");
+        })
     }
 
     /// The same with the copy of `manifests/` edited first (a broken install).
@@ -82,19 +96,24 @@ impl Install {
         Some(install)
     }
 
-    /// "Install with Helm": `helm install … --create-namespace`, then the generated token read
-    /// back with kubectl.
+    /// "Install with Helm": `helm install … --create-namespace` (with a providers config opening
+    /// loopback to the squids, the probe target being on loopback), then the generated token
+    /// read back with kubectl.
     fn helm(plane: &'static ControlPlane) -> Option<Install> {
         tool("kubectl")?;
         let helm = tool("helm")?;
         let mut install = Install::new(plane, How::Helm, Vec::new());
         let chart = repo().join("charts/proxy-operator");
+        let providers = install.dir.path().join("providers.yaml");
+        std::fs::write(&providers, LOOPBACK_PROVIDERS).expect("write the providers config");
         run(Command::new(helm)
             .arg("install")
             .arg(DEPLOYMENT)
             .arg(&chart)
             .args(["-n", NAMESPACE, "--create-namespace", "--kubeconfig"])
-            .arg(&install.kubeconfig));
+            .arg(&install.kubeconfig)
+            .arg("--set-file")
+            .arg(format!("providersConfig={}", providers.display())));
         // Decoded by kubectl itself, as the kind quickstart test reads it.
         let decoded = kubectl(
             &install.kubeconfig,
@@ -125,7 +144,7 @@ impl Install {
             kubeconfig,
             how,
             tokens,
-            _dir: dir,
+            dir,
         }
     }
 

@@ -223,7 +223,12 @@ async fn a_managed_squid_asks_for_its_generated_credentials_and_the_gateway_send
         .and_then(|u| u.port())
         .expect("the target's port");
     let operator = world
-        .operator(&["--gateway-allowed-ports", &target_port.to_string()])
+        .operator(&[
+            "--gateway-allowed-ports",
+            &target_port.to_string(),
+            "--gateway-allowed-destinations",
+            "127.0.0.0/8",
+        ])
         .await;
     world
         .create_in_pool("locked", "locked", &[], world.managed_spec(3128))

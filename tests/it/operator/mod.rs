@@ -3,6 +3,7 @@
 
 mod admission;
 mod cordon;
+mod egress;
 mod fleet;
 mod leadership;
 mod lifecycle;

@@ -15,11 +15,17 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Namespace, Pod, PodSecurityContext, SecurityContext};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
+use support::operator::LOOPBACK_EGRESS;
 use support::world::{World, eventually};
 
-/// The providers config of a provider `local` whose Pods pass `restricted`.
-const RESTRICTED_PROVIDER: &str = "providers:\n  - name: local\n    type: kubernetes\n    \
-     kubernetes:\n      image: ubuntu/squid\n      podSecurity: restricted\n";
+/// The providers config of a provider `local` whose Pods pass `restricted` (and whose squids
+/// reach the loopback probe target).
+fn restricted_provider() -> String {
+    format!(
+        "{LOOPBACK_EGRESS}providers:\n  - name: local\n    type: kubernetes\n    \
+         kubernetes:\n      image: ubuntu/squid\n      podSecurity: restricted\n"
+    )
+}
 
 /// How long a refused Proxy is watched for a phase it must never reach (every other wait polls
 /// up to `support::world::SLOW`).
@@ -191,7 +197,7 @@ async fn restricted_provider_pod_is_admitted_by_restricted_and_reaches_ready() {
         return;
     };
     enforce(&world, "restricted").await;
-    providers_config(&world, RESTRICTED_PROVIDER);
+    providers_config(&world, &restricted_provider());
     let _operator = world.operator(&[]).await;
     world
         .create("restricted", world.managed_spec(3128))
@@ -234,7 +240,7 @@ async fn restricted_provider_fails_a_privileged_port_without_a_pod() {
         return;
     };
     enforce(&world, "restricted").await;
-    providers_config(&world, RESTRICTED_PROVIDER);
+    providers_config(&world, &restricted_provider());
     let _operator = world.operator(&[]).await;
     world
         .create("port80", world.managed_spec(80))

@@ -111,7 +111,14 @@ async fn a_sleeping_pool_wakes_for_curl_scrapy_and_the_python_client() {
         port_of(&world.target.https_url()),
         site.http_port()
     );
-    let operator = world.operator(&["--gateway-allowed-ports", &ports]).await;
+    let operator = world
+        .operator(&[
+            "--gateway-allowed-ports",
+            &ports,
+            "--gateway-allowed-destinations",
+            "127.0.0.0/8",
+        ])
+        .await;
     // Room for Scrapy's eight connections on one member, each holding a lease.
     world
         .raw_pools()

@@ -9,7 +9,10 @@ use proxy_operator::provider::kubernetes::KubernetesProvider;
 use proxy_operator::provider::registry::{
     Constructors, RegistryError, build_providers, validate_install_id,
 };
-use proxy_operator::provider::{ErrorClass, Provider, ProviderType, ProvidersConfig};
+use proxy_operator::provider::squid_conf::{PortRange, SquidEgress};
+use proxy_operator::provider::{
+    CreateRequest, ErrorClass, Provider, ProviderType, ProvidersConfig, machine_labels,
+};
 use serde_json::json;
 
 use crate::support::mock_api::{ApiHandle, Call, mock_client, status};
@@ -84,7 +87,7 @@ async fn every_entry_is_built_and_metered() {
     let registry = Registry::new();
     let providers = build_providers(
         &config(TWO_CLUSTERS),
-        &Constructors::standard(client),
+        &Constructors::standard(client, SquidEgress::default()),
         "prod",
         &registry,
     )
@@ -227,7 +230,7 @@ fn install_id_rules() {
 async fn a_registry_that_already_counts_provider_calls_is_refused() {
     let (client, _handle) = mock_client();
     let registry = Registry::new();
-    let constructors = Constructors::standard(client);
+    let constructors = Constructors::standard(client, SquidEgress::default());
     build_providers(&config(TWO_CLUSTERS), &constructors, "prod", &registry)
         .await
         .unwrap();
@@ -236,4 +239,62 @@ async fn a_registry_that_already_counts_provider_calls_is_refused() {
         .err()
         .unwrap();
     assert!(matches!(err, RegistryError::Metrics(_)), "{err}");
+}
+
+#[tokio::test]
+async fn the_standard_kubernetes_provider_gives_its_squids_the_egress() {
+    let (client, mut handle) = mock_client();
+    let egress = SquidEgress {
+        destinations: vec!["10.20.0.0/16".parse().unwrap()],
+        ports: vec![PortRange::parse("8000-8100").unwrap()],
+    };
+    let providers = build_providers(
+        &config(TWO_CLUSTERS),
+        &Constructors::standard(client, egress),
+        "prod",
+        &Registry::new(),
+    )
+    .await
+    .unwrap();
+    let uid = "6a1f4c9e-2b7d-4e8a-b1c3-d5e6f7a8b9c0";
+    let request = CreateRequest {
+        namespace: "crawl".to_owned(),
+        proxy_name: "eu-1".to_owned(),
+        proxy_uid: uid.to_owned(),
+        machine_name: "proxy-aaaaaaaaaaaaaaaa".to_owned(),
+        port: 3128,
+        placement: None,
+        cloud_init: None,
+        labels: machine_labels(uid, "prod"),
+        credentials: None,
+    };
+    let server = tokio::spawn(async move {
+        let call = Call::next(&mut handle).await;
+        let config = call.body["spec"]["containers"][0]["env"][0]["value"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        call.respond(
+            201,
+            json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "proxy-aaaaaaaaaaaaaaaa", "namespace": "crawl"},
+                "status": {"phase": "Pending"},
+            }),
+        );
+        config
+    });
+    providers["other"].create(&request).await.unwrap();
+    let config = server.await.unwrap();
+    let lines: Vec<&str> = config.lines().collect();
+    for wanted in [
+        "# Opened: 10.20.0.0/16",
+        "acl Safe_ports port 8000-8100",
+        "http_access deny proxy_operator_denied",
+    ] {
+        assert!(lines.contains(&wanted), "no {wanted:?} in:\n{config}");
+    }
+    // The opened range is cut out of the refused ones; its neighbours stay refused.
+    assert!(!config.contains(" 10.0.0.0/8"), "{config}");
+    assert!(config.contains(" 10.21.0.0/16"), "{config}");
 }

@@ -183,6 +183,42 @@ fn managed_samples_name_providers_in_the_providers_config() {
 }
 
 #[test]
+fn the_providers_config_sample_s_commented_egress_block_loads_once_uncommented() {
+    let path = samples_dir().join("providers-config.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    // The `# egress:` line and the indented comment lines after it, uncommented.
+    let mut inside = false;
+    let uncommented: String = text
+        .lines()
+        .map(|line| {
+            inside = line == "# egress:" || (inside && line.starts_with("#   "));
+            let line = if inside { &line[2..] } else { line };
+            format!("{line}\n")
+        })
+        .collect();
+    assert_ne!(uncommented, text, "no commented egress block in the sample");
+    let config = ProvidersConfig::parse(&uncommented, &path).unwrap();
+    let ranges: Vec<String> = config
+        .egress
+        .allowed_destinations
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(ranges, ["10.20.0.5/32"]);
+    let ports: Vec<String> = config
+        .egress
+        .allowed_ports
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(ports, ["8080", "8000-8100"]);
+    assert_eq!(
+        config.providers,
+        ProvidersConfig::load(&path).unwrap().providers
+    );
+}
+
+#[test]
 fn every_yaml_sample_is_covered() {
     let covered = [
         "proxy_kubernetes.yaml",

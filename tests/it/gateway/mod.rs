@@ -18,6 +18,9 @@ use crate::support::python::{python_with, script};
 use crate::support::site::PAGES;
 use crate::support::{DEADLINE, sqlite3};
 
+mod bounds;
+mod destinations;
+
 /// A client whose every request goes through the gateway as `user`; `fresh`: a new
 /// connection per request (no pooling), as separate crawler processes would.
 fn client(fleet: &GatewayFleet, user: &str, fresh: bool) -> reqwest::Client {
