@@ -111,7 +111,7 @@ fn main() -> ExitCode {
 
     let target = site.http("/ip");
     let gateway = format!("http://{}", operator.gateway());
-    let basic = proxy_operator::serving::credentials::Credentials {
+    let basic = proxy_operator::credentials::Credentials {
         username: "bench".into(),
         password: TOKEN.into(),
     }

@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use jiff::Timestamp;
+use proxy_operator::controllers::proxy::status::{FieldChange, StatusChange, desired_status};
+use proxy_operator::controllers::proxy::{Inputs, Observation, decide};
 use proxy_operator::fixtures;
 use proxy_operator::provider::{Instance, InstanceState, Waiting};
-use proxy_operator::reconcile::phase::Provisioning;
-use proxy_operator::reconcile::status::{FieldChange, StatusChange, desired_status};
-use proxy_operator::reconcile::{Inputs, Observation, decide};
+use proxy_operator::resources::phase::Provisioning;
 use proxy_operator::resources::proxy::{
     ConditionStatus, Disruption, DisruptionReason, ProxySpec, ProxyStatus,
 };
@@ -128,7 +128,12 @@ fn bench(c: &mut Criterion) {
             fleet
                 .iter()
                 .map(|o| decide(black_box(&inputs(o))))
-                .filter(|a| !matches!(a, proxy_operator::reconcile::Action::Running { .. }))
+                .filter(|a| {
+                    !matches!(
+                        a,
+                        proxy_operator::controllers::proxy::Action::Running { .. }
+                    )
+                })
                 .count()
         })
     });

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::controllers::proxy::{ReconcilerConfig, Share};
 use crate::gateway::{BanRule, GatewayConfig};
 use crate::ledger::{Durability, LedgerLocation, MIN_MAX_SIZE};
-use crate::reconcile::{ReconcilerConfig, Share};
 
 /// Kubernetes operator for a fleet of HTTP egress proxies: health-checks them through the
 /// proxy and leases them to crawlers.

@@ -11,11 +11,11 @@ use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 
+use crate::controllers::proxy::remediation::Gate;
+use crate::controllers::proxy::{Inputs, Limits, Observation};
 use crate::health::HealthTransition;
 use crate::ledger::Candidate;
 use crate::provider::{Instance, InstanceState};
-use crate::reconcile::remediation::Gate;
-use crate::reconcile::{Inputs, Limits, Observation};
 use crate::resources::proxy::{Proxy, ProxyId, ProxySpec, ProxyStatus};
 use crate::resources::spec_hash::SPEC_HASH_VERSION;
 
@@ -202,7 +202,7 @@ pub fn limits() -> Limits {
     }
 }
 
-/// What [`decide`](crate::reconcile::decide) sees of a settled Managed proxy at `now`: the
+/// What [`decide`](crate::controllers::proxy::decide) sees of a settled Managed proxy at `now`: the
 /// finalizer on, its machine `ns/proxy-x` recorded with hash A == H ([`HASH`]) of the current
 /// hash version, phase Ready with an address, nothing pending, held, draining or due, no lease,
 /// no health verdict yet; `observation` is what the provider said.

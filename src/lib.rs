@@ -3,22 +3,21 @@
 
 pub mod api;
 pub mod cli;
+pub mod controllers;
+pub mod credentials;
 pub mod egress;
 pub mod events;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
 pub mod gateway;
-pub mod gc;
 pub mod health;
 pub mod inventory;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;
-pub mod pool;
 pub mod process;
 pub mod provider;
 pub mod proxy_watch;
 pub mod rbac;
-pub mod reconcile;
 pub mod resources;
 pub mod serving;

@@ -17,7 +17,7 @@ use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use crate::health::{HealthSnapshot, PerProxyGauge};
 use crate::inventory::Inventory;
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
-use crate::reconcile::phase::shown_phase;
+use crate::resources::phase::shown_phase;
 use crate::resources::proxy::Phase;
 use crate::serving::candidates::CandidateIndex;
 

@@ -21,10 +21,10 @@ use crate::ledger::{
     self, AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, NoMatch, ReportResult,
     RequestKey,
 };
-use crate::pool::Waking;
 use crate::resources::proxy::proxy_url;
 use crate::serving::candidates::Selector;
 use crate::serving::outcomes::Outcome;
+use crate::serving::pools::Waking;
 use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
 use crate::serving::tenants::Tenant;

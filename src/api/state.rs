@@ -6,13 +6,13 @@ use std::time::Duration;
 use super::list::ProxyListCache;
 use super::metrics::LeaseMetrics;
 use super::status::KubeEvents;
+use crate::credentials::CredentialStore;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, Ledger};
-use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
-use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::Outcomes;
+use crate::serving::pools::PoolDirectory;
 use crate::serving::sessions::Sessions;
 
 /// The inventory, health snapshot and ledger the API reads and writes.

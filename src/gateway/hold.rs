@@ -10,8 +10,8 @@ use super::Gateway;
 use super::choice::{Ask, Refusal};
 use super::limits::Slot;
 use super::metrics::HOLD_REFUSED;
-use crate::pool::directory;
 use crate::serving::candidates::Selector;
+use crate::serving::pools::directory;
 
 /// How often a held request checks whether anything changed.
 const POLL: Duration = Duration::from_millis(50);

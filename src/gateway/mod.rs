@@ -58,15 +58,15 @@ pub use metrics::GatewayMetrics;
 use metrics::{HOLD_RELAYED, HOLD_TIMED_OUT};
 pub use timeouts::Timeouts;
 
+use crate::credentials::CredentialStore;
 use crate::egress::{Destinations, IpNet, Refused};
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{Clock, LeaseReport, Ledger, LedgerError, NoMatch, ReportResult};
-use crate::pool::PoolDirectory;
 use crate::resources::proxy::ProxyId;
 use crate::serving::candidates::CandidateIndex;
-use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::{Outcome, Outcomes};
+use crate::serving::pools::PoolDirectory;
 use crate::serving::retry_after;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::QuotaExceededBody;

@@ -15,8 +15,8 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use crate::credentials::Credentials;
 use crate::resources::proxy::ProxyId;
-use crate::serving::credentials::Credentials;
 
 /// Where a proxy is and what it asks for.
 #[derive(Debug, Clone)]

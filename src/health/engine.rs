@@ -29,9 +29,9 @@ use super::metrics::ProbeMetrics;
 use super::probe::{ProbeClient, ProbeResult, ProbeSettings, ProbeTls};
 use super::snapshot::{HealthSnapshot, LastFailure, ProxyHealth};
 use super::thresholds::{HealthState, Thresholds};
+use crate::credentials::CredentialStore;
 use crate::inventory::{Inventory, InventorySnapshot};
 use crate::resources::proxy::{Proxy, ProxyId};
-use crate::serving::credentials::CredentialStore;
 
 /// Default number of concurrent probes (`--health-workers`).
 pub const DEFAULT_WORKERS: usize = 8;

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::CertificateDer;
 
+use crate::credentials::{self, Credentials, SecretName};
 use crate::resources::proxy::Proxy;
-use crate::serving::credentials::{self, Credentials, SecretName};
 
 /// Why a probe failed. The names are the `result` label of the probe counter and the
 /// `lastFailure.kind` of the proxy list (schema `ProbeFailureKind` in the OpenAPI document).

@@ -15,9 +15,9 @@ use tokio_util::sync::CancellationToken;
 use k8s_openapi::api::core::v1::Secret;
 
 use super::Inventory;
+use crate::credentials::{CredentialStore, Credentials};
 use crate::resources::proxy::{DEFAULT_NAMESPACE, Mode, Proxy};
 use crate::resources::validation::{ProxyValidator, SchemaError};
-use crate::serving::credentials::{CredentialStore, Credentials};
 
 const API_VERSION: &str = "crawl.example.com/v1alpha1";
 const KIND: &str = "Proxy";

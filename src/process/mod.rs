@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::status::KubeEvents;
 use crate::api::{self, ApiState, LeaseMetrics, ProxyListCache};
 use crate::cli::CommonArgs;
+use crate::credentials::CredentialStore;
 use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -29,10 +30,9 @@ use crate::ledger::{
     SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
-use crate::pool::PoolDirectory;
 use crate::serving::candidates::CandidateIndex;
-use crate::serving::credentials::CredentialStore;
 use crate::serving::outcomes::Outcomes;
+use crate::serving::pools::PoolDirectory;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};

@@ -16,19 +16,20 @@ use crate::api::status::KubeEvents;
 
 use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::{GatewayArgs, RunArgs};
-use crate::gc::{self, GcConfig};
+use crate::controllers::gc::{self, GcConfig};
+use crate::controllers::pool::{self, PoolContext, PoolIntervals, PoolMetrics};
+use crate::controllers::proxy::metrics::RemediationGauge;
+use crate::controllers::proxy::{self as reconciler, Context, ReconcilerMetrics};
+use crate::credentials;
 use crate::inventory::Inventory;
 use crate::leader::{self, LeaderConfig};
-use crate::pool::{self, PoolContext, PoolIntervals, PoolMetrics};
 use crate::provider::ProvidersConfig;
 use crate::provider::config::EgressConfig;
 use crate::provider::registry::{Constructors, build_providers};
 use crate::provider::squid_conf::{PortRange, SquidEgress};
 use crate::proxy_watch::{self, WatchMetrics};
-use crate::reconcile::metrics::RemediationGauge;
-use crate::reconcile::{self, Context, ReconcilerMetrics};
 use crate::resources::proxy::Proxy;
-use crate::serving::credentials;
+use crate::serving::pools;
 
 /// Runs operator mode until a signal or a task failure.
 pub async fn run(args: RunArgs) -> Result<Exit, StartError> {
@@ -112,12 +113,12 @@ fn start_pools(
     core: &Core,
     parts: PoolParts,
 ) -> Result<(), StartError> {
-    let (pool_watch, pool_feed) = pool::watch::shared_store();
+    let (pool_watch, pool_feed) = pools::watch::shared_store();
     supervisor.spawn(
         "pool watch",
-        pool::watch::run(
+        pools::watch::run(
             pool_watch,
-            pool::watch::raw_watch(client.clone(), args.watch_namespace.as_deref()),
+            pools::watch::raw_watch(client.clone(), args.watch_namespace.as_deref()),
             core.pools.clone(),
             supervisor.shutdown_token(),
         ),
@@ -271,7 +272,7 @@ async fn start(
         },
     )?;
 
-    let triggers = reconcile::health_triggers(transitions_rx, ctx.health.clone());
+    let triggers = reconciler::health_triggers(transitions_rx, ctx.health.clone());
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
     RemediationGauge::register(
@@ -283,7 +284,7 @@ async fn start(
     .map_err(|e| StartError::from_display("metrics", e))?;
     supervisor.spawn(
         "reconciler",
-        reconcile::run_while_leading(
+        reconciler::run_while_leading(
             ctx,
             reconciler_feed,
             namespace,

@@ -26,8 +26,8 @@ use super::squid_conf::{
 use super::{
     CreateRequest, ErrorClass, INSTALL_LABEL, Instance, Provider, ProviderError, machine_labels, op,
 };
+use crate::credentials::HTPASSWD_SECRET_KEY;
 use crate::resources::proxy::{MANAGED_LABEL, PROXY_ANNOTATION};
-use crate::serving::credentials::HTPASSWD_SECRET_KEY;
 
 /// Name of the squid container (and of its port).
 const CONTAINER_NAME: &str = "squid";

@@ -466,8 +466,8 @@ pub(crate) mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
+    use crate::credentials::Credentials;
     use crate::egress::parse_range;
-    use crate::serving::credentials::Credentials;
 
     const SQUID: &str = "/usr/sbin/squid";
     /// How long anything a real squid does may take on a loaded machine.

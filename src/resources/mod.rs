@@ -6,6 +6,7 @@
 pub mod crd;
 pub mod duration;
 pub mod naming;
+pub mod phase;
 pub mod pool;
 pub mod proxy;
 pub mod schema;

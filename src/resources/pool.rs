@@ -1,6 +1,6 @@
 //! The `ProxyPool` custom resource (`crawl.example.com/v1alpha1`): a replicated, optionally
 //! autoscaled set of Managed Proxies made from one template, the way a Deployment is a set of
-//! Pods. Its members are ordinary `Proxy` objects (see `crate::pool` for the controller).
+//! Pods. Its members are ordinary `Proxy` objects (see `crate::controllers::pool` for the controller).
 //!
 //! The doc comments on fields become `kubectl explain` text, so they are written for users.
 

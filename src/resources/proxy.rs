@@ -545,6 +545,28 @@ pub const CONDITION_HEALTHY: &str = "Healthy";
 /// `Provisioned` reason while a proxy drains before its machine is deleted: it takes no new
 /// leases and its leases cannot be renewed.
 pub const REASON_DRAINING: &str = "Draining";
+/// `Provisioned` reason: the provider refused for quota; retried in minutes (a ProxyPool
+/// reads it of its members).
+pub const REASON_QUOTA: &str = "QuotaExceeded";
+
+/// Sets a condition in a list-map keyed by type. `lastTransitionTime` moves only when the
+/// condition's status changes; reason, message and observedGeneration always follow.
+pub fn set_condition(conditions: &mut Vec<Condition>, new: Condition) {
+    match conditions.iter_mut().find(|c| c.type_ == new.type_) {
+        Some(existing) => {
+            let transition_time = if existing.status == new.status {
+                existing.last_transition_time
+            } else {
+                new.last_transition_time
+            };
+            *existing = Condition {
+                last_transition_time: transition_time,
+                ..new
+            };
+        }
+        None => conditions.push(new),
+    }
+}
 
 fn default_port() -> i32 {
     DEFAULT_PORT

@@ -1,12 +1,13 @@
-//! What the two servers crawlers talk to, the lease API and the gateway, share: the tokens
-//! that admit a crawler and the tenant each names, the candidate set of an acquire, the gateway's sticky sessions (which
-//! the API reads for a session's ban report), the upstream credentials sent through a proxy,
-//! the `Retry-After` both answer with, and how requests through each proxy ended (the success
-//! rate both feed).
+//! What the crawler-facing servers (the lease API, the gateway, the status page) read of the
+//! fleet and share, below them and below the controllers: the tokens that admit a crawler and
+//! the tenant each names, the candidate set of an acquire, the pools a request may wake, the
+//! gateway's sticky sessions (which the API reads for a session's ban report), the
+//! `Retry-After` both answer with, and how requests through each proxy ended (the success rate
+//! both feed).
 
 pub mod candidates;
-pub mod credentials;
 pub mod outcomes;
+pub mod pools;
 pub mod retry_after;
 pub mod sessions;
 pub mod tenants;

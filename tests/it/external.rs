@@ -14,7 +14,7 @@ use support::Squid;
 use support::operator::{OperatorProcess, lease_id};
 use support::world::{SLOW, World, eventually, wait_gone};
 
-use proxy_operator::reconcile::deleted::LEASES_PROXY_DELETED;
+use proxy_operator::controllers::proxy::deleted::LEASES_PROXY_DELETED;
 use proxy_operator::resources::proxy::FINALIZER;
 
 /// An External spec on `squid` probing the world's target. The first status write waits up

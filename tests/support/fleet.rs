@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 use std::path::Path;
 use std::time::Duration;
 
-use proxy_operator::serving::credentials::Credentials;
+use proxy_operator::credentials::Credentials;
 
 use super::site::Site;
 use super::squid::{Squid, SquidOptions};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
-use proxy_operator::pool::members::template_hash;
+use proxy_operator::controllers::pool::members::template_hash;
 use proxy_operator::resources::pool::{POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL};
 use proxy_operator::resources::proxy::{Phase, Proxy};
 use serde_json::{Value, json};

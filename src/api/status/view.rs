@@ -12,11 +12,11 @@ use crate::health::ProxyHealth;
 use crate::inventory::InventorySnapshot;
 use crate::ledger::TenantUsage;
 use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
-use crate::pool::PoolEntry;
-use crate::reconcile::phase::shown_phase;
+use crate::resources::phase::shown_phase;
 use crate::resources::proxy::{Mode, Phase, Proxy, ProxyId};
 use crate::serving::candidates::Selector;
 use crate::serving::outcomes::OutcomeCounts;
+use crate::serving::pools::PoolEntry;
 use crate::serving::tenants::Tenant;
 
 /// Rows of the proxies table per page.

@@ -242,7 +242,7 @@ async fn bad_credentials_options_and_ports_are_refused_with_the_reason() {
 
     // A request for the gateway itself (origin-form): 400, it is a forward proxy.
     let mut stream = tokio::net::TcpStream::connect(&gateway).await.unwrap();
-    let basic = proxy_operator::serving::credentials::Credentials {
+    let basic = proxy_operator::credentials::Credentials {
         username: "crawler".into(),
         password: TOKEN.into(),
     }
@@ -538,7 +538,7 @@ async fn a_tunnel_renews_its_lease_while_open_and_gives_it_back_when_it_closes()
     let dir = tempfile::tempdir().unwrap();
     let fleet = GatewayFleet::start(dir.path(), 1, &["--default-lease-ttl", "2s"]).await;
     let gateway = fleet.operator.gateway().to_owned();
-    let basic = proxy_operator::serving::credentials::Credentials {
+    let basic = proxy_operator::credentials::Credentials {
         username: "tunneler".into(),
         password: TOKEN.into(),
     }

@@ -668,8 +668,8 @@ fn managed(name: &str, provider: &str, healthy: bool) -> Proxy {
 #[test]
 fn reconciler_metrics_pass_promtool_and_the_pause_follows_the_unhealthy_share() {
     use kube::runtime::watcher::Event;
-    use proxy_operator::reconcile::metrics::RemediationGauge;
-    use proxy_operator::reconcile::{ReconcilerMetrics, Share};
+    use proxy_operator::controllers::proxy::metrics::RemediationGauge;
+    use proxy_operator::controllers::proxy::{ReconcilerMetrics, Share};
 
     let (store, mut writer) = kube::runtime::reflector::store::<Proxy>();
     writer.apply_watcher_event(&Event::Init);

@@ -10,7 +10,7 @@ use crate::support;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use proxy_operator::serving::credentials::machine_secret_name;
+use proxy_operator::credentials::machine_secret_name;
 use support::raw::{Answer, exchange, proxy_authorization};
 use support::world::World;
 

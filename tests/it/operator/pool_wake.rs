@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::ResourceQuota;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use proxy_operator::pool::members::template_hash;
+use proxy_operator::controllers::pool::members::template_hash;
 use proxy_operator::resources::pool::{POOL_LABEL, TEMPLATE_HASH_LABEL};
 use proxy_operator::resources::proxy::Proxy;
 use reqwest::{Method, StatusCode};

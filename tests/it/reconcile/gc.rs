@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use crate::support::mock_api::{Call, mock_client};
 use crate::support::stub_provider::StubProvider;
 
-use proxy_operator::gc::{GcConfig, GcError, run_gc, sweep};
+use proxy_operator::controllers::gc::{GcConfig, GcError, run_gc, sweep};
 use proxy_operator::provider::{Instance, InstanceState, Provider};
 use proxy_operator::resources::proxy::Proxy;
 

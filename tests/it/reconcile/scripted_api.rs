@@ -13,15 +13,15 @@ use serde_json::{Value, json};
 use crate::support::mock_api::{Call, mock_client, status};
 use crate::support::stub_provider::StubProvider;
 
+use proxy_operator::controllers::proxy::{
+    Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
+};
+use proxy_operator::credentials::machine_secret_name;
 use proxy_operator::health::HealthTransition;
 use proxy_operator::ledger::{LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::provider::{ErrorClass, INSTALL_LABEL, Instance, InstanceState, Provider};
-use proxy_operator::reconcile::{
-    Context, HealthStates, ReconcilerConfig, ReconcilerMetrics, reconcile,
-};
 use proxy_operator::resources::proxy::{Proxy, ProxyId};
 use proxy_operator::resources::spec_hash::{SPEC_HASH_VERSION, SpecHashInput};
-use proxy_operator::serving::credentials::machine_secret_name;
 
 const NS: &str = "crawl";
 const NAME: &str = "p1";

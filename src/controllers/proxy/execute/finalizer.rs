@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::machine::Machine;
 use super::step::Step;
-use crate::reconcile::error::Error;
+use crate::controllers::proxy::error::Error;
 use crate::resources::proxy::{FINALIZER, Proxy};
 
 /// Adds the finalizer; the change triggers the next reconcile.

@@ -9,13 +9,10 @@
 
 pub mod autoscale;
 pub mod controller;
-pub mod directory;
 pub mod members;
 pub mod metrics;
 pub mod plan;
 pub mod status;
-pub mod watch;
 
 pub use controller::{PoolContext, PoolIntervals};
-pub use directory::{PoolDirectory, PoolEntry, Waking};
 pub use metrics::PoolMetrics;

@@ -16,20 +16,22 @@ use serde_json::Value;
 use super::failure::{cloud_init_missing, failure};
 use super::machine::{Machine, find_by_name};
 use super::step::{RetryEffect, Step, hold_message, new_reason_event, requeue_at, waiting_text};
+use crate::controllers::proxy::error::Error;
+use crate::controllers::proxy::status::{
+    FieldChange, REASON_PROVISIONING, StatusChange, annotations_patch,
+};
+use crate::credentials::{
+    CREDENTIALS_SECRET_LABEL, Credentials, HTPASSWD_SECRET_KEY, PASSWORD_KEY, USERNAME_KEY,
+    machine_secret_name,
+};
 use crate::events::event;
 use crate::provider::{MachineCredentials, Waiting, machine_labels};
-use crate::reconcile::error::Error;
-use crate::reconcile::phase::Provisioning;
-use crate::reconcile::status::{FieldChange, REASON_PROVISIONING, StatusChange, annotations_patch};
+use crate::resources::phase::Provisioning;
 use crate::resources::proxy::{
     CREATE_PENDING_ANNOTATION, ConditionStatus, Proxy, ProxyStatus, ROTATE_ANNOTATION,
     ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION, SPEC_HASH_VERSION_ANNOTATION,
 };
 use crate::resources::spec_hash::SPEC_HASH_VERSION;
-use crate::serving::credentials::{
-    CREDENTIALS_SECRET_LABEL, Credentials, HTPASSWD_SECRET_KEY, PASSWORD_KEY, USERNAME_KEY,
-    machine_secret_name,
-};
 
 /// Finds the machine an interrupted create may have made (by its deterministic name) and
 /// records it; creates one when there is none.

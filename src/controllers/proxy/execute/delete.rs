@@ -19,16 +19,16 @@ use super::step::{
     waiting_text,
 };
 use super::{LEASES_MACHINE_GONE, LEASES_MACHINE_LOST, LEASES_MACHINE_REPLACED};
-use crate::events::event;
-use crate::provider::Waiting;
-use crate::reconcile::decide::Loss;
-use crate::reconcile::error::Error;
-use crate::reconcile::phase::Provisioning;
-use crate::reconcile::status::{
+use crate::controllers::proxy::decide::Loss;
+use crate::controllers::proxy::error::Error;
+use crate::controllers::proxy::status::{
     FieldChange, REASON_CREATE_FAILED, REASON_DELETING, REASON_FORCE_DELETED, REASON_MACHINE_GONE,
     REASON_MACHINE_LOST, REASON_MACHINE_STOPPED, REASON_MACHINE_TERMINATING, REASON_REPLACING,
     REASON_STARTUP_TIMEOUT, StatusChange,
 };
+use crate::events::event;
+use crate::provider::Waiting;
+use crate::resources::phase::Provisioning;
 use crate::resources::proxy::{
     ConditionStatus, Disruption, DisruptionReason, Phase, Proxy, ProxyStatus, REASON_DRAINING,
 };

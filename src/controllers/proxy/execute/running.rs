@@ -9,14 +9,14 @@ use kube::runtime::events::EventType;
 use super::drain::{cause, draining, leases_text, why};
 use super::machine::Machine;
 use super::step::{RetryEffect, Step, new_reason_event, poll_or_at};
-use crate::events::event;
-use crate::reconcile::budget::{self, Admission, Share};
-use crate::reconcile::phase::Provisioning;
-use crate::reconcile::status::{
+use crate::controllers::budget::{self, Admission, Share};
+use crate::controllers::proxy::status::{
     FieldChange, REASON_REMEDIATION_PAUSED, REASON_REPLACEMENT_PENDING, REASON_RUNNING,
     StatusChange,
 };
-use crate::reconcile::time::after;
+use crate::controllers::proxy::time::after;
+use crate::events::event;
+use crate::resources::phase::Provisioning;
 use crate::resources::proxy::{
     ConditionStatus, Disruption, DisruptionReason, ProxyStatus, REASON_DRAINING,
 };

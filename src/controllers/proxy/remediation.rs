@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use super::budget::Share;
 use super::time::after;
+use crate::controllers::budget::Share;
 use crate::resources::proxy::{Mode, Proxy};
 
 /// Health of one provider's Managed proxies that are not being deleted.

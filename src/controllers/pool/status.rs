@@ -7,11 +7,10 @@ use serde_json::{Value, json};
 use super::autoscale::{ScaleDecision, ScaleReason};
 use super::members::Member;
 use super::plan::Plan;
-use crate::reconcile::status::set_condition;
 use crate::resources::pool::{
     CONDITION_AVAILABLE, CONDITION_PROGRESSING, CONDITION_SCALING_LIMITED, ProxyPoolStatus,
 };
-use crate::resources::proxy::{Condition, ConditionStatus};
+use crate::resources::proxy::{Condition, ConditionStatus, set_condition};
 
 /// `ScalingLimited` reason: the provider refused a member's machine for quota.
 pub const REASON_PROVIDER_QUOTA: &str = "ProviderQuota";

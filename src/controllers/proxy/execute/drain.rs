@@ -7,10 +7,10 @@ use kube::runtime::events::EventType;
 use super::machine::Machine;
 use super::step::{Step, condition_reason_is, poll_or_at};
 use super::{LEASES_DRAIN_TIMEOUT, REASON_DRAIN_TIMED_OUT};
+use crate::controllers::proxy::metrics::DELETED;
+use crate::controllers::proxy::status::StatusChange;
 use crate::events::event;
-use crate::reconcile::metrics::DELETED;
-use crate::reconcile::phase::Provisioning;
-use crate::reconcile::status::StatusChange;
+use crate::resources::phase::Provisioning;
 use crate::resources::pool::{REMOVAL_ANNOTATION, Removal};
 use crate::resources::proxy::{ConditionStatus, DisruptionReason, ProxyStatus, REASON_DRAINING};
 

@@ -31,8 +31,8 @@ pub(crate) use step::{RetryEffect, Step};
 
 use super::decide::{Action, Observation};
 use super::error::Error;
-use super::phase::Provisioning;
 use super::status::{FieldChange, REASON_EXTERNAL, StatusChange};
+use crate::resources::phase::Provisioning;
 use crate::resources::proxy::{ConditionStatus, Proxy, ProxyStatus};
 use step::{poll_or_at, requeue_at};
 

@@ -9,17 +9,17 @@ use kube::runtime::events::EventType;
 
 use super::machine::Machine;
 use super::step::{RetryEffect, Step, hold_message, new_reason_event};
-use crate::provider::ProviderError;
-use crate::reconcile::context::{Context, ReconcilerConfig};
-use crate::reconcile::decide::{Action, on_provider_error};
-use crate::reconcile::error::Error;
-use crate::reconcile::pacing::hold_for;
-use crate::reconcile::phase::Provisioning;
-use crate::reconcile::status::{
-    REASON_CLOUD_INIT, REASON_PROVIDER_FAILED, REASON_QUOTA, REASON_REFUSED,
-    REASON_UNKNOWN_PROVIDER, StatusChange,
+use crate::controllers::proxy::context::{Context, ReconcilerConfig};
+use crate::controllers::proxy::decide::{Action, on_provider_error};
+use crate::controllers::proxy::error::Error;
+use crate::controllers::proxy::pacing::hold_for;
+use crate::controllers::proxy::status::{
+    REASON_CLOUD_INIT, REASON_PROVIDER_FAILED, REASON_REFUSED, REASON_UNKNOWN_PROVIDER,
+    StatusChange,
 };
-use crate::resources::proxy::{ConditionStatus, ProxySpec, ProxyStatus};
+use crate::provider::ProviderError;
+use crate::resources::phase::Provisioning;
+use crate::resources::proxy::{ConditionStatus, ProxySpec, ProxyStatus, REASON_QUOTA};
 
 /// The step for a failed provider call.
 pub(super) fn failure(

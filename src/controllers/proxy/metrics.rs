@@ -13,10 +13,10 @@ use prometheus::{
     Registry,
 };
 
-use super::budget::Share;
 use super::decide::Action;
 use super::error::Error;
 use super::remediation::{self, Gate};
+use crate::controllers::budget::Share;
 use crate::resources::proxy::{DisruptionReason, Proxy};
 
 /// Label of drains before a Proxy's deletion (the others are [`DisruptionReason::label`]s).

@@ -6,13 +6,13 @@ use std::time::Duration;
 use jiff::Timestamp;
 use kube::ResourceExt;
 
+use crate::controllers::proxy::context::Context;
+use crate::controllers::proxy::decide::Observation;
+use crate::controllers::proxy::error::Error;
+use crate::controllers::proxy::pacing::At;
 use crate::provider::{
     CreateRequest, Instance, MachineCredentials, Provider, ProviderError, machine_labels,
 };
-use crate::reconcile::context::Context;
-use crate::reconcile::decide::Observation;
-use crate::reconcile::error::Error;
-use crate::reconcile::pacing::At;
 use crate::resources::naming::machine_name;
 use crate::resources::proxy::Proxy;
 

@@ -15,8 +15,8 @@ use super::error::Error;
 use super::execute::Machine;
 use super::remediation::{self, Gate};
 use super::rotation;
+use crate::controllers::proxy::status::REASON_PROVIDER_FAILED;
 use crate::provider::Provider;
-use crate::reconcile::status::REASON_PROVIDER_FAILED;
 use crate::resources::proxy::{
     CONDITION_HEALTHY, CONDITION_PROVISIONED, CREATE_PENDING_ANNOTATION, ConditionStatus, Mode,
     Proxy, ProxySpec, ProxyStatus, ROTATE_ANNOTATION, ROTATED_ANNOTATION, SPEC_HASH_ANNOTATION,

@@ -8,11 +8,11 @@
 use jiff::Timestamp;
 use serde_json::{Value, json};
 
-use super::phase::{Provisioning, compute_phase};
 use crate::health::HealthTransition;
+use crate::resources::phase::{Provisioning, compute_phase};
 use crate::resources::proxy::{
     CONDITION_HEALTHY, CONDITION_PROVISIONED, Condition, ConditionStatus, Disruption, ProxySpec,
-    ProxyStatus,
+    ProxyStatus, set_condition,
 };
 
 /// `Provisioned` reason: the machine runs with an address.
@@ -29,8 +29,6 @@ pub const REASON_MACHINE_GONE: &str = "MachineGone";
 pub const REASON_DELETING: &str = "Deleting";
 /// `Provisioned` reason: an External proxy is provisioned by definition.
 pub const REASON_EXTERNAL: &str = "ExternalEndpoint";
-/// `Provisioned` reason: the provider refused for quota; retried in minutes.
-pub const REASON_QUOTA: &str = "QuotaExceeded";
 /// `Provisioned` reason: the provider refused permanently; no retry until the spec changes.
 pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
 /// `Provisioned` reason: the platform's policy (admission, authorization) refused a provider
@@ -149,25 +147,6 @@ impl StatusChange {
     /// With `status.ip` changed.
     pub fn ip(self, ip: FieldChange) -> Self {
         StatusChange { ip, ..self }
-    }
-}
-
-/// Sets a condition in a list-map keyed by type. `lastTransitionTime` moves only when the
-/// condition's status changes; reason, message and observedGeneration always follow.
-pub fn set_condition(conditions: &mut Vec<Condition>, new: Condition) {
-    match conditions.iter_mut().find(|c| c.type_ == new.type_) {
-        Some(existing) => {
-            let transition_time = if existing.status == new.status {
-                existing.last_transition_time
-            } else {
-                new.last_transition_time
-            };
-            *existing = Condition {
-                last_transition_time: transition_time,
-                ..new
-            };
-        }
-        None => conditions.push(new),
     }
 }
 

@@ -83,7 +83,7 @@ pub async fn sweep(ctx: &Context, store: &Store<Proxy>, namespace: Option<&str>)
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
         None => Api::all(ctx.client.clone()),
     };
-    let live = match crate::gc::live_proxy_uids(&api).await {
+    let live = match crate::controllers::gc::live_proxy_uids(&api).await {
         Ok(live) => live,
         Err(e) => {
             log::warn!(

@@ -9,10 +9,10 @@ use kube::Client;
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 
-use super::budget::{self, Share};
 use super::health_transitions::HealthStates;
 use super::metrics::ReconcilerMetrics;
 use super::pacing::Pacing;
+use crate::controllers::budget::{self, Share};
 use crate::ledger::Ledger;
 use crate::provider::Provider;
 use crate::resources::proxy::Proxy;

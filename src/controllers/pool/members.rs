@@ -14,9 +14,8 @@ use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::reconcile::status::REASON_QUOTA;
 use crate::resources::pool::{POOL_LABEL, ProxyPool, ProxyTemplate, TEMPLATE_HASH_LABEL};
-use crate::resources::proxy::{CONDITION_PROVISIONED, Phase, Proxy};
+use crate::resources::proxy::{CONDITION_PROVISIONED, Phase, Proxy, REASON_QUOTA};
 
 /// Characters of the template hash in names and labels (base32: 40 bits).
 const HASH_LENGTH: usize = 8;

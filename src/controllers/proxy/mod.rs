@@ -8,7 +8,6 @@
 //! and writes it at most once, then the annotations and the Event. `context` holds what every
 //! reconcile shares, `controller` the streams that trigger them.
 
-pub mod budget;
 mod context;
 pub mod controller;
 pub mod decide;
@@ -21,14 +20,13 @@ mod leading;
 pub mod metrics;
 mod observe;
 pub mod pacing;
-pub mod phase;
 pub mod remediation;
 pub mod rotation;
 pub mod status;
 mod time;
 mod write;
 
-pub use budget::Share;
+pub use crate::controllers::budget::Share;
 pub use context::{Context, ReconcilerConfig, TimeSource};
 pub use controller::{reconcile, run_controller};
 pub use decide::{Action, Inputs, Limits, Loss, Observation, decide, on_provider_error};
@@ -41,4 +39,3 @@ pub use health_transitions::{HealthStates, health_triggers};
 pub use leading::run_while_leading;
 pub use metrics::ReconcilerMetrics;
 pub use pacing::Pacing;
-pub use phase::{Provisioning, compute_phase};

@@ -9,11 +9,11 @@ use kube::runtime::controller;
 use kube::runtime::events::{Event, EventType};
 use serde_json::Value;
 
+use crate::controllers::proxy::pacing::Hold;
+use crate::controllers::proxy::status::{FieldChange, StatusChange};
+use crate::controllers::proxy::time::after;
 use crate::events::event;
 use crate::provider::Waiting;
-use crate::reconcile::pacing::Hold;
-use crate::reconcile::status::{FieldChange, StatusChange};
-use crate::reconcile::time::after;
 use crate::resources::proxy::{CONDITION_PROVISIONED, Disruption, ProxyStatus};
 
 /// What a reconcile's outcome means for the retry memory.

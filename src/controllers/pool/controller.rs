@@ -25,17 +25,17 @@ use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::autoscale::{ScaleDecision, ScaleInputs, autoscale};
-use super::directory::DEMAND_WINDOW;
 use super::members::{Member, build_member, member_of, template_hash};
 use super::metrics::{PoolFigures, PoolMetrics};
 use super::plan::{Plan, PlanInputs, plan};
 use super::status::{StatusInputs, pool_status, status_patch};
-use super::watch::PoolFeed;
+use crate::controllers::budget::{self, Share};
 use crate::events::event;
 use crate::ledger::{Ledger, LedgerError};
-use crate::reconcile::{Share, budget};
 use crate::resources::pool::{POOL_FINALIZER, POOL_LABEL, ProxyPool, REMOVAL_ANNOTATION, Removal};
 use crate::resources::proxy::Proxy;
+use crate::serving::pools::directory::DEMAND_WINDOW;
+use crate::serving::pools::watch::PoolFeed;
 
 /// How soon a pool is looked at again.
 #[derive(Debug, Clone, PartialEq)]
