@@ -7,6 +7,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+pub use crate::serving::no_match::NoMatchBody;
 pub use crate::serving::tenants::QuotaExceededBody;
 
 /// The JSON body of every error answer.
@@ -16,37 +17,6 @@ pub struct ErrorBody {
     pub error: String,
     /// Human-readable explanation.
     pub message: String,
-}
-
-/// The 409 body of an acquire that found nothing: why each matching proxy was skipped.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct NoMatchBody {
-    /// Always `no_match`.
-    pub error: String,
-    /// Human-readable explanation.
-    pub message: String,
-    /// Proxies matching the selector.
-    pub considered: u32,
-    /// Cordoned proxies (`spec.cordoned: true`); each is counted here only, whatever its
-    /// health or load.
-    pub cordoned: u32,
-    /// Uncordoned proxies that are draining (being deleted, or their machine about to be
-    /// replaced); each is counted here only, whatever its health or load.
-    pub draining: u32,
-    /// Healthy proxies with every lease slot taken (or `maxLeases: 0`).
-    pub at_capacity: u32,
-    /// Healthy proxies with a free slot that hold as many leases for the target as the
-    /// per-target limits allow (`--max-leases-per-target`, `--max-leases-per-proxy-target`).
-    pub at_target_limit: u32,
-    /// Healthy proxies with a free slot that are cooling down for the target.
-    pub in_cooldown: u32,
-    /// Proxies neither cordoned nor draining that fail health checks (or are not yet checked).
-    pub unhealthy: u32,
-    /// Seconds until a proxy frees up by itself (also sent as `Retry-After`); absent when
-    /// nothing will.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub retry_after_seconds: Option<u64>,
 }
 
 /// The 503 body of an acquire for a ProxyPool that is waking (no member Ready yet): the pool

@@ -2,6 +2,7 @@
 //! lease reads to the ledger (awaiting its answer), and maps the outcome to the API's JSON
 //! shapes.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
@@ -18,14 +19,13 @@ use super::types::{
     StatusBody, parse_target,
 };
 use crate::ledger::{
-    self, AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, NoMatch, ReportResult,
-    RequestKey,
+    AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, ReportResult, RequestKey,
 };
 use crate::resources::proxy::proxy_url;
 use crate::serving::candidates::Selector;
+use crate::serving::fleet::Acquire;
 use crate::serving::outcomes::Outcome;
 use crate::serving::pools::Waking;
-use crate::serving::retry_after;
 use crate::serving::sessions::SessionKey;
 use crate::serving::tenants::Tenant;
 use crate::serving::tokens::Caller;
@@ -81,14 +81,12 @@ fn ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Duration {
 }
 
 fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
-    let snapshot = state.inventory.snapshot();
+    let snapshot = state.fleet.inventory.snapshot();
     let object = snapshot.get(&lease.proxy);
     let address = object.and_then(|p| address(p));
-    let credentials = state
-        .lease_credentials
-        .as_ref()
-        .zip(object)
-        .and_then(|(store, proxy)| store.for_proxy(proxy));
+    let credentials = object
+        .filter(|_| state.lease_credentials)
+        .and_then(|proxy| state.fleet.credentials.for_proxy(proxy));
     let (username, password) = credentials.map(|c| (c.username, c.password)).unzip();
     LeaseView {
         lease_id: lease.id.clone(),
@@ -107,25 +105,6 @@ fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
         expires_at: lease.expires_at.to_string(),
         ttl_seconds: lease.ttl.as_secs(),
         released_at: lease.released_at.map(|t| t.to_string()),
-    }
-}
-
-fn no_match_body(state: &ApiState, no_match: &NoMatch) -> NoMatchBody {
-    let now = state.clock.now();
-    let retry_after_seconds = no_match
-        .retry_after
-        .map(|at| retry_after::seconds(retry_after::until(at, now)));
-    NoMatchBody {
-        error: "no_match".into(),
-        message: no_match.message(),
-        considered: no_match.considered,
-        cordoned: no_match.cordoned,
-        draining: no_match.draining,
-        at_capacity: no_match.at_capacity,
-        at_target_limit: no_match.at_target_limit,
-        in_cooldown: no_match.in_cooldown,
-        unhealthy: no_match.unhealthy,
-        retry_after_seconds,
     }
 }
 
@@ -166,12 +145,15 @@ pub async fn list_proxies(
     let selector = Selector::parse(query.selector.as_deref().unwrap_or_default())
         .map_err(|e| ApiError::bad_request("invalid_query", format!("`selector`: {e}")))?;
     let selector = caller.tenant.narrow(&selector);
-    let counts = state.ledger.counts().active_counts();
-    let snapshot = state.inventory.snapshot();
+    let counts = state.fleet.ledger.counts().active_counts();
+    let snapshot = state.fleet.inventory.snapshot();
     let fragments = state.proxy_list.fragments(&snapshot);
-    let positions = state.candidates.matching(&snapshot, &selector);
+    let positions = state.fleet.candidates.matching(&snapshot, &selector);
     let leasable = snapshot.leasable();
-    let health = state.candidates.health(&snapshot, &state.health);
+    let health = state
+        .fleet
+        .candidates
+        .health(&snapshot, &state.fleet.health);
     let mut body = ListBody::default();
     for &position in positions.iter() {
         let Ok(position) = usize::try_from(position) else {
@@ -229,21 +211,17 @@ pub async fn acquire(
         id,
     });
     let request_id = key.as_ref().map(|k| k.id.clone());
-    let selector = caller.tenant.narrow(&Selector::from(request.selector));
-    let snapshot = state.inventory.snapshot();
-    let candidates = state
-        .candidates
-        .candidates(&snapshot, &state.health, &selector);
-    drop(snapshot);
+    let selector = Selector::from(request.selector);
     let outcome = state
-        .ledger
-        .acquire(ledger::AcquireRequest {
-            candidates,
+        .fleet
+        .acquire(Acquire {
+            tenant: &caller.tenant,
+            selector: selector.clone(),
+            excluding: &HashSet::new(),
             target,
             ttl,
             request: key,
             client: None,
-            tenant: caller.tenant.tenancy(),
             session: None,
         })
         .await
@@ -266,17 +244,18 @@ pub async fn acquire(
                 .metrics
                 .lease_rejected(caller.tenant_name(), &no_match);
             let waking = state
+                .fleet
                 .pools
                 .refused(
-                    state.ledger.as_ref(),
-                    &selector,
+                    state.fleet.ledger.as_ref(),
+                    &caller.tenant.narrow(&selector),
                     &no_match,
                     request_id.as_deref(),
                 )
                 .await;
             Err(match waking {
                 Some(waking) => pool_waking(waking),
-                None => ApiError::NoMatch(no_match_body(&state, &no_match)),
+                None => ApiError::NoMatch(NoMatchBody::of(&no_match, state.fleet.clock.now())),
             })
         }
     }
@@ -315,6 +294,7 @@ pub async fn get_lease(
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let lease = state
+        .fleet
         .ledger
         .get(&id, caller.tenant_name())
         .await
@@ -342,6 +322,7 @@ pub async fn release(
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     state
+        .fleet
         .ledger
         .release(&id, caller.tenant_name())
         .await
@@ -377,6 +358,7 @@ pub async fn renew(
     let ttl = ttl(&state, body.0.ttl_seconds);
     refuse_renewal(&state, &id, &caller.tenant).await?;
     let lease = state
+        .fleet
         .ledger
         .renew(&id, caller.tenant_name(), ttl)
         .await
@@ -392,10 +374,11 @@ pub async fn renew(
 /// `lease_not_active`); so does a lease whose proxy has left the inventory.
 async fn refuse_renewal(state: &ApiState, id: &str, tenant: &Tenant) -> Result<(), ApiError> {
     let scoped = !tenant.sees_everything();
-    if !scoped && !state.inventory.snapshot().any_draining() {
+    if !scoped && !state.fleet.inventory.snapshot().any_draining() {
         return Ok(());
     }
     let Some(lease) = state
+        .fleet
         .ledger
         .get(id, &tenant.name)
         .await
@@ -407,7 +390,7 @@ async fn refuse_renewal(state: &ApiState, id: &str, tenant: &Tenant) -> Result<(
         return Ok(());
     }
     // The inventory as it is after the read, not before it.
-    let snapshot = state.inventory.snapshot();
+    let snapshot = state.fleet.inventory.snapshot();
     let Some(proxy) = snapshot.get(&lease.proxy) else {
         return Ok(());
     };
@@ -496,12 +479,13 @@ async fn record_report(
     let result = report.result;
     let target = report.target.clone();
     let lease = state
+        .fleet
         .ledger
         .report(id, tenant, report)
         .await
         .map_err(|e| ledger_error(state, "recording a report", e))?;
     state.metrics.report_received(result);
-    state.outcomes.record(
+    state.fleet.outcomes.record(
         &lease.proxy,
         target.or(lease.target).as_deref(),
         Outcome::Reported(result),
@@ -538,16 +522,20 @@ pub async fn report_session(
 ) -> Result<HttpResponse, ApiError> {
     let name = name.into_inner();
     let report = lease_report(body.0)?;
-    let session = state.sessions.find(&caller.token, &name).ok_or_else(|| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "unknown_session",
-            format!(
-                "this token has no gateway session {name:?} (never opened, idle past its \
+    let session = state
+        .fleet
+        .sessions
+        .find(&caller.token, &name)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_session",
+                format!(
+                    "this token has no gateway session {name:?} (never opened, idle past its \
                      sessionTTL, or served by another replica)"
-            ),
-        )
-    })?;
+                ),
+            )
+        })?;
     record_report(&state, &session.lease_id, caller.tenant_name(), report).await
 }
 
@@ -575,13 +563,14 @@ pub async fn end_session(
         token: caller.token.clone(),
         name: name.into_inner(),
     };
-    if let Some(session) = state.sessions.get(&key) {
+    if let Some(session) = state.fleet.sessions.get(&key) {
         state
+            .fleet
             .ledger
             .release(&session.lease_id, caller.tenant_name())
             .await
             .map_err(|e| ledger_error(&state, "ending a session", e))?;
-        state.sessions.remove(&key, &session.lease_id);
+        state.fleet.sessions.remove(&key, &session.lease_id);
     }
     Ok(HttpResponse::NoContent().finish())
 }
@@ -614,15 +603,16 @@ pub async fn healthz() -> HttpResponse {
 pub async fn readyz(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
     let not_ready =
         |message: String| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", message);
-    if !state.inventory.snapshot().is_synced() {
+    if !state.fleet.inventory.snapshot().is_synced() {
         return Err(not_ready("the proxy inventory has not synced yet".into()));
     }
     state
+        .fleet
         .ledger
         .check()
         .await
         .map_err(|e| not_ready(format!("the ledger does not answer: {e}")))?;
-    let database = state.ledger.database();
+    let database = state.fleet.ledger.database();
     Ok(HttpResponse::Ok().json(StatusBody {
         status: "ready".into(),
         database: database

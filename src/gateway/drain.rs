@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::Gateway;
-use super::choice::ClientConnection;
+use super::choice::Gateway;
+use super::connection::ClientConnection;
 use crate::resources::proxy::ProxyId;
 
 /// How often the drain sweep runs besides on every inventory change (a lease in use when a
@@ -18,12 +18,12 @@ const DRAIN_SWEEP: Duration = Duration::from_secs(1);
 
 /// The client connections being served, for the drain sweep.
 #[derive(Default)]
-pub struct Upstreams {
+pub struct Connections {
     connections: Mutex<HashMap<u64, Weak<ClientConnection>>>,
     next: AtomicU64,
 }
 
-impl Upstreams {
+impl Connections {
     /// Adds a client connection; its number takes it out again.
     pub fn add(&self, connection: &Arc<ClientConnection>) -> u64 {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
@@ -50,8 +50,12 @@ impl Upstreams {
 /// On every inventory change (and every [`DRAIN_SWEEP`]) until `shutdown`: gives back the
 /// unused leases the gateway holds on draining or deleted proxies, sessions' included, and
 /// closes their idle upstream connections.
-pub(super) async fn close_on_drain(gateway: Arc<Gateway>, shutdown: CancellationToken) {
-    let mut changes = gateway.inventory.subscribe();
+pub(super) async fn close_on_drain(
+    gateway: Arc<Gateway>,
+    connections: Arc<Connections>,
+    shutdown: CancellationToken,
+) {
+    let mut changes = gateway.fleet.inventory.subscribe();
     let mut ticker = tokio::time::interval(DRAIN_SWEEP);
     loop {
         tokio::select! {
@@ -59,13 +63,13 @@ pub(super) async fn close_on_drain(gateway: Arc<Gateway>, shutdown: Cancellation
             changed = changes.changed() => if changed.is_err() { return },
             _ = ticker.tick() => {}
         }
-        let snapshot = gateway.inventory.snapshot();
+        let snapshot = gateway.fleet.inventory.snapshot();
         let gone =
             |proxy: &ProxyId| snapshot.position(proxy).is_none() || snapshot.is_draining(proxy);
-        for (lease_id, tenant) in gateway.sessions.release_where(gone) {
+        for (lease_id, tenant) in gateway.fleet.sessions.release_where(gone) {
             gateway.give_back(&lease_id, &tenant).await;
         }
-        for connection in gateway.upstreams.live() {
+        for connection in connections.live() {
             connection.let_go_of(gone).await;
         }
     }

@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::Gateway;
-use super::choice::{Ask, Refusal};
+use super::ask::Ask;
+use super::choice::{Gateway, Refusal};
 use super::limits::Slot;
 use super::metrics::HOLD_REFUSED;
 use crate::serving::candidates::Selector;
@@ -60,8 +60,9 @@ pub(super) async fn wait_for_pool(
                 .tenant
                 .narrow(&Selector::from(ask.options.selector.clone()));
             let Some(waking) = gateway
+                .fleet
                 .pools
-                .refused(gateway.ledger.as_ref(), &selector, no_match, None)
+                .refused(gateway.fleet.ledger.as_ref(), &selector, no_match, None)
                 .await
             else {
                 return false;
@@ -88,7 +89,7 @@ pub(super) async fn wait_for_pool(
                 return false;
             }
             if now.duration_since(hold.recorded) >= RECORD_AGAIN {
-                directory::record(gateway.ledger.as_ref(), &hold.pools).await;
+                directory::record(gateway.fleet.ledger.as_ref(), &hold.pools).await;
                 hold.recorded = now;
             }
         }
@@ -109,7 +110,7 @@ pub(super) async fn wait_for_pool(
 /// What, when it changes, may let a held request through: the inventory and the health table.
 fn changes(gateway: &Gateway) -> (u64, u64) {
     (
-        gateway.inventory.snapshot().version(),
-        gateway.health.read().version(),
+        gateway.fleet.inventory.snapshot().version(),
+        gateway.fleet.health.read().version(),
     )
 }

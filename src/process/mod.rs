@@ -18,9 +18,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::status::KubeEvents;
-use crate::api::{self, ApiState, LeaseMetrics, ProxyListCache};
+use crate::api::{self, ApiState, LeaseMetrics};
 use crate::cli::CommonArgs;
-use crate::credentials::CredentialStore;
 use crate::gateway::{self, Gateway, GatewayMetrics};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
@@ -30,9 +29,7 @@ use crate::ledger::{
     SystemClock,
 };
 use crate::metrics::{self, FleetCollector};
-use crate::serving::candidates::CandidateIndex;
-use crate::serving::outcomes::Outcomes;
-use crate::serving::pools::PoolDirectory;
+use crate::serving::Fleet;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
@@ -64,31 +61,17 @@ pub enum Exit {
 
 /// The parts every mode shares, opened and ready to start.
 pub struct Core {
-    /// Proxies the health engine and API read.
-    pub inventory: Inventory,
-    /// Health as the engine last saw it.
-    pub health: HealthSnapshot,
-    /// Upstream credentials of the proxies that ask for them.
-    pub credentials: CredentialStore,
-    /// The lease ledger.
-    pub ledger: Arc<dyn Ledger>,
-    /// The ledger's clock.
-    pub clock: Arc<dyn Clock>,
+    /// What the servers read and write of the fleet (the health engine and the reconciler
+    /// feed it): the inventory, health, the ledger, credentials, sessions, outcomes, pools.
+    pub fleet: Fleet,
     /// The metrics registry.
     pub registry: Registry,
     /// Probe metrics for the health engine.
     pub probe_metrics: ProbeMetrics,
     /// Lease counters for the API.
     pub lease_metrics: LeaseMetrics,
-    /// The gateway's sticky sessions (the API takes reports for them).
-    pub sessions: Sessions,
     /// The gateway's counters.
     pub gateway_metrics: GatewayMetrics,
-    /// How requests through each proxy ended, counted by the gateway and the API's reports.
-    pub outcomes: Outcomes,
-    /// The ProxyPools requests may wake (kept by operator mode's pool watch; empty in
-    /// standalone mode).
-    pub pools: PoolDirectory,
 }
 
 impl Core {
@@ -154,18 +137,14 @@ impl Core {
             ))
             .map_err(metric_error)?;
         Ok(Core {
-            inventory,
-            health,
-            credentials: CredentialStore::default(),
-            ledger,
-            outcomes: Outcomes::new(clock.clone()),
-            clock,
+            fleet: Fleet {
+                sessions,
+                ..Fleet::new(inventory, health, ledger, clock)
+            },
             registry,
             probe_metrics,
             lease_metrics,
-            sessions,
             gateway_metrics,
-            pools: PoolDirectory::default(),
         })
     }
 }
@@ -331,11 +310,11 @@ pub fn start_core(
         EngineConfig {
             workers: usize::from(common.health_workers),
             extra_root_certs: probe_roots(common)?,
-            credentials: core.credentials.clone(),
+            credentials: core.fleet.credentials.clone(),
             ..EngineConfig::default()
         },
-        core.inventory.clone(),
-        core.health.clone(),
+        core.fleet.inventory.clone(),
+        core.fleet.health.clone(),
         core.probe_metrics.clone(),
         transitions,
     );
@@ -346,23 +325,17 @@ pub fn start_core(
     });
     supervisor.spawn(
         "ledger sweep",
-        sweep_ledger(core.ledger.clone(), supervisor.shutdown_token()),
+        sweep_ledger(core.fleet.ledger.clone(), supervisor.shutdown_token()),
     );
     let token = watch_tokens(supervisor, tokens, common);
     let state = ApiState {
-        inventory: core.inventory.clone(),
-        health: core.health.clone(),
-        ledger: core.ledger.clone(),
-        clock: core.clock.clone(),
-        metrics: core.lease_metrics.clone(),
-        default_ttl: common.default_lease_ttl,
-        proxy_list: ProxyListCache::default(),
-        candidates: CandidateIndex::default(),
-        sessions: core.sessions.clone(),
-        lease_credentials: common.lease_credentials.then(|| core.credentials.clone()),
-        pools: core.pools.clone(),
-        outcomes: core.outcomes.clone(),
+        lease_credentials: common.lease_credentials,
         kube_events,
+        ..ApiState::new(
+            core.fleet.clone(),
+            core.lease_metrics.clone(),
+            common.default_lease_ttl,
+        )
     };
     if let Some((listener, config)) = gateway_listener {
         start_gateway(supervisor, core, listener, config, token.clone())?;
@@ -401,21 +374,12 @@ fn start_gateway(
     if !token.is_required() {
         log::warn!("--insecure-no-auth: the gateway relays for anyone who can reach it");
     }
-    let gateway = Arc::new(
-        Gateway::new(
-            core.inventory.clone(),
-            core.health.clone(),
-            core.ledger.clone(),
-            core.credentials.clone(),
-            token,
-            core.sessions.clone(),
-            core.gateway_metrics.clone(),
-            core.outcomes.clone(),
-            core.clock.clone(),
-            config,
-        )
-        .holding_for(core.pools.clone()),
-    );
+    let gateway = Arc::new(Gateway::new(
+        core.fleet.clone(),
+        token,
+        core.gateway_metrics.clone(),
+        config,
+    ));
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("gateway", async move {
         gateway::serve(listener, gateway, shutdown).await;

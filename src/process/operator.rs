@@ -119,13 +119,13 @@ fn start_pools(
         pools::watch::run(
             pool_watch,
             pools::watch::raw_watch(client.clone(), args.watch_namespace.as_deref()),
-            core.pools.clone(),
+            core.fleet.pools.clone(),
             supervisor.shutdown_token(),
         ),
     );
     let ctx = Arc::new(PoolContext {
         client: client.clone(),
-        ledger: core.ledger.clone(),
+        ledger: core.fleet.ledger.clone(),
         recorder: parts.recorder,
         fleet: parts.fleet,
         budget: args.reconciler_config().replacement_budget,
@@ -141,7 +141,7 @@ fn start_pools(
             ctx,
             pool_feed,
             parts.members,
-            core.pools.demanded(),
+            core.fleet.pools.demanded(),
             parts.leader,
             supervisor.shutdown_token(),
         ),
@@ -179,7 +179,7 @@ async fn start(
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let credentials = core.credentials.clone();
+    let credentials = core.fleet.credentials.clone();
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("proxy credentials watch", async move {
         tokio::select! {
@@ -226,7 +226,7 @@ async fn start(
             .collect::<HashMap<_, _>>(),
         args.install_id.clone(),
         args.reconciler_config(),
-        core.ledger.clone(),
+        core.fleet.ledger.clone(),
         ReconcilerMetrics::register(&core.registry)
             .map_err(|e| StartError::from_display("metrics", e))?,
     ));

@@ -28,7 +28,7 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     let inventory = Inventory::new();
     inventory.replace(loaded.proxies);
     let core = Core::open(&args.common, inventory.clone()).await?;
-    core.credentials.replace(loaded.credentials);
+    core.fleet.credentials.replace(loaded.credentials);
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
@@ -60,7 +60,7 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
     });
     let shutdown = supervisor.shutdown_token();
     let poll = args.inventory_poll;
-    let credentials = core.credentials.clone();
+    let credentials = core.fleet.credentials.clone();
     supervisor.spawn("inventory file watcher", async move {
         file::watch(
             inventory_file,

@@ -6,6 +6,8 @@
 //! both feed).
 
 pub mod candidates;
+pub mod fleet;
+pub mod no_match;
 pub mod outcomes;
 pub mod pools;
 pub mod retry_after;
@@ -13,3 +15,5 @@ pub mod sessions;
 pub mod tenants;
 pub mod tokens;
 pub mod watched_file;
+
+pub use fleet::Fleet;

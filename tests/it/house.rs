@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use proc_macro2::{TokenStream, TokenTree};
 use syn::visit::{self, Visit};
 
-/// Every module of the tree at `src`, by path (`reconcile::execute::step`; the crate root is
+/// Every module of the tree at `src`, by path (`controllers::proxy::execute::step`; the crate root is
 /// `""`), with its file. `tests` modules are test code.
 fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
     let mut found = BTreeMap::new();
@@ -345,4 +345,113 @@ fn the_cycle_check_finds_cycles_through_uses_paths_and_attributes() {
     assert_eq!(cycles(&edges), [vec!["a".to_owned(), "b".to_owned()]]);
     assert!(edges["c"].contains("d"));
     assert!(!edges["d"].contains("c"));
+}
+
+/// The layers `docs/architecture.md` names in its "Layers" table, top first: the top-level
+/// modules of each row (the names in backticks of its second column).
+fn layers(doc: &str) -> Vec<Vec<String>> {
+    let section = doc
+        .split("\n## ")
+        .find(|s| s.starts_with("Layers\n"))
+        .expect("docs/architecture.md has a \"Layers\" section");
+    section
+        .lines()
+        .filter(|line| {
+            line.starts_with("| ") && !line.starts_with("| layer") && !line.starts_with("| ---")
+        })
+        .map(|row| {
+            let modules = row.split('|').nth(2).unwrap_or_default();
+            modules
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_owned)
+                .collect()
+        })
+        .collect()
+}
+
+/// What breaks the layering: an import from a module to one of a layer above its own or of
+/// its own layer (another top-level module), and a top-level module no layer lists.
+fn layering_problems(
+    edges: &BTreeMap<String, BTreeSet<String>>,
+    layers: &[Vec<String>],
+) -> Vec<String> {
+    let top = |module: &str| module.split("::").next().unwrap_or_default().to_owned();
+    let layer_of = |module: &str| layers.iter().position(|l| l.contains(&top(module)));
+    let mut problems = Vec::new();
+    let unlisted: BTreeSet<String> = edges
+        .keys()
+        .filter(|m| !m.is_empty() && layer_of(m).is_none())
+        .map(|m| top(m))
+        .collect();
+    for module in unlisted {
+        problems.push(format!("{module} is in no layer"));
+    }
+    for (from, targets) in edges {
+        for to in targets {
+            if from.is_empty() || top(from) == top(to) {
+                continue;
+            }
+            let (Some(a), Some(b)) = (layer_of(from), layer_of(to)) else {
+                continue;
+            };
+            if a >= b {
+                let how = if a == b { "across its layer" } else { "up" };
+                problems.push(format!(
+                    "{from} -> {to} ({how}: layer {} to {})",
+                    a + 1,
+                    b + 1
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_import_points_down_the_layers_of_the_architecture_page() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let layers = layers(&doc);
+    assert!(layers.len() >= 5, "{layers:?}");
+    let edges = imports(&root.join("src"));
+    let problems = layering_problems(&edges, &layers);
+    assert!(
+        problems.is_empty(),
+        "imports against the layers of docs/architecture.md (move what both sides need to a \
+         lower layer):\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn the_layer_check_finds_imports_up_and_across_and_modules_in_no_layer() {
+    let doc = "# A\n\n## Layers\n\n| layer | modules | what |\n| --- | --- | --- |\n\
+               | 1 | `top` | |\n| 2 | `left` · `right` | |\n| 3 | `base` | |\n\n## Next\n| 9 | `x` | |\n";
+    let layers = layers(doc);
+    assert_eq!(layers, [vec!["top"], vec!["left", "right"], vec!["base"]]);
+    let edge = |from: &str, to: &[&str]| {
+        (
+            from.to_owned(),
+            to.iter().map(|t| (*t).to_owned()).collect::<BTreeSet<_>>(),
+        )
+    };
+    let edges: BTreeMap<String, BTreeSet<String>> = [
+        edge("top", &["left", "base"]),
+        edge("left::inner", &["base::types", "right", "top"]),
+        edge("right", &["base"]),
+        edge("base", &[]),
+        edge("stray", &["base"]),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        layering_problems(&edges, &layers),
+        [
+            "stray is in no layer",
+            "left::inner -> right (across its layer: layer 2 to 2)",
+            "left::inner -> top (up: layer 2 to 1)",
+        ]
+    );
 }

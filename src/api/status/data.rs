@@ -37,6 +37,7 @@ fn ledger_error(state: &ApiState, error: crate::ledger::LedgerError) -> ApiError
 /// The proxies of the inventory in `tenant`'s scope.
 fn in_scope(state: &ApiState, tenant: &Tenant) -> HashSet<ProxyId> {
     state
+        .fleet
         .inventory
         .snapshot()
         .entries()
@@ -52,10 +53,10 @@ fn figures_then<T>(
     cooldowns: &HashMap<String, u32>,
     build: impl FnOnce(&crate::inventory::InventorySnapshot, &Figures<'_>) -> T,
 ) -> T {
-    let snapshot = state.inventory.snapshot();
-    let active = state.ledger.counts().active_counts();
-    let outcomes: HashMap<ProxyId, _> = state.outcomes.proxies().into_iter().collect();
-    let health = |id: &ProxyId| state.health.get(id);
+    let snapshot = state.fleet.inventory.snapshot();
+    let active = state.fleet.ledger.counts().active_counts();
+    let outcomes: HashMap<ProxyId, _> = state.fleet.outcomes.proxies().into_iter().collect();
+    let health = |id: &ProxyId| state.fleet.health.get(id);
     let figures = Figures {
         health: &health,
         active: &active,
@@ -74,7 +75,7 @@ pub async fn fleet_view(
     tenant: &Arc<Tenant>,
     tenants: &[Arc<Tenant>],
 ) -> Result<FleetView, ApiError> {
-    let usage = state.ledger.counts().tenant_usage();
+    let usage = state.fleet.ledger.counts().tenant_usage();
     let visible_tenants = match tenant.sees_every_tenant() {
         true => view::tenant_rows(tenants, &usage),
         false => view::tenant_rows(std::slice::from_ref(tenant), &usage),
@@ -88,11 +89,11 @@ pub async fn fleet_view(
             .collect::<Vec<_>>()
     });
     let minutes = i64::try_from(view::GATEWAY_WINDOW.as_secs() / 60).unwrap_or(5);
-    let pools = state.pools.entries();
+    let pools = state.fleet.pools.entries();
     if tenant.sees_everything() && tenant.sees_every_tenant() {
-        let window = state.outcomes.recent(minutes, |_| true);
-        let gateway = view::gateway_figures(state.sessions.len(), &window);
-        let cooldowns = state.ledger.counts().cooldowns_active();
+        let window = state.fleet.outcomes.recent(minutes, |_| true);
+        let gateway = view::gateway_figures(state.fleet.sessions.len(), &window);
+        let cooldowns = state.fleet.ledger.counts().cooldowns_active();
         return Ok(view::fleet_view(
             &rows,
             cooldowns,
@@ -102,8 +103,12 @@ pub async fn fleet_view(
         ));
     }
     let visible = in_scope(state, tenant);
-    let window = state.outcomes.recent(minutes, |id| visible.contains(id));
+    let window = state
+        .fleet
+        .outcomes
+        .recent(minutes, |id| visible.contains(id));
     let sessions = state
+        .fleet
         .sessions
         .per_tenant()
         .get(&tenant.name)
@@ -111,6 +116,7 @@ pub async fn fleet_view(
         .unwrap_or(0);
     let gateway = view::gateway_figures(sessions, &window);
     let activity = state
+        .fleet
         .ledger
         .activity(view::HOUR, tenant.history_filter())
         .await
@@ -145,6 +151,7 @@ pub async fn proxies_view(
     filter: &ProxiesFilter,
 ) -> Result<ProxiesView, ApiError> {
     let activity = state
+        .fleet
         .ledger
         .activity(view::HOUR, tenant.history_filter())
         .await
@@ -160,6 +167,7 @@ pub async fn proxies_view(
 /// in its scope (the fleet's success rates per target for the default tenant only).
 pub async fn targets_view(state: &ApiState, tenant: &Tenant) -> Result<TargetsView, ApiError> {
     let mut activity = state
+        .fleet
         .ledger
         .activity(view::HOUR, tenant.history_filter())
         .await
@@ -173,7 +181,7 @@ pub async fn targets_view(state: &ApiState, tenant: &Tenant) -> Result<TargetsVi
         });
     }
     let outcomes = match tenant.sees_every_tenant() {
-        true => state.outcomes.targets(),
+        true => state.fleet.outcomes.targets(),
         false => Vec::new(),
     };
     Ok(view::targets_view(&activity, &outcomes))
@@ -186,6 +194,7 @@ pub async fn events_view(
     limit: usize,
 ) -> Result<EventsView, ApiError> {
     let events = state
+        .fleet
         .ledger
         .events(EventsQuery {
             proxy: None,
@@ -205,7 +214,7 @@ pub async fn proxy_detail(
     namespace: &str,
     name: &str,
 ) -> Result<Option<ProxyDetail>, ApiError> {
-    let snapshot = state.inventory.snapshot();
+    let snapshot = state.fleet.inventory.snapshot();
     let Some((id, proxy)) = snapshot
         .entries()
         .find(|(id, _)| id.namespace == namespace && id.name == name)
@@ -215,6 +224,7 @@ pub async fn proxy_detail(
         return Ok(None);
     };
     let lease_events = state
+        .fleet
         .ledger
         .events(EventsQuery {
             proxy: Some((namespace.to_owned(), name.to_owned())),
@@ -224,6 +234,7 @@ pub async fn proxy_detail(
         .await
         .map_err(|e| ledger_error(state, e))?;
     let activity = state
+        .fleet
         .ledger
         .activity(view::HOUR, tenant.history_filter())
         .await
@@ -233,7 +244,7 @@ pub async fn proxy_detail(
         view::proxy_row(&id, &proxy, figures)
     });
     let kube = state.kube_events.of(&proxy).await;
-    let health = state.health.get(&id);
+    let health = state.fleet.health.get(&id);
     Ok(Some(view::proxy_detail(
         &proxy,
         row,

@@ -32,7 +32,7 @@ const STATUS_JS: &str = include_str!("assets/status.js");
 const STATUS_CSS: &str = include_str!("assets/status.css");
 
 fn now_ms(state: &ApiState) -> i64 {
-    state.clock.now().as_millisecond()
+    state.fleet.clock.now().as_millisecond()
 }
 
 /// Who is looking at the page: how they got in, and the caller (a token's identity and its

@@ -13,7 +13,7 @@ use crate::inventory::InventorySnapshot;
 use crate::ledger::TenantUsage;
 use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
 use crate::resources::phase::shown_phase;
-use crate::resources::proxy::{Mode, Phase, Proxy, ProxyId};
+use crate::resources::proxy::{Mode, Proxy, ProxyId};
 use crate::serving::candidates::Selector;
 use crate::serving::outcomes::OutcomeCounts;
 use crate::serving::pools::PoolEntry;
@@ -413,7 +413,7 @@ pub fn proxy_row(id: &ProxyId, proxy: &Proxy, figures: &Figures<'_>) -> ProxyRow
             let port = proxy.spec.effective_port(status);
             format!("{host}:{port}")
         }),
-        phase: phase_name(shown_phase(proxy, healthy)).to_owned(),
+        phase: shown_phase(proxy, healthy).as_str().to_owned(),
         healthy,
         latency_ms: health
             .as_ref()
@@ -490,19 +490,6 @@ pub fn proxies_view(
         pages: u32::try_from(pages).unwrap_or(u32::MAX),
         page_size: PAGE_SIZE as u32,
         proxies,
-    }
-}
-
-/// `phase` as `status.phase` spells it.
-pub fn phase_name(phase: Phase) -> &'static str {
-    match phase {
-        Phase::Pending => "Pending",
-        Phase::Provisioning => "Provisioning",
-        Phase::Ready => "Ready",
-        Phase::Unhealthy => "Unhealthy",
-        Phase::Replacing => "Replacing",
-        Phase::Deleting => "Deleting",
-        Phase::Failed => "Failed",
     }
 }
 

@@ -6,15 +6,14 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use proxy_operator::api::ApiState;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, ProxyListCache};
 use proxy_operator::fixtures;
 use proxy_operator::health::{EngineConfig, HealthEngine, HealthSnapshot, ProbeMetrics};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{Clock, LedgerConfig, SqliteLedger, SqliteOptions, SystemClock};
 use proxy_operator::resources::proxy::Proxy;
-use proxy_operator::serving::candidates::CandidateIndex;
-use proxy_operator::serving::outcomes::Outcomes;
+use proxy_operator::serving::Fleet;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{DEADLINE, Squid, Target};
@@ -110,21 +109,16 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
         clock.clone(),
     )
     .unwrap();
-    let state = ApiState {
-        lease_credentials: None,
-        pools: Default::default(),
-        kube_events: Default::default(),
-        sessions: Default::default(),
-        inventory: inventory.clone(),
-        health: health.clone(),
-        ledger: Arc::new(ledger.clone()),
-        outcomes: Outcomes::new(clock.clone()),
-        clock,
-        metrics: LeaseMetrics::register(&registry).unwrap(),
-        default_ttl: Duration::from_secs(120),
-        proxy_list: ProxyListCache::default(),
-        candidates: CandidateIndex::default(),
-    };
+    let state = ApiState::new(
+        Fleet::new(
+            inventory.clone(),
+            health.clone(),
+            Arc::new(ledger.clone()),
+            clock,
+        ),
+        LeaseMetrics::register(&registry).unwrap(),
+        Duration::from_secs(120),
+    );
     let (base, handle) = support::serve_api(state, TOKEN);
     let client = crate::support::http::client();
 

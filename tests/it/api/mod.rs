@@ -17,7 +17,7 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{self, ApiState, ProxyListCache};
+use proxy_operator::api::{self, ApiState};
 use proxy_operator::fixtures;
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
@@ -28,7 +28,7 @@ use proxy_operator::ledger::{
 use proxy_operator::resources::proxy::{
     CONDITION_PROVISIONED, Condition, ConditionStatus, Proxy, ProxyStatus, REASON_DRAINING,
 };
-use proxy_operator::serving::candidates::CandidateIndex;
+use proxy_operator::serving::Fleet;
 use proxy_operator::serving::outcomes::Outcomes;
 use proxy_operator::serving::tokens::{ApiToken, TokenSet};
 use reqwest::StatusCode;
@@ -197,21 +197,14 @@ impl Harness {
         let (ledger, sqlite) = store.open(config.clone(), dyn_clock.clone()).await;
         let registry = prometheus::Registry::new();
         let outcomes = Outcomes::new(dyn_clock.clone());
-        let state = ApiState {
-            lease_credentials: None,
-            pools: Default::default(),
-            kube_events: Default::default(),
-            sessions: Default::default(),
-            inventory: inventory.clone(),
-            health: health.clone(),
-            ledger: ledger.clone(),
-            outcomes: outcomes.clone(),
-            clock: dyn_clock,
-            metrics: LeaseMetrics::register(&registry).unwrap(),
-            default_ttl: Duration::from_secs(120),
-            proxy_list: ProxyListCache::default(),
-            candidates: CandidateIndex::default(),
-        };
+        let state = ApiState::new(
+            Fleet {
+                outcomes: outcomes.clone(),
+                ..Fleet::new(inventory.clone(), health.clone(), ledger.clone(), dyn_clock)
+            },
+            LeaseMetrics::register(&registry).unwrap(),
+            Duration::from_secs(120),
+        );
         let listener = crate::support::loopback_listener();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let token = ApiToken::new(TokenSet::single(TOKEN.as_bytes(), "TOKEN").unwrap());

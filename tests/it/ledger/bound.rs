@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix_web::dev::ServerHandle;
+use proxy_operator::api::ApiState;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, ProxyListCache};
 use proxy_operator::health::{HealthSnapshot, ProxyHealth};
 use proxy_operator::inventory::Inventory;
 use proxy_operator::ledger::{
@@ -26,8 +26,7 @@ use proxy_operator::ledger::{
     SqliteOptions,
 };
 use proxy_operator::resources::proxy::{Proxy, ProxySpec};
-use proxy_operator::serving::candidates::CandidateIndex;
-use proxy_operator::serving::outcomes::Outcomes;
+use proxy_operator::serving::Fleet;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::ledger::{candidates, count, granted, request, start};
@@ -523,21 +522,11 @@ impl Api {
         }
         inventory.replace(proxies);
         let registry = prometheus::Registry::new();
-        let state = ApiState {
-            lease_credentials: None,
-            pools: Default::default(),
-            kube_events: Default::default(),
-            sessions: Default::default(),
-            inventory,
-            health,
-            ledger: Arc::new(ledger.clone()),
-            outcomes: Outcomes::new(dyn_clock.clone()),
-            clock: dyn_clock,
-            metrics: LeaseMetrics::register(&registry).unwrap(),
-            default_ttl: Duration::from_secs(300),
-            proxy_list: ProxyListCache::default(),
-            candidates: CandidateIndex::default(),
-        };
+        let state = ApiState::new(
+            Fleet::new(inventory, health, Arc::new(ledger.clone()), dyn_clock),
+            LeaseMetrics::register(&registry).unwrap(),
+            Duration::from_secs(300),
+        );
         let (base, handle) = support::serve_api(state, TOKEN);
         Api {
             base,

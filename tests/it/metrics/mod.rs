@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{Encoder, Registry, TextEncoder};
+use proxy_operator::api::ApiState;
 use proxy_operator::api::LeaseMetrics;
-use proxy_operator::api::{ApiState, ProxyListCache};
 use proxy_operator::fixtures;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeErrorKind, ProbeMetrics, ProbeResult,
@@ -29,8 +29,7 @@ use proxy_operator::ledger::{
 };
 use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::resources::proxy::{Proxy, ProxyId};
-use proxy_operator::serving::candidates::CandidateIndex;
-use proxy_operator::serving::outcomes::Outcomes;
+use proxy_operator::serving::Fleet;
 use support::skip::skip;
 use support::{DEADLINE, Squid, Target};
 use tokio_util::sync::CancellationToken;
@@ -412,21 +411,11 @@ impl CooldownWorld {
             FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone()))
                 .unwrap();
         registry.register(Box::new(fleet)).unwrap();
-        let state = ApiState {
-            lease_credentials: None,
-            pools: Default::default(),
-            kube_events: Default::default(),
-            sessions: Default::default(),
-            inventory,
-            health,
-            ledger: Arc::new(ledger.clone()),
-            outcomes: Outcomes::new(dyn_clock.clone()),
-            clock: dyn_clock,
-            metrics: LeaseMetrics::register(&registry).unwrap(),
-            default_ttl: Duration::from_secs(60),
-            proxy_list: ProxyListCache::default(),
-            candidates: CandidateIndex::default(),
-        };
+        let state = ApiState::new(
+            Fleet::new(inventory, health, Arc::new(ledger.clone()), dyn_clock),
+            LeaseMetrics::register(&registry).unwrap(),
+            Duration::from_secs(60),
+        );
         let (api, api_server) = support::serve_api(state, TOKEN);
         let listener = support::loopback_listener();
         let metrics = format!("http://{}/metrics", listener.local_addr().unwrap());

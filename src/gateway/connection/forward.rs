@@ -20,13 +20,16 @@ use hyper::header::{
 use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode, Version};
 
-use super::choice::{Ask, ClientConnection, Held};
-use super::metrics::GatewayMetrics;
-use super::upstream::{Busy, HttpUpstream, Upstream, UpstreamFailure};
-use super::{
-    BAN_REPORTED_HEADER, Body, Failed, Gateway, LeaseFor, PROXY_STATUS, PROXY_STATUS_NAME,
-    RequestOutcome, Through, bans, error, lease_headers,
+use super::{ClientConnection, Failed, LeaseFor, Through};
+use crate::gateway::answers::{
+    BAN_REPORTED_HEADER, Body, PROXY_STATUS, PROXY_STATUS_NAME, RequestOutcome, error,
+    lease_headers,
 };
+use crate::gateway::ask::Ask;
+use crate::gateway::bans;
+use crate::gateway::choice::{Gateway, Held};
+use crate::gateway::metrics::GatewayMetrics;
+use crate::gateway::upstream::{Busy, HttpUpstream, Upstream, UpstreamFailure};
 use crate::ledger::LeaseReport;
 use crate::serving::outcomes::Outcome;
 use crate::serving::sessions::InUse;
@@ -209,6 +212,7 @@ async fn answer(
         banned: ban.is_some(),
     };
     gateway
+        .fleet
         .outcomes
         .record(&held.proxy, Some(&ask.target.host), outcome);
     let mut reported = None;
@@ -217,13 +221,14 @@ async fn answer(
             .headers()
             .get(RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| bans::retry_after(v, gateway.clock.now()));
+            .and_then(|v| bans::retry_after(v, gateway.fleet.clock.now()));
         let report = LeaseReport {
             result,
             target: Some(ask.target.host.clone()),
             cooldown,
         };
         match gateway
+            .fleet
             .ledger
             .report(&held.lease_id, &held.tenant, report)
             .await

@@ -3,6 +3,7 @@
 //! or answers otherwise is reported `error` and another is tried. Once up, the tunnel is a byte
 //! copy both ways, and its lease is renewed while it stays open.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
@@ -12,10 +13,12 @@ use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::choice::{Ask, ClientConnection, Held};
-use super::timeouts::Timed;
-use super::upstream;
-use super::{Body, Failed, LeaseFor, RequestOutcome, Through, full, lease_headers};
+use super::{ClientConnection, Failed, LeaseFor, Through};
+use crate::gateway::answers::{Body, RequestOutcome, full, lease_headers};
+use crate::gateway::ask::Ask;
+use crate::gateway::choice::{Gateway, Held};
+use crate::gateway::timeouts::Timed;
+use crate::gateway::upstream;
 use crate::serving::outcomes::Outcome;
 
 /// Opens the tunnel `request` asks for and answers it.
@@ -51,6 +54,7 @@ pub(super) async fn open(
         Err(answer) => return answer,
     };
     gateway
+        .fleet
         .outcomes
         .record(&held.proxy, Some(&ask.target.host), Outcome::TunnelOpened);
     let mut response = Response::new(full(""));
@@ -64,12 +68,7 @@ pub(super) async fn open(
 
 /// Copies bytes both ways until either side closes, renewing the lease meanwhile; then gives
 /// a tunnel's own lease back (a session's stays with the session, used from now).
-async fn relay(
-    gateway: std::sync::Arc<super::Gateway>,
-    held: Held,
-    client: OnUpgrade,
-    upstream: Upgraded,
-) {
+async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: Upgraded) {
     let _in_use = held.uses.begin();
     let copied = async {
         let client = client.await.map_err(std::io::Error::other)?;
