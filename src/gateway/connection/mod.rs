@@ -281,6 +281,17 @@ impl ClientConnection {
         if let Some(key) = ask.session_key() {
             return self.gateway.session_lease(ask, key, tried).await;
         }
+        self.own_lease(ask, tried, None).await
+    }
+
+    /// A new lease of the connection's own (no session) for `ask`, on none of `tried`;
+    /// `moved_from`: the proxy the connection's lease for the target was on before.
+    async fn own_lease(
+        &self,
+        ask: &Ask,
+        tried: &HashSet<String>,
+        moved_from: Option<ProxyId>,
+    ) -> Result<(Held, Upstream), Refusal> {
         let ttl = self.gateway.config.connection_lease_ttl;
         match self.gateway.acquire(ask, None, ttl, tried).await? {
             Acquired::Usable(lease_id, proxy, upstream) => Ok((
@@ -291,7 +302,7 @@ impl ClientConnection {
                     session: None,
                     ttl,
                     renewed: Instant::now(),
-                    moved_from: None,
+                    moved_from,
                     uses: Uses::default(),
                 },
                 upstream,
@@ -357,24 +368,7 @@ impl ClientConnection {
                 gateway.give_back(&old.lease_id, &old.tenant).await;
             }
         }
-        let ttl = gateway.config.connection_lease_ttl;
-        let (lease_id, proxy, upstream) = match gateway.acquire(ask, None, ttl, tried).await? {
-            Acquired::Usable(lease_id, proxy, upstream) => (lease_id, proxy, upstream),
-            Acquired::Unusable(lease_id) => {
-                gateway.give_back(&lease_id, ask.caller.tenant_name()).await;
-                return Err(Refusal::NoMatch(NoMatch::default()));
-            }
-        };
-        let held = Held {
-            lease_id,
-            tenant: ask.caller.tenant.name.clone(),
-            proxy,
-            session: None,
-            ttl,
-            renewed: Instant::now(),
-            moved_from,
-            uses: Uses::default(),
-        };
+        let (held, upstream) = self.own_lease(ask, tried, moved_from).await?;
         leases.insert(ask.target.host.clone(), (held.clone(), now));
         Ok((held, upstream))
     }
