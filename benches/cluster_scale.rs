@@ -39,13 +39,14 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use futures::{StreamExt, TryStreamExt};
-use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use futures::StreamExt;
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use proxy_operator::resources::proxy::Proxy;
 use serde_json::json;
 use support::envtest::ControlPlane;
 use support::operator::{OperatorProcess, this_build};
+use support::world::create_numbered;
 use support::{Squid, Target};
 use tokio::sync::Notify;
 
@@ -190,22 +191,10 @@ async fn create_and_time(
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<Proxy>(&()));
     let started = Instant::now();
-    futures::stream::iter(0..BATCH)
-        .map(|i| {
-            let api = api.clone();
-            let object: DynamicObject = serde_json::from_value(json!({
-                "apiVersion": "crawl.example.com/v1alpha1",
-                "kind": "Proxy",
-                "metadata": {"name": format!("px-{i:04}"), "labels": {"pool": "scale"}},
-                "spec": proxy_spec(i, squids, target),
-            }))
-            .expect("a Proxy object");
-            async move { api.create(&PostParams::default(), &object).await }
-        })
-        .buffer_unordered(CONCURRENT_CREATES)
-        .try_collect::<Vec<_>>()
-        .await
-        .expect("create the Proxies");
+    create_numbered(&api, BATCH, "scale", CONCURRENT_CREATES, |i| {
+        proxy_spec(i, squids, target)
+    })
+    .await;
     loop {
         let list = api
             .list(&ListParams::default())

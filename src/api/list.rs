@@ -40,15 +40,12 @@ impl Dynamic {
     /// The changing fields of a proxy with `health` (none yet: unknown) and `active_leases`.
     /// The last failure is kept only when the proxy is unhealthy (not when healthy or unknown).
     pub fn new(health: Option<&ProxyHealth>, active_leases: u32) -> Dynamic {
-        let verdict = health.and_then(|h| h.healthy);
         Dynamic {
-            healthy: verdict == Some(true),
+            healthy: health.and_then(|h| h.healthy) == Some(true),
             latency_ms: health
                 .and_then(|h| h.latency)
                 .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
-            last_failure: health
-                .and_then(|h| h.last_failure)
-                .filter(|_| verdict == Some(false)),
+            last_failure: health.and_then(ProxyHealth::unhealthy_because),
             active_leases,
         }
     }
@@ -170,10 +167,14 @@ impl ListBody {
             // Neither the kind nor an RFC 3339 time needs escaping.
             let _ = write!(
                 self.json,
-                r#","lastFailure":{{"kind":"{}","at":"{}"}}"#,
+                r#","lastFailure":{{"kind":"{}","at":"{}""#,
                 failure.kind.as_str(),
                 failure.at
             );
+            if let Some(status) = failure.status {
+                let _ = write!(self.json, r#","status":{status}"#);
+            }
+            self.json.push('}');
         }
         let _ = write!(self.json, r#","activeLeases":{},"#, dynamic.active_leases);
         self.json.push_str(&fragment.tail);
@@ -228,6 +229,7 @@ mod tests {
         let snapshot = inventory.snapshot();
         let failure = LastFailure {
             kind: ProbeErrorKind::ConnectTunnelRefused,
+            status: None,
             at: "2026-11-30T22:01:02.345678901Z".parse().unwrap(),
         };
         let dynamics = [
@@ -253,7 +255,8 @@ mod tests {
                 healthy: false,
                 latency_ms: Some(u64::MAX),
                 last_failure: Some(LastFailure {
-                    kind: ProbeErrorKind::Timeout,
+                    kind: ProbeErrorKind::UnexpectedStatus,
+                    status: Some(503),
                     ..failure
                 }),
                 active_leases: u32::MAX,
@@ -275,10 +278,7 @@ mod tests {
                     url: proxy_url(host, port),
                     healthy: dynamic.healthy,
                     latency_ms: dynamic.latency_ms,
-                    last_failure: dynamic.last_failure.map(|f| LastFailureView {
-                        kind: f.kind,
-                        at: f.at.to_string(),
-                    }),
+                    last_failure: dynamic.last_failure.map(LastFailureView::from),
                     active_leases: dynamic.active_leases,
                     max_leases: p.spec.max_leases(),
                     cordoned: p.spec.cordoned,
@@ -307,6 +307,7 @@ mod tests {
     fn the_last_failure_is_listed_only_while_unhealthy() {
         let failure = LastFailure {
             kind: ProbeErrorKind::ConnectRefused,
+            status: None,
             at: jiff::Timestamp::UNIX_EPOCH,
         };
         let health = |healthy: Option<bool>, last_failure: Option<LastFailure>| ProxyHealth {

@@ -15,7 +15,7 @@ use utoipa::openapi::schema::{KnownFormat, Object, ObjectBuilder, SchemaFormat, 
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::ApiError;
-use crate::health::ProbeErrorKind;
+use crate::health::{LastFailure, ProbeErrorKind};
 use crate::ledger::ReportResult;
 use crate::serving::candidates::selector_pattern;
 
@@ -257,6 +257,20 @@ pub struct LastFailureView {
     /// When that probe finished (RFC 3339).
     #[schema(example = "2026-11-30T22:00:00.123Z")]
     pub at: String,
+    /// The status the probe URL answered, for `unexpected_status`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(example = 503)]
+    pub status: Option<u16>,
+}
+
+impl From<LastFailure> for LastFailureView {
+    fn from(failure: LastFailure) -> Self {
+        LastFailureView {
+            kind: failure.kind,
+            at: failure.at.to_string(),
+            status: failure.status,
+        }
+    }
 }
 
 /// Answer of `GET /v1/proxies`.

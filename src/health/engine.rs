@@ -2,12 +2,14 @@
 //! interval, applies the thresholds, publishes the [`HealthSnapshot`] and pushes health
 //! *transitions* to the reconciler (the only status writer).
 //!
-//! One scheduler loop owns all state: on every tick it syncs with the inventory when that
-//! changed (the proxies of the first complete inventory get a first probe time jittered over
-//! one interval, so a restart does not probe the whole fleet at once; a proxy that appears later
-//! is probed at once; vanished ones are pruned together with their snapshot entry and metric
-//! series) and queues the proxies that are due. At most `workers` probes run at once, and a proxy that is queued or in flight is never
-//! queued again. A proxy not yet probed at its address (new, or moved) is queued ahead of the
+//! One scheduler loop owns all state. It syncs with the inventory as soon as the inventory
+//! changes, woken by its change notification rather than the tick, so a new proxy or a new
+//! address (a pool's member waking up) is probed at once (the proxies of the first complete
+//! inventory get a first probe time jittered over one interval, so a restart does not probe
+//! the whole fleet at once; vanished ones are pruned together with their snapshot entry and
+//! metric series); on every tick it queues the proxies whose re-probe is due. At most
+//! `workers` probes run at once, and a proxy that is queued or in flight is never queued
+//! again. A proxy not yet probed at its address (new, or moved) is queued ahead of the
 //! re-probes: with a large fleet the workers can be busy with re-probes for a while, and a new
 //! proxy's first verdict is what makes it Ready (and what an External proxy's first status
 //! write waits for).
@@ -35,7 +37,7 @@ use crate::resources::proxy::{Proxy, ProxyId};
 
 /// Default number of concurrent probes (`--health-workers`).
 pub const DEFAULT_WORKERS: usize = 8;
-/// Default scheduler tick.
+/// Default scheduler tick: how often due re-probes are looked for.
 pub const DEFAULT_TICK: Duration = Duration::from_secs(1);
 
 /// How the engine runs.
@@ -43,8 +45,8 @@ pub const DEFAULT_TICK: Duration = Duration::from_secs(1);
 pub struct EngineConfig {
     /// Maximum number of probes in flight at once (`--health-workers`; at least 1).
     pub workers: usize,
-    /// How often the scheduler looks for due proxies and syncs with the inventory (at least
-    /// 1 ms).
+    /// How often the scheduler looks for proxies due a re-probe (at least 1 ms). Inventory
+    /// changes do not wait for it.
     pub tick: Duration,
     /// Extra trusted root certificates (DER) for `https://` probe URLs, on top of the system
     /// roots.
@@ -130,22 +132,22 @@ impl HealthEngine {
         let mut ticker = tokio::time::interval(tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut probes: JoinSet<(ProxyId, ProbeResult)> = JoinSet::new();
-        // The inventory set last synced; the scan is skipped while it is unchanged.
-        let mut synced: Option<Arc<InventorySnapshot>> = None;
+        let mut changes = inventory.subscribe();
+        // The set as it is now is synced first.
+        changes.mark_changed();
         log::info!("health engine started with {workers} workers");
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                _ = ticker.tick() => {
+                // Never an error: `inventory` keeps the sender.
+                Ok(()) = changes.changed() => {
                     let now = Instant::now();
-                    let current = inventory.snapshot();
-                    if !synced.as_ref().is_some_and(|s| Arc::ptr_eq(s, &current)) {
-                        scheduler.sync(&current, now);
-                        synced = Some(current);
-                    }
+                    let current = changes.borrow_and_update().clone();
+                    scheduler.sync(&current, now);
                     scheduler.queue_due(now);
                 }
+                _ = ticker.tick() => scheduler.queue_due(Instant::now()),
                 Some(joined) = probes.join_next_with_id(), if !probes.is_empty() => match joined {
                     Ok((task, (id, result))) => scheduler.record(task, &id, &result, Instant::now()),
                     Err(e) if e.is_cancelled() => {}
@@ -162,6 +164,9 @@ impl HealthEngine {
 /// One proxy the engine probes.
 #[derive(Debug)]
 struct Tracked {
+    /// The object it was last synced from: the inventory hands the same `Arc` again while the
+    /// Proxy is unchanged, so a sync skips it.
+    source: Arc<Proxy>,
     client: ProbeClient,
     thresholds: Thresholds,
     interval: Duration,
@@ -255,28 +260,34 @@ impl Scheduler {
     /// Starts tracking new proxies, refreshes changed ones and prunes vanished ones.
     fn sync(&mut self, inventory: &InventorySnapshot, now: Instant) {
         let mut live = HashSet::with_capacity(inventory.len());
-        for proxy in inventory.proxies() {
+        for (id, proxy) in inventory.entries() {
+            if let Some(tracked) = self.tracked.get(id)
+                && Arc::ptr_eq(&tracked.source, proxy)
+            {
+                live.insert(id.clone());
+                continue;
+            }
             let Some(settings) = ProbeSettings::for_proxy(proxy) else {
                 continue;
             };
-            let id = proxy.id();
             live.insert(id.clone());
-            match self.tracked.get_mut(&id) {
+            match self.tracked.get_mut(id) {
                 Some(tracked) => {
+                    tracked.source = proxy.clone();
                     if tracked.refresh(proxy, settings, &self.tls, now) {
                         log::info!("{id} has a new address; its health starts as unknown");
                         self.metrics.remove(&id.namespace, &id.name);
-                        self.snapshot.set(id, ProxyHealth::default());
+                        self.snapshot.set(id.clone(), ProxyHealth::default());
                     }
                 }
-                None => self.track(id, proxy, settings, now),
+                None => self.track(id.clone(), proxy, settings, now),
             }
         }
         self.prune(&live);
         self.started |= inventory.is_synced();
     }
 
-    fn track(&mut self, id: ProxyId, proxy: &Proxy, settings: ProbeSettings, now: Instant) {
+    fn track(&mut self, id: ProxyId, proxy: &Arc<Proxy>, settings: ProbeSettings, now: Instant) {
         let check = proxy.spec.health_check();
         let interval = check.interval();
         let seed = proxy.status.as_ref().and_then(|s| s.healthy());
@@ -295,6 +306,7 @@ impl Scheduler {
         self.tracked.insert(
             id,
             Tracked {
+                source: proxy.clone(),
                 client: ProbeClient::new(settings, &self.tls),
                 thresholds: Thresholds::of(check),
                 interval,
@@ -412,7 +424,11 @@ impl Scheduler {
                 .observe(result.is_success(), result.latency, now, tracked.thresholds);
         self.metrics.observe(id, result, tracked.state.healthy());
         if let Err(e) = &result.outcome {
-            tracked.last_failure = Some(LastFailure { kind: e.kind, at });
+            tracked.last_failure = Some(LastFailure {
+                kind: e.kind,
+                status: e.status,
+                at,
+            });
         }
         self.snapshot.set(
             id.clone(),
@@ -645,6 +661,7 @@ mod tests {
             tracked.in_flight = Some(handle);
             tracked.last_failure = Some(LastFailure {
                 kind: ProbeErrorKind::Timeout,
+                status: None,
                 at: jiff::Timestamp::now(),
             });
             let healthy = ProxyHealth {

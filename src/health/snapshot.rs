@@ -33,11 +33,21 @@ pub struct ProxyHealth {
     pub last_failure: Option<LastFailure>,
 }
 
-/// Kind and time of a failed probe.
+impl ProxyHealth {
+    /// The most recent failure, while the proxy is unhealthy: why it is (none when healthy, not
+    /// decided yet, or seeded unhealthy and not probed since).
+    pub fn unhealthy_because(&self) -> Option<LastFailure> {
+        self.last_failure.filter(|_| self.healthy == Some(false))
+    }
+}
+
+/// Kind, status and time of a failed probe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LastFailure {
     /// Why it failed.
     pub kind: ProbeErrorKind,
+    /// The status the target answered, for an unexpected one.
+    pub status: Option<u16>,
     /// When the probe finished.
     pub at: jiff::Timestamp,
 }

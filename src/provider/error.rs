@@ -84,32 +84,16 @@ impl ProviderError {
     }
 }
 
-/// The class of any error: the class of the first [`ProviderError`] in its source chain, or
-/// [`ErrorClass::Transient`] when there is none.
-pub fn class_of(err: &(dyn StdError + 'static)) -> ErrorClass {
-    let mut current = Some(err);
-    while let Some(e) = current {
-        if let Some(provider_error) = e.downcast_ref::<ProviderError>() {
-            return provider_error.class;
-        }
-        current = e.source();
-    }
-    ErrorClass::Transient
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[derive(Debug, thiserror::Error)]
-    #[error("wrapped: {0}")]
-    struct Wrapper(#[source] ProviderError);
 
     #[test]
     fn class_and_source_are_both_reachable() {
         let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline");
         let err = ProviderError::new(ErrorClass::QuotaExceeded, "create", "gcp-eu", "proxy-x", io);
-        assert_eq!(class_of(&err), ErrorClass::QuotaExceeded);
+        assert_eq!(err.class, ErrorClass::QuotaExceeded);
+        assert!(!err.is_not_found());
         let source = err.source().unwrap();
         let io = source.downcast_ref::<std::io::Error>().unwrap();
         assert_eq!(io.kind(), std::io::ErrorKind::TimedOut);
@@ -120,16 +104,9 @@ mod tests {
     }
 
     #[test]
-    fn class_is_found_through_wrappers() {
-        let inner = ProviderError::new(ErrorClass::NotFound, "get", "local", "ns/p", "gone");
-        let outer = Wrapper(inner);
-        assert_eq!(class_of(&outer), ErrorClass::NotFound);
-        assert!(outer.0.is_not_found());
-    }
-
-    #[test]
-    fn unclassified_errors_are_transient() {
-        let io = std::io::Error::other("connection reset");
-        assert_eq!(class_of(&io), ErrorClass::Transient);
+    fn only_the_not_found_class_is_not_found() {
+        let gone = ProviderError::new(ErrorClass::NotFound, "get", "local", "ns/p", "gone");
+        assert!(gone.is_not_found());
+        assert_eq!(gone.class.as_str(), "not_found");
     }
 }

@@ -18,7 +18,7 @@ pub mod squid_conf;
 use std::collections::BTreeMap;
 
 pub use config::{ConfigError, ProviderEntry, ProviderType, ProvidersConfig};
-pub use error::{ErrorClass, ProviderError, class_of};
+pub use error::{ErrorClass, ProviderError};
 
 use crate::resources::proxy::{MANAGED_LABEL, PROXY_UID_LABEL, Placement};
 

@@ -215,6 +215,16 @@ struct Running {
 
 impl Running {
     fn start(target: &Target, proxies: Vec<Proxy>, channel: usize) -> Running {
+        Running::start_ticking(target, proxies, channel, Duration::from_millis(20))
+    }
+
+    /// [`Running::start`] with the scheduler's `tick`.
+    fn start_ticking(
+        target: &Target,
+        proxies: Vec<Proxy>,
+        channel: usize,
+        tick: Duration,
+    ) -> Running {
         let inventory = Inventory::new();
         inventory.replace(proxies);
         let snapshot = HealthSnapshot::new();
@@ -224,7 +234,7 @@ impl Running {
         let config = EngineConfig {
             credentials: Default::default(),
             workers: 4,
-            tick: Duration::from_millis(20),
+            tick,
             extra_root_certs: vec![target.ca_cert_der()],
         };
         let engine = HealthEngine::new(
@@ -428,6 +438,13 @@ async fn a_target_answering_500_makes_the_proxy_unhealthy() {
         transition.message
     );
     assert!(transition.message.contains("500"), "{}", transition.message);
+    // Why, as the API and the status page show it: the kind and the status.
+    let health = engine.snapshot.get(&id("a", "uid-a")).unwrap();
+    let failure = health.unhealthy_because().expect("a last failure");
+    assert_eq!(
+        (failure.kind, failure.status),
+        (ProbeErrorKind::UnexpectedStatus, Some(500))
+    );
     engine.stop().await;
 }
 
@@ -664,6 +681,57 @@ async fn a_proxy_added_after_start_is_probed_at_once_not_jittered() {
     let transition = engine.next_transition().await;
     assert_eq!(transition.id, id("late", "uid-late"));
     assert!(transition.healthy, "{}", transition.message);
+    engine.stop().await;
+}
+
+/// The inventory's change notification, not the tick, brings a new proxy and a moved address
+/// to the engine. With an hour's tick (its first at start) and an hour's probe interval, each
+/// is probed within the transition deadline of the change (and in milliseconds, printed); an
+/// engine that looked at the inventory on its tick would wait the hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_proxies_and_addresses_are_probed_when_written_not_on_the_tick() {
+    let first = Squid::start();
+    let second = Squid::start();
+    let target = Target::start();
+    let url = target.https_url();
+    let check = serde_json::json!({"interval": "1h"});
+    let early = proxy("early", "uid-early", first.port(), &url, check.clone());
+    let hour = Duration::from_secs(3600);
+    let mut engine = Running::start_ticking(&target, vec![early.clone()], 16, hour);
+    // Tracked (its first probe jittered over the hour, as at every start): the engine has
+    // synced the start-up inventory, so what comes next is new to it.
+    let early_id = id("early", "uid-early");
+    wait_until("the start-up inventory synced", || {
+        engine.snapshot.get(&early_id).is_some()
+    })
+    .await;
+
+    let late = proxy("late", "uid-late", second.port(), &url, check.clone());
+    let written = Instant::now();
+    engine.inventory.replace(vec![early, late.clone()]);
+    let added = engine.next_transition().await;
+    let new_proxy = written.elapsed();
+    assert_eq!(added.id, id("late", "uid-late"));
+    assert!(added.healthy, "{}", added.message);
+
+    let moved = proxy("early", "uid-early", second.port(), &url, check);
+    let written = Instant::now();
+    engine.inventory.replace(vec![moved, late]);
+    let readdressed = engine.next_transition().await;
+    let new_address = written.elapsed();
+    assert_eq!(readdressed.id, early_id);
+    assert_eq!(readdressed.proxy_url, second.url(), "{readdressed:?}");
+    assert!(readdressed.healthy, "{}", readdressed.message);
+    println!(
+        "probed after the inventory changed: a new proxy in {:.1} ms, a new address in {:.1} \
+         ms (tick and interval {hour:?})",
+        new_proxy.as_secs_f64() * 1000.0,
+        new_address.as_secs_f64() * 1000.0
+    );
+    assert!(
+        engine.transitions.try_recv().is_err(),
+        "nothing else probed"
+    );
     engine.stop().await;
 }
 

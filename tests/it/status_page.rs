@@ -8,7 +8,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use reqwest::header::{CONTENT_SECURITY_POLICY, COOKIE, LOCATION, ORIGIN, SET_COOKIE};
+use reqwest::header::{
+    CONTENT_SECURITY_POLICY, CONTENT_TYPE, COOKIE, LOCATION, ORIGIN, SET_COOKIE,
+};
 use serde_json::{Value, json};
 
 use crate::support::browser::{axe_core, chromium, run_script};
@@ -59,9 +61,9 @@ async fn get_with(url: &str, cookie: &str) -> reqwest::Response {
 }
 
 /// In Chromium: sign in, see the three proxies Ready, watch a killed squid's row turn
-/// unhealthy without a reload, filter and sort, find a 429's cooldown in the per-target
-/// table, no serious or critical axe-core violation on any view, no console error, sign out
-/// and the data routes answer 401.
+/// unhealthy without a reload and say why, filter and sort, find a 429's cooldown in the
+/// per-target table, no serious or critical axe-core violation on any view, the icon served
+/// and no console error on any view, sign out and the data routes answer 401.
 #[tokio::test]
 async fn chromium_signs_in_and_watches_the_fleet() {
     if chromium().is_none() {
@@ -173,6 +175,12 @@ async fn chromium_signs_in_and_watches_the_fleet() {
         "the row changed by the live refresh: {seen}"
     );
     assert_eq!(look("phases_after")[&killed], "Unhealthy", "{seen}");
+    // Why, instead of a latency: squid is gone, so its port refuses.
+    let killed_health = look("killed_health").as_str().unwrap();
+    assert!(
+        killed_health.contains("unhealthy connect_refused") && !killed_health.contains(" ms"),
+        "{killed_health}: {seen}"
+    );
 
     assert_eq!(look("filtered_by_name"), &json!(["default/gw-1"]), "{seen}");
     assert_eq!(look("filtered_by_other_label"), &json!([]), "{seen}");
@@ -203,6 +211,7 @@ async fn chromium_signs_in_and_watches_the_fleet() {
 
     let proxy_page = look("proxy_page").as_str().unwrap();
     assert!(proxy_page.contains("unhealthy"), "{proxy_page}");
+    assert!(proxy_page.contains("connect_refused"), "{proxy_page}");
     assert!(
         look("events").as_u64().unwrap() >= 2,
         "acquired and reported: {seen}"
@@ -225,6 +234,25 @@ async fn chromium_signs_in_and_watches_the_fleet() {
         "{seen}"
     );
     assert_eq!(look("errors"), &json!([]), "no console errors: {seen}");
+    let console = look("console").as_array().unwrap();
+    assert!(
+        console.iter().all(|m| m["type"] != "error"),
+        "every console message, the icon's included: {seen}"
+    );
+    let icons = look("icons").as_array().unwrap();
+    assert!(
+        !icons.is_empty(),
+        "the browser fetched the page's icon: {seen}"
+    );
+    for icon in icons {
+        assert_eq!(icon["status"], 200, "{icon}: {seen}");
+        assert_eq!(icon["type"], "image/svg+xml", "{icon}: {seen}");
+    }
+    assert_eq!(
+        look("default_icon"),
+        &json!({"status": 200, "type": "image/svg+xml"}),
+        "{seen}"
+    );
     assert!(screenshot.is_file());
 }
 
@@ -251,6 +279,18 @@ async fn the_session_cookie_opens_only_the_page_and_its_data_routes() {
     )
     .await;
     let base = fleet.operator.api().to_owned();
+
+    // The icon needs no sign-in, and carries the pages' headers.
+    for path in ["/favicon.ico", "/assets/favicon.svg"] {
+        let icon = client().get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(icon.status(), StatusCode::OK, "{path}");
+        assert_eq!(icon.headers()[CONTENT_TYPE], "image/svg+xml", "{path}");
+        assert!(
+            icon.headers().contains_key(CONTENT_SECURITY_POLICY),
+            "{path}"
+        );
+        assert!(icon.text().await.unwrap().starts_with("<svg"), "{path}");
+    }
 
     let wrong = sign_in(&base, "not-the-token-0123456789", None).await;
     assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);

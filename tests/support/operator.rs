@@ -16,6 +16,9 @@ use super::{Target, free_port};
 /// How long a start-up may take on a loaded machine.
 pub const READY_DEADLINE: Duration = Duration::from_secs(90);
 
+/// `RUST_LOG` of the operators these tests start.
+pub const TEST_LOG: &str = "info,kube_lease_manager=warn";
+
 /// Bearer token of the lease API in these tests.
 pub const API_TOKEN: &str = "operator-test-token-0123456789";
 
@@ -80,6 +83,42 @@ pub struct OperatorOptions {
     pub extra_args: Vec<String>,
     /// PEM bundle trusted for probe URLs.
     pub probe_ca: Option<PathBuf>,
+    /// `RUST_LOG`; `None` runs the binary with its default filter, as an install that sets
+    /// none does.
+    pub log_filter: Option<String>,
+}
+
+impl OperatorOptions {
+    /// The options of an operator against `cp` with the operator's identity from
+    /// `manifests/`, trusting `target`'s CA for probes, logging at [`TEST_LOG`]. With a
+    /// `watch_namespace`, orphan GC is allowed too: the install ID already keeps it to this
+    /// process's own machines.
+    pub async fn prepared(
+        cp: &ControlPlane,
+        dir: &Path,
+        target: &Target,
+        install_id: &str,
+        watch_namespace: Option<&str>,
+        extra_args: &[&str],
+    ) -> OperatorOptions {
+        let kubeconfig = dir.join("operator.kubeconfig");
+        cp.operator_kubeconfig(&kubeconfig).await;
+        let probe_ca = write_file(dir, "probe-ca.pem", target.ca_cert_pem());
+        let mut args: Vec<String> = watch_namespace
+            .map(|_| "--gc-allow-namespaced".to_owned())
+            .into_iter()
+            .collect();
+        args.extend(extra_args.iter().map(|a| (*a).to_owned()));
+        OperatorOptions {
+            kubeconfig,
+            dir: dir.to_owned(),
+            install_id: install_id.to_owned(),
+            watch_namespace: watch_namespace.map(str::to_owned),
+            extra_args: args,
+            probe_ca: Some(probe_ca),
+            log_filter: Some(TEST_LOG.to_owned()),
+        }
+    }
 }
 
 /// A running `proxy-operator run`.
@@ -119,9 +158,7 @@ impl OperatorProcess {
         process
     }
 
-    /// Starts `run` against `cp` with the operator's identity from `manifests/`, trusting
-    /// `target`'s CA for probes, and waits until it is ready. With a `watch_namespace`, orphan
-    /// GC is allowed too: the install ID already keeps it to this process's own machines.
+    /// Starts `run` against `cp` ([`OperatorOptions::prepared`]) and waits until it is ready.
     pub async fn start_ready(
         cp: &ControlPlane,
         dir: &Path,
@@ -152,22 +189,14 @@ impl OperatorProcess {
         extra_args: &[&str],
         binary: PathBuf,
     ) -> OperatorProcess {
-        let kubeconfig = dir.join("operator.kubeconfig");
-        cp.operator_kubeconfig(&kubeconfig).await;
-        let probe_ca = write_file(dir, "probe-ca.pem", target.ca_cert_pem());
-        let mut args: Vec<String> = watch_namespace
-            .map(|_| "--gc-allow-namespaced".to_owned())
-            .into_iter()
-            .collect();
-        args.extend(extra_args.iter().map(|a| (*a).to_owned()));
-        let options = OperatorOptions {
-            kubeconfig,
-            dir: dir.to_owned(),
-            install_id: install_id.to_owned(),
-            watch_namespace: watch_namespace.map(str::to_owned),
-            extra_args: args,
-            probe_ca: Some(probe_ca),
-        };
+        let options =
+            OperatorOptions::prepared(cp, dir, target, install_id, watch_namespace, extra_args)
+                .await;
+        OperatorProcess::start_ready_with(options, binary).await
+    }
+
+    /// Starts `binary` with `options` and waits until it is ready.
+    pub async fn start_ready_with(options: OperatorOptions, binary: PathBuf) -> OperatorProcess {
         let mut operator = OperatorProcess::start_binary(options, binary);
         operator.wait_ready(READY_DEADLINE).await;
         operator
@@ -214,12 +243,15 @@ impl OperatorProcess {
         if let Some(ca) = &self.options.probe_ca {
             command.arg("--probe-ca-file").arg(ca);
         }
+        match &self.options.log_filter {
+            Some(filter) => command.env("RUST_LOG", filter),
+            None => command.env_remove("RUST_LOG"),
+        };
         command
             .args(&self.options.extra_args)
             .env("KUBECONFIG", &self.options.kubeconfig)
             .env("DISCOVERY_TOKEN", API_TOKEN)
             .env("POD_NAME", self.identity())
-            .env("RUST_LOG", "info,kube_lease_manager=warn")
             .env_remove("KUBERNETES_SERVICE_HOST")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -1,8 +1,9 @@
 //! A real Prometheus server (Debian package `prometheus`, installed by `.ci/run`) on a free
-//! loopback port, scraping one target and evaluating one rule file every second, with its
+//! loopback port, scraping its jobs and evaluating one rule file every second, with its
 //! config, TSDB and log in a temp dir. Killed on drop, and by the kernel if the test process
 //! dies first (spawned through [`spawn_tied`]); its log is printed when the test is failing.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -20,6 +21,41 @@ pub fn tool(name: &'static str) -> Option<&'static str> {
     super::required_tool(name, &["--version"], "apt-get install prometheus")
 }
 
+/// One scrape job of one target.
+#[derive(Debug, Clone)]
+pub struct ScrapeJob {
+    /// `job_name`.
+    pub name: String,
+    /// `host:port`, scraped at `/metrics`.
+    pub target: String,
+    /// The target's own labels, as service discovery gives them (a ServiceMonitor's target
+    /// has `namespace`, `service`, `endpoint`, ...).
+    pub labels: BTreeMap<String, String>,
+    /// `honor_labels`: a series' own label wins over the target's of the same name, which is
+    /// otherwise kept and the series' renamed `exported_<name>`.
+    pub honor_labels: bool,
+}
+
+impl ScrapeJob {
+    /// `target` as job `name`, with no target labels.
+    pub fn plain(name: &str, target: &str) -> ScrapeJob {
+        ScrapeJob {
+            name: name.to_owned(),
+            target: target.to_owned(),
+            labels: BTreeMap::new(),
+            honor_labels: false,
+        }
+    }
+
+    fn config(&self) -> Value {
+        json!({
+            "job_name": self.name,
+            "honor_labels": self.honor_labels,
+            "static_configs": [{"targets": [self.target], "labels": self.labels}],
+        })
+    }
+}
+
 /// A running Prometheus.
 pub struct Prometheus {
     child: Child,
@@ -33,6 +69,11 @@ impl Prometheus {
     /// `rules` (a rule file, YAML or JSON) loaded, and waits until it is ready. `None` when
     /// the binary is missing outside CI.
     pub async fn start(target: &str, job: &str, rules: &str) -> Option<Prometheus> {
+        Prometheus::start_jobs(&[ScrapeJob::plain(job, target)], rules).await
+    }
+
+    /// Starts Prometheus scraping `jobs` with `rules` loaded, as [`Prometheus::start`] does.
+    pub async fn start_jobs(jobs: &[ScrapeJob], rules: &str) -> Option<Prometheus> {
         let binary = tool("prometheus")?;
         let mut dir = tempfile::Builder::new()
             .prefix("prometheus-")
@@ -43,7 +84,7 @@ impl Prometheus {
         let config = json!({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": ["rules.yaml"],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": jobs.iter().map(ScrapeJob::config).collect::<Vec<_>>(),
         });
         std::fs::write(dir.path().join("prometheus.yml"), config.to_string())
             .expect("write prometheus.yml");

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -318,6 +319,32 @@ impl World {
             .filter_map(|e| e.reason.clone())
             .collect()
     }
+}
+
+/// Creates `count` Proxies named `px-0000`, `px-0001`, ... labelled `pool: <pool>` through `api`,
+/// `concurrency` requests at a time, the `i`-th with `spec(i)`.
+pub async fn create_numbered(
+    api: &Api<DynamicObject>,
+    count: usize,
+    pool: &str,
+    concurrency: usize,
+    spec: impl Fn(usize) -> Value,
+) {
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let object: DynamicObject = serde_json::from_value(json!({
+                "apiVersion": "crawl.example.com/v1alpha1",
+                "kind": "Proxy",
+                "metadata": {"name": format!("px-{i:04}"), "labels": {"pool": pool}},
+                "spec": spec(i),
+            }))
+            .expect("a Proxy object");
+            async move { api.create(&PostParams::default(), &object).await }
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<_>>()
+        .await
+        .expect("create the Proxies");
 }
 
 /// Polls `probe` until it yields a value, panicking with `what` after [`SLOW`].

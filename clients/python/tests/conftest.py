@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The package of this checkout, installed or not (an install may point at another copy).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from harness import Operator, Site, start_operator  # noqa: E402
 

@@ -32,6 +32,7 @@ from proxy_operator import (
     RetryPolicy,
     TooManyRequests,
     TransportError,
+    Unavailable,
     gateway_proxy_url,
 )
 from proxy_operator.calls import NO_WAIT
@@ -274,10 +275,13 @@ def test_an_acquire_still_over_its_quota_raises_quota_exceeded(tmp_path: Path, s
 class WakingApi:
     """A loopback stand-in for the lease API in front of a pool scaled to zero (standalone has
     no pools): its first ``waking`` acquires are answered ``503 pool_waking`` (``Retry-After:
-    0``, ``wakeTimeoutSeconds``: ``wake_timeout``), then one is granted; releases succeed."""
+    0``, ``wakeTimeoutSeconds``: ``wake_timeout``), the next ``overloaded`` ones ``503
+    overloaded`` (``Retry-After: 1``: the ledger's queue was full as the pool came up), then
+    one is granted; releases succeed."""
 
-    def __init__(self, waking: int, wake_timeout: float = 10):
+    def __init__(self, waking: int, wake_timeout: float = 10, overloaded: int = 0):
         self.waking = waking
+        self.overloaded = overloaded
         self.request_ids: list[str] = []
         self.released: list[str] = []
         api = self
@@ -294,6 +298,9 @@ class WakingApi:
                 if len(api.request_ids) <= api.waking:
                     answer = {"error": "pool_waking", "message": "waking", "pools": ["crawl/eu"], "wakeTimeoutSeconds": wake_timeout}
                     self._send(503, answer, {"Retry-After": "0"})
+                elif len(api.request_ids) <= api.waking + api.overloaded:
+                    answer = {"error": "overloaded", "message": "the ledger's queue is full"}
+                    self._send(503, answer, {"Retry-After": "1"})
                 else:
                     self._send(201, {
                         "leaseID": "lease-1",
@@ -348,6 +355,28 @@ def test_a_waking_pool_is_waited_on_past_attempts_and_max_wait(waking_api: Wakin
         with pytest.raises(PoolWaking) as waking:
             client.acquire()
         assert waking.value.pools == ["crawl/eu"] and waking.value.wake_timeout == 10
+
+
+def test_an_overloaded_answer_after_a_long_wake_is_still_waited_on() -> None:
+    # Three pool_waking answers a second apart spend 3 s, past max_wait=2 (the wake timeout
+    # allows it); the overloaded answer that follows has 2 s of its own.
+    api = WakingApi(waking=3, overloaded=1)
+    try:
+        started = time.monotonic()
+        with Client(api.url, token=TOKEN, retry=RetryPolicy(attempts=3, max_wait=2.0)) as client:
+            lease = client.acquire(selector={"geo": "eu"})
+        assert lease.lease_id == "lease-1" and len(api.request_ids) == 5
+        assert len(set(api.request_ids)) == 1, "one request ID for every ask"
+        assert time.monotonic() - started >= 4, "3 s of the wake, 1 s of the overloaded ledger"
+        # A budget of its own, not endless: an unavailable budget shorter than Retry-After
+        # raises the overloaded answer at once.
+        api.request_ids.clear()
+        with Client(api.url, token=TOKEN, retry=RetryPolicy(attempts=3, max_wait=30.0, unavailable=0.5)) as client:
+            with pytest.raises(Unavailable) as refused:
+                client.acquire(selector={"geo": "eu"})
+        assert refused.value.code == "overloaded" and len(api.request_ids) == 4
+    finally:
+        api.close()
 
 
 def _acquire_waiting(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

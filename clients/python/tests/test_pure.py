@@ -10,6 +10,7 @@ import pytest
 
 from harness import free_port
 from proxy_operator import (
+    REFUSALS,
     ApiError,
     ConfigError,
     NoMatch,
@@ -20,7 +21,7 @@ from proxy_operator import (
     Unavailable,
     gateway_proxy_url,
 )
-from proxy_operator.calls import NO_WAIT, error_of
+from proxy_operator.calls import NO_WAIT, error_of, refusal_of
 from proxy_operator.models import parse_time
 from proxy_operator.scrapy import gateway_status, retry_after_seconds
 from proxy_operator.sessions import SessionPool
@@ -136,6 +137,60 @@ def test_a_whole_wake_is_waited_through_and_no_wait_never_waits() -> None:
     assert (waited, waits) == (60.0, 30)
     assert NO_WAIT.wait(error, 0.0, 0) is None
     assert RetryPolicy(attempts=0, max_wait=100).wait(error, 0.0, 0) is None
+
+
+#: One answer of each kind of refusal, with the Retry-After it came with.
+REFUSAL_ANSWERS = {
+    "no_match": (409, {"error": "no_match", "message": "m"}),
+    "pool_waking": (503, {"error": "pool_waking", "message": "m", "wakeTimeoutSeconds": 4}),
+    "quota_exceeded": (429, {"error": "quota_exceeded", "message": "m", "quota": "leases"}),
+    "unavailable": (503, {"error": "overloaded", "message": "m"}),
+    "too_many": (429, {"error": "too_many_requests", "message": "m"}),
+}
+
+
+def test_each_kind_of_refusal_is_known_by_its_answer() -> None:
+    assert sorted(REFUSAL_ANSWERS) == sorted(REFUSALS)
+    for kind, (status, body) in REFUSAL_ANSWERS.items():
+        assert refusal_of(error_of(_answer(status, body, "1"))) == kind
+    for other in [(503, {"error": "ledger_full", "message": "m"}), (503, {"error": "ledger_unavailable", "message": "m"})]:
+        assert refusal_of(error_of(_answer(*other, "1"))) == "unavailable"
+    assert refusal_of(error_of(_answer(404, {"error": "unknown_lease", "message": "m"}))) is None
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSAL_ANSWERS))
+def test_each_kind_of_refusal_has_a_budget_of_its_own(kind: str) -> None:
+    # Every budget 30 s but this kind's, 6 s: only this kind stops at 6 s (a waking pool's
+    # wakeTimeoutSeconds, 4 s here, is shorter than either).
+    policy = RetryPolicy(attempts=100, max_wait=30.0, **{kind: 6.0})
+    for other, (status, body) in REFUSAL_ANSWERS.items():
+        error = error_of(_answer(status, body, "2"))
+        budget = 6.0 if other == kind else 30.0
+        assert policy.budget(other) == budget, other
+        assert policy.wait(error, budget - 2.0, 1) == 2.0, other
+        assert policy.wait(error, budget, 1) is None, other
+
+
+def test_a_long_wake_leaves_the_other_budgets_whole() -> None:
+    """What a call spends on one kind of refusal is not taken from another's budget: the
+    client counts the seconds and the waits of each kind apart."""
+    from proxy_operator import calls
+    from proxy_operator.client import Client, _Again, _Tries
+
+    waking = _answer(503, {"error": "pool_waking", "message": "m", "wakeTimeoutSeconds": 60}, "2")
+    overloaded = _answer(503, {"error": "overloaded", "message": "m"}, "1")
+    no_match = _answer(409, {"error": "no_match", "message": "m"}, "1")
+    call = calls.acquire(None, None, None, "py-test")
+    tries = _Tries()
+    with Client("http://127.0.0.1:9", token="t" * 16, retry=RetryPolicy(attempts=3, max_wait=5.0)) as client:
+        for answer in [waking] * 25 + [overloaded] * 3 + [no_match] * 3:
+            assert isinstance(client._settle(call, answer, tries), _Again)
+        # 50 s of a wake (past max_wait: its wake timeout), then three overloaded answers and
+        # three no_match ones, each kind within its own attempts and 5 s.
+        assert tries.waited == {"pool_waking": 50.0, "unavailable": 3.0, "no_match": 3.0}
+        assert tries.waits == {"pool_waking": 25, "unavailable": 3, "no_match": 3}
+        with pytest.raises(Unavailable):
+            client._settle(call, overloaded, tries)
 
 
 def test_a_pool_waking_answer_is_read_into_its_fields() -> None:
@@ -284,6 +339,47 @@ def test_the_gateways_own_answers_are_never_bans_and_a_quota_refusal_is_waited_o
     asyncio.run(scenario())
 
 
+def test_the_gateways_refusals_are_waited_on_each_within_its_own_budget() -> None:
+    from scrapy import Request
+    from scrapy.utils.test import get_crawler
+
+    from proxy_operator.scrapy import ProxyOperatorMiddleware
+
+    crawler = get_crawler(settings_dict={
+        "PROXY_OPERATOR_URL": f"http://127.0.0.1:{free_port()}",
+        "PROXY_OPERATOR_GATEWAY": "http://127.0.0.1:8888",
+        "PROXY_OPERATOR_TOKEN": "t" * 16,
+        "PROXY_OPERATOR_MAX_WAIT": 0.05,
+        "PROXY_OPERATOR_MAX_WAITS": {"no_match": 0.1},
+    })
+    middleware = ProxyOperatorMiddleware.from_crawler(crawler)
+    quota = {"Proxy-Status": QUOTA_STATUS, "Retry-After": "1"}
+    no_proxy = {"Proxy-Status": 'proxy-operator; details="no_match"', "Retry-After": "1"}
+    ledger = {"Proxy-Status": 'proxy-operator; details="unavailable"', "Retry-After": "1"}
+
+    async def answer(request: Request, status: int, headers: dict[str, object]) -> object:
+        await middleware.process_request(request)
+        return await middleware.process_response(request, _response(status, headers))
+
+    async def scenario() -> None:
+        request = Request("http://shop.example/a")
+        # The quota's whole budget, then "no proxy free" (its own, longer budget), then the
+        # ledger: each kind is waited on although the request has waited before.
+        for headers in [quota, no_proxy, ledger]:
+            again = await answer(request, 503, headers)
+            assert isinstance(again, Request), headers
+            request = again
+        waited = request.meta["_proxy_operator_waited"]
+        assert waited == pytest.approx({"quota_exceeded": 0.05, "no_match": 0.1, "unavailable": 0.05})
+        # Each budget spent: the answers go on.
+        for headers in [quota, no_proxy, ledger]:
+            gone_on = await answer(request, 503, headers)
+            assert not isinstance(gone_on, Request) and gone_on.status == 503, headers
+        await middleware.spider_closed(crawler.spider)
+
+    asyncio.run(scenario())
+
+
 def test_a_session_pool_hands_out_its_names_in_turn_and_renames_a_retired_one() -> None:
     pool = SessionPool(2, run="r")
     first = [pool.pick("example.com") for _ in range(4)]
@@ -333,3 +429,8 @@ def test_the_middleware_refuses_bad_settings_naming_them(monkeypatch: pytest.Mon
         _middleware(**{**good, "PROXY_OPERATOR_TOKEN": None})
     # Lease mode needs no gateway.
     assert _middleware(**{**good, "PROXY_OPERATOR_GATEWAY": None}, PROXY_OPERATOR_MODE="lease") is not None
+    with pytest.raises(ConfigError, match="PROXY_OPERATOR_MAX_WAITS: 'overloaded' is not one of"):
+        _middleware(**good, PROXY_OPERATOR_MAX_WAITS={"overloaded": 5})
+    waits = _middleware(**good, PROXY_OPERATOR_MAX_WAIT=7, PROXY_OPERATOR_MAX_WAITS={"quota_exceeded": 120})
+    budgets = {kind: waits.retry.budget(kind) for kind in REFUSALS}  # type: ignore[attr-defined]
+    assert budgets == {"no_match": 7, "pool_waking": 7, "quota_exceeded": 120, "unavailable": 7, "too_many": 7}

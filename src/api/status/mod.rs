@@ -38,7 +38,7 @@ pub fn configure_data(cfg: &mut web::ServiceConfig) {
     );
 }
 
-/// The pages, the sign-in and the assets.
+/// The pages, the sign-in and the assets (the icon also where browsers look for one).
 pub fn configure_pages(cfg: &mut web::ServiceConfig) {
     cfg.route("/", web::get().to(routes::fleet))
         .route("/proxies", web::get().to(routes::proxies))
@@ -49,5 +49,7 @@ pub fn configure_pages(cfg: &mut web::ServiceConfig) {
         .route("/signin", web::post().to(routes::sign_in))
         .route("/signout", web::post().to(routes::sign_out))
         .route("/assets/status.js", web::get().to(routes::script))
-        .route("/assets/status.css", web::get().to(routes::style));
+        .route("/assets/status.css", web::get().to(routes::style))
+        .route("/assets/favicon.svg", web::get().to(routes::favicon))
+        .route("/favicon.ico", web::get().to(routes::favicon));
 }

@@ -8,6 +8,7 @@ use super::view::{
     Badge, EventsView, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail, ProxyRow,
     SortKey, TargetsView,
 };
+use crate::api::types::LastFailureView;
 
 /// Which section a page belongs to, for the navigation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +47,7 @@ fn layout(title: &str, section: Option<Section>, access: Option<Access>, body: M
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
                 title { (title) " · proxy-operator" }
+                link rel="icon" type="image/svg+xml" href="/assets/favicon.svg";
                 link rel="stylesheet" href="/assets/status.css";
                 script src="/assets/status.js" defer {}
             }
@@ -136,6 +138,27 @@ fn health(healthy: Option<bool>) -> Markup {
 
 fn latency(ms: Option<u64>) -> String {
     ms.map_or_else(|| "—".to_owned(), |ms| format!("{ms} ms"))
+}
+
+/// What a failed probe says: the status the probe URL answered, else the failure's kind.
+fn failure(f: &LastFailureView) -> String {
+    match f.status {
+        Some(status) => format!("status {status}"),
+        None => f.kind.as_str().to_owned(),
+    }
+}
+
+/// A row's health: the verdict, then why it is unhealthy (an unhealthy proxy's latency says
+/// nothing), else the last latency.
+fn health_cell(row: &ProxyRow) -> Markup {
+    html! {
+        (health(row.healthy)) " "
+        @if let Some(f) = &row.last_failure {
+            code title=(format!("last failed probe at {}", f.at)) { (failure(f)) }
+        } @else {
+            (latency(row.latency_ms))
+        }
+    }
 }
 
 fn age(seconds: Option<u64>) -> String {
@@ -349,7 +372,7 @@ pub fn proxies(view: &ProxiesView, filter: &ProxiesFilter, access: Access) -> Ma
                                 td { (row.mode) @if let Some(p) = &row.provider { " (" (p) ")" } }
                                 td { (row.endpoint.as_deref().unwrap_or("—")) }
                                 td.phase { (row.phase) }
-                                td.health { (health(row.healthy)) " " (latency(row.latency_ms)) }
+                                td.health { (health_cell(row)) }
                                 td { (row.active_leases) " ÷ " (row.max_leases) }
                                 td { @if row.cordoned { span.flag { "cordoned" } } " " @if row.draining { span.flag { "draining" } } }
                                 td { (row.cooldowns) }
@@ -479,6 +502,9 @@ pub fn proxy(view: &ProxyDetail, access: Access) -> Markup {
                     div { dt { "Phase" } dd { (row.phase) } }
                     div { dt { "Health" } dd { (health(row.healthy)) } }
                     div { dt { "Last latency" } dd { (latency(row.latency_ms)) } }
+                    @if let Some(f) = &row.last_failure {
+                        div { dt { "Last failure" } dd { code { (failure(f)) } " at " (f.at) } }
+                    }
                     div { dt { "Last probe" } dd { (view.probe.last_probe.as_deref().unwrap_or("—")) } }
                     div { dt { "Leases" } dd { (row.active_leases) " ÷ " (row.max_leases) } }
                     div { dt { "Success (1 h)" } dd { (badge(row.success_rate)) } }

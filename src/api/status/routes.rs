@@ -30,6 +30,7 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'
 
 const STATUS_JS: &str = include_str!("assets/status.js");
 const STATUS_CSS: &str = include_str!("assets/status.css");
+const FAVICON: &str = include_str!("assets/favicon.svg");
 
 fn now_ms(state: &ApiState) -> i64 {
     state.fleet.clock.now().as_millisecond()
@@ -333,4 +334,13 @@ pub async fn style() -> HttpResponse {
     secured(HttpResponse::Ok())
         .content_type("text/css; charset=utf-8")
         .body(STATUS_CSS)
+}
+
+/// `GET /assets/favicon.svg`, the icon the pages name, and `GET /favicon.ico`, where a
+/// browser looks for one on any other answer of this address (a JSON route it shows): a
+/// missing icon is an error in every browser's console.
+pub async fn favicon() -> HttpResponse {
+    secured(HttpResponse::Ok())
+        .content_type("image/svg+xml")
+        .body(FAVICON)
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
+use crate::api::types::LastFailureView;
 use crate::health::ProxyHealth;
 use crate::inventory::InventorySnapshot;
 use crate::ledger::TenantUsage;
@@ -342,6 +343,10 @@ pub struct ProxyRow {
     /// Latency of the last probe, in milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<u64>,
+    /// Why it is unhealthy: its most recent failed probe (absent when healthy, not probed yet,
+    /// or unhealthy as recorded before a restart and not failed since).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailureView>,
     /// Leases counting towards capacity.
     pub active_leases: u32,
     /// `maxLeases`.
@@ -419,6 +424,10 @@ pub fn proxy_row(id: &ProxyId, proxy: &Proxy, figures: &Figures<'_>) -> ProxyRow
             .as_ref()
             .and_then(|h| h.latency)
             .map(|l| u64::try_from(l.as_millis()).unwrap_or(u64::MAX)),
+        last_failure: health
+            .as_ref()
+            .and_then(ProxyHealth::unhealthy_because)
+            .map(LastFailureView::from),
         active_leases: figures.active.get(&id.uid).copied().unwrap_or(0),
         max_leases: proxy.spec.max_leases(),
         cordoned: proxy.spec.cordoned,
@@ -785,6 +794,7 @@ mod tests {
 
     use super::*;
     use crate::fixtures::{external, proxy_id};
+    use crate::health::{LastFailure, ProbeErrorKind};
     use crate::inventory::Inventory;
     use crate::ledger::TargetCounts;
 
@@ -824,6 +834,12 @@ mod tests {
                 let health = ProxyHealth {
                     healthy: Some(n != 3),
                     latency: Some(Duration::from_millis(50 - 10 * n)),
+                    // Kept across successes: shown only while unhealthy.
+                    last_failure: Some(LastFailure {
+                        kind: ProbeErrorKind::UnexpectedStatus,
+                        status: Some(503),
+                        at: jiff::Timestamp::UNIX_EPOCH,
+                    }),
                     ..ProxyHealth::default()
                 };
                 (proxy_id(&format!("p{n}")), health)
@@ -907,6 +923,20 @@ mod tests {
         assert_eq!((p1.active_leases, p1.latency_ms), (1, Some(40)));
         assert_eq!(all.proxies[1].cooldowns, 2);
         assert_eq!(all.proxies[2].phase, "Unhealthy");
+        let failure = all.proxies[2]
+            .last_failure
+            .as_ref()
+            .expect("why p3 is unhealthy");
+        assert_eq!(
+            (failure.kind, failure.status),
+            (ProbeErrorKind::UnexpectedStatus, Some(503))
+        );
+        assert!(
+            all.proxies
+                .iter()
+                .filter(|r| r.name != "p3")
+                .all(|r| r.last_failure.is_none())
+        );
         assert_eq!(all.proxies[4].healthy, None);
         assert_eq!(all.proxies[4].endpoint.as_deref(), Some("10.0.0.1:3128"));
     }
@@ -1020,6 +1050,7 @@ mod tests {
             .to_owned(),
             healthy,
             latency_ms: None,
+            last_failure: None,
             active_leases: leases,
             max_leases: 5,
             cordoned,

@@ -28,21 +28,36 @@ use crate::resources::proxy::{
 
 /// One reconcile of one Proxy: gather what is known about it and its machine, [`decide`] the
 /// one action, execute it, and write the result (at most one status write, guarded by the
-/// resourceVersion, then the annotations, then an Event).
+/// resourceVersion, then the annotations, then an Event). A Proxy deleted while its reconcile
+/// ran is no failure: its delete event ends what is left ([`Error::is_gone`]).
 pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controller::Action, Error> {
     let _timer = ctx.metrics.reconcile_timer();
+    match reconcile_once(&proxy, &ctx).await {
+        Err(e) if e.is_gone(&proxy.name_any()) => {
+            log::debug!(
+                "Proxy {} was deleted during its reconcile: {e}",
+                proxy.key()
+            );
+            Ok(controller::Action::await_change())
+        }
+        done => done,
+    }
+}
+
+/// The steps of [`reconcile`].
+async fn reconcile_once(proxy: &Proxy, ctx: &Context) -> Result<controller::Action, Error> {
     let namespace = proxy
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<Proxy> = Api::namespaced(ctx.client.clone(), &namespace);
     let current = proxy.status.clone().unwrap_or_default();
-    let step = match observe::gather(&proxy, &current, &ctx).await? {
-        Gathered::UnknownProvider => execute::unknown_provider(&proxy.spec, &ctx),
+    let step = match observe::gather(proxy, &current, ctx).await? {
+        Gathered::UnknownProvider => execute::unknown_provider(&proxy.spec, ctx),
         Gathered::Facts(facts) => {
-            let action = decide(&facts.inputs(&proxy, &current));
+            let action = decide(&facts.inputs(proxy, &current));
             log::debug!("Proxy {}: {action:?}", proxy.key());
             ctx.metrics.action_decided(action.label());
-            execute::execute(action, &facts.machine(&proxy, &ctx), &current, &api).await?
+            execute::execute(action, &facts.machine(proxy, ctx), &current, &api).await?
         }
     };
     let uid = proxy.uid().unwrap_or_default();
@@ -51,7 +66,7 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<controlle
         RetryEffect::Running => ctx.pacing.succeeded(&uid, true),
         RetryEffect::Neutral => {}
     }
-    write::write(&proxy, &current, step, &api, &ctx).await
+    write::write(proxy, &current, step, &api, ctx).await
 }
 
 /// The Proxies in `namespace` whose cloud-init comes from the Secret `name`: the objects to

@@ -1,5 +1,6 @@
-//! `GET /v1/proxies` says why an unhealthy proxy is unhealthy: the real health engine probes
-//! through real squids to a real loopback target, and the real API serves its snapshot.
+//! `GET /v1/proxies` says why an unhealthy proxy is unhealthy (the failure's kind, and the status
+//! the probe URL answered): the real health engine probes through real squids to real loopback
+//! targets, and the real API serves its snapshot.
 
 use crate::support;
 
@@ -62,6 +63,8 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     dead.kill();
     let target = Target::start();
     let url = target.https_url();
+    let erroring = Target::start();
+    erroring.set_status(503);
     let started = jiff::Timestamp::now();
 
     let inventory = Inventory::new();
@@ -72,6 +75,13 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
             "denied",
             denying.port(),
             &url,
+            json!({"failureThreshold": 1}),
+        ),
+        // Its probe URL answers 503.
+        proxy(
+            "erroring",
+            alive.port(),
+            &erroring.http_url(),
             json!({"failureThreshold": 1}),
         ),
         // Fails every probe but never reaches its threshold: unknown, not unhealthy.
@@ -128,7 +138,8 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
         let body = list(&client, &base, "").await;
         let settled = entry(&body, "healthy")["healthy"] == true
             && entry(&body, "refused").get("lastFailure").is_some()
-            && entry(&body, "denied").get("lastFailure").is_some();
+            && entry(&body, "denied").get("lastFailure").is_some()
+            && entry(&body, "erroring").get("lastFailure").is_some();
         if settled {
             break body;
         }
@@ -138,15 +149,16 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert_eq!(body["count"], 4, "{body}");
-    // (name, expected kind; None: no lastFailure field at all)
+    assert_eq!(body["count"], 5, "{body}");
+    // (name, expected kind, and status; None: no lastFailure field at all)
     let cases = [
-        ("healthy", None),
-        ("refused", Some("connect_refused")),
-        ("denied", Some("connect_tunnel_refused")),
-        ("undecided", None),
+        ("healthy", None, None),
+        ("refused", Some("connect_refused"), None),
+        ("denied", Some("connect_tunnel_refused"), None),
+        ("erroring", Some("unexpected_status"), Some(503)),
+        ("undecided", None, None),
     ];
-    for (name, kind) in cases {
+    for (name, kind, status) in cases {
         let p = entry(&body, name);
         let Some(kind) = kind else {
             assert!(p.get("lastFailure").is_none(), "{name}: {p}");
@@ -160,11 +172,21 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
             .and_then(|at| at.parse().ok())
             .unwrap_or_else(|| panic!("{name}: `at` is not RFC 3339: {p}"));
         assert!(at >= started && at <= jiff::Timestamp::now(), "{name}: {p}");
-        assert_eq!(failure.as_object().map(|o| o.len()), Some(2), "{name}: {p}");
+        assert_eq!(
+            failure.get("status").and_then(Value::as_u64),
+            status,
+            "{name}: {p}"
+        );
+        let fields = 2 + usize::from(status.is_some());
+        assert_eq!(
+            failure.as_object().map(|o| o.len()),
+            Some(fields),
+            "{name}: {p}"
+        );
     }
     // The filter sees the same entries.
     let unhealthy = list(&client, &base, "?healthy=false").await;
-    assert_eq!(unhealthy["count"], 3, "{unhealthy}");
+    assert_eq!(unhealthy["count"], 4, "{unhealthy}");
     assert_eq!(
         entry(&unhealthy, "refused")["lastFailure"]["kind"],
         "connect_refused"
@@ -184,6 +206,10 @@ async fn an_unhealthy_proxy_lists_its_last_failure_kind_and_time() {
     assert!(!view.is_null(), "{}", schemas["ProxyView"]);
     let failure = &schemas["LastFailureView"];
     assert_eq!(failure["required"], json!(["kind", "at"]), "{failure}");
+    assert!(!failure["properties"]["status"].is_null(), "{failure}");
+    // The status page's rows say the same.
+    let row = &schemas["ProxyRow"]["properties"]["lastFailure"];
+    assert!(!row.is_null(), "{}", schemas["ProxyRow"]);
     let kinds: Vec<&str> = schemas["ProbeFailureKind"]["enum"]
         .as_array()
         .map(|all| all.iter().filter_map(Value::as_str).collect())

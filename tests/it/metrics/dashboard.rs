@@ -4,7 +4,9 @@
 //! least one series from a real Prometheus scraping the real binary in its row's mode, with
 //! traffic through the gateway and the lease API so that counters and histograms have data.
 //! Grafana's variables are replaced by the values of [`VARIABLES`], the set the dashboard's
-//! description names.
+//! description names. Prometheus scrapes the binary as the shipped ServiceMonitor says
+//! (`honorLabels`, and the target labels its service discovery gives), so the per-proxy and
+//! per-pool series keep their own `namespace`, which the panels group by.
 
 use crate::support;
 
@@ -16,14 +18,18 @@ use support::curl::curl;
 use support::fleet::{GatewayFleet, TOKEN};
 use support::pools::pool_object;
 use support::postgres::Postgres;
-use support::prometheus::Prometheus;
-use support::render::repo;
+use support::prometheus::{Prometheus, ScrapeJob};
+use support::render::{parse_objects, repo};
 use support::world::{SLOW, World};
 
 /// The dashboard's JSON, relative to the repository.
 const DASHBOARD: &str = "charts/proxy-operator/dashboards/proxy-operator.json";
 /// The scrape job of every test's Prometheus, what `$job` is replaced by.
 const JOB: &str = "proxy-operator";
+/// A second job scraping the same target as the ServiceMonitor would without `honorLabels`.
+const UNHONOURED: &str = "unhonoured";
+/// The shipped ServiceMonitor.
+const SERVICE_MONITOR: &str = "manifests/monitoring/servicemonitor.yaml";
 /// Grafana's variables in expressions and what the test puts in their place: a rate window
 /// holding many 1 s scrapes, a range, and the job (a regex matcher that matches it).
 const VARIABLES: [(&str, &str); 3] = [
@@ -186,9 +192,88 @@ async fn assert_every_panel_answers(prometheus: &Prometheus, mode: Mode) {
         .await;
 }
 
-/// A Prometheus scraping `target` as [`JOB`], with no rules.
+/// The job the Prometheus Operator makes of the shipped ServiceMonitor for `target`, the
+/// operator's Service: its endpoint's `honorLabels`, and the labels service discovery gives
+/// the target (the Service's namespace and name, the endpoint's port name).
+fn as_the_service_monitor_says(target: &str) -> ScrapeJob {
+    let text = std::fs::read_to_string(repo().join(SERVICE_MONITOR))
+        .unwrap_or_else(|e| panic!("{SERVICE_MONITOR}: {e}"));
+    let monitor = parse_objects(&text).remove(0);
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    let label = |value: &Value| value.as_str().expect("a string").to_owned();
+    ScrapeJob {
+        name: JOB.to_owned(),
+        target: target.to_owned(),
+        labels: [
+            (
+                "namespace",
+                label(&monitor["spec"]["namespaceSelector"]["matchNames"][0]),
+            ),
+            ("service", label(&monitor["metadata"]["name"])),
+            ("endpoint", label(&endpoint["port"])),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
+        honor_labels: endpoint["honorLabels"].as_bool().unwrap_or(false),
+    }
+}
+
+/// A Prometheus scraping `target` as the ServiceMonitor says ([`JOB`]) and, as a control, the
+/// same without `honorLabels` ([`UNHONOURED`]), with no rules.
 async fn prometheus(target: &str) -> Option<Prometheus> {
-    Prometheus::start(target, JOB, r#"{"groups": []}"#).await
+    let shipped = as_the_service_monitor_says(target);
+    let unhonoured = ScrapeJob {
+        name: UNHONOURED.to_owned(),
+        honor_labels: false,
+        ..shipped.clone()
+    };
+    Prometheus::start_jobs(&[shipped, unhonoured], r#"{"groups": []}"#).await
+}
+
+/// Every series of `metric` keeps its own `namespace`, `own`, through the ServiceMonitor's
+/// scrape; without `honorLabels` the same series would have the operator's and `own` as
+/// `exported_namespace`, so the check cannot pass by accident.
+async fn assert_own_namespace_kept(prometheus: &Prometheus, metric: &str, own: &str) {
+    let operators = as_the_service_monitor_says("-").labels["namespace"].clone();
+    assert_ne!(operators, own, "the check needs two namespaces");
+    let namespaces = |job: &'static str| async move {
+        let series = prometheus
+            .query(&format!("{metric}{{job=\"{job}\"}}"))
+            .await;
+        let found: BTreeSet<(String, String)> = series
+            .iter()
+            .map(|(labels, _, _)| {
+                let get = |name: &str| labels[name].as_str().unwrap_or_default().to_owned();
+                (get("namespace"), get("exported_namespace"))
+            })
+            .collect();
+        found
+    };
+    let shipped = prometheus
+        .eventually(
+            &format!("{metric} scraped by both jobs"),
+            DEADLINE,
+            || async {
+                let shipped = namespaces(JOB).await;
+                let unhonoured = namespaces(UNHONOURED).await;
+                if shipped.is_empty() || unhonoured.is_empty() {
+                    return Err(format!("{shipped:?} {unhonoured:?}"));
+                }
+                assert_eq!(
+                    unhonoured,
+                    BTreeSet::from([(operators.clone(), own.to_owned())]),
+                    "{metric} without honorLabels"
+                );
+                Ok(shipped)
+            },
+        )
+        .await;
+    assert_eq!(
+        shipped,
+        BTreeSet::from([(own.to_owned(), String::new())]),
+        "{metric} through the ServiceMonitor"
+    );
 }
 
 #[test]
@@ -329,6 +414,19 @@ async fn every_standalone_panel_answers_from_a_real_prometheus() {
     };
     traffic(&fleet).await;
     assert_every_panel_answers(&prometheus, Mode::Standalone).await;
+    // A proxy's series keeps the proxy's namespace; a fleet series takes the operator's.
+    assert_own_namespace_kept(&prometheus, "proxy_operator_proxy_up", "default").await;
+    let operators = as_the_service_monitor_says("-").labels["namespace"].clone();
+    let fleet_series = prometheus
+        .query(&format!("proxy_operator_proxies{{job=\"{JOB}\"}}"))
+        .await;
+    assert!(
+        !fleet_series.is_empty()
+            && fleet_series
+                .iter()
+                .all(|(labels, _, _)| labels["namespace"] == operators.as_str()),
+        "{fleet_series:?}"
+    );
     // Capacity is the two Ready proxies' maxLeases (16 each).
     let capacity = prometheus.query("max(proxy_operator_lease_capacity)").await;
     assert_eq!(capacity.first().map(|s| s.2), Some(32.0), "{capacity:?}");
@@ -393,6 +491,12 @@ async fn every_pool_and_operator_panel_answers_from_a_real_prometheus() {
     };
     world.wait_pool_settled("dash", 2, SLOW).await;
     assert_every_panel_answers(&prometheus, Mode::Operator).await;
+    assert_own_namespace_kept(
+        &prometheus,
+        "proxy_operator_pool_desired_replicas",
+        &world.ns,
+    )
+    .await;
     let up = prometheus
         .query(r#"proxy_operator_pool_scale_events_total{direction="up"}"#)
         .await;

@@ -152,6 +152,9 @@ fn the_servicemonitor_scrapes_the_operator_services_metrics_port() {
     assert_eq!(endpoints.len(), 1);
     assert_eq!(endpoints[0]["port"], "metrics");
     assert_eq!(endpoints[0]["path"], "/metrics");
+    // The proxies' and pools' own namespace labels are kept (`dashboard` shows it on a real
+    // Prometheus).
+    assert_eq!(endpoints[0]["honorLabels"], true);
     assert!(ports.contains("metrics"), "{ports:?}");
 }
 

@@ -7,6 +7,7 @@ mod egress;
 mod fleet;
 mod leadership;
 mod lifecycle;
+mod logs;
 mod pod_security;
 mod pool_replicas;
 mod pool_wake;

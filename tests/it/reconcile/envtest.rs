@@ -1,7 +1,7 @@
 //! The reconciler's writes on a real Kubernetes API server, driven in process where the point is
 //! a situation the binary cannot be made to hit on cue: a reconcile handed a stale copy of a
-//! Proxy (the watch cache lags a write), and an Event whose note is longer than the Events API
-//! takes.
+//! Proxy (the watch cache lags a write), one handed the copy of a Proxy deleted meanwhile, and
+//! an Event whose note is longer than the Events API takes.
 //!
 //! Needs `KUBEBUILDER_ASSETS`, like `operator::lifecycle`.
 
@@ -107,6 +107,34 @@ async fn a_reconcile_of_a_stale_copy_never_writes_its_status() {
         stored.status.and_then(|s| s.ip).as_deref(),
         Some("10.0.0.2")
     );
+}
+
+/// The API server's NotFound for the Proxy itself ends the reconcile as done, not as a failure
+/// to log and retry: a Proxy without a finalizer is gone the moment it is deleted, while the
+/// store may still hand out its last copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconcile_of_a_proxy_deleted_meanwhile_is_no_failure() {
+    let Some((ns, client)) = namespace("gone").await else {
+        return;
+    };
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), &ns);
+    let copy = proxies
+        .create(&PostParams::default(), &external("p", "10.0.0.1"))
+        .await
+        .expect("create the Proxy");
+    proxies
+        .delete("p", &Default::default())
+        .await
+        .expect("delete the Proxy");
+    assert!(
+        proxies.get_opt("p").await.expect("read").is_none(),
+        "an External Proxy has no finalizer: gone at once"
+    );
+    let (ctx, _ledger) = context(client);
+    let requeue = reconcile(Arc::new(copy), ctx)
+        .await
+        .unwrap_or_else(|e| panic!("a deleted Proxy's reconcile is no failure: {e}"));
+    assert_eq!(requeue, Requeue::await_change());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

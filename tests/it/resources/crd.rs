@@ -22,6 +22,23 @@ fn committed_crds_match_the_types() {
     }
 }
 
+/// `docs/install.md` says the CRDs fit client-side apply's annotation (256 KiB) with room to
+/// spare; the YAML is larger than the compact JSON the annotation holds.
+#[test]
+fn every_crd_is_as_small_as_the_install_page_says() {
+    const LIMIT: usize = 30 * 1024;
+    for kind in Kind::ALL {
+        let size = kind.yaml().unwrap().len();
+        assert!(size < LIMIT, "{}: {size} bytes", kind.file());
+    }
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/install.md"))
+        .expect("docs/install.md");
+    assert!(
+        page.contains("under 30 KB"),
+        "docs/install.md names the CRDs' size"
+    );
+}
+
 #[test]
 fn crd_binary_output_is_both_committed_files() {
     let run = |args: &[&str]| {

@@ -85,13 +85,15 @@ def launch(playwright: Playwright, **kwargs: Any) -> Browser:
     )
 
 
-def watch_errors(page: Page) -> list[str]:
+def watch_errors(page: Page, *, own_site: bool = False) -> list[str]:
     """A list that fills with the page's console errors (`console: ...`), uncaught exceptions
-    (`pageerror: ...`) and failed requests (`requestfailed: URL: reason`) from now on. A
-    missing `/favicon.ico`, which Chromium asks every site for, is not an error of the page;
-    nor is a request the browser cancelled itself (`net::ERR_ABORTED`), such as a page's
-    refresh still in flight when the test navigates away. A server or proxy that fails a
-    request shows another reason (reset, refused, empty response, tunnel failed)."""
+    (`pageerror: ...`) and failed requests (`requestfailed: URL: reason`) from now on. On
+    another site (`own_site` false) a missing `/favicon.ico`, which Chromium asks every site
+    for, is not an error of the page; on the project's own pages every error counts, the
+    icon's included. A request the browser cancelled itself (`net::ERR_ABORTED`), such as a
+    page's refresh still in flight when the test navigates away, is none either. A server or
+    proxy that fails a request shows another reason (reset, refused, empty response, tunnel
+    failed)."""
     errors: list[str] = []
 
     def request_failed(request: Request) -> None:
@@ -99,15 +101,27 @@ def watch_errors(page: Page) -> list[str]:
             errors.append(f"requestfailed: {request.url}: {request.failure}")
 
     def console(message: ConsoleMessage) -> None:
-        if message.type == "error" and not message.location.get("url", "").endswith(
-            "/favicon.ico"
-        ):
-            errors.append(f"console: {message.text}")
+        url = message.location.get("url", "")
+        if message.type == "error" and (own_site or not url.endswith("/favicon.ico")):
+            errors.append(f"console: {message.text} ({url})")
 
     page.on("console", console)
     page.on("pageerror", lambda error: errors.append(f"pageerror: {error}"))
     page.on("requestfailed", request_failed)
     return errors
+
+
+def watch_console(page: Page) -> list[dict[str, str]]:
+    """A list that fills with every console message of the page from now on: its `type`
+    (`log`, `warning`, `error`, ...), `text` and `url`."""
+    messages: list[dict[str, str]] = []
+
+    def console(message: ConsoleMessage) -> None:
+        url = message.location.get("url", "")
+        messages.append({"type": message.type, "text": message.text, "url": url})
+
+    page.on("console", console)
+    return messages
 
 
 def run(script: Callable[[dict[str, Any]], Any]) -> None:

@@ -1,6 +1,7 @@
 """The status page as a person uses it, in headless Chromium: sign in, read the fleet and the
-proxies, watch a proxy turn unhealthy without a reload, filter and sort, read the per-target
-table, check every page with axe-core, take a screenshot, sign out.
+proxies, watch a proxy turn unhealthy without a reload and say why, filter and sort, read the
+per-target table, check every page with axe-core, take a screenshot, sign out. Every console
+message is kept, and every icon the browser fetched.
 
 Config: `base` (the API's URL), `token`, `kill_pid` (a squid to kill with SIGKILL while the
 proxies page is open), `killed` (its proxy, `namespace/name`), `target` (a target with a
@@ -15,9 +16,9 @@ import signal
 import time
 from typing import Any
 
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page, Response, sync_playwright
 
-from chromium import launch, run, watch_errors
+from chromium import launch, run, watch_console, watch_errors
 
 #: How long a live refresh may take to show a change (the health engine needs its failure
 #: threshold of probes first).
@@ -60,7 +61,15 @@ def script(config: dict[str, Any]) -> dict[str, Any]:
         browser = launch(playwright)
         context = browser.new_context(viewport={"width": 1400, "height": 900})
         page = context.new_page()
-        errors = watch_errors(page)
+        errors = watch_errors(page, own_site=True)
+        console = watch_console(page)
+        icons: list[dict[str, Any]] = []
+
+        def icon(response: Response) -> None:
+            if "favicon" in response.url:
+                icons.append({"url": response.url, "status": response.status, "type": response.headers.get("content-type")})
+
+        page.on("response", icon)
 
         # Not signed in: every page sends you to the form.
         page.goto(base + "/proxies")
@@ -96,6 +105,9 @@ def script(config: dict[str, Any]) -> dict[str, Any]:
             timeout=LIVE_DEADLINE_MS,
         )
         result["not_reloaded"] = page.evaluate("window.notReloaded === true")
+        result["killed_health"] = page.locator(
+            f'#proxy-table tr[data-proxy="{config["killed"]}"] td.health'
+        ).inner_text()
         result["phases_after"] = phases(page)
 
         # Filtering by name and label, sorting by a column header.
@@ -158,7 +170,12 @@ def script(config: dict[str, Any]) -> dict[str, Any]:
         result["data_signed_out"] = context.request.get(base + "/v1/status/fleet").status
         page.goto(base + "/targets")
         result["signed_out_url"] = page.url
+        # Where a browser looks for an icon on an answer that names none (a JSON route).
+        default_icon = context.request.get(base + "/favicon.ico")
+        result["default_icon"] = {"status": default_icon.status, "type": default_icon.headers.get("content-type")}
         result["errors"] = errors
+        result["console"] = console
+        result["icons"] = icons
         browser.close()
     return result
 

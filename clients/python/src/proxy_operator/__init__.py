@@ -2,7 +2,7 @@
 proxy URLs (:func:`gateway_proxy_url`) and a Scrapy downloader middleware
 (:mod:`proxy_operator.scrapy`)."""
 
-from .calls import RetryPolicy
+from .calls import REFUSALS, RetryPolicy
 from .client import AsyncClient, Client
 from .config import ENV_GATEWAY, ENV_TOKEN, ENV_TOKEN_FILE, ENV_URL, gateway_proxy_url
 from .errors import (
@@ -24,6 +24,7 @@ __all__ = [
     "ENV_TOKEN",
     "ENV_TOKEN_FILE",
     "ENV_URL",
+    "REFUSALS",
     "ApiError",
     "AsyncClient",
     "Banned",

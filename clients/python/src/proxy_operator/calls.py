@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Literal, TypeVar, get_args
 from urllib.parse import quote
 
 import httpx
@@ -18,46 +18,89 @@ T = TypeVar("T")
 REPORT_RESULTS = ("ok", "blocked", "rate_limited", "error")
 
 
+#: The kinds of refusal a call waits on, each within a wait budget of its own (see
+#: :class:`RetryPolicy`).
+Refusal = Literal["no_match", "pool_waking", "quota_exceeded", "unavailable", "too_many"]
+REFUSALS: tuple[Refusal, ...] = get_args(Refusal)
+
+
+def refusal_of(error: ApiError) -> Refusal | None:
+    """The kind of a refusal a call may wait on, or ``None`` for an error that is raised at
+    once."""
+    if isinstance(error, NoMatch):
+        return "no_match"
+    if isinstance(error, PoolWaking):
+        return "pool_waking"
+    if isinstance(error, QuotaExceeded):
+        return "quota_exceeded"
+    if isinstance(error, Unavailable):
+        return "unavailable"
+    if isinstance(error, TooManyRequests):
+        return "too_many"
+    return None
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long a call waits on ``409 no_match``, ``429`` and ``503`` answers that carry
-    ``Retry-After`` before it raises: at most ``attempts`` waits and ``max_wait`` seconds in
-    all. A wait longer than what is left is not started: the error is raised at once.
+    """How long a call waits on refusals that carry ``Retry-After`` before it raises them.
 
-    Two refusals say "not yet" rather than "no", and are asked again every ``Retry-After``
-    seconds (at least ``MIN_POLL`` apart) however many answers that takes, up to a limit: a
-    ``503 pool_waking`` (:class:`PoolWaking`: a pool scaled to zero is waking) up to its
-    ``wakeTimeoutSeconds`` when that is longer than ``max_wait`` (else, or without one, up to
-    ``max_wait``), and a ``429 quota_exceeded`` (:class:`QuotaExceeded`: the tenant is at a
-    quota, which frees up by itself or when the tenant gives a lease back) up to ``max_wait``.
-    Their last wait is cut short to end at the limit, so the API is asked once more then.
-    ``attempts=0`` (:data:`NO_WAIT`) never waits. ``waited`` counts every wait of the call."""
+    Each kind of refusal has a wait budget of its own, in seconds, spent only on answers of
+    that kind, so a long wait on one (a pool waking) leaves the others' whole (an
+    ``overloaded`` answer right after it is still waited on):
+
+    ``no_match``
+        ``409 no_match`` (:class:`NoMatch`): no proxy can take a lease now; ``Retry-After``
+        says when one frees up by itself.
+    ``pool_waking``
+        ``503 pool_waking`` (:class:`PoolWaking`): a pool scaled to zero is waking. Waited on
+        up to its ``wakeTimeoutSeconds`` when that is longer than the budget.
+    ``quota_exceeded``
+        ``429 quota_exceeded`` (:class:`QuotaExceeded`): the tenant is at a quota, which frees
+        up by itself or when the tenant gives a lease back.
+    ``unavailable``
+        Any other ``503`` (:class:`Unavailable`: ``overloaded``, ``ledger_full``,
+        ``ledger_unavailable``): nothing was written; the ledger asks for a moment.
+    ``too_many``
+        Any other ``429`` (:class:`TooManyRequests`): slow down.
+
+    A budget left ``None`` is ``max_wait``. ``no_match``, ``unavailable`` and ``too_many`` are
+    waited on at most ``attempts`` times each; ``pool_waking`` and ``quota_exceeded`` say "not
+    yet" rather than "no", and are asked again every ``Retry-After`` seconds (at least
+    ``MIN_POLL`` apart) however many answers that takes, their last wait cut short to end at
+    the budget so the API is asked once more then. A wait longer than what is left of its
+    budget is not started: the error is raised at once. ``attempts=0`` (:data:`NO_WAIT`)
+    never waits."""
 
     attempts: int = 3
     max_wait: float = 30.0
+    no_match: float | None = None
+    pool_waking: float | None = None
+    quota_exceeded: float | None = None
+    unavailable: float | None = None
+    too_many: float | None = None
+
+    def budget(self, kind: Refusal) -> float:
+        """Seconds one call may wait on refusals of ``kind`` in all (a waking pool's wake
+        timeout aside)."""
+        own: float | None = getattr(self, kind)
+        return self.max_wait if own is None else own
 
     def wait(self, error: ApiError, waited: float, attempt: int) -> float | None:
-        """Seconds to wait before trying again after ``error``, or ``None`` to raise it."""
-        if not isinstance(error, (NoMatch, TooManyRequests, Unavailable)) or error.retry_after is None:
+        """Seconds to wait before trying again after ``error``, or ``None`` to raise it.
+        ``waited`` and ``attempt`` are the seconds and the waits the call has spent on
+        refusals of the same kind (:func:`refusal_of`) so far."""
+        kind = refusal_of(error)
+        if kind is None or error.retry_after is None or self.attempts <= 0:
             return None
-        if self.attempts <= 0:
-            return None
-        limit = self._not_yet_limit(error)
-        if limit is not None:
+        limit = self.budget(kind)
+        if isinstance(error, PoolWaking):
+            limit = max(limit, error.wake_timeout or 0.0)
+        if kind in ("pool_waking", "quota_exceeded"):
             left = limit - waited
             return min(max(error.retry_after, MIN_POLL), left) if left > 0 else None
-        if attempt >= self.attempts or waited + error.retry_after > self.max_wait:
+        if attempt >= self.attempts or waited + error.retry_after > limit:
             return None
         return error.retry_after
-
-    def _not_yet_limit(self, error: ApiError) -> float | None:
-        """How long a "not yet" refusal is asked again, whatever ``attempts`` says; ``None``
-        for the other refusals."""
-        if isinstance(error, PoolWaking):
-            return max(self.max_wait, error.wake_timeout or 0.0)
-        if isinstance(error, QuotaExceeded):
-            return self.max_wait
-        return None
 
 
 #: Shortest wait between two asks of a "not yet" refusal (a ``Retry-After: 0`` would spin).

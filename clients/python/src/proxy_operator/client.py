@@ -8,7 +8,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
@@ -27,10 +27,11 @@ USER_AGENT = "proxy-operator-python/0.1"
 
 @dataclass
 class _Tries:
-    """What one call has tried so far."""
+    """What one call has tried so far: the seconds and the waits spent on each kind of
+    refusal (each has a budget of its own), and whether the token was read again."""
 
-    waited: float = 0.0
-    waits: int = 0
+    waited: dict[calls.Refusal, float] = field(default_factory=dict)
+    waits: dict[calls.Refusal, int] = field(default_factory=dict)
     reloaded: bool = False
 
 
@@ -80,11 +81,14 @@ class _Base:
         if error.status == 401 and not tries.reloaded and self._token.reload():
             tries.reloaded = True
             return _Again(0.0)
-        wait = self.retry.wait(error, tries.waited, tries.waits) if call.waits else None
+        kind = calls.refusal_of(error) if call.waits else None
+        if kind is None:
+            raise error
+        wait = self.retry.wait(error, tries.waited.get(kind, 0.0), tries.waits.get(kind, 0))
         if wait is None:
             raise error
-        tries.waited += wait
-        tries.waits += 1
+        tries.waited[kind] = tries.waited.get(kind, 0.0) + wait
+        tries.waits[kind] = tries.waits.get(kind, 0) + 1
         return _Again(wait)
 
     def _transport_error(self, call: Call[Any], error: httpx.HTTPError) -> TransportError:
@@ -99,10 +103,11 @@ class _Base:
 
 class Client(_Base):
     """A blocking client. Every call has a timeout (``timeout`` seconds); ``409 no_match``,
-    ``429`` and ``503`` answers are waited on as ``retry`` says (a waking pool up to its wake
-    timeout, a tenant's quota up to ``max_wait``), then raised as :class:`NoMatch`,
-    :class:`TooManyRequests` (:class:`QuotaExceeded`) or :class:`Unavailable`
-    (:class:`PoolWaking`); other refusals raise :class:`ApiError` with the JSON error code."""
+    ``429`` and ``503`` answers are waited on as ``retry`` says (each kind of refusal within a
+    wait budget of its own, a waking pool up to its wake timeout), then raised as
+    :class:`NoMatch`, :class:`TooManyRequests` (:class:`QuotaExceeded`) or
+    :class:`Unavailable` (:class:`PoolWaking`); other refusals raise :class:`ApiError` with
+    the JSON error code."""
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)

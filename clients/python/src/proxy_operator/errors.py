@@ -45,19 +45,23 @@ class ApiError(ProxyOperatorError):
 
 class NoMatch(ApiError):
     """409 ``no_match``: no proxy can take a lease now. ``retry_after`` is when one frees up by
-    itself (a lease expiry or a cooldown end), or ``None`` when nothing will."""
+    itself (a lease expiry or a cooldown end), or ``None`` when nothing will.
+    :class:`RetryPolicy` waits on it within its ``no_match`` budget."""
 
 
 class Unavailable(ApiError):
-    """503: the ledger could not take the write in time (``overloaded``) or is full
-    (``ledger_full``), or the pool is waking (:class:`PoolWaking`); nothing was written."""
+    """503: the ledger could not take the write in time (``overloaded``), is full
+    (``ledger_full``) or cannot be reached (``ledger_unavailable``), or the pool is waking
+    (:class:`PoolWaking`); nothing was written. :class:`RetryPolicy` waits on it within its
+    ``unavailable`` budget (``pool_waking``'s for a waking pool)."""
 
 
 class PoolWaking(Unavailable):
     """503 ``pool_waking``: the selector matches pools scaled to zero that are waking, with
     no Ready member yet. ``pools`` names them (``namespace/name``); ``wake_timeout`` is the
     body's ``wakeTimeoutSeconds``, the longest any of them may take to wake (``None`` when the
-    body has none). :class:`RetryPolicy` waits that long for them."""
+    body has none). :class:`RetryPolicy` waits that long for them (or its ``pool_waking``
+    budget, when longer)."""
 
     def __init__(
         self,
@@ -74,8 +78,9 @@ class PoolWaking(Unavailable):
 
 
 class TooManyRequests(ApiError):
-    """429: the API asks the caller to slow down; waited on as ``retry_after`` says, like a
-    ``503``. Over a tenant's quota it is :class:`QuotaExceeded`."""
+    """429: the API asks the caller to slow down; waited on as ``retry_after`` says, within
+    :class:`RetryPolicy`'s ``too_many`` budget. Over a tenant's quota it is
+    :class:`QuotaExceeded`."""
 
 
 class QuotaExceeded(TooManyRequests):
@@ -85,7 +90,7 @@ class QuotaExceeded(TooManyRequests):
     second) and ``burst`` the rate's bucket size (``None`` for the other quotas). A quota frees
     up by itself (a lease expiring, the bucket refilling) or when the tenant gives a lease
     back, so :class:`RetryPolicy` asks again every ``retry_after`` seconds, up to its
-    ``max_wait``."""
+    ``quota_exceeded`` budget."""
 
     def __init__(
         self,

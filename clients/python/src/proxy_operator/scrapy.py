@@ -31,10 +31,16 @@ up to the ``wakeTimeout``, even past ``PROXY_OPERATOR_MAX_WAIT`` (see :class:`Re
 
 A **tenant's quota** is never a ban: the gateway refuses a request over it with a ``503``,
 ``Retry-After`` and ``Proxy-Status: proxy-operator; ...; details="quota_exceeded"``, and the
-request is sent again after ``Retry-After`` (like a "no proxy free" ``503``), within
-``PROXY_OPERATOR_MAX_WAIT``; in lease mode the acquire waits through ``429 quota_exceeded``
-as long (then raises :class:`QuotaExceeded`). No answer whose ``Proxy-Status`` names
-``proxy-operator`` is taken for the target's: the gateway made it.
+request is sent again after ``Retry-After`` (like a "no proxy free" ``503``); in lease mode the
+acquire waits through ``429 quota_exceeded`` (then raises :class:`QuotaExceeded`). No answer
+whose ``Proxy-Status`` names ``proxy-operator`` is taken for the target's: the gateway made it.
+
+**Waits.** Each kind of refusal a request waits on has a budget of its own, per request
+(gateway mode) or per acquire (lease mode): ``no_match`` (no proxy free), ``pool_waking``
+(lease mode; at least the pool's ``wakeTimeout``), ``quota_exceeded``, ``unavailable`` (the
+ledger could not take the lease) and ``too_many`` (an API ``429``), each
+``PROXY_OPERATOR_MAX_WAIT`` seconds unless ``PROXY_OPERATOR_MAX_WAITS`` says otherwise (see
+:class:`RetryPolicy`). So a long wait on one never leaves the next kind no time.
 
 Settings (defaults): ``PROXY_OPERATOR_MODE`` (``"gateway"``), ``PROXY_OPERATOR_URL`` and
 ``PROXY_OPERATOR_GATEWAY`` (the environment variables of the same names),
@@ -45,15 +51,16 @@ default, 5m), ``PROXY_OPERATOR_BAN_STATUSES`` (``{403: "blocked", 429: "rate_lim
 ``PROXY_OPERATOR_BAN_DETECTOR`` (``None``; a callable or its import path, called with the
 response, returning ``"blocked"``, ``"rate_limited"`` or ``None``),
 ``PROXY_OPERATOR_MAX_RETRIES`` (5), ``PROXY_OPERATOR_MAX_WAIT`` (30: seconds one request may
-wait on "no proxy free" answers and quota refusals), ``PROXY_OPERATOR_TIMEOUT`` (10: seconds per API call),
+wait on each kind of refusal), ``PROXY_OPERATOR_MAX_WAITS`` (``{}``: seconds by kind of
+refusal, e.g. ``{"quota_exceeded": 120}``, the others ``PROXY_OPERATOR_MAX_WAIT``),
+``PROXY_OPERATOR_TIMEOUT`` (10: seconds per API call),
 ``PROXY_OPERATOR_LEASE_TTL`` (120) and ``PROXY_OPERATOR_LEASE_IDLE`` (60).
 
 Stats: ``proxy_operator/sessions`` (sessions started), ``proxy_operator/bans/<result>``,
 ``proxy_operator/retries``, ``proxy_operator/retries_exhausted``,
 ``proxy_operator/unavailable`` (answers "no proxy free": the gateway's 503, the API's
 409/503), ``proxy_operator/quota_exceeded`` (the gateway's quota refusals, and acquires still
-refused for the quota after ``PROXY_OPERATOR_MAX_WAIT``), ``proxy_operator/errors``
-(transport errors).
+refused for the quota after its wait), ``proxy_operator/errors`` (transport errors).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from scrapy.settings import BaseSettings
 from scrapy.utils.httpobj import urlparse_cached
 from scrapy.utils.misc import load_object
 
-from .calls import RetryPolicy
+from .calls import REFUSALS, Refusal, RetryPolicy
 from .client import AsyncClient
 from .config import ENV_GATEWAY, ENV_URL, TokenSource, gateway_proxy_url, resolve_url
 from .errors import ApiError, ConfigError, NoMatch, ProxyOperatorError, QuotaExceeded, Unavailable
@@ -88,6 +95,7 @@ logger = logging.getLogger(__name__)
 #: ``request.meta`` key that pins a request to a session name of the caller's choosing.
 SESSION_META = "proxy_operator_session"
 _RETRIES_META = "proxy_operator_retries"
+#: Seconds a request has waited on the gateway's refusals, by kind.
 _WAITED_META = "_proxy_operator_waited"
 _ASSIGNED_META = "_proxy_operator_assigned"
 _PROXY_NAME_HEADER = b"X-Proxy-Name"
@@ -358,6 +366,27 @@ class _LeaseRoute:
             await self.drop(session)
 
 
+def _max_waits(settings: BaseSettings) -> dict[Refusal, float]:
+    """``PROXY_OPERATOR_MAX_WAITS``: seconds by kind of refusal."""
+    waits: dict[Refusal, float] = {}
+    for kind, seconds in dict(settings.getdict("PROXY_OPERATOR_MAX_WAITS")).items():
+        known = next((refusal for refusal in REFUSALS if refusal == kind), None)
+        if known is None:
+            raise ConfigError(f"PROXY_OPERATOR_MAX_WAITS: {kind!r} is not one of {', '.join(REFUSALS)}")
+        waits[known] = float(seconds)
+    return waits
+
+
+def _gateway_refusal(status: int, details: str | None) -> Refusal | None:
+    """The kind of a refusal the gateway made itself: its ``Proxy-Status`` details for a quota,
+    else any ``503`` (no proxy free, or a ledger that could not take the lease)."""
+    if details == "quota_exceeded":
+        return "quota_exceeded"
+    if status != 503:
+        return None
+    return "no_match" if details in (None, "no_match") else "unavailable"
+
+
 def _ban_statuses(settings: BaseSettings) -> dict[int, str]:
     value = settings.get("PROXY_OPERATOR_BAN_STATUSES") or {403: "blocked", 429: "rate_limited"}
     statuses = {int(status): str(result) for status, result in dict(value).items()}
@@ -387,7 +416,18 @@ class ProxyOperatorMiddleware:
         detector = settings.get("PROXY_OPERATOR_BAN_DETECTOR")
         self.ban_rule = BanRule(_ban_statuses(settings), load_object(detector) if isinstance(detector, str) else detector)
         self.max_retries = settings.getint("PROXY_OPERATOR_MAX_RETRIES", 5)
-        self.max_wait = settings.getfloat("PROXY_OPERATOR_MAX_WAIT", 30.0)
+        # A waking pool's 503 pool_waking is waited on up to its wakeTimeout, past its budget;
+        # a tenant's 429 quota_exceeded up to its budget, however many answers that takes.
+        waits = _max_waits(settings)
+        self.retry = RetryPolicy(
+            attempts=10,
+            max_wait=settings.getfloat("PROXY_OPERATOR_MAX_WAIT", 30.0),
+            no_match=waits.get("no_match"),
+            pool_waking=waits.get("pool_waking"),
+            quota_exceeded=waits.get("quota_exceeded"),
+            unavailable=waits.get("unavailable"),
+            too_many=waits.get("too_many"),
+        )
         self.timeout = settings.getfloat("PROXY_OPERATOR_TIMEOUT", 10.0)
         self.lease_ttl = settings.getint("PROXY_OPERATOR_LEASE_TTL", 120)
         self.lease_idle = settings.getfloat("PROXY_OPERATOR_LEASE_IDLE", 60.0)
@@ -418,10 +458,7 @@ class ProxyOperatorMiddleware:
         """The route, made on first use inside the running event loop (httpx's async client
         belongs to the loop it first runs in)."""
         if self._route is None:
-            # A waking pool's 503 pool_waking is waited on up to its wakeTimeout, past max_wait;
-            # a tenant's 429 quota_exceeded up to max_wait, however many answers that takes.
-            retry = RetryPolicy(attempts=10, max_wait=self.max_wait)
-            self._api = AsyncClient(self.url, tokens=self.token, timeout=self.timeout, retry=retry)
+            self._api = AsyncClient(self.url, tokens=self.token, timeout=self.timeout, retry=self.retry)
             if self.gateway is not None:
                 self._route = _GatewayRoute(self._api, self.gateway, self.token, self.crawler_name or "scrapy", self.selector, self.session_ttl)
             else:
@@ -487,12 +524,13 @@ class ProxyOperatorMiddleware:
         the tenant's quota (``details`` ``quota_exceeded``) and 503 "no proxy free" are waited
         on, 502 (every upstream failed) retried on a new session; anything else (400, 407:
         bad settings) goes through."""
-        if details == "quota_exceeded":
+        kind = _gateway_refusal(response.status, details)
+        if kind == "quota_exceeded":
             self._inc("quota_exceeded")
-            return await self._wait(request, response, "over the tenant's quota")
-        if response.status == 503:
+            return await self._wait(request, response, kind, "over the tenant's quota")
+        if kind is not None:
             self._inc("unavailable")
-            return await self._wait(request, response, "no proxy free")
+            return await self._wait(request, response, kind, "no proxy free")
         if response.status == 502:
             self._inc("errors")
             await self._route_now().drop(session)
@@ -507,11 +545,12 @@ class ProxyOperatorMiddleware:
             )
         return response
 
-    async def _wait(self, request: Request, response: Response, why: str) -> Request | Response:
+    async def _wait(self, request: Request, response: Response, kind: Refusal, why: str) -> Request | Response:
         """The request again after the answer's ``Retry-After``, or the answer once the request
-        has waited ``PROXY_OPERATOR_MAX_WAIT`` in all."""
-        waited = request.meta.get(_WAITED_META, 0.0)
-        left = self.max_wait - waited
+        has waited its budget for this ``kind`` of refusal."""
+        waits: dict[str, float] = dict(request.meta.get(_WAITED_META, {}))
+        waited = waits.get(kind, 0.0)
+        left = self.retry.budget(kind) - waited
         if left <= 0:
             logger.info("proxy-operator: %s for %.0f s; giving up on %s", why, waited, request.url)
             return response
@@ -522,7 +561,7 @@ class ProxyOperatorMiddleware:
         wait = min(after, UNAVAILABLE_POLL, left)
         await asyncio.sleep(wait)
         retry = request.replace(dont_filter=True)
-        retry.meta[_WAITED_META] = waited + wait
+        retry.meta[_WAITED_META] = {**waits, kind: waited + wait}
         return retry
 
     async def process_exception(self, request: Request, exception: BaseException, spider: Spider | None = None) -> Request | None:
