@@ -243,6 +243,56 @@ pub struct GatewayArgs {
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_SESSION_TTL", default_value = "5m", value_parser = session_ttl)]
     pub gateway_session_ttl: Duration,
 
+    /// The CA certificate (PEM) the gateway intercepts HTTPS with, for requests that ask
+    /// (`tls=inspect` in the proxy URL's user part) from tenants allowed to: clients must trust
+    /// it. Unset: no interception, every CONNECT a byte tunnel. With --gateway-ca-key.
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GATEWAY_CA_CERT",
+        value_name = "PATH",
+        requires = "gateway_ca_key"
+    )]
+    pub gateway_ca_cert: Option<PathBuf>,
+
+    /// The CA's private key (PEM), readable by this process only (mode 0400 or 0600; 0440
+    /// when its group is this process's, as a Secret mounted for the Pod's fsGroup is).
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GATEWAY_CA_KEY",
+        value_name = "PATH",
+        requires = "gateway_ca_cert"
+    )]
+    pub gateway_ca_key: Option<PathBuf>,
+
+    /// PEM file of extra CA certificates the gateway trusts for intercepted targets, on top of
+    /// the system's roots (targets behind a private CA). A target that does not verify is
+    /// answered 502, never relayed.
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GATEWAY_TARGET_CA_FILE",
+        value_name = "PATH"
+    )]
+    pub gateway_target_ca_file: Option<PathBuf>,
+
+    /// Hosts never intercepted, even when asked (apps that pin certificates): comma-separated
+    /// host names, `*.example.com` (any subdomain) or `*`. Their CONNECTs stay byte tunnels.
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GATEWAY_INTERCEPT_EXCLUDE",
+        value_name = "HOSTS",
+        value_delimiter = ',',
+        required = false,
+        value_parser = crate::gateway::rules::HostPattern::parse
+    )]
+    pub gateway_intercept_exclude: Vec<crate::gateway::rules::HostPattern>,
+
+    /// YAML file of per-target rules: what in a target's answer is a ban (statuses, a header,
+    /// a pattern in the body's first KiB) and whether to retry on another exit. Re-read when
+    /// it changes (every --discovery-token-poll); a bad edit keeps the last good rules. Hosts no
+    /// rule names get --gateway-ban-statuses.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_RULES_FILE", value_name = "PATH")]
+    pub gateway_rules_file: Option<PathBuf>,
+
     /// Longest a client may take to send a request head, from its first byte (and a new
     /// connection's first head, from the accept); the connection is then closed.
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_HEADER_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
@@ -329,6 +379,7 @@ impl CommonArgs {
                 max_tenant_connections: gateway.gateway_max_tenant_connections as usize,
                 max_connection_leases: gateway.gateway_connection_leases as usize,
                 max_held: gateway.gateway_max_held_requests as usize,
+                intercept_exclude: gateway.gateway_intercept_exclude.clone(),
                 ..GatewayConfig::default()
             },
         ))

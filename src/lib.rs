@@ -21,3 +21,4 @@ pub mod proxy_watch;
 pub mod rbac;
 pub mod resources;
 pub mod serving;
+pub mod tls;

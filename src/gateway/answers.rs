@@ -13,6 +13,7 @@ use hyper::{Response, StatusCode};
 use serde_json::json;
 
 use super::choice::{Held, Refusal};
+use super::intercept::TargetRefused;
 use crate::egress::Refused;
 use crate::ledger::{LedgerError, NoMatch};
 use crate::resources::proxy::ProxyId;
@@ -42,6 +43,10 @@ pub(super) const QUOTA_EXCEEDED: &str = "quota_exceeded";
 pub const DESTINATION_NOT_ALLOWED: &str = "destination_not_allowed";
 /// The error code of a refusal for a target name that does not resolve.
 pub const DESTINATION_UNRESOLVABLE: &str = "destination_unresolvable";
+/// The error code of an intercepted CONNECT whose target refused the gateway's TLS.
+pub const TARGET_TLS_FAILED: &str = "target_tls_failed";
+/// The error code of a request for interception the gateway cannot or may not make.
+pub const INTERCEPTION_REFUSED: &str = "interception_refused";
 /// The error code of a refusal for a connection over a cap.
 pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
 
@@ -74,11 +79,15 @@ pub enum RequestOutcome {
     DestinationRefused,
     /// 503 `too_many_connections`: the caller's tenant holds as many connections as it may.
     TooManyConnections,
+    /// An intercepted tunnel was opened (`tls=inspect`).
+    Intercepted,
+    /// 403 `interception_refused`: interception asked for, without a CA or not allowed.
+    InterceptionRefused,
 }
 
 impl RequestOutcome {
     /// Every outcome.
-    pub const ALL: [RequestOutcome; 11] = [
+    pub const ALL: [RequestOutcome; 13] = [
         RequestOutcome::Tunneled,
         RequestOutcome::Forwarded,
         RequestOutcome::AuthRequired,
@@ -90,6 +99,8 @@ impl RequestOutcome {
         RequestOutcome::QuotaExceeded,
         RequestOutcome::DestinationRefused,
         RequestOutcome::TooManyConnections,
+        RequestOutcome::Intercepted,
+        RequestOutcome::InterceptionRefused,
     ];
 
     /// The label value.
@@ -106,6 +117,8 @@ impl RequestOutcome {
             RequestOutcome::QuotaExceeded => "quota_exceeded",
             RequestOutcome::DestinationRefused => "destination_refused",
             RequestOutcome::TooManyConnections => "too_many_connections",
+            RequestOutcome::Intercepted => "intercepted",
+            RequestOutcome::InterceptionRefused => "interception_refused",
         }
     }
 }
@@ -172,7 +185,8 @@ pub(super) fn json_response(status: StatusCode, body: &serde_json::Value) -> Res
 /// is RFC 9209's `http_request_denied`, the rest say only the code.
 pub(super) fn proxy_status(code: &str) -> String {
     let error = match code {
-        QUOTA_EXCEEDED | TOO_MANY_CONNECTIONS => Some("http_request_denied"),
+        QUOTA_EXCEEDED | TOO_MANY_CONNECTIONS | INTERCEPTION_REFUSED => Some("http_request_denied"),
+        TARGET_TLS_FAILED => Some("tls_certificate_error"),
         DESTINATION_NOT_ALLOWED => Some("destination_ip_prohibited"),
         DESTINATION_UNRESOLVABLE => Some("dns_error"),
         _ => None,
@@ -284,4 +298,25 @@ pub(super) fn set_retry_after(response: &mut Response<Body>, wait: Duration) {
     response
         .headers_mut()
         .insert(RETRY_AFTER, HeaderValue::from(retry_after::seconds(wait)));
+}
+
+/// `502 target_tls_failed` for an intercepted CONNECT whose target refused the gateway's TLS:
+/// nothing was relayed, and it is never a ban (every exit would meet the same certificate).
+pub(super) fn target_refusal(refused: &TargetRefused) -> Response<Body> {
+    json_response(
+        StatusCode::BAD_GATEWAY,
+        &json!({
+            "error": TARGET_TLS_FAILED,
+            "reason": refused.reason(),
+            "message": format!(
+                "the gateway's TLS to the target failed ({refused}): nothing was relayed"
+            ),
+        }),
+    )
+}
+
+/// `403 interception_refused` for a request asking for `tls=inspect` that the gateway cannot
+/// (it has no CA) or may not (the caller's tenant is not allowed) serve: never a silent tunnel.
+pub(super) fn interception_refused(why: &str) -> Response<Body> {
+    error(StatusCode::FORBIDDEN, INTERCEPTION_REFUSED, why)
 }

@@ -18,8 +18,10 @@ use tokio_util::task::TaskTracker;
 
 use super::ask::Ask;
 use super::config::GatewayConfig;
+use super::intercept::Interception;
 use super::limits::Limits;
 use super::metrics::GatewayMetrics;
+use super::rules::{RuleSet, Rules};
 use super::upstream::Upstream;
 use crate::egress::Destinations;
 use crate::ledger::{
@@ -51,6 +53,10 @@ pub struct Gateway {
     pub metrics: GatewayMetrics,
     /// Settings.
     pub config: GatewayConfig,
+    /// The per-target rules in force (`--gateway-rules-file`, `--gateway-ban-statuses`).
+    pub rules: Rules,
+    /// Interception of HTTPS, when the operator has a CA.
+    pub interception: Option<Arc<Interception>>,
     /// What crawlers may reach.
     pub(super) destinations: Destinations,
     /// The caps on connections and held requests.
@@ -79,12 +85,36 @@ impl Gateway {
                 config.max_tenant_connections,
                 config.max_held,
             ),
+            rules: Rules::new(RuleSet::new(&config.ban_rule, Vec::new())),
+            interception: None,
             fleet,
             tokens,
             metrics,
             config,
             tasks: TaskTracker::new(),
             stopping: CancellationToken::new(),
+        }
+    }
+
+    /// Whether `host` is never intercepted (`--gateway-intercept-exclude`).
+    pub(super) fn excluded_from_interception(&self, host: &str) -> bool {
+        let host = host.strip_suffix('.').unwrap_or(host);
+        self.config
+            .intercept_exclude
+            .iter()
+            .any(|pattern| pattern.matches(host))
+    }
+
+    /// The gateway judging answers by `rules`.
+    pub fn with_rules(self, rules: Rules) -> Self {
+        Gateway { rules, ..self }
+    }
+
+    /// The gateway intercepting with `interception`.
+    pub fn with_interception(self, interception: Arc<Interception>) -> Self {
+        Gateway {
+            interception: Some(interception),
+            ..self
         }
     }
 
@@ -222,9 +252,62 @@ impl Gateway {
         Err(Refusal::NoMatch(NoMatch::default()))
     }
 
+    /// The lease and upstream for a tunnel of `ask`, on none of `tried`: the session's, or one
+    /// of the tunnel's own (the client connection becomes the tunnel, so the lease lives and
+    /// ends with it).
+    pub(super) async fn tunnel_lease(
+        &self,
+        ask: &Ask,
+        tried: &HashSet<String>,
+    ) -> Result<(Held, Upstream), Refusal> {
+        if let Some(key) = ask.session_key() {
+            return self.session_lease(ask, key, tried).await;
+        }
+        self.own_lease(ask, tried, None).await
+    }
+
+    /// A new lease of the connection's own (no session) for `ask`, on none of `tried`;
+    /// `moved_from`: the proxy the connection's lease for the target was on before.
+    pub(super) async fn own_lease(
+        &self,
+        ask: &Ask,
+        tried: &HashSet<String>,
+        moved_from: Option<ProxyId>,
+    ) -> Result<(Held, Upstream), Refusal> {
+        let ttl = self.config.connection_lease_ttl;
+        match self.acquire(ask, None, ttl, tried).await? {
+            Acquired::Usable(lease_id, proxy, upstream) => Ok((
+                Held {
+                    lease_id,
+                    tenant: ask.caller.tenant.name.clone(),
+                    proxy,
+                    session: None,
+                    ttl,
+                    renewed: Instant::now(),
+                    moved_from,
+                    uses: Uses::default(),
+                },
+                upstream,
+            )),
+            Acquired::Unusable(lease_id) => {
+                self.give_back(&lease_id, ask.caller.tenant_name()).await;
+                Err(Refusal::NoMatch(NoMatch::default()))
+            }
+        }
+    }
+
+    /// Lets go of `held`, whose proxy failed or was banned: a session's lease leaves the session
+    /// (which moves on its next request) and goes back, as a connection's own does.
+    pub(super) async fn let_go(&self, held: &Held) {
+        if let Some(key) = &held.session {
+            self.fleet.sessions.remove(key, &held.lease_id);
+        }
+        self.give_back(&held.lease_id, &held.tenant).await;
+    }
+
     /// Acquires a lease for `ask` (on a proxy of its tenant's scope, none of `tried`), with
     /// `request` when it is a session's.
-    pub(super) async fn acquire(
+    async fn acquire(
         &self,
         ask: &Ask,
         request: Option<RequestKey>,
@@ -368,7 +451,7 @@ pub enum Refusal {
 }
 
 /// What an acquire got.
-pub(super) enum Acquired {
+enum Acquired {
     /// A lease on a proxy that can carry the request.
     Usable(String, ProxyId, Upstream),
     /// A lease on a proxy that cannot (it changed since the candidates were read).

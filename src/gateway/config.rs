@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use super::bans::BanRule;
+use super::rules::HostPattern;
 use super::timeouts::Timeouts;
 use crate::egress::IpNet;
 
@@ -41,6 +42,8 @@ pub struct GatewayConfig {
     pub max_connection_leases: usize,
     /// Most requests held at once while their pools wake.
     pub max_held: usize,
+    /// Hosts never intercepted, even when asked (`--gateway-intercept-exclude`).
+    pub intercept_exclude: Vec<HostPattern>,
 }
 
 impl Default for GatewayConfig {
@@ -63,6 +66,7 @@ impl Default for GatewayConfig {
             max_tenant_connections: 2048,
             max_connection_leases: 4,
             max_held: 1024,
+            intercept_exclude: Vec::new(),
         }
     }
 }

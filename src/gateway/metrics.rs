@@ -20,6 +20,10 @@ use crate::serving::tenants::TenantMetrics;
 #[derive(Clone, Debug)]
 pub struct GatewayMetrics {
     connections: IntCounter,
+    rule_matches: IntCounterVec,
+    intercepted: IntCounter,
+    handshake_failures: IntCounterVec,
+    certificates: IntCounterVec,
     open: IntGauge,
     refused_connections: IntCounterVec,
     closed_connections: IntCounterVec,
@@ -82,14 +86,44 @@ impl GatewayMetrics {
             ),
             &["reason"],
         )?;
+        let rule_matches = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_rule_matches_total",
+                "Target answers a per-target rule judged a ban, by rule (its name in \
+                 --gateway-rules-file, or default: --gateway-ban-statuses) and result.",
+            ),
+            &["rule", "result"],
+        )?;
+        let intercepted = IntCounter::new(
+            "proxy_operator_gateway_intercepted_total",
+            "CONNECT tunnels the gateway intercepted (tls=inspect): both TLS handshakes done.",
+        )?;
+        let handshake_failures = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_tls_handshake_failures_total",
+                "Intercepted CONNECTs whose TLS failed, by side (client: the crawler's \
+                 handshake with the gateway; target: the gateway's with the target) and reason \
+                 (client: sni_mismatch, leaf, handshake; target: certificate, handshake).",
+            ),
+            &["side", "reason"],
+        )?;
+        let certificates = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_certificates_total",
+                "Leaf certificates the gateway served to intercepted clients, by how they were \
+                 had: minted (signed now) or cached.",
+            ),
+            &["result"],
+        )?;
         let requests = IntCounterVec::new(
             Opts::new(
                 "proxy_operator_gateway_requests_total",
-                "Gateway requests by kind (connect, http) and outcome: tunneled, forwarded, \
+                "Gateway requests by kind (connect, http, inspected: inside an intercepted tunnel) and \
+                 outcome: tunneled, intercepted, forwarded, \
                  auth_required (407), bad_request (400), port_refused (403), no_proxy (503), \
                  unavailable (503: the ledger could not take the lease), upstream_failed (502), \
                  quota_exceeded (503), destination_refused (403, or 502 for a name that does \
-                 not resolve), too_many_connections (503).",
+                 not resolve), too_many_connections (503), interception_refused (403).",
             ),
             &["kind", "outcome"],
         )?;
@@ -132,6 +166,10 @@ impl GatewayMetrics {
         for metric in [
             Box::new(held.clone()) as Box<dyn Collector>,
             Box::new(connections.clone()),
+            Box::new(rule_matches.clone()),
+            Box::new(intercepted.clone()),
+            Box::new(handshake_failures.clone()),
+            Box::new(certificates.clone()),
             Box::new(open.clone()),
             Box::new(refused_connections.clone()),
             Box::new(closed_connections.clone()),
@@ -144,7 +182,7 @@ impl GatewayMetrics {
         ] {
             registry.register(metric)?;
         }
-        for kind in ["connect", "http"] {
+        for kind in ["connect", "http", "inspected"] {
             for outcome in RequestOutcome::ALL {
                 requests.with_label_values(&[kind, outcome.as_str()]);
             }
@@ -168,8 +206,23 @@ impl GatewayMetrics {
         for result in [ReportResult::RateLimited, ReportResult::Blocked] {
             bans.with_label_values(&[result.as_str()]);
         }
+        for (side, reasons) in [
+            ("client", ["sni_mismatch", "leaf", "handshake"].as_slice()),
+            ("target", ["certificate", "handshake"].as_slice()),
+        ] {
+            for reason in reasons {
+                handshake_failures.with_label_values(&[side, reason]);
+            }
+        }
+        for result in ["minted", "cached"] {
+            certificates.with_label_values(&[result]);
+        }
         Ok(GatewayMetrics {
             connections,
+            rule_matches,
+            intercepted,
+            handshake_failures,
+            certificates,
             open,
             refused_connections,
             closed_connections,
@@ -218,7 +271,7 @@ impl GatewayMetrics {
         self.refused_destinations.with_label_values(&[reason]).inc();
     }
 
-    /// Counts a request of `kind` (`connect`, `http`) that ended with `outcome`.
+    /// Counts a request of `kind` (`connect`, `http`, `inspected`) that ended with `outcome`.
     pub fn request(&self, kind: &str, outcome: RequestOutcome) {
         self.requests
             .with_label_values(&[kind, outcome.as_str()])
@@ -235,6 +288,26 @@ impl GatewayMetrics {
     /// Counts a try on another proxy.
     pub fn retried(&self) {
         self.retries.inc();
+    }
+
+    /// Counts an answer `rule` judged a ban reported as `result`.
+    pub fn rule_matched(&self, rule: &str, result: ReportResult) {
+        self.rule_matches
+            .with_label_values(&[rule, result.as_str()])
+            .inc();
+    }
+
+    /// Counts a CONNECT intercepted, with how its leaf was had (`minted`, `cached`).
+    pub fn intercepted(&self, leaf: &str) {
+        self.intercepted.inc();
+        self.certificates.with_label_values(&[leaf]).inc();
+    }
+
+    /// Counts a failed TLS handshake of an intercepted CONNECT, by side and reason.
+    pub fn handshake_failed(&self, side: &str, reason: &str) {
+        self.handshake_failures
+            .with_label_values(&[side, reason])
+            .inc();
     }
 
     /// Counts a ban reported.

@@ -15,6 +15,7 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use super::intercept::TargetRefused;
 use crate::credentials::Credentials;
 use crate::resources::proxy::ProxyId;
 
@@ -41,6 +42,9 @@ pub enum UpstreamFailure {
     /// The proxy answered the `CONNECT` (or a plain request, with its own 407) with this
     /// status.
     Refused(StatusCode),
+    /// The target refused the gateway's own TLS (an intercepted CONNECT): its certificate
+    /// did not verify, or its handshake failed. No fault of the proxy.
+    Target(TargetRefused),
 }
 
 impl fmt::Display for UpstreamFailure {
@@ -50,6 +54,7 @@ impl fmt::Display for UpstreamFailure {
             UpstreamFailure::Timeout => f.write_str("no answer in time"),
             UpstreamFailure::Http(e) => write!(f, "the exchange failed: {e}"),
             UpstreamFailure::Refused(status) => write!(f, "answered {status}"),
+            UpstreamFailure::Target(refused) => write!(f, "{refused}"),
         }
     }
 }

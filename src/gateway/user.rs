@@ -1,7 +1,7 @@
 //! The options a crawler gives in the user part of its proxy URL, e.g.
 //! `http://crawler;session=s1;geo=eu:TOKEN@gateway:8888`: a free-text name, then `;key=value`
-//! pairs. `session` names a sticky session and `sessionTTL` its idle lifetime; every other pair
-//! is a selector label. Clients have already percent-decoded the URL's userinfo before they
+//! pairs. `session` names a sticky session, `sessionTTL` its idle lifetime and `tls=inspect`
+//! asks the gateway to intercept a CONNECT's TLS; every other pair is a selector label. Clients have already percent-decoded the URL's userinfo before they
 //! send it in `Proxy-Authorization`, so it is read as it comes, never decoded again.
 
 use std::collections::BTreeMap;
@@ -34,6 +34,8 @@ pub struct Options {
     /// How long the session may stay idle before its lease is given back; `None`: the
     /// gateway's default.
     pub session_ttl: Option<Duration>,
+    /// `tls=inspect`: the gateway takes the CONNECT's TLS and sees the requests inside.
+    pub inspect: bool,
     /// Labels the upstream proxy must carry.
     pub selector: BTreeMap<String, String>,
 }
@@ -87,6 +89,18 @@ pub fn parse(user: &str) -> Result<Options, String> {
                     ));
                 }
                 options.session = Some(value.to_owned());
+            }
+            "tls" => {
+                options.inspect = match value {
+                    "inspect" => true,
+                    "tunnel" => false,
+                    _ => {
+                        return Err(format!(
+                            "tls {value:?} is neither `inspect` (the gateway intercepts) nor \
+                             `tunnel` (a byte tunnel, the default)"
+                        ));
+                    }
+                };
             }
             "sessionTTL" => {
                 let ttl = humantime::parse_duration(value).map_err(|e| {
@@ -162,6 +176,23 @@ mod tests {
                     session: Some("x".into()),
                     session_ttl: Some(Duration::from_secs(30)),
                     selector: labels(&[("geo", "eu"), ("tier", "a")]),
+                    ..Options::default()
+                },
+            ),
+            (
+                "c;tls=inspect;geo=eu",
+                Options {
+                    client: "c".into(),
+                    inspect: true,
+                    selector: labels(&[("geo", "eu")]),
+                    ..Options::default()
+                },
+            ),
+            (
+                "c;tls=tunnel",
+                Options {
+                    client: "c".into(),
+                    ..Options::default()
                 },
             ),
             (
@@ -211,6 +242,7 @@ mod tests {
             ("c;session=s;sessionTTL=999ms", "at least 1s"),
             ("c;session=s;sessionTTL=2days", "at most 24h"),
             ("c;sessionTTL=5m", "without session"),
+            ("c;tls=mitm", "neither `inspect`"),
             ("c r;geo=eu", "printable ASCII"),
             ("c;geo=e u", "printable ASCII"),
             ("c;geo=é", "printable ASCII"),

@@ -15,8 +15,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustls::pki_types::CertificateDer;
-
 use crate::credentials::{self, Credentials, SecretName};
 use crate::resources::proxy::Proxy;
 
@@ -181,28 +179,12 @@ impl ProbeTls {
     /// logged, and every probe fails with [`ProbeErrorKind::InvalidConfig`] and this message,
     /// so the cause shows up in each proxy's status.
     pub fn new(extra_roots: &[Vec<u8>]) -> ProbeTls {
-        let config = Self::build(extra_roots).map_err(|e| {
+        let config = crate::tls::client_config(extra_roots).map_err(|e| {
             let message = format!("probe TLS setup failed: {e}");
             log::error!("{message}");
             message
         });
         ProbeTls { config }
-    }
-
-    fn build(extra_roots: &[Vec<u8>]) -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let roots = extra_roots
-            .iter()
-            .map(|der| CertificateDer::from(der.clone()));
-        let verifier =
-            rustls_platform_verifier::Verifier::new_with_extra_roots(roots, provider.clone())?;
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(verifier))
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Ok(Arc::new(config))
     }
 }
 

@@ -2,6 +2,7 @@
 //! metrics servers, ledger sweep) and the supervisor that runs them as tasks, stops them all
 //! on SIGTERM/SIGINT, and takes the process down when any of them dies.
 
+mod gateway_start;
 pub mod operator;
 pub mod standalone;
 
@@ -20,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::status::KubeEvents;
 use crate::api::{self, ApiState, LeaseMetrics};
 use crate::cli::CommonArgs;
-use crate::gateway::{self, Gateway, GatewayMetrics};
+use crate::gateway::GatewayMetrics;
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
 use crate::ledger::{
@@ -327,7 +328,12 @@ pub fn start_core(
         "ledger sweep",
         sweep_ledger(core.fleet.ledger.clone(), supervisor.shutdown_token()),
     );
-    let token = watch_tokens(supervisor, tokens, common);
+    let LoadedAccess {
+        tokens,
+        tenants,
+        gateway: gateway_files,
+    } = tokens;
+    let token = watch_tokens(supervisor, tokens, tenants, common);
     let state = ApiState {
         lease_credentials: common.lease_credentials,
         kube_events,
@@ -338,7 +344,15 @@ pub fn start_core(
         )
     };
     if let Some((listener, config)) = gateway_listener {
-        start_gateway(supervisor, core, listener, config, token.clone())?;
+        gateway_start::start(
+            supervisor,
+            core,
+            common,
+            listener,
+            config,
+            token.clone(),
+            gateway_files,
+        )?;
     }
     let api = api::serve(api_listener, state, token)
         .map_err(|e| StartError::from_display("--discovery-addr", e))?;
@@ -359,44 +373,18 @@ pub fn start_core(
     Ok(())
 }
 
-/// Serves the crawler gateway on `listener` until shutdown.
-fn start_gateway(
-    supervisor: &mut Supervisor,
-    core: &Core,
-    listener: TcpListener,
-    config: gateway::GatewayConfig,
-    token: ApiToken,
-) -> Result<(), StartError> {
-    let listener = listener
-        .set_nonblocking(true)
-        .and_then(|()| tokio::net::TcpListener::from_std(listener))
-        .map_err(|e| StartError::from_display("--gateway-addr", e))?;
-    if !token.is_required() {
-        log::warn!("--insecure-no-auth: the gateway relays for anyone who can reach it");
-    }
-    let gateway = Arc::new(Gateway::new(
-        core.fleet.clone(),
-        token,
-        core.gateway_metrics.clone(),
-        config,
-    ));
-    let shutdown = supervisor.shutdown_token();
-    supervisor.spawn("gateway", async move {
-        gateway::serve(listener, gateway, shutdown).await;
-        Ok(())
-    });
-    Ok(())
-}
-
-/// What start-up loaded of who may call: the tokens, and the tenants file's tenants.
+/// What start-up loaded from files before anything is opened or bound: who may call (the
+/// tokens, the tenants file's tenants), and what the gateway reads (its rules, its CA).
 pub struct LoadedAccess {
     tokens: LoadedTokens,
     tenants: Option<(TenantsFile, LoadedTenants)>,
+    gateway: gateway_start::GatewayFiles,
 }
 
 /// The API's tokens from `DISCOVERY_TOKEN`, `--discovery-token-file` and `--tenants-file`,
-/// failing closed (open only with `--insecure-no-auth`). Called first, before anything is
-/// opened or bound.
+/// failing closed (open only with `--insecure-no-auth`), and the gateway's files. Called
+/// first, before anything is opened or bound, so a bad file stops the process naming its
+/// flag.
 pub fn load_tokens(common: &CommonArgs) -> Result<LoadedAccess, StartError> {
     let tenants = common
         .tenants_file
@@ -423,17 +411,22 @@ pub fn load_tokens(common: &CommonArgs) -> Result<LoadedAccess, StartError> {
             loaded.tenants.len()
         );
     }
-    Ok(LoadedAccess { tokens, tenants })
+    let gateway = gateway_start::load(common)?;
+    Ok(LoadedAccess {
+        tokens,
+        tenants,
+        gateway,
+    })
 }
 
 /// The token the API checks; a token file and a tenants file are watched for changes by a
 /// task each.
 fn watch_tokens(
     supervisor: &mut Supervisor,
-    access: LoadedAccess,
+    tokens: LoadedTokens,
+    tenants: Option<(TenantsFile, LoadedTenants)>,
     common: &CommonArgs,
 ) -> ApiToken {
-    let LoadedAccess { tokens, tenants } = access;
     if let Some((file, loaded)) = tenants {
         let shutdown = supervisor.shutdown_token();
         let token = tokens.token.clone();
@@ -459,22 +452,11 @@ fn watch_tokens(
 
 /// The certificates of `--probe-ca-file`, as DER.
 fn probe_roots(common: &CommonArgs) -> Result<Vec<Vec<u8>>, StartError> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
     let Some(path) = &common.probe_ca_file else {
         return Ok(Vec::new());
     };
-    let fail =
-        |e: &dyn std::fmt::Display| StartError(format!("--probe-ca-file {}: {e}", path.display()));
-    let pem = std::fs::read(path).map_err(|e| fail(&e))?;
-    let certs = CertificateDer::pem_slice_iter(&pem)
-        .map(|c| c.map(|c| c.to_vec()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| fail(&e))?;
-    if certs.is_empty() {
-        return Err(fail(&"no PEM certificate in the file"));
-    }
-    Ok(certs)
+    crate::tls::pem_certificates(path)
+        .map_err(|e| StartError(format!("--probe-ca-file {}: {e}", path.display())))
 }
 
 /// Marks expired leases and prunes old rows every [`LEDGER_SWEEP_INTERVAL`]. A failed sweep

@@ -503,6 +503,94 @@ fn exit_of(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
+/// The gateway's files are checked before anything is opened: an interception CA that is
+/// unreadable, not a CA, not its key's or readable by others, and a rules file with an error,
+/// each stop start-up with exit code 2 and a message naming the flag (and the rules file's
+/// line).
+#[test]
+fn start_up_refuses_a_bad_interception_ca_or_rules_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let (dir, inventory) = auth_dir();
+    let good = support::gateway_ca::GatewayCa::write(dir.path());
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let other = support::gateway_ca::GatewayCa::write(&other_dir);
+    let leaf = rcgen::generate_simple_self_signed(vec!["not-a-ca.test".to_owned()]).unwrap();
+    let leaf_cert = dir.path().join("leaf.crt");
+    let leaf_key = dir.path().join("leaf.key");
+    std::fs::write(&leaf_cert, leaf.cert.pem()).unwrap();
+    std::fs::write(&leaf_key, leaf.signing_key.serialize_pem()).unwrap();
+    std::fs::set_permissions(&leaf_key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let open_key = dir.path().join("open.key");
+    std::fs::copy(&good.key, &open_key).unwrap();
+    std::fs::set_permissions(&open_key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let rules = dir.path().join("rules.yaml");
+    std::fs::write(&rules, "rules:\n  - name: x\n    hosts: [\"*\"]\n    bans:\n      - body: \"(unclosed\"\n        result: blocked\n").unwrap();
+    let path = |p: &Path| p.display().to_string();
+    let cases: Vec<(&str, Vec<String>, Vec<&str>)> = vec![
+        (
+            "unreadable certificate",
+            vec![
+                "--gateway-ca-cert".into(),
+                "/nonexistent/ca.crt".into(),
+                "--gateway-ca-key".into(),
+                path(&good.key),
+            ],
+            vec!["--gateway-ca-cert /nonexistent/ca.crt: cannot read"],
+        ),
+        (
+            "another CA's key",
+            vec![
+                "--gateway-ca-cert".into(),
+                path(&good.cert),
+                "--gateway-ca-key".into(),
+                path(&other.key),
+            ],
+            vec!["--gateway-ca-key", "is not the key of the certificate"],
+        ),
+        (
+            "not a CA",
+            vec![
+                "--gateway-ca-cert".into(),
+                path(&leaf_cert),
+                "--gateway-ca-key".into(),
+                path(&leaf_key),
+            ],
+            vec!["--gateway-ca-cert", "is not a CA certificate"],
+        ),
+        (
+            "a key others may read",
+            vec![
+                "--gateway-ca-cert".into(),
+                path(&good.cert),
+                "--gateway-ca-key".into(),
+                path(&open_key),
+            ],
+            vec!["--gateway-ca-key", "readable by others"],
+        ),
+        (
+            "a rules file with an error",
+            vec!["--gateway-rules-file".into(), path(&rules)],
+            vec!["--gateway-rules-file", "line 5", "rules[0].bans[0].body"],
+        ),
+    ];
+    for (name, args, expected) in cases {
+        let (mut child, _) = standalone(dir.path(), &inventory, |c| {
+            c.args(&args).env("DISCOVERY_TOKEN", "0123456789abcdef0123");
+        });
+        let status = exit_of(&mut child);
+        let log = log_of(dir.path());
+        assert_eq!(status.code(), Some(2), "{name}: {status:?}\n{log}");
+        for text in expected {
+            assert!(log.contains(text), "{name}: {text:?} missing from\n{log}");
+        }
+    }
+    assert!(
+        !dir.path().join("ledger.db").exists(),
+        "the ledger was opened"
+    );
+}
+
 #[test]
 fn start_up_refuses_to_serve_without_a_usable_token() {
     use std::os::unix::ffi::OsStrExt;

@@ -14,25 +14,15 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use support::crawl_load::{self, LedgerDb, Operator, POOL, http_client, inventory};
 use support::curl::{curl, header_value};
 use support::fleet::{GatewayFleet, TOKEN};
 use support::postgres::Postgres;
-use support::{DEADLINE, Squid, Target, sqlite3, wait_until};
+use support::{DEADLINE, Squid, Target, sqlite3, token_digest as digest, wait_until};
 
 const TEAM_A: &str = "team-a-token-0123456789abcdef";
 const TEAM_A_NEXT: &str = "team-a-next-token-0123456789ab";
 const TEAM_B: &str = "team-b-token-0123456789abcdef";
-
-/// `sha256:<hex>` of `token`, as the tenants file lists it.
-fn digest(token: &str) -> String {
-    let hex: String = Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("sha256:{hex}")
-}
 
 /// A tenants file: team-a (its tokens `a_tokens`) sees `team=a`, team-b sees `team=b`; both
 /// with a quota of 10 leases and 1 gateway session.

@@ -10,6 +10,7 @@ pub mod crawl_load;
 pub mod curl;
 pub mod envtest;
 pub mod fleet;
+pub mod gateway_ca;
 pub mod http;
 pub mod kubelet;
 pub mod ledger;
@@ -30,6 +31,7 @@ pub mod squid;
 pub mod standalone;
 pub mod stub_provider;
 pub mod target;
+pub mod tls_load;
 pub mod world;
 pub mod wrk;
 
@@ -131,4 +133,14 @@ pub fn serve_api(
     let handle = server.handle();
     tokio::spawn(server);
     (base, handle)
+}
+
+/// `sha256:<hex>` of `token`, as a tenants file lists a token.
+pub fn token_digest(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let hex: String = Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("sha256:{hex}")
 }

@@ -14,6 +14,11 @@
 //! - `POST /echo`: the request body
 //! - `GET /forged`: 403 with the gateway's own headers (`X-Proxy-*`, a `Proxy-Status` naming
 //!   `proxy-operator`), as a target could forge them
+//! - `GET /ban/{ip}/{code}`: a site that bans one exit: to a request from `ip`, status `code`
+//!   with the body `banned PEER`; to any other, 200 with the peer address, as text (as `/ip`)
+//! - `GET /captcha/{ip}`: a site that answers one exit with a captcha page: to a request from
+//!   `ip`, 200 with an HTML page holding `captcha` in its first KiB; to any other, 200 with an
+//!   HTML page without it; both hold the peer address in `<p id="ip">PEER</p>`
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -174,6 +179,21 @@ async fn answer(
             }
             response
         }
+        ["ban", banned, code] => match code.parse().ok().and_then(|c| StatusCode::from_u16(c).ok())
+        {
+            Some(code) if *banned == ip => status(code, full(format!("banned {ip}\n"))),
+            Some(_) => text(ip),
+            None => status(StatusCode::BAD_REQUEST, full("")),
+        },
+        ["captcha", banned] if *banned == ip => html(format!(
+            "<!doctype html>\n<html><head><title>Are you a robot?</title></head><body>\n\
+             <form id=\"captcha\"><p>Please solve this captcha to go on.</p></form>\n\
+             <p id=\"ip\">{ip}</p></body></html>\n"
+        )),
+        ["captcha", _] => html(format!(
+            "<!doctype html>\n<html><head><title>welcome</title></head><body>\n\
+             <p id=\"ip\">{ip}</p></body></html>\n"
+        )),
         _ => status(StatusCode::NOT_FOUND, full("")),
     };
     Ok(response)

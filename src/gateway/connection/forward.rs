@@ -2,37 +2,28 @@
 //! (absolute-form, hop-by-hop headers dropped) over a kept-alive connection, and the target's
 //! answer comes back with the lease headers. The body is buffered (up to
 //! `max_request_body`) so the request can be tried on another proxy: always while nothing
-//! reached the upstream, and once it did only for idempotent methods. A status in the ban rule
-//! is reported for the (proxy, target) and passed on to the crawler.
+//! reached the upstream, and once it did only for idempotent methods. An answer a rule calls a
+//! ban is reported for the (proxy, target) and passed on to the crawler, or, when the rule
+//! retries, the request goes through another exit and the ban is passed on only if none
+//! answers.
 
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::collections::HashSet;
 
 use bytes::Bytes;
-use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper::header::{
-    CONNECTION, HOST, HeaderMap, HeaderName, HeaderValue, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION,
-    RETRY_AFTER, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
-};
+use hyper::header::{HOST, HeaderValue, PROXY_AUTHORIZATION};
 use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode, Version};
 
+use super::answer::{self, Retried, drop_hop_by_hop};
 use super::{ClientConnection, Failed, LeaseFor, Through};
-use crate::gateway::answers::{
-    BAN_REPORTED_HEADER, Body, PROXY_STATUS, PROXY_STATUS_NAME, RequestOutcome, error,
-    lease_headers,
-};
+use crate::gateway::answers::{Body, RequestOutcome, error};
 use crate::gateway::ask::Ask;
-use crate::gateway::bans;
 use crate::gateway::choice::{Gateway, Held};
-use crate::gateway::metrics::GatewayMetrics;
+use crate::gateway::rules::Action;
 use crate::gateway::upstream::{Busy, HttpUpstream, Upstream, UpstreamFailure};
-use crate::ledger::LeaseReport;
-use crate::serving::outcomes::Outcome;
-use crate::serving::sessions::InUse;
+use crate::resources::proxy::ProxyId;
 
 /// Forwards `request` and answers with the target's response.
 pub(super) async fn send(
@@ -42,26 +33,9 @@ pub(super) async fn send(
 ) -> (RequestOutcome, Response<Body>) {
     let gateway = &connection.gateway;
     let (mut parts, body) = request.into_parts();
-    let body = match Limited::new(body, gateway.config.max_request_body)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            let message = format!(
-                "request bodies through the gateway are buffered up to {} bytes",
-                gateway.config.max_request_body
-            );
-            let response = error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message);
-            return (RequestOutcome::BadRequest, response);
-        }
-        Err(e) => {
-            let message = format!("reading the request body failed: {e}");
-            return (
-                RequestOutcome::BadRequest,
-                error(StatusCode::BAD_REQUEST, "bad_request", &message),
-            );
-        }
+    let body = match read_body(gateway, body).await {
+        Ok(body) => body,
+        Err(answer) => return answer,
     };
     drop_hop_by_hop(&mut parts.headers);
     parts.headers.remove(PROXY_AUTHORIZATION);
@@ -72,36 +46,87 @@ pub(super) async fn send(
     }
     let may_resend = idempotent(&parts.method);
     let what = format!("{} {}", parts.method, parts.uri);
-    let through = connection
-        .through_upstream(ask, LeaseFor::Request, &what, |held, upstream| {
-            let (parts, body) = (&parts, &body);
-            async move { exchange(connection, &held, &upstream, parts, body, may_resend).await }
-        })
-        .await;
-    let Through {
-        value: (response, busy),
-        held,
-        moved_from,
-    } = match through {
-        Ok(through) => through,
-        Err(answer) => return answer,
-    };
-    let in_use = held.uses.begin();
-    let response = answer(gateway, &held, ask, response, moved_from).await;
     let up = body.len() as u64;
-    let response = response.map(|incoming| {
-        Relayed {
-            inner: incoming,
-            up,
-            down: 0,
-            metrics: gateway.metrics.clone(),
-            tenant: held.tenant.clone(),
-            _busy: busy,
-            _in_use: in_use,
+    let target = ask.target.host.as_str();
+    // Exits a rule's retry left, and the first of them (the session moved from it).
+    let mut banned: HashSet<String> = HashSet::new();
+    let mut left_for_retry: Option<ProxyId> = None;
+    let mut retried: Option<Retried> = None;
+    loop {
+        let through = connection
+            .through_upstream(ask, LeaseFor::Request, &what, &banned, |held, upstream| {
+                let (parts, body) = (&parts, &body);
+                async move { exchange(connection, &held, &upstream, parts, body, may_resend).await }
+            })
+            .await;
+        let Through {
+            value: (response, busy),
+            held,
+            moved_from,
+        } = match through {
+            Ok(through) => through,
+            // No other exit carried it: the target's own answer is the one to give.
+            Err(answer) => return retried.map_or(answer, |r| r.hand_on(gateway, up)),
+        };
+        let in_use = held.uses.begin();
+        let timeout = gateway.config.upstream_timeout;
+        let judged = answer::judge(gateway, target, response, timeout).await;
+        let reported = answer::record(gateway, &held, target, &judged).await;
+        if judged.ban.is_some()
+            && may_resend
+            && let Action::Retry { times } = judged.action
+            && banned.len() < times as usize
+        {
+            // Another exit, as the rule asks: this one is given back (a session moves), its
+            // answer kept in case no other exit answers.
+            banned.insert(held.proxy.uid.clone());
+            let said = moved_from.or_else(|| left_for_retry.clone());
+            left_for_retry.get_or_insert(held.proxy.clone());
+            connection.drop_lease(&held).await;
+            gateway.metrics.retried();
+            retried = Some(Retried {
+                held,
+                judged,
+                reported,
+                moved_from: said,
+                keep: Box::new((busy, in_use)),
+            });
+            continue;
         }
-        .boxed()
-    });
-    (RequestOutcome::Forwarded, response)
+        let moved_from = moved_from.or(left_for_retry);
+        let keep = Box::new((busy, in_use));
+        let response = answer::hand_on(gateway, &held, judged, reported, moved_from, up, keep);
+        return (RequestOutcome::Forwarded, response);
+    }
+}
+
+/// A request's body, buffered (at most `--gateway-max-request-body`, else `413`) so that it
+/// can be sent again on another exit.
+pub(super) async fn read_body(
+    gateway: &Gateway,
+    body: Incoming,
+) -> Result<Bytes, (RequestOutcome, Response<Body>)> {
+    match Limited::new(body, gateway.config.max_request_body)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            let message = format!(
+                "request bodies through the gateway are buffered up to {} bytes",
+                gateway.config.max_request_body
+            );
+            let response = error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message);
+            Err((RequestOutcome::BadRequest, response))
+        }
+        Err(e) => {
+            let message = format!("reading the request body failed: {e}");
+            Err((
+                RequestOutcome::BadRequest,
+                error(StatusCode::BAD_REQUEST, "bad_request", &message),
+            ))
+        }
+    }
 }
 
 /// Sends the request through the connection's upstream connection for the lease (a new one
@@ -157,7 +182,7 @@ async fn exchange(
             let sent = match &failure {
                 UpstreamFailure::Connect(_) | UpstreamFailure::Refused(_) => false,
                 UpstreamFailure::Http(e) => !e.is_canceled(),
-                UpstreamFailure::Timeout => true,
+                UpstreamFailure::Timeout | UpstreamFailure::Target(_) => true,
             };
             Err(Failed {
                 failure,
@@ -181,7 +206,7 @@ async fn open(
 }
 
 /// The request as it goes upstream.
-fn request(parts: &Parts, body: &Bytes) -> Request<Full<Bytes>> {
+pub(super) fn request(parts: &Parts, body: &Bytes) -> Request<Full<Bytes>> {
     let mut request = Request::new(Full::new(body.clone()));
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = parts.uri.clone();
@@ -190,77 +215,8 @@ fn request(parts: &Parts, body: &Bytes) -> Request<Full<Bytes>> {
     request
 }
 
-/// The target's response as the crawler gets it, counted in the outcomes; a status in the ban
-/// rule is reported first.
-async fn answer(
-    gateway: &Arc<Gateway>,
-    held: &Held,
-    ask: &Ask,
-    response: Response<Incoming>,
-    moved_from: Option<crate::resources::proxy::ProxyId>,
-) -> Response<Incoming> {
-    let status = response.status().as_u16();
-    // A squid's own error page (its access refusal, a failed DNS lookup) is the proxy's
-    // answer, not the target's: never a ban.
-    let ban = if response.headers().contains_key(SQUID_ERROR) {
-        None
-    } else {
-        gateway.config.ban_rule.of(status)
-    };
-    let outcome = Outcome::Http {
-        status,
-        banned: ban.is_some(),
-    };
-    gateway
-        .fleet
-        .outcomes
-        .record(&held.proxy, Some(&ask.target.host), outcome);
-    let mut reported = None;
-    if let Some(result) = ban {
-        let cooldown = response
-            .headers()
-            .get(RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| bans::retry_after(v, gateway.fleet.clock.now()));
-        let report = LeaseReport {
-            result,
-            target: Some(ask.target.host.clone()),
-            cooldown,
-        };
-        match gateway
-            .fleet
-            .ledger
-            .report(&held.lease_id, &held.tenant, report)
-            .await
-        {
-            Ok(_) => {
-                gateway.metrics.banned(result);
-                reported = Some(result);
-            }
-            Err(e) => log::warn!(
-                "gateway: reporting {} from {} through {} failed: {e}",
-                status,
-                ask.target.host,
-                held.proxy
-            ),
-        }
-    }
-    let mut response = response;
-    drop_hop_by_hop(response.headers_mut());
-    response.headers_mut().remove(PROXY_AUTHENTICATE);
-    drop_forged(response.headers_mut());
-    lease_headers(&mut response, held, moved_from);
-    if let Some(result) = reported {
-        response.headers_mut().insert(
-            BAN_REPORTED_HEADER,
-            HeaderValue::from_static(result.as_str()),
-        );
-    }
-    response
-}
-
 /// Methods a request may be sent again with once it reached an upstream (RFC 9110 9.2.2).
-fn idempotent(method: &Method) -> bool {
+pub(super) fn idempotent(method: &Method) -> bool {
     [
         Method::GET,
         Method::HEAD,
@@ -272,207 +228,9 @@ fn idempotent(method: &Method) -> bool {
     .contains(method)
 }
 
-/// Drops the headers that concern one connection only (RFC 9110 7.6.1): those `Connection`
-/// names, and the usual ones.
-fn drop_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in [CONNECTION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE] {
-        headers.remove(name);
-    }
-    for name in ["keep-alive", "proxy-connection"] {
-        headers.remove(name);
-    }
-}
-
-/// The header squid puts on the error pages it makes itself.
-const SQUID_ERROR: &str = "x-squid-error";
-
-/// Drops what a target may send that a crawler would read as the gateway's own: every
-/// `X-Proxy-*` header, and the members of `Proxy-Status` that name this gateway (another
-/// proxy's members stay).
-fn drop_forged(headers: &mut HeaderMap) {
-    let forged: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| name.as_str().starts_with("x-proxy-"))
-        .cloned()
-        .collect();
-    for name in forged {
-        headers.remove(name);
-    }
-    let kept: Vec<HeaderValue> = headers
-        .get_all(PROXY_STATUS)
-        .iter()
-        .filter_map(|value| {
-            let Ok(text) = value.to_str() else {
-                // Not text: nothing a client could read as ours.
-                return Some(value.clone());
-            };
-            let members: Vec<&str> = list_members(text)
-                .into_iter()
-                .filter(|member| !names_this_gateway(member))
-                .collect();
-            HeaderValue::try_from(members.join(", ")).ok()
-        })
-        .filter(|value| !value.is_empty())
-        .collect();
-    headers.remove(PROXY_STATUS);
-    for value in kept {
-        headers.append(PROXY_STATUS, value);
-    }
-}
-
-/// The members of a structured-field list (RFC 8941), split at the commas outside quoted
-/// strings.
-fn list_members(text: &str) -> Vec<&str> {
-    let mut members = Vec::new();
-    let (mut start, mut quoted, mut escaped) = (0, false, false);
-    for (i, c) in text.char_indices() {
-        match c {
-            _ if escaped => escaped = false,
-            '\\' if quoted => escaped = true,
-            '"' => quoted = !quoted,
-            ',' if !quoted => {
-                members.push(text[start..i].trim());
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    members.push(text[start..].trim());
-    members.retain(|m| !m.is_empty());
-    members
-}
-
-/// Whether a `Proxy-Status` member is this gateway's (its name, a token or a string).
-fn names_this_gateway(member: &str) -> bool {
-    let name = member.split(';').next().unwrap_or_default().trim();
-    name.trim_matches('"')
-        .eq_ignore_ascii_case(PROXY_STATUS_NAME)
-}
-
-/// A response body on its way to the crawler: counts the bytes, and keeps the upstream
-/// connection busy and the lease in use until it is done.
-struct Relayed {
-    inner: Incoming,
-    up: u64,
-    down: u64,
-    metrics: GatewayMetrics,
-    tenant: std::sync::Arc<str>,
-    _busy: Busy,
-    _in_use: InUse,
-}
-
-impl http_body::Body for Relayed {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(data) = frame.data_ref()
-        {
-            self.down += data.len() as u64;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl Drop for Relayed {
-    fn drop(&mut self) {
-        self.metrics.relayed(&self.tenant, self.up, self.down);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_stay_on_their_connection() {
-        let mut headers = HeaderMap::new();
-        for (name, value) in [
-            ("connection", "keep-alive, x-private"),
-            ("x-private", "1"),
-            ("keep-alive", "timeout=5"),
-            ("proxy-connection", "keep-alive"),
-            ("transfer-encoding", "chunked"),
-            ("te", "trailers"),
-            ("upgrade", "websocket"),
-            ("accept", "text/html"),
-            ("cookie", "a=b"),
-        ] {
-            headers.append(
-                HeaderName::from_static(name),
-                HeaderValue::from_static(value),
-            );
-        }
-        drop_hop_by_hop(&mut headers);
-        let mut left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
-        left.sort_unstable();
-        assert_eq!(left, ["accept", "cookie"]);
-    }
-
-    #[test]
-    fn what_a_target_forges_of_the_gateways_headers_is_dropped() {
-        let mut headers = HeaderMap::new();
-        for (name, value) in [
-            ("x-proxy-session-moved", "default/elsewhere"),
-            ("x-proxy-ban-reported", "blocked"),
-            ("X-Proxy-Name", "default/fake"),
-            ("proxy-status", "proxy-operator; details=\"no_match\""),
-            (
-                "proxy-status",
-                "cdn-edge; error=http_response_incomplete, \"proxy-operator\"; details=\"a, b\"",
-            ),
-            (
-                "proxy-status",
-                "other; details=\"proxy-operator, said \\\"x\\\"\"",
-            ),
-            ("x-proxyish", "kept"),
-            ("content-type", "text/html"),
-        ] {
-            headers.append(
-                HeaderName::try_from(name).unwrap(),
-                HeaderValue::from_static(value),
-            );
-        }
-        drop_forged(&mut headers);
-        let mut names: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
-        names.sort_unstable();
-        assert_eq!(names, ["content-type", "proxy-status", "x-proxyish"]);
-        let status: Vec<&str> = headers
-            .get_all(PROXY_STATUS)
-            .iter()
-            .map(|v| v.to_str().unwrap())
-            .collect();
-        assert_eq!(
-            status,
-            [
-                "cdn-edge; error=http_response_incomplete",
-                "other; details=\"proxy-operator, said \\\"x\\\"\""
-            ]
-        );
-    }
 
     #[test]
     fn only_idempotent_methods_go_again_once_sent() {

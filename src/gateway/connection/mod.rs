@@ -5,7 +5,9 @@
 //! connection holds its own leases, one per target, the least recently used given back first
 //! at its cap; a session's lease is the gateway's (see `choice`).
 
+mod answer;
 mod forward;
+mod inspect;
 mod tunnel;
 
 use std::collections::{HashMap, HashSet};
@@ -20,20 +22,20 @@ use serde_json::json;
 use tokio::sync::Mutex;
 
 use super::answers::{
-    Body, RequestOutcome, destination_refusal, error, json_response, proxy_auth_required, refusal,
-    too_many_connections,
+    Body, RequestOutcome, destination_refusal, error, interception_refused, json_response,
+    proxy_auth_required, refusal, target_refusal, too_many_connections,
 };
 use super::ask::{Ask, Target, TargetError};
-use super::choice::{Acquired, Gateway, Held, Refusal};
+use super::choice::{Gateway, Held, Refusal};
+use super::intercept::Interception;
 use super::limits::Slot;
 use super::metrics::{HOLD_RELAYED, HOLD_TIMED_OUT};
 use super::timeouts::{self, Activity};
 use super::upstream::{HttpUpstream, Upstream, UpstreamFailure};
 use super::{auth, hold, user};
-use crate::ledger::{DEFAULT_TENANT, NoMatch, ReportResult};
+use crate::ledger::{DEFAULT_TENANT, ReportResult};
 use crate::resources::proxy::ProxyId;
 use crate::serving::outcomes::Outcome;
-use crate::serving::sessions::Uses;
 use crate::serving::tenants::Tenant;
 
 /// One client connection: the leases it holds without a session (by target, with when each
@@ -90,7 +92,7 @@ impl ClientConnection {
     }
 
     /// Answers one request.
-    pub(super) async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
+    pub(super) async fn handle(self: &Arc<Self>, request: Request<Incoming>) -> Response<Body> {
         let under_way = self.activity.begin();
         let kind = if request.method() == Method::CONNECT {
             "connect"
@@ -102,7 +104,10 @@ impl ClientConnection {
         response.map(|body| timeouts::Finishing::new(body, under_way).boxed())
     }
 
-    async fn route(&self, request: Request<Incoming>) -> (RequestOutcome, Response<Body>) {
+    async fn route(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+    ) -> (RequestOutcome, Response<Body>) {
         let gateway = &self.gateway;
         let header = request
             .headers()
@@ -171,35 +176,68 @@ impl ClientConnection {
             options,
             target,
         };
-        if request.method() == Method::CONNECT {
-            tunnel::open(self, request, &ask).await
-        } else {
-            forward::send(self, request, &ask).await
+        if request.method() != Method::CONNECT {
+            return forward::send(self, request, &ask).await;
         }
+        match self.interception_for(&ask) {
+            Ok(Some(interception)) => inspect::open(self, request, &ask, interception).await,
+            Ok(None) => tunnel::open(self, request, &ask).await,
+            Err(why) => (
+                RequestOutcome::InterceptionRefused,
+                interception_refused(&why),
+            ),
+        }
+    }
+
+    /// What intercepts `ask`'s CONNECT: nothing unless it asks (`tls=inspect`) and its host
+    /// is not excluded; then the gateway's interception, or why it refuses (no CA, a tenant
+    /// not allowed): never a silent tunnel.
+    fn interception_for(&self, ask: &Ask) -> Result<Option<Arc<Interception>>, String> {
+        let gateway = &self.gateway;
+        if !ask.options.inspect || gateway.excluded_from_interception(&ask.target.host) {
+            return Ok(None);
+        }
+        let Some(interception) = &gateway.interception else {
+            return Err(
+                "this gateway has no CA to intercept with (--gateway-ca-cert): ask \
+                        without tls=inspect for a byte tunnel"
+                    .to_owned(),
+            );
+        };
+        if !ask.caller.tenant.interception {
+            return Err(format!(
+                "tenant {} may not ask for interception (interception: true in the tenants \
+                 file allows it): ask without tls=inspect for a byte tunnel",
+                ask.caller.tenant.name
+            ));
+        }
+        Ok(Some(interception.clone()))
     }
 
     /// Runs `attempt` through an upstream chosen for `ask`; when one fails in a way that may
     /// be retried, reports it `error`, lets go of its lease and tries another, up to
     /// `--gateway-retries` more. The answer when none carried it: the refusal of the first
-    /// choice, else `502` with what was tried. `what` names the request in the log.
+    /// choice, else `502` with what was tried. `what` names the request in the log; no proxy
+    /// of `excluding` (by UID) is chosen.
     pub(super) async fn through_upstream<T, Fut>(
         &self,
         ask: &Ask,
         lease_for: LeaseFor,
         what: &str,
+        excluding: &HashSet<String>,
         mut attempt: impl FnMut(Held, Upstream) -> Fut,
     ) -> Result<Through<T>, (RequestOutcome, Response<Body>)>
     where
         Fut: std::future::Future<Output = Result<T, Failed>>,
     {
         let gateway = &self.gateway;
-        let mut tried = std::collections::HashSet::new();
+        let mut tried = excluding.clone();
         let mut attempts = Attempts::default();
         let mut hold: Option<hold::Hold> = None;
         loop {
             let chosen = match lease_for {
                 LeaseFor::Request => self.choose(ask, &tried).await,
-                LeaseFor::Tunnel => self.choose_for_tunnel(ask, &tried).await,
+                LeaseFor::Tunnel => self.gateway.tunnel_lease(ask, &tried).await,
             };
             let (held, upstream) = match chosen {
                 Ok(chosen) => chosen,
@@ -237,6 +275,17 @@ impl ClientConnection {
                         moved_from,
                     });
                 }
+                // The target refused the gateway's TLS: no fault of the proxy, and no other
+                // exit would do better.
+                Err(Failed {
+                    failure: UpstreamFailure::Target(refused),
+                    ..
+                }) => {
+                    log::info!("gateway: {what} through {}: {refused}", held.proxy);
+                    gateway.metrics.handshake_failed("target", refused.reason());
+                    self.drop_lease(&held).await;
+                    return Err((RequestOutcome::UpstreamFailed, target_refusal(&refused)));
+                }
                 Err(Failed { failure, retriable }) => {
                     log::info!("gateway: {what} through {} failed: {failure}", held.proxy);
                     gateway.fleet.outcomes.record(
@@ -268,51 +317,6 @@ impl ClientConnection {
         match ask.session_key() {
             Some(key) => self.gateway.session_lease(ask, key, tried).await,
             None => self.connection_lease(ask, tried).await,
-        }
-    }
-
-    /// The lease and upstream for a tunnel of `ask`: the session's, or one of the tunnel's own
-    /// (the client connection becomes the tunnel, so the lease lives and ends with it).
-    pub(super) async fn choose_for_tunnel(
-        &self,
-        ask: &Ask,
-        tried: &HashSet<String>,
-    ) -> Result<(Held, Upstream), Refusal> {
-        if let Some(key) = ask.session_key() {
-            return self.gateway.session_lease(ask, key, tried).await;
-        }
-        self.own_lease(ask, tried, None).await
-    }
-
-    /// A new lease of the connection's own (no session) for `ask`, on none of `tried`;
-    /// `moved_from`: the proxy the connection's lease for the target was on before.
-    async fn own_lease(
-        &self,
-        ask: &Ask,
-        tried: &HashSet<String>,
-        moved_from: Option<ProxyId>,
-    ) -> Result<(Held, Upstream), Refusal> {
-        let ttl = self.gateway.config.connection_lease_ttl;
-        match self.gateway.acquire(ask, None, ttl, tried).await? {
-            Acquired::Usable(lease_id, proxy, upstream) => Ok((
-                Held {
-                    lease_id,
-                    tenant: ask.caller.tenant.name.clone(),
-                    proxy,
-                    session: None,
-                    ttl,
-                    renewed: Instant::now(),
-                    moved_from,
-                    uses: Uses::default(),
-                },
-                upstream,
-            )),
-            Acquired::Unusable(lease_id) => {
-                self.gateway
-                    .give_back(&lease_id, ask.caller.tenant_name())
-                    .await;
-                Err(Refusal::NoMatch(NoMatch::default()))
-            }
         }
     }
 
@@ -368,7 +372,7 @@ impl ClientConnection {
                 gateway.give_back(&old.lease_id, &old.tenant).await;
             }
         }
-        let (held, upstream) = self.own_lease(ask, tried, moved_from).await?;
+        let (held, upstream) = gateway.own_lease(ask, tried, moved_from).await?;
         leases.insert(ask.target.host.clone(), (held.clone(), now));
         Ok((held, upstream))
     }
@@ -376,24 +380,13 @@ impl ClientConnection {
     /// Lets go of a lease that failed upstream (a session moves on its next request).
     pub(super) async fn drop_lease(&self, held: &Held) {
         self.upstreams.lock().await.remove(&held.lease_id);
-        match &held.session {
-            Some(key) => {
-                self.gateway.fleet.sessions.remove(key, &held.lease_id);
-                self.gateway.give_back(&held.lease_id, &held.tenant).await;
-            }
-            None => {
-                let mut leases = self.leases.lock().await;
-                if let Some(host) = leases
-                    .iter()
-                    .find(|(_, (h, _))| h.lease_id == held.lease_id)
-                    .map(|(host, _)| host.clone())
-                {
-                    leases.remove(&host);
-                }
-                drop(leases);
-                self.gateway.give_back(&held.lease_id, &held.tenant).await;
-            }
+        if held.session.is_none() {
+            self.leases
+                .lock()
+                .await
+                .retain(|_, (h, _)| h.lease_id != held.lease_id);
         }
+        self.gateway.let_go(held).await;
     }
 
     /// Gives back the leases on proxies `gone` says are draining or gone that no request is
@@ -449,7 +442,7 @@ pub(super) struct Through<T> {
 }
 
 /// Which lease a request goes through (see [`ClientConnection::choose`] and
-/// [`ClientConnection::choose_for_tunnel`]).
+/// [`Gateway::tunnel_lease`]).
 #[derive(Clone, Copy)]
 pub(super) enum LeaseFor {
     Request,

@@ -3,6 +3,7 @@
 //! or answers otherwise is reported `error` and another is tried. Once up, the tunnel is a byte
 //! copy both ways, and its lease is renewed while it stays open.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,18 +33,24 @@ pub(super) async fn open(
     let timeout = gateway.config.upstream_timeout;
     let what = format!("tunnel to {authority}");
     let through = connection
-        .through_upstream(ask, LeaseFor::Tunnel, &what, |_, upstream| {
-            let authority = &authority;
-            async move {
-                upstream::tunnel(&upstream, authority, timeout)
-                    .await
-                    .map_err(|failure| Failed {
-                        failure,
-                        // Nothing reached the target or the crawler before the tunnel is up.
-                        retriable: true,
-                    })
-            }
-        })
+        .through_upstream(
+            ask,
+            LeaseFor::Tunnel,
+            &what,
+            &HashSet::new(),
+            |_, upstream| {
+                let authority = &authority;
+                async move {
+                    upstream::tunnel(&upstream, authority, timeout)
+                        .await
+                        .map_err(|failure| Failed {
+                            failure,
+                            // Nothing reached the target or the crawler before the tunnel is up.
+                            retriable: true,
+                        })
+                }
+            },
+        )
         .await;
     let Through {
         value: upstream_io,

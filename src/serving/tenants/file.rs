@@ -16,6 +16,7 @@
 //!       sessions: 10
 //!       acquiresPerSecond: 5
 //!       burst: 10
+//!     interception: true      # may ask the gateway for tls=inspect (default false)
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -62,6 +63,9 @@ struct TenantDoc {
     scope: Option<Spanned<ScopeDoc>>,
     #[serde(default)]
     quotas: Option<QuotasDoc>,
+    /// Whether its requests may ask the gateway to intercept their TLS.
+    #[serde(default)]
+    interception: bool,
 }
 
 #[derive(Deserialize)]
@@ -217,6 +221,7 @@ impl TenantsFile {
                 name: name.into(),
                 scope,
                 quotas,
+                interception: entry.interception,
             });
             tokens.extend(own.into_iter().map(|digest| (digest, tenant.clone())));
             tenants.push(tenant);

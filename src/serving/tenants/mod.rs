@@ -34,6 +34,9 @@ pub struct Tenant {
     pub scope: Selector,
     /// What it may hold at once, and how fast it may acquire.
     pub quotas: Quotas,
+    /// Whether its requests may ask the gateway to intercept their TLS (`tls=inspect`): the
+    /// default tenant's may (the operators' tokens), a tenant of the file's only when it says.
+    pub interception: bool,
 }
 
 impl Tenant {
@@ -43,6 +46,7 @@ impl Tenant {
             name: DEFAULT_TENANT.into(),
             scope: Selector::default(),
             quotas: Quotas::default(),
+            interception: true,
         })
     }
 
@@ -120,6 +124,7 @@ mod tests {
                 .unwrap()
                 .in_namespaces(["crawl-a".to_owned()]),
             quotas: Quotas::default(),
+            interception: false,
         };
         let mine = labels(&[("team", "a"), ("geo", "eu")]);
         let theirs = labels(&[("team", "b"), ("geo", "eu")]);

@@ -20,6 +20,8 @@ use crate::support::{DEADLINE, sqlite3};
 
 mod bounds;
 mod destinations;
+mod inspect;
+mod inspect_clients;
 
 /// A client whose every request goes through the gateway as `user`; `fresh`: a new
 /// connection per request (no pooling), as separate crawler processes would.

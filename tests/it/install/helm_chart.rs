@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
+use std::path::Path;
 
 use base64::Engine as _;
 use clap::Parser;
@@ -452,6 +453,62 @@ fn image_extra_args_and_ledger_size_take_effect() {
     let env = container["env"].as_array().unwrap();
     let log = env.iter().find(|e| e["name"] == "RUST_LOG").unwrap();
     assert_eq!(log["value"], "debug");
+}
+
+/// `gateway.ca.existingSecret` and `gateway.rules`: the CA Secret mounted readable by the Pod's
+/// group only (as the operator asks of a CA key) and named by the flags, the rules in a
+/// ConfigMap the flag names, mounted as a directory so an edit reaches the file.
+#[test]
+fn the_gateway_ca_and_rules_values_reach_the_flags_and_mounts() {
+    let rules = repo().join("samples/gateway-rules.yaml");
+    let Some(objects) = helm_template(
+        RELEASE,
+        NAMESPACE,
+        &[
+            "--set",
+            "gateway.ca.existingSecret=gateway-ca",
+            "--set-file",
+            &format!("gateway.rules={}", rules.display()),
+        ],
+    ) else {
+        return;
+    };
+    let container = container(&objects, "proxy-operator");
+    let run = run_args(&container);
+    let gateway = &run.common.gateway;
+    assert_eq!(
+        gateway.gateway_ca_cert.as_deref(),
+        Some(Path::new("/etc/proxy-operator-gateway-ca/tls.crt"))
+    );
+    assert_eq!(
+        gateway.gateway_ca_key.as_deref(),
+        Some(Path::new("/etc/proxy-operator-gateway-ca/tls.key"))
+    );
+    assert_eq!(
+        gateway.gateway_rules_file.as_deref(),
+        Some(Path::new("/etc/proxy-operator-gateway-rules/rules.yaml"))
+    );
+    let pod = &find(&objects, "Deployment", "proxy-operator")["spec"]["template"]["spec"];
+    let volume = |name: &str| {
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no volume {name}"))
+            .clone()
+    };
+    assert_eq!(volume("gateway-ca")["secret"]["secretName"], "gateway-ca");
+    assert_eq!(volume("gateway-ca")["secret"]["defaultMode"], 0o440);
+    assert_eq!(
+        volume("gateway-rules")["configMap"]["name"],
+        "proxy-operator-gateway-rules"
+    );
+    let config = find(&objects, "ConfigMap", "proxy-operator-gateway-rules");
+    assert_eq!(
+        config["data"]["rules.yaml"].as_str(),
+        Some(std::fs::read_to_string(&rules).unwrap().as_str())
+    );
 }
 
 #[test]

@@ -219,6 +219,14 @@ fn the_providers_config_sample_s_commented_egress_block_loads_once_uncommented()
 }
 
 #[test]
+fn the_gateway_rules_sample_loads() {
+    let file =
+        proxy_operator::gateway::rules::RulesFile::new(samples_dir().join("gateway-rules.yaml"));
+    let (rules, _) = file.load().unwrap_or_else(|e| panic!("{e}"));
+    assert!(!rules.is_empty(), "the sample names no rule");
+}
+
+#[test]
 fn every_yaml_sample_is_covered() {
     let covered = [
         "proxy_kubernetes.yaml",
@@ -227,6 +235,7 @@ fn every_yaml_sample_is_covered() {
         "providers-config.yaml",
         "standalone.yaml",
         "proxypool.yaml",
+        "gateway-rules.yaml",
     ];
     for entry in std::fs::read_dir(samples_dir()).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
