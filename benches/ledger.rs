@@ -12,15 +12,18 @@
 //! costs. Rounds alternate between the two sides, so both are measured under the same load
 //! on a shared machine.
 //!
+//! A second part times acquire+release pairs of a tenant with a lease quota while it holds 10
+//! leases and while it holds 10,000 (in interleaved rounds on one ledger): the quota is read
+//! from counts kept as leases come and go, so the two should cost the same.
+//!
 //! Run with `cargo bench --bench ledger`.
 
-use proxy_operator::ledger::DEFAULT_TENANT;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proxy_operator::ledger::{
-    AcquireOutcome, AcquireRequest, Candidate, Candidates, Ledger, LedgerConfig, SqliteLedger,
-    SqliteOptions, SystemClock, WriterStats,
+    AcquireOutcome, AcquireRequest, Candidate, Candidates, Ledger, LedgerConfig, Quotas,
+    SqliteLedger, SqliteOptions, SystemClock, Tenancy, WriterStats,
 };
 use proxy_operator::resources::proxy::ProxyId;
 use tempfile::TempDir;
@@ -40,6 +43,11 @@ struct LedgerSide {
 
 impl LedgerSide {
     fn new(candidates: usize) -> Self {
+        Self::with_capacity(candidates, 5)
+    }
+
+    /// A ledger whose `candidates` proxies take `max_leases` each.
+    fn with_capacity(candidates: usize, max_leases: u32) -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let ledger = SqliteLedger::open(
             &dir.path().join("ledger.db"),
@@ -55,7 +63,7 @@ impl LedgerSide {
                     name: format!("proxy-{i:05}"),
                     uid: format!("00000000-0000-4000-8000-{i:012}"),
                 }),
-                max_leases: 5,
+                max_leases,
                 healthy: true,
                 cordoned: false,
                 draining: false,
@@ -77,6 +85,17 @@ impl LedgerSide {
         callers: usize,
         pairs: usize,
     ) -> (Duration, Vec<u64>) {
+        self.run_as(runtime, callers, pairs, &Tenancy::unrestricted())
+    }
+
+    /// [`LedgerSide::run`] for `tenant`.
+    fn run_as(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        callers: usize,
+        pairs: usize,
+        tenant: &Tenancy,
+    ) -> (Duration, Vec<u64>) {
         let before = self.ledger.writer_stats();
         let started = Instant::now();
         runtime.block_on(async {
@@ -85,6 +104,7 @@ impl LedgerSide {
                     let ledger = self.ledger.clone();
                     let candidates = self.candidates.clone();
                     let mine = pairs / callers + usize::from(caller < pairs % callers);
+                    let tenant = tenant.clone();
                     tokio::spawn(async move {
                         for _ in 0..mine {
                             let request = AcquireRequest {
@@ -93,7 +113,7 @@ impl LedgerSide {
                                 ttl: TTL,
                                 request: None,
                                 client: None,
-                                tenant: proxy_operator::ledger::Tenancy::unrestricted(),
+                                tenant: tenant.clone(),
                                 session: None,
                             };
                             let Ok(AcquireOutcome::Granted(lease)) = ledger.acquire(request).await
@@ -101,7 +121,7 @@ impl LedgerSide {
                                 panic!("no lease granted");
                             };
                             ledger
-                                .release(&lease.id, DEFAULT_TENANT)
+                                .release(&lease.id, &tenant.name)
                                 .await
                                 .expect("release");
                         }
@@ -253,6 +273,58 @@ fn compare(runtime: &tokio::runtime::Runtime, callers: usize, candidates: usize)
     );
 }
 
+/// Pairs/s of a tenant with a lease quota holding 10 leases and holding 10,000, in
+/// interleaved rounds on one ledger; prints both and their ratio.
+fn quota_at_size(runtime: &tokio::runtime::Runtime) {
+    const HELD: [usize; 2] = [10, 10_000];
+    const PAIRS: usize = 4_000;
+    let ledger = LedgerSide::with_capacity(1_000, 20);
+    let tenants = HELD.map(|held| Tenancy {
+        name: format!("holds-{held}").into(),
+        quotas: Quotas {
+            leases: Some(20_000),
+            ..Quotas::default()
+        },
+    });
+    for (held, tenant) in HELD.iter().zip(&tenants) {
+        runtime.block_on(async {
+            for _ in 0..*held {
+                let request = AcquireRequest {
+                    candidates: ledger.candidates.clone(),
+                    target: None,
+                    ttl: TTL,
+                    request: None,
+                    client: None,
+                    tenant: tenant.clone(),
+                    session: None,
+                };
+                let Ok(AcquireOutcome::Granted(_)) = ledger.ledger.acquire(request).await else {
+                    panic!("no lease granted");
+                };
+            }
+        });
+    }
+    let mut times = [Duration::ZERO; 2];
+    for tenant in &tenants {
+        ledger.run_as(runtime, 32, PAIRS / 4, tenant);
+    }
+    for _ in 0..ROUNDS {
+        for (time, tenant) in times.iter_mut().zip(&tenants) {
+            *time += ledger.run_as(runtime, 32, PAIRS, tenant).0;
+        }
+    }
+    let rate = |time: Duration| (ROUNDS * PAIRS) as f64 / time.as_secs_f64();
+    println!(
+        "a tenant with a lease quota: holding {} leases {:>7.0} pairs/s, holding {} {:>7.0} \
+         pairs/s; time per pair {:.2} x",
+        HELD[0],
+        rate(times[0]),
+        HELD[1],
+        rate(times[1]),
+        times[1].as_secs_f64() / times[0].as_secs_f64()
+    );
+}
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -265,4 +337,5 @@ fn main() {
     compare(&runtime, 32, 1_000);
     compare(&runtime, 32, 10);
     compare(&runtime, 1, 1_000);
+    quota_at_size(&runtime);
 }

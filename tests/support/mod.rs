@@ -64,12 +64,21 @@ pub fn required_tool(
 }
 
 /// Polls `condition` every 10 ms until it holds, panicking with `what` after [`DEADLINE`].
-pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+pub async fn wait_until(what: &str, condition: impl FnMut() -> bool) {
+    wait_until_within(what, DEADLINE, condition).await;
+}
+
+/// [`wait_until`] with a deadline of its own, for what is paced by the disk.
+pub async fn wait_until_within(
+    what: &str,
+    deadline: Duration,
+    mut condition: impl FnMut() -> bool,
+) {
     let start = Instant::now();
     while !condition() {
         assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for {what}"
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

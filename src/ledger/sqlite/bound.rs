@@ -25,8 +25,21 @@ use super::options::check_max_size;
 const MAX_WAL_ALLOWANCE: u64 = 8 << 20;
 /// Bytes of a WAL frame besides its page.
 const WAL_FRAME_HEADER: u64 = 24;
-/// Fewest rows one prune step deletes, so a step always outpaces what a batch adds.
-const MIN_PRUNE_ROWS: u64 = 256;
+/// Fewest rows one prune step deletes, so that every step makes progress. Small: at a small
+/// bound a step's WAL frames allow only a few dozen rows, and a file above its high-water mark
+/// gets another step before the next batch (`space.rs`) rather than a larger one.
+const MIN_PRUNE_ROWS: u64 = 16;
+/// WAL frames a deleted history row is taken to cost before a step measured it: its share of
+/// the table's pages and one page of the by-lease index, whose keys are scattered. Measured
+/// steps write about half a frame a row.
+const UNMEASURED_FRAMES_PER_ROW: u64 = 2;
+
+/// What one prune step cost: the rows it deleted and the WAL frames its transaction wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StepCost {
+    pub rows: u64,
+    pub frames: u64,
+}
 
 /// Pages of the database file as SQLite counts them (`page_count`, `freelist_count`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,16 +121,49 @@ impl SizeBound {
         }
     }
 
-    /// Rows to delete in one prune step to free `bytes`, given the used pages and the rows of
-    /// history: the average row's share of the used bytes overestimates a history row (leases
-    /// and indexes share the pages), so a step frees at most what it is asked to and the next
-    /// check measures again. One step stays within a quarter of the WAL allowance, so pruning
-    /// never floods the WAL, and deletes at least [`MIN_PRUNE_ROWS`].
-    pub fn rows_to_prune(&self, bytes: u64, usage: Usage, history_rows: u64) -> u64 {
+    /// Rows to delete in one prune step to free `bytes`, given the used pages, the rows of
+    /// history, what the last step cost and the frames in the WAL now: the average row's share
+    /// of the used bytes overestimates a history row (leases and indexes share the pages), so
+    /// a step frees at most what it is asked to and the next check measures again. A step
+    /// deletes at least [`MIN_PRUNE_ROWS`] and at most [`SizeBound::most_rows`].
+    pub fn rows_to_prune(
+        &self,
+        bytes: u64,
+        usage: Usage,
+        history_rows: u64,
+        last: Option<StepCost>,
+        wal_frames: u64,
+    ) -> u64 {
         let used_bytes = usage.used().max(1) * self.page_size;
         let row_bytes = (used_bytes / history_rows.max(1)).max(1);
-        let most = (self.step_bytes() / row_bytes).max(MIN_PRUNE_ROWS);
-        bytes.div_ceil(row_bytes).clamp(MIN_PRUNE_ROWS, most)
+        bytes
+            .div_ceil(row_bytes)
+            .clamp(MIN_PRUNE_ROWS, self.most_rows(last, wal_frames))
+    }
+
+    /// The most rows one step may delete so that its transaction writes at most
+    /// [`SizeBound::step_frames`]: as many as the frames per row the last step wrote allow, or
+    /// [`UNMEASURED_FRAMES_PER_ROW`] before any step was measured. A step's fixed frames (the
+    /// tree's upper pages, the file header) make a small step's rows look dear, so the
+    /// estimate errs small and grows back.
+    pub fn most_rows(&self, last: Option<StepCost>, wal_frames: u64) -> u64 {
+        let frames = self.step_frames(wal_frames);
+        let rows = match last {
+            Some(StepCost {
+                rows,
+                frames: wrote,
+            }) if rows > 0 && wrote > 0 => frames.saturating_mul(rows) / wrote,
+            _ => frames / UNMEASURED_FRAMES_PER_ROW,
+        };
+        rows.max(MIN_PRUNE_ROWS)
+    }
+
+    /// The WAL frames one prune step may write when the log holds `wal_frames`: half the room
+    /// left in the allowance, so that a step whose rows cost up to twice what the last one's
+    /// did still fits, and the checkpoint after it (`checkpoint.rs`) starts the log over.
+    pub fn step_frames(&self, wal_frames: u64) -> u64 {
+        let allowance = self.wal_limit / self.frame_bytes();
+        (allowance.saturating_sub(wal_frames) / 2).max(1)
     }
 
     /// Bytes of one WAL frame: a page and its header.
@@ -244,24 +290,111 @@ mod tests {
     }
 
     #[test]
-    fn a_prune_step_is_sized_by_the_average_row_and_capped_by_the_wal() {
+    fn a_prune_step_is_sized_by_the_average_row_and_capped_by_the_frames_the_last_one_wrote() {
         let bound = SizeBound::new(16 * MIB, 4096).unwrap();
+        // 2 MiB of 4120-byte frames: 509; half of the room in an empty log 254.
+        assert_eq!(bound.step_frames(0), 254);
+        assert_eq!(bound.step_frames(300), 104);
+        assert_eq!(bound.step_frames(509), 1);
         let usage = Usage {
             pages: 3200,
             free: 0,
         };
+        let cost = |rows, frames| Some(StepCost { rows, frames });
         // 3200 pages over 40,000 rows: 327 bytes a row.
         let cases = [
-            ("a little", 4096, 40_000, MIN_PRUNE_ROWS),
-            ("some", 200_000, 40_000, 612),
-            ("more than a step may write", 4 * MIB, 40_000, 1603),
-            ("no history yet", 4 * MIB, 0, MIN_PRUNE_ROWS),
-            ("huge rows", 4 * MIB, 10, MIN_PRUNE_ROWS),
+            ("a little", 4096, 40_000, None, 0, MIN_PRUNE_ROWS),
+            ("some, unmeasured", 200_000, 40_000, None, 0, 127),
+            (
+                "some, half a frame a row",
+                200_000,
+                40_000,
+                cost(200, 100),
+                0,
+                508,
+            ),
+            (
+                "some, a fuller log",
+                200_000,
+                40_000,
+                cost(200, 100),
+                300,
+                208,
+            ),
+            ("some, cheap rows", 200_000, 40_000, cost(1000, 100), 0, 612),
+            (
+                "more than a step may write",
+                4 * MIB,
+                40_000,
+                cost(200, 100),
+                0,
+                508,
+            ),
+            ("dear rows", 4 * MIB, 40_000, cost(100, 400), 0, 63),
+            (
+                "dearer rows",
+                4 * MIB,
+                40_000,
+                cost(100, 2000),
+                0,
+                MIN_PRUNE_ROWS,
+            ),
+            (
+                "a step that wrote nothing",
+                4 * MIB,
+                40_000,
+                cost(100, 0),
+                0,
+                127,
+            ),
+            ("no history yet", 4 * MIB, 0, None, 0, MIN_PRUNE_ROWS),
+            ("huge rows", 4 * MIB, 10, cost(200, 100), 0, MIN_PRUNE_ROWS),
         ];
-        for (name, bytes, rows, want) in cases {
-            assert_eq!(bound.rows_to_prune(bytes, usage, rows), want, "{name}");
+        for (name, bytes, rows, last, wal, want) in cases {
+            assert_eq!(
+                bound.rows_to_prune(bytes, usage, rows, last, wal),
+                want,
+                "{name}"
+            );
         }
         let empty = Usage { pages: 0, free: 0 };
-        assert_eq!(bound.rows_to_prune(MIB, empty, 0), MIN_PRUNE_ROWS);
+        assert_eq!(
+            bound.rows_to_prune(MIB, empty, 0, None, 0),
+            127,
+            "an empty file, unmeasured"
+        );
+    }
+
+    #[test]
+    fn a_measured_step_stays_within_its_frames_at_every_bound() {
+        // A step writes `fixed` frames besides `per_row` hundredths of a frame a row: steps
+        // sized from the one before converge under their frames, from the first one on, and a
+        // step over them still fits in the log.
+        for max in [MIN_MAX_SIZE, 4 * MIB, 16 * MIB, DEFAULT_MAX_SIZE] {
+            let bound = SizeBound::new(max, 4096).unwrap();
+            let allowance = bound.wal_limit / bound.frame_bytes();
+            for (fixed, per_row) in [(0, 50), (4, 50), (6, 100), (2, 150)] {
+                let wrote = |rows: u64| fixed + (rows * per_row).div_ceil(100);
+                for wal in [0, allowance / 2, allowance * 3 / 4] {
+                    let mut last = None;
+                    for step in 0..10 {
+                        let rows = bound.most_rows(last, wal);
+                        let frames = wrote(rows);
+                        let what = format!("{max} bytes, log at {wal}, step {step}");
+                        if rows > MIN_PRUNE_ROWS {
+                            assert!(
+                                frames <= bound.step_frames(wal),
+                                "{what}: {rows} rows wrote {frames} frames of {}",
+                                bound.step_frames(wal)
+                            );
+                        }
+                        if max > MIN_MAX_SIZE {
+                            assert!(wal + frames <= allowance, "{what}: {frames} frames");
+                        }
+                        last = Some(StepCost { rows, frames });
+                    }
+                }
+            }
+        }
     }
 }

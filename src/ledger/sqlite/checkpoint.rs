@@ -52,6 +52,12 @@ fn note_frames(_wal: &Wal, frames: c_int) -> rusqlite::Result<()> {
     Ok(())
 }
 
+/// Frames in the writer's WAL after its last commit (0 after it started the log over); read
+/// on the writer's thread.
+pub(super) fn wal_frames() -> u64 {
+    WAL_FRAMES.get()
+}
+
 /// Turns SQLite's automatic checkpoint off on `conn` and has each commit note the WAL's
 /// length. The hook replaces the automatic checkpoint's own, so the pragma comes first.
 pub(crate) fn take_over(conn: &Connection) -> rusqlite::Result<()> {

@@ -71,6 +71,7 @@ mod space;
 mod state;
 mod stats;
 mod store;
+mod tenant_leases;
 mod writer;
 
 use std::collections::HashMap;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use rusqlite::Connection;
 
-use super::bound::{Check, SizeBound, Usage};
+use super::bound::{Check, SizeBound, StepCost, Usage};
+use super::checkpoint;
 use super::stats::Shared;
 use super::store;
 use crate::ledger::clock::Clock;
@@ -20,6 +21,11 @@ pub(super) struct Space {
     bound: SizeBound,
     /// A pruning episode is under way (from the high-water mark down to the low one).
     pruning: bool,
+    /// The last step found the file above its high-water mark: pruning is behind the writes,
+    /// so another step follows before the next batch.
+    behind: bool,
+    /// What the last prune step cost, to size the next within its WAL frames.
+    last_step: Option<StepCost>,
     /// Since when (monotonic) batches have been failing with SQLITE_FULL, and how many did.
     full_since: Option<(Duration, u64)>,
     /// What the current pruning episode (until the file is back within its marks) has
@@ -67,6 +73,8 @@ impl Space {
         Space {
             bound,
             pruning: false,
+            behind: false,
+            last_step: None,
             full_since: None,
             logged: Logged::default(),
         }
@@ -85,15 +93,17 @@ impl Space {
 
     /// After a batch, or while the writer is idle: prunes one step of the oldest history when
     /// the size bound calls for it. Returns whether the writer should go on with another step
-    /// before it waits for work: this one deleted rows and no write waits. Idle time so brings
-    /// the file back within its marks, and a write arriving is served after at most one step.
+    /// before it waits for work: this one deleted rows, and no write waits or the file was
+    /// above its high-water mark (steps are small at small bounds, and must outpace the
+    /// batches). Idle time so brings the file back within its marks, and a write arriving is
+    /// served after one step unless pruning is behind.
     pub fn after_batch(&mut self, writer: &WriterParts<'_>) -> bool {
         self.keep_in_bound(
             writer,
             Check::AfterBatch {
                 pruning: self.pruning,
             },
-        ) && writer.shared.depth.load(Ordering::Relaxed) == 0
+        ) && (self.behind || writer.shared.depth.load(Ordering::Relaxed) == 0)
     }
 
     /// How long the writer may wait for work before it tries pruning again: only while a
@@ -129,6 +139,7 @@ impl Space {
             );
         }
         self.pruning = true;
+        self.behind = usage.used() >= self.bound.high_water;
         self.housekeeping_pages(writer.conn);
         let pruned = self.prune_step(writer, bytes, usage);
         self.client_pages(writer.conn);
@@ -174,23 +185,36 @@ impl Space {
         }
     }
 
-    /// One prune transaction of at most a step's worth of rows.
+    /// One prune transaction of at most a step's worth of rows; notes the WAL frames it wrote
+    /// to size the next.
     fn prune_step(
-        &self,
+        &mut self,
         writer: &WriterParts<'_>,
         bytes: u64,
         usage: Usage,
     ) -> rusqlite::Result<store::Pruned> {
         let conn = writer.conn;
         let now = writer.clock.now().as_millisecond();
+        let frames_before = checkpoint::wal_frames();
+        let last = self.last_step;
         let result = (|| {
             conn.execute_batch("BEGIN IMMEDIATE")?;
             let history = store::history_rows(conn)?;
-            let rows = self.bound.rows_to_prune(bytes, usage, history);
+            let rows = self
+                .bound
+                .rows_to_prune(bytes, usage, history, last, frames_before);
             let pruned = store::prune_oldest(conn, rows, now)?;
             conn.execute_batch("COMMIT")?;
             Ok(pruned)
         })();
+        if let Ok(pruned) = &result {
+            let frames = checkpoint::wal_frames().saturating_sub(frames_before);
+            let rows = pruned.events + pruned.leases;
+            self.last_step = Some(StepCost { rows, frames });
+            writer
+                .shared
+                .count(|s| s.largest_prune_frames = s.largest_prune_frames.max(frames));
+        }
         if result.is_err()
             && !conn.is_autocommit()
             && let Err(rollback) = conn.execute_batch("ROLLBACK")

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use jiff::Timestamp;
 
+use super::tenant_leases::TenantLeases;
 use crate::ledger::candidates::Candidates;
 use crate::ledger::lease::{NoMatch, RequestKey};
 use crate::ledger::quota::{self, Bucket, QuotaExceeded, Tenancy, TenantUsage};
@@ -142,8 +143,8 @@ pub(crate) struct LedgerState {
     cooldowns: FastMap<Arc<str>, FastMap<Arc<str>, i64>>,
     /// Request IDs whose window may still be open, by tenant and ID.
     requests: FastMap<RequestName, RequestEntry>,
-    /// The IDs of those leases, by tenant: what the quotas count on.
-    by_tenant: FastMap<Arc<str>, HashSet<Arc<str>>>,
+    /// Those leases by tenant, by expiry: what the quotas count on.
+    by_tenant: FastMap<Arc<str>, TenantLeases>,
     /// Token buckets of the tenants with a rate quota that acquired since the file was
     /// opened (a restart starts them full).
     buckets: FastMap<Arc<str>, Bucket>,
@@ -277,18 +278,9 @@ impl LedgerState {
 
     /// What `tenant` holds at `now`: its leases that count, and its sessions' among them.
     pub fn usage(&self, tenant: &str, now: i64) -> TenantUsage {
-        let mut usage = TenantUsage::default();
-        for lease in self
-            .by_tenant
+        self.by_tenant
             .get(tenant)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.active.get(id))
-            .filter(|lease| lease.expires_at > now)
-        {
-            usage.count(lease.expires_at, lease.session.is_some());
-        }
-        usage
+            .map_or_else(TenantUsage::default, |leases| leases.usage(now))
     }
 
     /// Keeps `tenant`'s token bucket as a grant left it.
@@ -555,8 +547,8 @@ impl LedgerState {
         self.by_tenant
             .get(tenant)
             .into_iter()
-            .flatten()
-            .filter_map(|id| self.active.get(id))
+            .flat_map(TenantLeases::iter)
+            .filter_map(|(_, id)| self.active.get(id))
             .map(|lease| (lease.expires_at, lease.session.is_some()))
     }
 
@@ -659,16 +651,16 @@ impl LedgerState {
         self.by_tenant
             .entry(lease.tenant.clone())
             .or_default()
-            .insert(id.clone());
+            .insert(id.clone(), lease.expires_at, lease.session.is_some());
         self.active.insert(id, lease);
     }
 
     fn remove_lease(&mut self, id: &str) -> Option<ActiveLease> {
-        let lease = self.active.remove(id)?;
+        let (key, lease) = self.active.remove_entry(id)?;
         self.touched.tenants.insert(lease.tenant.clone());
-        if let Some(ids) = self.by_tenant.get_mut(&lease.tenant) {
-            ids.remove(id);
-            if ids.is_empty() {
+        if let Some(leases) = self.by_tenant.get_mut(&lease.tenant) {
+            leases.remove(&key, lease.expires_at);
+            if leases.is_empty() {
                 self.by_tenant.remove(&lease.tenant);
             }
         }
@@ -701,6 +693,9 @@ impl LedgerState {
             return;
         };
         if let Some(lease) = self.active.get_mut(&**id) {
+            if let Some(leases) = self.by_tenant.get_mut(&lease.tenant) {
+                leases.renew(id, lease.expires_at, expires_at);
+            }
             lease.expires_at = expires_at;
             lease.ttl_ms = ttl_ms;
             self.touched.tenants.insert(lease.tenant.clone());

@@ -30,6 +30,9 @@ pub struct WriterStats {
     pub pruned_leases: u64,
     /// Prune transactions that failed (rolled back); pruning is tried again.
     pub failed_prune_steps: u64,
+    /// The most WAL frames one prune transaction wrote (each step is sized to half the room
+    /// left in the WAL allowance from what the one before wrote).
+    pub largest_prune_frames: u64,
 }
 
 impl WriterStats {
