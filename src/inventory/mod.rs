@@ -6,7 +6,7 @@
 pub mod file;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tokio::sync::watch;
 
@@ -60,7 +60,21 @@ pub struct InventorySnapshot {
     synced: bool,
     /// How many replacements preceded this snapshot (0: the empty initial one).
     version: u64,
+    /// What changed since the snapshot this one replaced, when both hold the same proxies in
+    /// the same order (a status or spec change, not an addition or removal).
+    changes: Option<Changes>,
 }
+
+/// The positions whose Proxy a replacement changed, and the snapshot it replaced.
+#[derive(Debug)]
+struct Changes {
+    replaced: Weak<InventorySnapshot>,
+    positions: Vec<usize>,
+}
+
+/// A replacement that changes more than this share of the proxies (1/8) records no changes:
+/// building anew from it costs less than updating at each.
+const MOST_CHANGES_DIVISOR: usize = 8;
 
 impl InventorySnapshot {
     /// Every proxy, sorted by namespace/name.
@@ -98,6 +112,16 @@ impl InventorySnapshot {
         self.position(id)
             .and_then(|i| self.leasable.get(i))
             .is_some_and(|l| l.draining)
+    }
+
+    /// The positions whose Proxy changed since `replaced`, when this snapshot replaced it
+    /// holding the same proxies in the same order and few of them changed: what a reader
+    /// updates in place instead of building anew from the whole set (a health flap changes
+    /// one Proxy's status, and a fleet of 10,000 flaps often).
+    pub fn changed_since(&self, replaced: &Arc<InventorySnapshot>) -> Option<&[usize]> {
+        let changes = self.changes.as_ref()?;
+        std::ptr::eq(changes.replaced.as_ptr(), Arc::as_ptr(replaced))
+            .then_some(changes.positions.as_slice())
     }
 
     /// Whether a first complete set has been loaded.
@@ -153,17 +177,40 @@ impl Inventory {
         let mut entries: Vec<(ProxyId, Arc<Proxy>)> =
             proxies.into_iter().map(|p| (p.id(), p)).collect();
         entries.sort_unstable_by(|(a, _), (b, _)| key_order(a, b));
+        let replaced = self.sender.borrow().clone();
+        let same_proxies = replaced.leasable.len() == entries.len()
+            && replaced
+                .leasable
+                .iter()
+                .zip(&entries)
+                .all(|(was, (id, _))| *was.id == *id);
+        let mut changed = Vec::new();
         let (leasable, proxies): (Vec<Leasable>, Vec<Arc<Proxy>>) = entries
             .into_iter()
-            .map(|(id, p)| (Leasable::of(&p, id), p))
+            .enumerate()
+            .map(|(position, (id, p))| {
+                // A Proxy the feeder handed over again unchanged keeps what was computed of it.
+                if same_proxies && Arc::ptr_eq(&replaced.proxies[position], &p) {
+                    return (replaced.leasable[position].clone(), p);
+                }
+                changed.push(position);
+                (Leasable::of(&p, id), p)
+            })
             .unzip();
+        let changes =
+            (same_proxies && changed.len() <= proxies.len() / MOST_CHANGES_DIVISOR).then(|| {
+                Changes {
+                    replaced: Arc::downgrade(&replaced),
+                    positions: changed,
+                }
+            });
         let by_id = leasable
             .iter()
             .enumerate()
             .map(|(i, l)| (l.id.clone(), i))
             .collect();
         let draining = leasable.iter().filter(|l| l.draining).count();
-        let version = self.sender.borrow().version + 1;
+        let version = replaced.version + 1;
         self.sender.send_replace(Arc::new(InventorySnapshot {
             proxies,
             leasable,
@@ -171,6 +218,7 @@ impl Inventory {
             by_id,
             synced: true,
             version,
+            changes,
         }));
     }
 
@@ -213,6 +261,43 @@ mod tests {
             .namespace(ns)
             .uid(None)
             .build()
+    }
+
+    #[test]
+    fn a_replacement_of_the_same_proxies_says_which_changed() {
+        let inventory = Inventory::new();
+        let proxies: Vec<Arc<Proxy>> = (0..16)
+            .map(|i| Arc::new(proxy("crawl", &format!("p{i:02}"))))
+            .collect();
+        inventory.replace_shared(proxies.clone());
+        let first = inventory.snapshot();
+        // Two Proxies handed over anew (a status patch each), the rest as they were.
+        let mut next = proxies.clone();
+        for position in [3, 9] {
+            let mut changed = (*next[position]).clone();
+            changed.spec.cordoned = true;
+            next[position] = Arc::new(changed);
+        }
+        inventory.replace_shared(next.clone());
+        let second = inventory.snapshot();
+        assert_eq!(second.changed_since(&first), Some(&[3, 9][..]));
+        assert!(second.leasable()[3].cordoned && !second.leasable()[4].cordoned);
+        assert!(Arc::ptr_eq(
+            &first.leasable()[4].id,
+            &second.leasable()[4].id
+        ));
+        // Only against the snapshot it replaced.
+        assert_eq!(second.changed_since(&second), None);
+        inventory.replace_shared(next.clone());
+        assert_eq!(inventory.snapshot().changed_since(&second), Some(&[][..]));
+        // Not when the set changed, nor when too many changed to be worth it.
+        inventory.replace_shared(next[1..].to_vec());
+        let shorter = inventory.snapshot();
+        inventory.replace_shared(next.clone());
+        assert_eq!(inventory.snapshot().changed_since(&shorter), None);
+        let before = inventory.snapshot();
+        inventory.replace_shared(next.iter().map(|p| Arc::new((**p).clone())));
+        assert_eq!(inventory.snapshot().changed_since(&before), None);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::state::{LedgerState, Touched};
+use super::tenant_leases::TenantLeases;
 use crate::ledger::counts::CountsView;
 use crate::ledger::quota::TenantUsage;
 use crate::ledger::targets::{NAMED_TARGETS, TargetCooldowns, rank_targets};
@@ -44,8 +45,8 @@ impl Ranking {
 pub(crate) struct Counts {
     /// Expiries of the active leases of each proxy with one, by proxy UID.
     leases: HashMap<Arc<str>, Vec<i64>>,
-    /// `(expires_at, a gateway session's?)` of the active leases of each tenant with one.
-    tenants: HashMap<Arc<str>, Vec<(i64, bool)>>,
+    /// The active leases of each tenant with one.
+    tenants: HashMap<Arc<str>, TenantLeases>,
     /// Cooldown end by `(proxy UID, target)`.
     cooldowns: HashMap<(Arc<str>, Arc<str>), i64>,
     /// The same cooldown ends by target, sorted (ended ones stay until the sweep removes them).
@@ -73,12 +74,10 @@ impl Counts {
             }
         }
         for tenant in &touched.tenants {
-            let leases: Vec<(i64, bool)> = state.tenant_leases(tenant).collect();
-            if leases.is_empty() {
-                self.tenants.remove(tenant);
-            } else {
-                self.tenants.insert(tenant.clone(), leases);
-            }
+            match state.tenant_leases(tenant) {
+                Some(leases) => self.tenants.insert(tenant.clone(), leases),
+                None => self.tenants.remove(tenant),
+            };
         }
         for (uid, target) in &touched.cooldowns {
             let key = (uid.clone(), target.clone());
@@ -196,10 +195,7 @@ impl CountsView for Counts {
     fn tenant_usage(&self, now: i64) -> HashMap<String, TenantUsage> {
         let mut usage = HashMap::new();
         for (tenant, leases) in &self.tenants {
-            let mut held = TenantUsage::default();
-            for &(expires_at, session) in leases.iter().filter(|(e, _)| *e > now) {
-                held.count(expires_at, session);
-            }
+            let held = leases.usage(now);
             if held.leases > 0 {
                 usage.insert(tenant.to_string(), held);
             }

@@ -542,14 +542,9 @@ impl LedgerState {
         self.requests.insert(id, entry);
     }
 
-    /// `(expires_at, a session's?)` of `tenant`'s active leases, counting or not.
-    pub fn tenant_leases(&self, tenant: &str) -> impl Iterator<Item = (i64, bool)> + '_ {
-        self.by_tenant
-            .get(tenant)
-            .into_iter()
-            .flat_map(TenantLeases::iter)
-            .filter_map(|(_, id)| self.active.get(id))
-            .map(|lease| (lease.expires_at, lease.session.is_some()))
+    /// `tenant`'s active leases, counting or not (a copy in constant time).
+    pub fn tenant_leases(&self, tenant: &str) -> Option<TenantLeases> {
+        self.by_tenant.get(tenant).cloned()
     }
 
     /// Expiries of `uid`'s active leases, counting or not.

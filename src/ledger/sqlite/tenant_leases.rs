@@ -1,18 +1,20 @@
 //! A tenant's active leases in the writer's state, ordered by expiry, so that its quota usage
 //! is read in time that does not grow with its leases: the leases that count at `now` are
 //! those expiring after it, and the expired ones the sweep has not ended yet are few (they
-//! are skipped from the front).
+//! are skipped from the front). The sets are persistent, so the readers' view after a batch
+//! takes a copy of a tenant's in constant time.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
+
+use imbl::OrdSet;
 
 use crate::ledger::quota::TenantUsage;
 
 /// `(expires_at, lease ID)` of one tenant's active leases, all and its gateway sessions'.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct TenantLeases {
-    all: BTreeSet<(i64, Arc<str>)>,
-    sessions: BTreeSet<(i64, Arc<str>)>,
+    all: OrdSet<(i64, Arc<str>)>,
+    sessions: OrdSet<(i64, Arc<str>)>,
 }
 
 impl TenantLeases {
@@ -32,21 +34,16 @@ impl TenantLeases {
     /// Moves a renewed lease from `from` to `to`.
     pub fn renew(&mut self, id: &Arc<str>, from: i64, to: i64) {
         let key = (from, id.clone());
-        if self.sessions.remove(&key) {
+        if self.sessions.remove(&key).is_some() {
             self.sessions.insert((to, id.clone()));
         }
-        if self.all.remove(&key) {
+        if self.all.remove(&key).is_some() {
             self.all.insert((to, id.clone()));
         }
     }
 
     pub fn is_empty(&self) -> bool {
         self.all.is_empty()
-    }
-
-    /// `(expires_at, lease ID)` of every lease, counting or not, earliest first.
-    pub fn iter(&self) -> impl Iterator<Item = &(i64, Arc<str>)> {
-        self.all.iter()
     }
 
     /// What counts against the tenant's quotas at `now`.
@@ -63,7 +60,7 @@ impl TenantLeases {
 }
 
 /// How many of `leases` expire after `now`, and the earliest of those expiries.
-fn counting(leases: &BTreeSet<(i64, Arc<str>)>, now: i64) -> (u32, Option<i64>) {
+fn counting(leases: &OrdSet<(i64, Arc<str>)>, now: i64) -> (u32, Option<i64>) {
     let expired = leases.iter().take_while(|(at, _)| *at <= now).count();
     let earliest = leases.iter().nth(expired).map(|(at, _)| *at);
     let count = leases.len().saturating_sub(expired);

@@ -11,7 +11,10 @@
 //! table has changed: it is then exactly the list a fresh assembly would produce. A fleet
 //! probed every 30 s changes hundreds of times a second at 10,000 proxies, so after a change
 //! the kept list is updated at the positions the health table's journal names, each in
-//! O(log n) ([`Candidates`] is persistent), instead of being assembled again.
+//! O(log n) ([`Candidates`] is persistent), instead of being assembled again. In operator mode
+//! a health flap also patches the Proxy's status and so replaces the inventory; a replacement
+//! that keeps the proxies and their order says which changed, and the index is carried over
+//! to it, its lists updated at those positions as after a probe.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLockReadGuard, Weak};
@@ -62,6 +65,9 @@ struct AssembledList {
     layout: u64,
     version: u64,
     candidates: Candidates,
+    /// Inventory positions whose proxy changed since the list was made (it was carried over
+    /// from the snapshot before): updated on its next use.
+    changed: Option<Arc<[u32]>>,
 }
 
 #[derive(Debug)]
@@ -113,6 +119,78 @@ impl PositionedHealth<'_> {
     }
 }
 
+impl SnapshotIndex {
+    fn empty(snapshot: &Arc<InventorySnapshot>) -> Self {
+        SnapshotIndex {
+            snapshot: Arc::downgrade(snapshot),
+            matches: Mutex::new(HashMap::new()),
+            health_slots: Mutex::new(None),
+            lists: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// This index carried over to `next`, when `next` replaced this index's snapshot holding
+    /// the same proxies in the same order and says which changed: the health slots kept,
+    /// each selector's matches kept unless a changed proxy entered or left them, and their
+    /// lists kept with the changed positions to update on their next use. `None`: build anew.
+    fn carried_to(&self, next: &Arc<InventorySnapshot>) -> Option<SnapshotIndex> {
+        let replaced = self.snapshot.upgrade()?;
+        let changed: Arc<[u32]> = next
+            .changed_since(&replaced)?
+            .iter()
+            .filter_map(|&position| u32::try_from(position).ok())
+            .collect();
+        let proxies = next.proxies();
+        let leasable = next.leasable();
+        let still_matching = |selector: &Selector, found: &[u32]| {
+            changed.iter().all(|&position| {
+                let at = position as usize;
+                let matches = match (leasable.get(at), proxies.get(at)) {
+                    (Some(l), Some(proxy)) => {
+                        selector.matches(&l.id.namespace, proxy.metadata.labels.as_ref())
+                    }
+                    _ => false,
+                };
+                matches == found.binary_search(&position).is_ok()
+            })
+        };
+        let matches: HashMap<Selector, Arc<[u32]>> = lock(&self.matches)
+            .iter()
+            .filter(|(selector, found)| still_matching(selector, found))
+            .map(|(selector, found)| (selector.clone(), found.clone()))
+            .collect();
+        let lists = lock(&self.lists)
+            .iter()
+            .filter(|(selector, _)| matches.contains_key(*selector))
+            .map(|(selector, list)| {
+                let changed = match &list.changed {
+                    Some(before) => {
+                        let mut both: Vec<u32> =
+                            before.iter().chain(changed.iter()).copied().collect();
+                        both.sort_unstable();
+                        both.dedup();
+                        both.into()
+                    }
+                    None => changed.clone(),
+                };
+                let list = AssembledList {
+                    layout: list.layout,
+                    version: list.version,
+                    candidates: list.candidates.clone(),
+                    changed: Some(changed),
+                };
+                (selector.clone(), list)
+            })
+            .collect();
+        Some(SnapshotIndex {
+            snapshot: Arc::downgrade(next),
+            matches: Mutex::new(matches),
+            health_slots: Mutex::new(lock(&self.health_slots).clone()),
+            lists: Mutex::new(lists),
+        })
+    }
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -125,12 +203,10 @@ impl CandidateIndex {
                 index.clone()
             }
             _ => {
-                let index = Arc::new(SnapshotIndex {
-                    snapshot: Arc::downgrade(snapshot),
-                    matches: Mutex::new(HashMap::new()),
-                    health_slots: Mutex::new(None),
-                    lists: Mutex::new(HashMap::new()),
-                });
+                let carried = current
+                    .as_ref()
+                    .and_then(|index| index.carried_to(snapshot));
+                let index = Arc::new(carried.unwrap_or_else(|| SnapshotIndex::empty(snapshot)));
                 *current = Some(index.clone());
                 index
             }
@@ -168,24 +244,31 @@ impl CandidateIndex {
         let kept = lock(&index.lists)
             .get(selector)
             .filter(|list| list.layout == health.layout())
-            .map(|list| (list.version, list.candidates.clone()));
+            .map(|list| (list.version, list.candidates.clone(), list.changed.clone()));
         let leasable = snapshot.leasable();
         let candidates = match kept {
-            Some((kept_version, candidates)) if kept_version == version => return candidates,
-            Some((kept_version, mut candidates)) => match health.changed_since(kept_version) {
-                Some(changed) => {
-                    for position in changed {
-                        let at = u32::try_from(position)
-                            .ok()
-                            .and_then(|p| positions.binary_search(&p).ok());
-                        if let (Some(at), Some(proxy)) = (at, leasable.get(position)) {
-                            candidates.set(at, candidate(proxy, health.at(position)));
+            Some((kept_version, candidates, None)) if kept_version == version => {
+                return candidates;
+            }
+            Some((kept_version, mut candidates, proxies_changed)) => {
+                match health.changed_since(kept_version) {
+                    Some(changed) => {
+                        let proxies_changed = proxies_changed
+                            .iter()
+                            .flat_map(|positions| positions.iter().map(|&p| p as usize));
+                        for position in changed.chain(proxies_changed) {
+                            let at = u32::try_from(position)
+                                .ok()
+                                .and_then(|p| positions.binary_search(&p).ok());
+                            if let (Some(at), Some(proxy)) = (at, leasable.get(position)) {
+                                candidates.set(at, candidate(proxy, health.at(position)));
+                            }
                         }
+                        candidates
                     }
-                    candidates
+                    None => assemble(leasable, &positions, &health),
                 }
-                None => assemble(leasable, &positions, &health),
-            },
+            }
             None => assemble(leasable, &positions, &health),
         };
         let layout = health.layout();
@@ -203,6 +286,7 @@ impl CandidateIndex {
                     layout,
                     version,
                     candidates: candidates.clone(),
+                    changed: None,
                 },
             ),
         };
@@ -534,6 +618,24 @@ mod tests {
     /// A kept list updated at the positions the health journal names is the list a fresh
     /// assembly makes, through any mix of verdicts and latencies changing, also when more
     /// changes come than the journal keeps between two acquires.
+    /// Checks that `index`'s lists for two selectors are what a fresh index assembles.
+    fn as_assembled_afresh(
+        index: &CandidateIndex,
+        snapshot: &Arc<InventorySnapshot>,
+        health: &HealthSnapshot,
+        round: usize,
+    ) {
+        let order =
+            |list: &Candidates| -> Vec<usize> { list.ranked().map(|r| r.position).collect() };
+        for text in ["geo=eu", ""] {
+            let kept = index.candidates(snapshot, health, &selector(text));
+            let fresh = CandidateIndex::default().candidates(snapshot, health, &selector(text));
+            assert_eq!(kept, fresh, "round {round}, {text:?}");
+            assert_eq!(kept.excluded(), fresh.excluded(), "round {round}, {text:?}");
+            assert_eq!(order(&kept), order(&fresh), "round {round}, {text:?}");
+        }
+    }
+
     #[test]
     fn a_list_updated_from_the_journal_is_the_list_assembled_afresh() {
         use rand::{Rng, SeedableRng};
@@ -549,8 +651,6 @@ mod tests {
         inventory.replace(proxies.clone());
         let snapshot = inventory.snapshot();
         let index = CandidateIndex::default();
-        let order =
-            |list: &Candidates| -> Vec<usize> { list.ranked().map(|r| r.position).collect() };
         for round in 0..200 {
             let changes = if round % 50 == 49 {
                 3_000
@@ -570,14 +670,73 @@ mod tests {
                     },
                 );
             }
-            for text in ["geo=eu", ""] {
-                let kept = index.candidates(&snapshot, &health, &selector(text));
-                let fresh =
-                    CandidateIndex::default().candidates(&snapshot, &health, &selector(text));
-                assert_eq!(kept, fresh, "round {round}, {text:?}");
-                assert_eq!(kept.excluded(), fresh.excluded(), "round {round}, {text:?}");
-                assert_eq!(order(&kept), order(&fresh), "round {round}, {text:?}");
-            }
+            as_assembled_afresh(&index, &snapshot, &health, round);
         }
+    }
+
+    #[test]
+    fn a_list_carried_across_inventory_changes_is_the_list_assembled_afresh() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let inventory = Inventory::new();
+        let health = HealthSnapshot::new();
+        let mut proxies: Vec<Arc<Proxy>> = (0..64)
+            .map(|i| {
+                Arc::new(proxy(
+                    &format!("p{i:02}"),
+                    ["eu", "us"][i % 2],
+                    2,
+                    i % 7 != 0,
+                ))
+            })
+            .collect();
+        for p in &proxies {
+            health.set(p.id(), healthy(5));
+        }
+        inventory.replace_shared(proxies.clone());
+        let index = CandidateIndex::default();
+        let mut carried = 0;
+        for round in 0..200 {
+            // A few Proxies change as a status or spec patch changes them: cordoned, drained,
+            // relabelled (entering or leaving a selector), their address gone; sometimes a
+            // health verdict too, and once in a while one is removed and added back.
+            for _ in 0..rng.random_range(0..4) {
+                let at = rng.random_range(0..proxies.len());
+                let mut changed = (*proxies[at]).clone();
+                match rng.random_range(0..4) {
+                    0 => changed.spec.cordoned = !changed.spec.cordoned,
+                    1 => changed.spec.max_leases = Some(rng.random_range(0..4)),
+                    2 => {
+                        let geo = ["eu", "us", "de"][rng.random_range(0..3)];
+                        changed
+                            .metadata
+                            .labels
+                            .get_or_insert_default()
+                            .insert("geo".into(), geo.into());
+                    }
+                    _ => health.set(
+                        changed.id(),
+                        ProxyHealth {
+                            healthy: Some(rng.random_bool(0.5)),
+                            latency: Some(Duration::from_millis(rng.random_range(1..9))),
+                            ..Default::default()
+                        },
+                    ),
+                }
+                proxies[at] = Arc::new(changed);
+            }
+            let before = inventory.snapshot();
+            if round % 40 == 39 {
+                inventory.replace_shared(proxies[1..].to_vec());
+            }
+            inventory.replace_shared(proxies.clone());
+            let snapshot = inventory.snapshot();
+            carried += usize::from(snapshot.changed_since(&before).is_some());
+            as_assembled_afresh(&index, &snapshot, &health, round);
+        }
+        assert!(
+            carried > 150,
+            "{carried} of 200 rounds carried the lists over"
+        );
     }
 }
