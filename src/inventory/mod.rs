@@ -118,10 +118,11 @@ impl InventorySnapshot {
     /// holding the same proxies in the same order and few of them changed: what a reader
     /// updates in place instead of building anew from the whole set (a health flap changes
     /// one Proxy's status, and a fleet of 10,000 flaps often).
-    pub fn changed_since(&self, replaced: &Arc<InventorySnapshot>) -> Option<&[usize]> {
+    /// `replaced` is held weakly, as a reader keeps what it built from an older snapshot: the
+    /// snapshot itself is gone once the inventory replaced it.
+    pub fn changed_since(&self, replaced: &Weak<InventorySnapshot>) -> Option<&[usize]> {
         let changes = self.changes.as_ref()?;
-        std::ptr::eq(changes.replaced.as_ptr(), Arc::as_ptr(replaced))
-            .then_some(changes.positions.as_slice())
+        Weak::ptr_eq(&changes.replaced, replaced).then_some(changes.positions.as_slice())
     }
 
     /// Whether a first complete set has been loaded.
@@ -280,24 +281,38 @@ mod tests {
         }
         inventory.replace_shared(next.clone());
         let second = inventory.snapshot();
-        assert_eq!(second.changed_since(&first), Some(&[3, 9][..]));
+        assert_eq!(
+            second.changed_since(&Arc::downgrade(&first)),
+            Some(&[3, 9][..])
+        );
         assert!(second.leasable()[3].cordoned && !second.leasable()[4].cordoned);
         assert!(Arc::ptr_eq(
             &first.leasable()[4].id,
             &second.leasable()[4].id
         ));
         // Only against the snapshot it replaced.
-        assert_eq!(second.changed_since(&second), None);
+        assert_eq!(second.changed_since(&Arc::downgrade(&second)), None);
         inventory.replace_shared(next.clone());
-        assert_eq!(inventory.snapshot().changed_since(&second), Some(&[][..]));
+        assert_eq!(
+            inventory.snapshot().changed_since(&Arc::downgrade(&second)),
+            Some(&[][..])
+        );
         // Not when the set changed, nor when too many changed to be worth it.
         inventory.replace_shared(next[1..].to_vec());
         let shorter = inventory.snapshot();
         inventory.replace_shared(next.clone());
-        assert_eq!(inventory.snapshot().changed_since(&shorter), None);
+        assert_eq!(
+            inventory
+                .snapshot()
+                .changed_since(&Arc::downgrade(&shorter)),
+            None
+        );
         let before = inventory.snapshot();
         inventory.replace_shared(next.iter().map(|p| Arc::new((**p).clone())));
-        assert_eq!(inventory.snapshot().changed_since(&before), None);
+        assert_eq!(
+            inventory.snapshot().changed_since(&Arc::downgrade(&before)),
+            None
+        );
     }
 
     #[test]

@@ -134,9 +134,8 @@ impl SnapshotIndex {
     /// each selector's matches kept unless a changed proxy entered or left them, and their
     /// lists kept with the changed positions to update on their next use. `None`: build anew.
     fn carried_to(&self, next: &Arc<InventorySnapshot>) -> Option<SnapshotIndex> {
-        let replaced = self.snapshot.upgrade()?;
         let changed: Arc<[u32]> = next
-            .changed_since(&replaced)?
+            .changed_since(&self.snapshot)?
             .iter()
             .filter_map(|&position| u32::try_from(position).ok())
             .collect();
@@ -725,7 +724,8 @@ mod tests {
                 }
                 proxies[at] = Arc::new(changed);
             }
-            let before = inventory.snapshot();
+            // Only the index holds on to the snapshot before, as the servers do.
+            let before = Arc::downgrade(&inventory.snapshot());
             if round % 40 == 39 {
                 inventory.replace_shared(proxies[1..].to_vec());
             }
