@@ -107,15 +107,7 @@ impl LedgerSide {
                     let tenant = tenant.clone();
                     tokio::spawn(async move {
                         for _ in 0..mine {
-                            let request = AcquireRequest {
-                                candidates: candidates.clone(),
-                                target: None,
-                                ttl: TTL,
-                                request: None,
-                                client: None,
-                                tenant: tenant.clone(),
-                                session: None,
-                            };
+                            let request = acquire_request(&candidates, &tenant);
                             let Ok(AcquireOutcome::Granted(lease)) = ledger.acquire(request).await
                             else {
                                 panic!("no lease granted");
@@ -134,6 +126,19 @@ impl LedgerSide {
         });
         let elapsed = started.elapsed();
         (elapsed, batch_sizes(&before, &self.ledger.writer_stats()))
+    }
+}
+
+/// An acquire of `tenant` among `candidates`, with no target, request ID or session.
+fn acquire_request(candidates: &Candidates, tenant: &Tenancy) -> AcquireRequest {
+    AcquireRequest {
+        candidates: candidates.clone(),
+        target: None,
+        ttl: TTL,
+        request: None,
+        client: None,
+        tenant: tenant.clone(),
+        session: None,
     }
 }
 
@@ -289,15 +294,7 @@ fn quota_at_size(runtime: &tokio::runtime::Runtime) {
     for (held, tenant) in HELD.iter().zip(&tenants) {
         runtime.block_on(async {
             for _ in 0..*held {
-                let request = AcquireRequest {
-                    candidates: ledger.candidates.clone(),
-                    target: None,
-                    ttl: TTL,
-                    request: None,
-                    client: None,
-                    tenant: tenant.clone(),
-                    session: None,
-                };
+                let request = acquire_request(&ledger.candidates, tenant);
                 let Ok(AcquireOutcome::Granted(_)) = ledger.ledger.acquire(request).await else {
                     panic!("no lease granted");
                 };

@@ -47,23 +47,7 @@ pub(super) async fn open(
     interception: Arc<Interception>,
 ) -> (RequestOutcome, Response<Body>) {
     let gateway = &connection.gateway;
-    let what = format!("intercepted tunnel to {}", ask.target.authority());
-    let through = connection
-        .through_upstream(
-            ask,
-            LeaseFor::Tunnel,
-            &what,
-            &HashSet::new(),
-            |_, upstream| {
-                Origin::open(
-                    &interception,
-                    upstream,
-                    ask,
-                    gateway.config.upstream_timeout,
-                )
-            },
-        )
-        .await;
+    let through = Origin::through(connection, &interception, ask, &HashSet::new()).await;
     let Through {
         value: origin,
         held,
@@ -96,6 +80,23 @@ struct Origin {
 }
 
 impl Origin {
+    /// An origin for `ask` through an exit the connection's retry loop chooses, none of
+    /// `excluding`, with the lease it holds.
+    async fn through(
+        connection: &ClientConnection,
+        interception: &Interception,
+        ask: &Ask,
+        excluding: &HashSet<String>,
+    ) -> Result<Through<Origin>, (RequestOutcome, Response<Body>)> {
+        let timeout = connection.gateway.config.upstream_timeout;
+        let what = format!("intercepted tunnel to {}", ask.target.authority());
+        connection
+            .through_upstream(ask, LeaseFor::Tunnel, &what, excluding, |_, upstream| {
+                Origin::open(interception, upstream, ask, timeout)
+            })
+            .await
+    }
+
     /// Opens a tunnel to `ask`'s target through `upstream` and the gateway's verified TLS in
     /// it, within `timeout` each.
     async fn open(
@@ -374,27 +375,11 @@ impl Inside {
         match exit.current {
             Some(ref mut current) => Ok(current),
             None => {
-                let what = format!("intercepted tunnel to {}", self.ask.target.authority());
                 let Through {
                     value: origin,
                     held,
                     moved_from,
-                } = self
-                    .connection
-                    .through_upstream(
-                        &self.ask,
-                        LeaseFor::Tunnel,
-                        &what,
-                        excluded,
-                        |_, upstream| {
-                            Origin::open(
-                                &self.interception,
-                                upstream,
-                                &self.ask,
-                                gateway.config.upstream_timeout,
-                            )
-                        },
-                    )
+                } = Origin::through(&self.connection, &self.interception, &self.ask, excluded)
                     .await?;
                 if exit.left.is_none() {
                     exit.left = moved_from;
