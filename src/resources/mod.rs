@@ -9,6 +9,7 @@ pub mod naming;
 pub mod phase;
 pub mod pool;
 pub mod proxy;
+pub mod rotating;
 pub mod schema;
 pub mod spec_hash;
 pub mod validation;

@@ -206,6 +206,33 @@ pub struct Endpoint {
     /// edit takes effect without a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretRef>,
+    /// What the proxy speaks: `http` (a forward proxy: `CONNECT` and absolute-form requests)
+    /// or `socks5` (RFC 1928, with the credentials as RFC 1929 username/password; names are
+    /// resolved by the proxy, as `socks5h://`).
+    #[serde(default, skip_serializing_if = "EndpointProtocol::is_http")]
+    pub protocol: EndpointProtocol,
+    /// A vendor endpoint whose exit is chosen by the username: every lease on it is its own
+    /// vendor session, spelled into the username from a template. See `docs/rented-exits.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotating: Option<super::rotating::Rotating>,
+}
+
+/// The protocol an External proxy speaks.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointProtocol {
+    /// An HTTP forward proxy.
+    #[default]
+    Http,
+    /// A SOCKS5 proxy.
+    Socks5,
+}
+
+impl EndpointProtocol {
+    /// Whether it is the default, `http` (left out when serialized).
+    pub fn is_http(&self) -> bool {
+        *self == EndpointProtocol::Http
+    }
 }
 
 /// A Secret of the Proxy's namespace.
@@ -850,6 +877,8 @@ mod tests {
                 host: h.to_owned(),
                 port: p,
                 credentials_secret_ref: None,
+                protocol: EndpointProtocol::Http,
+                rotating: None,
             });
             let mut status = ProxyStatus {
                 ip: ip.map(str::to_owned),
