@@ -2,7 +2,7 @@
 //! lease reads to the ledger (awaiting its answer), and maps the outcome to the API's JSON
 //! shapes.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
@@ -18,6 +18,7 @@ use super::types::{
     AcquireRequest, LeaseProxy, LeaseView, ListQuery, ProxyList, RenewRequest, ReportRequest,
     StatusBody, parse_target,
 };
+use crate::credentials::Credentials;
 use crate::ledger::{
     AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, ReportResult, RequestKey,
 };
@@ -80,13 +81,57 @@ fn ttl(state: &ApiState, ttl_seconds: Option<u64>) -> Duration {
     ttl_seconds.map_or(state.default_ttl, Duration::from_secs)
 }
 
-fn lease_view(state: &ApiState, lease: &Lease) -> LeaseView {
+/// The answer to an acquire of `lease` with `selector`: a rotating upstream's credentials are
+/// spelled from it; when they cannot be, the lease goes back and the answer is 400.
+async fn acquired_view(
+    state: &ApiState,
+    lease: &Lease,
+    selector: &BTreeMap<String, String>,
+    tenant: &str,
+) -> Result<LeaseView, ApiError> {
+    let snapshot = state.fleet.inventory.snapshot();
+    let credentials = snapshot
+        .get(&lease.proxy)
+        .filter(|_| state.lease_credentials)
+        .map(|proxy| {
+            state
+                .fleet
+                .upstream_credentials(proxy, &lease.proxy, &lease.id, selector)
+        })
+        .transpose();
+    match credentials {
+        Ok(credentials) => Ok(lease_view(state, lease, credentials.flatten())),
+        Err(unspellable) => {
+            if let Err(e) = state.fleet.ledger.release(&lease.id, tenant).await {
+                log::warn!(
+                    "api: giving back lease {} failed (it expires by itself): {e}",
+                    lease.id
+                );
+            }
+            Err(ApiError::bad_request(
+                "vendor_username",
+                unspellable.to_string(),
+            ))
+        }
+    }
+}
+
+/// The answer of a renew or a read of `lease`: a rotating upstream's credentials are spelled
+/// from the acquire's selector, which only the acquire's answer carries.
+fn stored_view(state: &ApiState, lease: &Lease) -> LeaseView {
+    let snapshot = state.fleet.inventory.snapshot();
+    let credentials = snapshot
+        .get(&lease.proxy)
+        .filter(|proxy| state.lease_credentials && proxy.spec.rotating().is_none())
+        .and_then(|proxy| state.fleet.credentials.for_proxy(proxy));
+    lease_view(state, lease, credentials)
+}
+
+/// `lease` as an answer, with `credentials` to reach its proxy.
+fn lease_view(state: &ApiState, lease: &Lease, credentials: Option<Credentials>) -> LeaseView {
     let snapshot = state.fleet.inventory.snapshot();
     let object = snapshot.get(&lease.proxy);
     let address = object.and_then(|p| address(p));
-    let credentials = object
-        .filter(|_| state.lease_credentials)
-        .and_then(|proxy| state.fleet.credentials.for_proxy(proxy));
     let (username, password) = credentials.map(|c| (c.username, c.password)).unzip();
     LeaseView {
         lease_id: lease.id.clone(),
@@ -183,7 +228,7 @@ pub async fn list_proxies(
     responses(
         (status = 200, description = "Replay: an earlier acquire with the same `requestID` (and the same selector, target and `ttlSeconds`) was granted this lease; it is returned as it is now, even if released or expired", body = LeaseView),
         (status = 201, description = "Lease granted", body = LeaseView),
-        (status = 400, description = "`invalid_body` (the message names the field) or `invalid_target`", body = ErrorBody),
+        (status = 400, description = "`invalid_body` (the message names the field), `invalid_target`, or `vendor_username`: the lease fell on a rotating upstream whose username template needs a field the selector gives unsafely or nobody gives (the lease was given back)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 409, description = "`no_match`: no proxy can take a lease", body = NoMatchBody,
             headers(("Retry-After" = u64, description = "Seconds until a lease expiry or a cooldown end frees a proxy by itself; absent when nothing will"))),
@@ -211,6 +256,7 @@ pub async fn acquire(
         id,
     });
     let request_id = key.as_ref().map(|k| k.id.clone());
+    let pairs = request.selector.clone();
     let selector = Selector::from(request.selector);
     let outcome = state
         .fleet
@@ -228,12 +274,14 @@ pub async fn acquire(
         .map_err(|e| ledger_error(&state, "acquiring a lease", e))?;
     match outcome {
         AcquireOutcome::Granted(lease) => {
+            let view = acquired_view(&state, &lease, &pairs, caller.tenant_name()).await?;
             state.metrics.lease_granted();
-            Ok(HttpResponse::Created().json(lease_view(&state, &lease)))
+            Ok(HttpResponse::Created().json(view))
         }
         AcquireOutcome::Replayed(lease) => {
+            let view = acquired_view(&state, &lease, &pairs, caller.tenant_name()).await?;
             state.metrics.lease_replayed();
-            Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
+            Ok(HttpResponse::Ok().json(view))
         }
         AcquireOutcome::QuotaExceeded(refused) => {
             state.metrics.quota_refused(&refused);
@@ -300,7 +348,7 @@ pub async fn get_lease(
         .await
         .map_err(|e| ApiError::internal("reading a lease", e))?
         .ok_or_else(|| ApiError::unknown_lease(&id))?;
-    Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
+    Ok(HttpResponse::Ok().json(stored_view(&state, &lease)))
 }
 
 /// Gives a lease back. Always 204: releasing twice, or an unknown lease, is not an error.
@@ -363,7 +411,7 @@ pub async fn renew(
         .renew(&id, caller.tenant_name(), ttl)
         .await
         .map_err(|e| ledger_error(&state, "renewing a lease", e))?;
-    Ok(HttpResponse::Ok().json(lease_view(&state, &lease)))
+    Ok(HttpResponse::Ok().json(stored_view(&state, &lease)))
 }
 
 /// 409 when `tenant`'s lease `id` is active but its proxy takes no renewal: `proxy_draining`
@@ -465,6 +513,7 @@ fn lease_report(request: ReportRequest) -> Result<LeaseReport, ApiError> {
         result,
         target: parse_target(request.target)?,
         cooldown: request.retry_after_seconds.map(Duration::from_secs),
+        exit: None,
     })
 }
 
@@ -474,8 +523,9 @@ async fn record_report(
     state: &ApiState,
     id: &str,
     tenant: &str,
-    report: LeaseReport,
+    mut report: LeaseReport,
 ) -> Result<HttpResponse, ApiError> {
+    report.exit = state.fleet.exit_of_lease(id, tenant).await;
     let result = report.result;
     let target = report.target.clone();
     let lease = state

@@ -268,6 +268,14 @@ pub(super) fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (RequestOutcom
             set_retry_after(&mut response, *retry_after);
             (RequestOutcome::Unavailable, response)
         }
+        Refusal::Username(unspellable) => (
+            RequestOutcome::BadRequest,
+            error(
+                StatusCode::BAD_REQUEST,
+                "vendor_username",
+                &unspellable.to_string(),
+            ),
+        ),
         Refusal::Ledger(e) => {
             log::error!("gateway: acquiring a lease failed: {e}");
             let mut response = error(

@@ -26,9 +26,10 @@ use super::upstream::Upstream;
 use crate::egress::Destinations;
 use crate::ledger::{
     AcquireOutcome, LeaseReport, LeaseState, LedgerError, NoMatch, QuotaExceeded, ReportResult,
-    RequestKey,
+    RequestKey, cooldown_key,
 };
 use crate::resources::proxy::ProxyId;
+use crate::resources::rotating::{FillError, vendor_session};
 use crate::serving::Fleet;
 use crate::serving::candidates::Selector;
 use crate::serving::fleet::Acquire;
@@ -118,40 +119,64 @@ impl Gateway {
         }
     }
 
-    /// Where `proxy` is, if it may carry `ask`'s request now: for its target, and within its
-    /// tenant's scope (which may have shrunk since the lease was taken).
-    pub(super) fn usable(&self, proxy: &ProxyId, ask: &Ask) -> Option<Upstream> {
+    /// Where `proxy` is, if it may carry `ask`'s request on lease `lease_id` now: for its
+    /// target, and within its tenant's scope (which may have shrunk since the lease was taken).
+    pub(super) fn usable(&self, proxy: &ProxyId, lease_id: &str, ask: &Ask) -> Option<Upstream> {
+        self.upstream(proxy, lease_id, ask).ok().flatten()
+    }
+
+    /// [`usable`](Self::usable), saying when a rotating upstream's username cannot be spelled
+    /// for the request (a field without a value, or an unsafe one).
+    fn upstream(
+        &self,
+        proxy: &ProxyId,
+        lease_id: &str,
+        ask: &Ask,
+    ) -> Result<Option<Upstream>, FillError> {
         let target = ask.target.host.as_str();
         let snapshot = self.fleet.inventory.snapshot();
-        let position = snapshot.position(proxy)?;
-        let leasable = snapshot.leasable().get(position)?;
+        let Some(position) = snapshot.position(proxy) else {
+            return Ok(None);
+        };
+        let (Some(leasable), Some(object)) = (
+            snapshot.leasable().get(position),
+            snapshot.proxies().get(position),
+        ) else {
+            return Ok(None);
+        };
         if leasable.cordoned || leasable.draining || !leasable.has_address {
-            return None;
+            return Ok(None);
         }
         if self.fleet.health.get(proxy).and_then(|h| h.healthy) != Some(true) {
-            return None;
+            return Ok(None);
         }
-        if self.fleet.ledger.counts().in_cooldown(&proxy.uid, target) {
-            return None;
-        }
-        let object = snapshot.proxies().get(position)?;
-        if !ask
-            .caller
-            .tenant
-            .sees(proxy, object.metadata.labels.as_ref())
-        {
-            return None;
-        }
-        let host = object
+        let exit = object
             .spec
-            .effective_host(object.status.as_ref())?
-            .to_owned();
-        let port = u16::try_from(object.spec.effective_port(object.status.as_ref())).ok()?;
-        Some(Upstream {
-            host,
+            .rotating()
+            .map(|_| vendor_session(&proxy.uid, lease_id));
+        let cooled = cooldown_key(&proxy.uid, exit.as_deref());
+        if self.fleet.ledger.counts().in_cooldown(&cooled, target) {
+            return Ok(None);
+        }
+        let labels = object.metadata.labels.as_ref();
+        if !ask.caller.tenant.sees(proxy, labels) {
+            return Ok(None);
+        }
+        let status = object.status.as_ref();
+        let (Some(host), Ok(port)) = (
+            object.spec.effective_host(status),
+            u16::try_from(object.spec.effective_port(status)),
+        ) else {
+            return Ok(None);
+        };
+        let credentials =
+            self.fleet
+                .upstream_credentials(object, proxy, lease_id, &ask.options.selector)?;
+        Ok(Some(Upstream {
+            host: host.to_owned(),
             port,
-            credentials: self.fleet.credentials.for_proxy(object),
-        })
+            credentials,
+        }))
     }
 
     /// The session's lease if its proxy is still usable for the target; else the session
@@ -173,7 +198,7 @@ impl Gateway {
             if session.selector == selector
                 && !session.released
                 && !tried.contains(&session.proxy.uid)
-                && let Some(upstream) = self.usable(&session.proxy, ask)
+                && let Some(upstream) = self.usable(&session.proxy, &session.lease_id, ask)
             {
                 let renewed = session.renewal_due(now);
                 let alive = !renewed
@@ -339,10 +364,14 @@ impl Gateway {
         if tried.contains(&lease.proxy.uid) {
             return Ok(Acquired::Unusable(lease.id));
         }
-        Ok(match self.usable(&lease.proxy, ask) {
-            Some(upstream) => Acquired::Usable(lease.id, lease.proxy, upstream),
-            None => Acquired::Unusable(lease.id),
-        })
+        match self.upstream(&lease.proxy, &lease.id, ask) {
+            Ok(Some(upstream)) => Ok(Acquired::Usable(lease.id, lease.proxy, upstream)),
+            Ok(None) => Ok(Acquired::Unusable(lease.id)),
+            Err(unspellable) => {
+                self.give_back(&lease.id, ask.caller.tenant_name()).await;
+                Err(Refusal::Username(unspellable))
+            }
+        }
     }
 
     /// Releases `tenant`'s lease the gateway no longer uses (logged when the ledger cannot
@@ -360,6 +389,7 @@ impl Gateway {
             result,
             target: Some(target.to_owned()),
             cooldown: None,
+            exit: self.fleet.exit_of(&held.proxy, &held.lease_id),
         };
         if let Err(e) = self
             .fleet
@@ -448,6 +478,8 @@ pub enum Refusal {
     Quota(QuotaExceeded),
     /// The ledger failed.
     Ledger(LedgerError),
+    /// A rotating upstream's username cannot be spelled for the request.
+    Username(FillError),
 }
 
 /// What an acquire got.

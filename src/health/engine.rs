@@ -395,11 +395,7 @@ impl Scheduler {
                 tracked.next_due = now + tracked.interval;
             }
             let client = tracked.client.clone();
-            let credentials = client
-                .settings()
-                .credentials
-                .as_ref()
-                .and_then(|secret| self.credentials.get(&secret.namespace, &secret.name));
+            let credentials = client.settings().upstream_credentials(&self.credentials);
             let handle =
                 probes.spawn(async move { (id, client.probe(credentials.as_ref()).await) });
             tracked.in_flight = Some(handle);
@@ -484,6 +480,7 @@ mod tests {
             timeout: Duration::from_millis(timeout_ms),
             expected_status_codes: vec![204],
             credentials: None,
+            vendor: None,
         }
     }
 

@@ -10,13 +10,15 @@
 //! and, for `https://` probe URLs, a new CONNECT tunnel — a cached tunnel would hide a broken
 //! proxy.
 
+use std::collections::BTreeMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::credentials::{self, Credentials, SecretName};
+use crate::credentials::{self, CredentialStore, Credentials, SecretName};
 use crate::resources::proxy::Proxy;
+use crate::resources::rotating::{Fill, Rotating, vendor_session};
 
 /// Why a probe failed. The names are the `result` label of the probe counter and the
 /// `lastFailure.kind` of the proxy list (schema `ProbeFailureKind` in the OpenAPI document).
@@ -134,7 +136,23 @@ pub struct ProbeSettings {
     pub expected_status_codes: Vec<u16>,
     /// The Secret whose credentials go upstream, when the proxy asks for some.
     pub credentials: Option<SecretName>,
+    /// A rotating upstream is probed through one vendor session of its own.
+    pub vendor: Option<VendorProbe>,
 }
+
+/// How a rotating upstream's probe spells its username.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VendorProbe {
+    /// The templates.
+    pub rotating: Rotating,
+    /// The Proxy's labels (template fields without a request come from them).
+    pub labels: BTreeMap<String, String>,
+    /// The probe's vendor session: one per proxy, stable.
+    pub session: String,
+}
+
+/// What seeds the vendor session of a rotating upstream's probes.
+const PROBE_SESSION_SEED: &str = "health-probe";
 
 impl ProbeSettings {
     /// Settings for a proxy, or `None` when it has no address yet (a Managed proxy without an
@@ -152,7 +170,37 @@ impl ProbeSettings {
                 .filter_map(|&c| u16::try_from(c).ok())
                 .collect(),
             credentials: credentials::secret_of(proxy),
+            vendor: proxy.spec.rotating().map(|rotating| VendorProbe {
+                rotating: rotating.clone(),
+                labels: proxy.metadata.labels.clone().unwrap_or_default(),
+                session: vendor_session(
+                    proxy.metadata.uid.as_deref().unwrap_or_default(),
+                    PROBE_SESSION_SEED,
+                ),
+            }),
         })
+    }
+
+    /// What a probe sends upstream: the credentials Secret's (from `store`), or for a rotating
+    /// upstream the username and password spelled for the probe's vendor session (none when a
+    /// template field has no value: the probe then fails with the vendor's `407`).
+    pub fn upstream_credentials(&self, store: &CredentialStore) -> Option<Credentials> {
+        let secret = self
+            .credentials
+            .as_ref()
+            .and_then(|secret| store.get(&secret.namespace, &secret.name));
+        let Some(vendor) = &self.vendor else {
+            return secret;
+        };
+        vendor
+            .rotating
+            .credentials(&Fill {
+                session: &vendor.session,
+                selector: &BTreeMap::new(),
+                labels: Some(&vendor.labels),
+                secret: secret.as_ref(),
+            })
+            .ok()
     }
 }
 
@@ -418,6 +466,7 @@ mod tests {
             let client = ProbeClient::new(
                 ProbeSettings {
                     credentials: None,
+                    vendor: None,
                     proxy_url: proxy_url.into(),
                     probe_url: probe_url.into(),
                     timeout: Duration::from_secs(1),
@@ -437,6 +486,7 @@ mod tests {
         let client = ProbeClient::new(
             ProbeSettings {
                 credentials: None,
+                vendor: None,
                 proxy_url: "http://127.0.0.1:3128".into(),
                 probe_url: "https://example.com/".into(),
                 timeout: Duration::from_secs(1),

@@ -29,6 +29,9 @@ pub struct Leasable {
     /// [`Proxy::is_draining`]: being deleted or about to be replaced. Never leased, its
     /// leases are not renewed; still listed and probed.
     pub draining: bool,
+    /// The username template's selector fields of a rotating upstream (see
+    /// [`Selector::matches_filling`](crate::serving::candidates::Selector::matches_filling)).
+    pub template_fields: Option<Arc<[String]>>,
 }
 
 impl Leasable {
@@ -39,6 +42,10 @@ impl Leasable {
             has_address: proxy.spec.effective_host(proxy.status.as_ref()).is_some(),
             cordoned: proxy.spec.cordoned,
             draining: proxy.is_draining(),
+            template_fields: proxy
+                .spec
+                .rotating()
+                .map(|rotating| rotating.selector_fields().into()),
         }
     }
 }

@@ -268,6 +268,19 @@ pub struct LeaseReport {
     /// cooldown a `rate_limited` or `blocked` report starts, capped by the ledger's
     /// `max_cooldown`; `None`: its `cooldown`.
     pub cooldown: Option<Duration>,
+    /// The exit of the proxy the lease went through, when the proxy has many (a rotating
+    /// upstream's vendor session): a cooldown then lands on that exit and the target, never on
+    /// the whole proxy. `None`: the proxy is one exit.
+    pub exit: Option<String>,
+}
+
+/// The key of the cooldowns of a proxy (`exit` `None`), or of one exit of a proxy with many:
+/// `UID/exit`.
+pub fn cooldown_key<'a>(proxy_uid: &'a str, exit: Option<&str>) -> std::borrow::Cow<'a, str> {
+    match exit {
+        Some(exit) => format!("{proxy_uid}/{exit}").into(),
+        None => proxy_uid.into(),
+    }
 }
 
 impl LeaseReport {
@@ -278,7 +291,15 @@ impl LeaseReport {
             result,
             target: target.map(str::to_owned),
             cooldown: None,
+            exit: None,
         }
+    }
+
+    /// The key a cooldown this report starts is kept under: the proxy's UID, or for one exit
+    /// of a proxy with many, `UID/exit` (which no candidate's UID ever equals, so the proxy
+    /// stays choosable for the target).
+    pub fn cooled<'a>(&self, proxy_uid: &'a str) -> std::borrow::Cow<'a, str> {
+        cooldown_key(proxy_uid, self.exit.as_deref())
     }
 }
 

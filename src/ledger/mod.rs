@@ -75,7 +75,7 @@ pub use counts::LedgerCounts;
 pub use error::LedgerError;
 pub use lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, NoMatch, NoMatchReason,
-    ReportResult, RequestKey, SweepStats, UnknownValue,
+    ReportResult, RequestKey, SweepStats, UnknownValue, cooldown_key,
 };
 pub use location::LedgerLocation;
 pub use postgres::{

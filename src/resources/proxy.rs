@@ -141,7 +141,8 @@ pub struct ProxySpec {
     pub cloud_init: Option<CloudInit>,
 
     /// How many leases the proxy grants at once. 0 makes the proxy unleasable (it is still
-    /// health-checked and listed).
+    /// health-checked and listed). A rotating upstream's `endpoint.rotating.maxSessions`
+    /// replaces it.
     #[serde(
         default = "default_max_leases",
         skip_serializing_if = "Option::is_none"
@@ -666,10 +667,20 @@ impl ProxySpec {
 
     /// Lease capacity with the default applied; 0 means unleasable.
     pub fn max_leases(&self) -> u32 {
-        self.max_leases
-            .unwrap_or(DEFAULT_MAX_LEASES)
+        self.rotating()
+            .map_or(self.max_leases.unwrap_or(DEFAULT_MAX_LEASES), |r| {
+                r.max_sessions
+            })
             .max(0)
             .unsigned_abs()
+    }
+
+    /// The rotating upstream an External proxy's endpoint is, if it is one.
+    pub fn rotating(&self) -> Option<&super::rotating::Rotating> {
+        match self.mode {
+            Mode::External => self.endpoint.as_ref()?.rotating.as_ref(),
+            Mode::Managed => None,
+        }
     }
 
     /// The health check with every default materialized.

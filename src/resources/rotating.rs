@@ -232,13 +232,16 @@ mod tests {
             password: "pw".to_owned(),
         };
         let labels = map(&[("zone", "res"), ("geo", "fr")]);
-        let cases: [(
-            &str,
-            Option<&str>,
-            &[(&str, &str)],
+        /// Username and password templates, the request's selector, whether the Proxy's labels
+        /// are there, and what is spelled.
+        type Case<'a> = (
+            &'a str,
+            Option<&'a str>,
+            &'a [(&'a str, &'a str)],
             bool,
-            Result<(&str, &str), FillError>,
-        ); 7] = [
+            Result<(&'a str, &'a str), FillError>,
+        );
+        let cases: [Case<'_>; 7] = [
             (
                 "brd-customer-{username}-zone-{zone}-country-{geo}-session-{session}",
                 None,

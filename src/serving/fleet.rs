@@ -4,7 +4,7 @@
 //! credentials) and write (the ledger, the sessions, the outcomes). Cheap to clone: every
 //! clone sees the same fleet.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,11 +14,14 @@ use super::pools::PoolDirectory;
 use super::sessions::Sessions;
 use super::tenants::Tenant;
 use crate::credentials::CredentialStore;
+use crate::credentials::Credentials;
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{
     AcquireOutcome, AcquireRequest, Candidate, Clock, Ledger, LedgerError, RequestKey,
 };
+use crate::resources::proxy::{Proxy, ProxyId};
+use crate::resources::rotating::{Fill, FillError, vendor_session};
 
 /// What the servers share of the fleet.
 #[derive(Clone)]
@@ -64,6 +67,45 @@ pub struct Acquire<'a> {
 }
 
 impl Fleet {
+    /// The exit a lease on `proxy` goes through when the proxy has many: a rotating
+    /// upstream's vendor session, derived from the lease's ID (a gateway session keeps its
+    /// lease, and so its exit, across requests and restarts). `None`: the proxy is one exit.
+    pub fn exit_of(&self, proxy: &ProxyId, lease_id: &str) -> Option<String> {
+        self.inventory.snapshot().get(proxy)?.spec.rotating()?;
+        Some(vendor_session(&proxy.uid, lease_id))
+    }
+
+    /// What to send through `object` (the proxy `proxy`) on lease `lease_id` for a request
+    /// with `selector`: the credentials Secret's; for a rotating upstream, the username and
+    /// password spelled for the lease's vendor session.
+    pub fn upstream_credentials(
+        &self,
+        object: &Proxy,
+        proxy: &ProxyId,
+        lease_id: &str,
+        selector: &BTreeMap<String, String>,
+    ) -> Result<Option<Credentials>, FillError> {
+        let secret = self.credentials.for_proxy(object);
+        let Some(rotating) = object.spec.rotating() else {
+            return Ok(secret);
+        };
+        rotating
+            .credentials(&Fill {
+                session: &vendor_session(&proxy.uid, lease_id),
+                selector,
+                labels: object.metadata.labels.as_ref(),
+                secret: secret.as_ref(),
+            })
+            .map(Some)
+    }
+
+    /// [`exit_of`](Self::exit_of) for `tenant`'s lease `id`, looked up in the ledger (`None`
+    /// when it is unknown: the report then fails on its own).
+    pub async fn exit_of_lease(&self, id: &str, tenant: &str) -> Option<String> {
+        let lease = self.ledger.get(id, tenant).await.ok()??;
+        self.exit_of(&lease.proxy, id)
+    }
+
     /// A fleet of `inventory`, `health` and `ledger` with nothing else known yet: no
     /// credentials, sessions or pools, outcomes counted on `clock`.
     pub fn new(

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 fn settings(squid: &Squid, probe_url: String, timeout: Duration) -> ProbeSettings {
     ProbeSettings {
         credentials: None,
+        vendor: None,
         proxy_url: squid.url(),
         probe_url,
         timeout,

@@ -4,6 +4,10 @@
 //!
 //! - `GET /generate_204`: 204 (the probe URL of the proxies in front of it)
 //! - `GET /ip`: the peer address, as text
+//! - `GET /whoami`: `PEER USER`, the peer address and the `X-Vendor-User` header a vendor
+//!   squid adds (see [`SquidOptions::vendor`](super::squid::SquidOptions::vendor))
+//! - `GET /ban-user/{needle}/{code}`: a site that bans one vendor session: to a request whose
+//!   `X-Vendor-User` contains `needle`, status `code`; to any other, as `/whoami`
 //! - `GET /status/{code}[?retry_after=N]`: that status (with `Retry-After: N`)
 //! - `GET /`: an index linking to `/page/0` .. `/page/{PAGES - 1}`
 //! - `GET /page/{n}`: `<p id="ip">PEER</p>`
@@ -126,9 +130,23 @@ async fn answer(
     let query = request.uri().query().unwrap_or_default().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let ip = peer.ip().to_string();
+    let user = request
+        .headers()
+        .get("x-vendor-user")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned();
     let response = match segments.as_slice() {
         ["generate_204"] => status(StatusCode::NO_CONTENT, full("")),
         ["ip"] => text(ip),
+        ["whoami"] => text(format!("{ip} {user}")),
+        ["ban-user", needle, code] => {
+            match code.parse().ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+                Some(code) if user.contains(needle) => status(code, full(format!("{ip} {user}"))),
+                Some(_) => text(format!("{ip} {user}")),
+                None => status(StatusCode::BAD_REQUEST, full("")),
+            }
+        }
         ["status", code] => {
             let code = code.parse().ok().and_then(|c| StatusCode::from_u16(c).ok());
             let mut response = status(code.unwrap_or(StatusCode::BAD_REQUEST), full(ip));

@@ -19,6 +19,20 @@ pub struct SquidOptions {
     /// The `user:password-file line` it requires (`basic_ncsa_auth`), as paid proxies and the
     /// operator's Managed squids do; `None`: open.
     pub htpasswd: Option<String>,
+    /// Plays a vendor endpoint whose exit follows the username: any password is taken
+    /// (`basic_fake_auth`), a username holding `session-C…` (or `sessid-C…`) leaves from `127.0.0.(100 + i)`
+    /// where `C` is the `i`-th character of `a`–`z`, `2`–`7` (`proxy_auth_regex`), and plain
+    /// requests carry the username to the target in `X-Vendor-User`.
+    pub vendor: bool,
+}
+
+/// The characters a vendor session id starts with (lowercase RFC 4648 base32).
+const SESSION_ALPHABET: &str = "abcdefghijklmnopqrstuvwxyz234567";
+
+/// The exit address a vendor squid gives a username whose session starts with `first`.
+pub fn vendor_exit(first: char) -> Option<Ipv4Addr> {
+    let index = SESSION_ALPHABET.find(first)?;
+    Some(Ipv4Addr::new(127, 0, 0, 100 + u8::try_from(index).ok()?))
 }
 
 /// A running (or killed, restartable) squid.
@@ -238,6 +252,27 @@ fn config(dir: &Path, address: Ipv4Addr, port: u16, options: &SquidOptions) -> S
         None => String::new(),
     };
     let access = match options.htpasswd {
+        _ if options.vendor => {
+            let exits: String = SESSION_ALPHABET
+                .chars()
+                .filter_map(|c| Some((c, vendor_exit(c)?)))
+                .map(|(c, exit)| {
+                    format!(
+                        "acl session_{c} proxy_auth_regex sess[a-z]*-{c}\n\
+                         tcp_outgoing_address {exit} session_{c}\n"
+                    )
+                })
+                .collect();
+            format!(
+                "auth_param basic program /usr/lib/squid/basic_fake_auth\n\
+                 auth_param basic realm vendor\n\
+                 acl authenticated proxy_auth REQUIRED\n\
+                 {exits}\
+                 request_header_add X-Vendor-User \"%ul\" all\n\
+                 http_access allow authenticated\n\
+                 http_access deny all\n"
+            )
+        }
         Some(_) => format!(
             "auth_param basic program /usr/lib/squid/basic_ncsa_auth {dir}/passwd\n\
              auth_param basic realm proxy-operator-test\n\

@@ -108,8 +108,19 @@ impl Standalone {
         token: &str,
         extra_args: &[&str],
     ) -> Standalone {
-        let inventory = dir.join("inventory.yaml");
         let yaml: String = proxies.iter().map(ExternalProxy::to_yaml).collect();
+        Standalone::start_inventory(dir, &yaml, probe_ca, token, extra_args)
+    }
+
+    /// [`start`](Self::start) on the inventory `yaml`, written by the caller.
+    pub fn start_inventory(
+        dir: &Path,
+        yaml: &str,
+        probe_ca: &Path,
+        token: &str,
+        extra_args: &[&str],
+    ) -> Standalone {
+        let inventory = dir.join("inventory.yaml");
         std::fs::write(&inventory, yaml).expect("write the inventory");
         let log = dir.join("operator.log");
         let log_file = std::fs::File::create(&log).expect("create the operator log");

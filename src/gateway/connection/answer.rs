@@ -110,6 +110,7 @@ pub(in crate::gateway) async fn record(
         result: ban.result,
         target: Some(target.to_owned()),
         cooldown: asked.or(ban.cooldown),
+        exit: gateway.fleet.exit_of(&held.proxy, &held.lease_id),
     };
     match gateway
         .fleet

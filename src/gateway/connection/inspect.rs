@@ -367,7 +367,9 @@ impl Inside {
         let gateway = &self.connection.gateway;
         let keep = exit.current.as_ref().is_some_and(|current| {
             !excluded.contains(&current.held.proxy.uid)
-                && gateway.usable(&current.held.proxy, &self.ask).is_some()
+                && gateway
+                    .usable(&current.held.proxy, &current.held.lease_id, &self.ask)
+                    .is_some()
         });
         if !keep {
             self.leave(exit).await;
@@ -392,7 +394,8 @@ impl Inside {
     /// A new connection to the target through `current`'s exit, when that is still usable.
     async fn reopen(&self, current: &mut Current) -> bool {
         let gateway = &self.connection.gateway;
-        let Some(upstream) = gateway.usable(&current.held.proxy, &self.ask) else {
+        let Some(upstream) = gateway.usable(&current.held.proxy, &current.held.lease_id, &self.ask)
+        else {
             return false;
         };
         let timeout = gateway.config.upstream_timeout;

@@ -254,7 +254,7 @@ impl ClientConnection {
                             gateway.metrics.tenants.no_match(tenant, no_match);
                         }
                         Refusal::Quota(refused) => gateway.metrics.tenants.quota_refused(refused),
-                        Refusal::Ledger(_) => {}
+                        Refusal::Ledger(_) | Refusal::Username(_) => {}
                     }
                     return Err(refusal(&refused, gateway.fleet.clock.now()));
                 }
@@ -332,7 +332,7 @@ impl ClientConnection {
         let now = Instant::now();
         if let Some((held, _)) = leases.get(&ask.target.host) {
             if !tried.contains(&held.proxy.uid)
-                && let Some(upstream) = gateway.usable(&held.proxy, ask)
+                && let Some(upstream) = gateway.usable(&held.proxy, &held.lease_id, ask)
             {
                 if now.saturating_duration_since(held.renewed) < held.ttl / 2 {
                     let held = held.clone();

@@ -681,7 +681,7 @@ impl Ledger for PostgresLedger {
         ))?;
         if let Some((target, until)) = cooldown {
             self.change(Change::Cooldown {
-                uid: lease.proxy.uid.as_str().into(),
+                uid: report.cooled(&lease.proxy.uid).as_ref().into(),
                 target: target.into(),
                 until,
             });

@@ -234,7 +234,7 @@ pub(crate) async fn report(
              lease_id = excluded.lease_id, proxy_namespace = excluded.proxy_namespace, \
              proxy_name = excluded.proxy_name",
             &[
-                &lease.proxy.uid,
+                &report.cooled(&lease.proxy.uid),
                 &target,
                 &lease.proxy.namespace,
                 &lease.proxy.name,

@@ -344,11 +344,13 @@ pub(crate) fn renew_lease(
     record(conn, &event_of(EventKind::Renewed, now, id, lease))
 }
 
-/// Records a report; a `cooldown_ms` puts `(proxy, target)` into cooldown until `now` plus
-/// that long (keeping a later end already stored), recorded with the report.
+/// Records a report; a `cooldown_ms` puts `(cooled, target)` into cooldown until `now` plus
+/// that long (keeping a later end already stored), recorded with the report. `cooled` is the
+/// proxy's UID or one of its exits' key ([`LeaseReport::cooled`](crate::ledger::LeaseReport::cooled)).
 pub(crate) fn report(
     conn: &Connection,
     lease: &Lease,
+    cooled: &str,
     target: Option<&str>,
     result: ReportResult,
     now: i64,
@@ -381,7 +383,7 @@ pub(crate) fn report(
              proxy_name = excluded.proxy_name",
         )?
         .execute(rusqlite::params![
-            lease.proxy.uid,
+            cooled,
             target,
             lease.proxy.namespace,
             lease.proxy.name,

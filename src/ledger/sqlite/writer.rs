@@ -534,10 +534,19 @@ impl Writer {
             return Ok(Err(LedgerError::UnknownLease(id.to_owned())));
         };
         let (target, cooldown_ms) = self.config.report_cooldown(report, lease.target.as_deref());
-        store::report(&self.conn, &lease, target, report.result, now, cooldown_ms)?;
+        let cooled = report.cooled(&lease.proxy.uid);
+        store::report(
+            &self.conn,
+            &lease,
+            &cooled,
+            target,
+            report.result,
+            now,
+            cooldown_ms,
+        )?;
         if let (Some(ms), Some(target)) = (cooldown_ms, target) {
             self.state
-                .cool_down(&lease.proxy.uid, target, now.saturating_add(ms));
+                .cool_down(&cooled, target, now.saturating_add(ms));
         }
         Ok(Ok(lease))
     }

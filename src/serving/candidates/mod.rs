@@ -27,6 +27,7 @@ use crate::health::{HealthSnapshot, HealthTable, ProxyHealth};
 use crate::inventory::InventorySnapshot;
 use crate::inventory::Leasable;
 use crate::ledger::{Candidate, Candidates};
+use crate::resources::proxy::Proxy;
 
 /// Selectors whose matches are kept per inventory snapshot. Crawlers use a handful; the bound
 /// keeps a client sending endless distinct selectors from growing the cache without limit (a
@@ -145,9 +146,7 @@ impl SnapshotIndex {
             changed.iter().all(|&position| {
                 let at = position as usize;
                 let matches = match (leasable.get(at), proxies.get(at)) {
-                    (Some(l), Some(proxy)) => {
-                        selector.matches(&l.id.namespace, proxy.metadata.labels.as_ref())
-                    }
+                    (Some(l), Some(proxy)) => selects(selector, l, proxy),
                     _ => false,
                 };
                 matches == found.binary_search(&position).is_ok()
@@ -321,6 +320,15 @@ fn candidate(proxy: &Leasable, health: Option<&ProxyHealth>) -> Candidate {
     }
 }
 
+/// Whether `selector` matches the proxy (a rotating upstream's template fields match any value).
+fn selects(selector: &Selector, leasable: &Leasable, proxy: &Proxy) -> bool {
+    selector.matches_filling(
+        &leasable.id.namespace,
+        proxy.metadata.labels.as_ref(),
+        leasable.template_fields.as_deref().unwrap_or_default(),
+    )
+}
+
 fn matching(
     index: &SnapshotIndex,
     snapshot: &InventorySnapshot,
@@ -331,9 +339,11 @@ fn matching(
     }
     // Scanned outside the lock: other selectors are served meanwhile.
     let found: Arc<[u32]> = snapshot
-        .entries()
+        .leasable()
+        .iter()
+        .zip(snapshot.proxies())
         .enumerate()
-        .filter(|(_, (id, proxy))| selector.matches(&id.namespace, proxy.metadata.labels.as_ref()))
+        .filter(|(_, (leasable, proxy))| selects(selector, leasable, proxy))
         .filter_map(|(position, _)| u32::try_from(position).ok())
         .collect();
     let mut matches = lock(&index.matches);

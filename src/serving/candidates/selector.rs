@@ -71,6 +71,18 @@ impl Selector {
     /// Whether a proxy in `namespace` with `labels` matches: in one of the namespaces (when
     /// the selector names any) and every pair present in `labels`.
     pub fn matches(&self, namespace: &str, labels: Option<&BTreeMap<String, String>>) -> bool {
+        self.matches_filling(namespace, labels, &[])
+    }
+
+    /// [`matches`](Self::matches) for a rotating upstream whose username template fills
+    /// `fields`: a pair naming a field the proxy has no label for matches whatever its value
+    /// (the vendor picks the exit for it).
+    pub fn matches_filling(
+        &self,
+        namespace: &str,
+        labels: Option<&BTreeMap<String, String>>,
+        fields: &[String],
+    ) -> bool {
         !self.contradictory
             && self
                 .namespaces
@@ -79,7 +91,10 @@ impl Selector {
             && self
                 .pairs
                 .iter()
-                .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+                .all(|(k, v)| match labels.and_then(|l| l.get(k)) {
+                    Some(label) => label == v,
+                    None => fields.contains(k),
+                })
     }
 
     /// This selector narrowed to `scope`: its pairs and the scope's must all match (a key
