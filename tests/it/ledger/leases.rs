@@ -494,6 +494,41 @@ async fn rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target(ba
     }
 }
 
+/// A ban on one exit of a proxy with many (a rotating upstream's vendor session) cools that
+/// exit for the target, never the proxy: the next acquire for the target still gets the proxy,
+/// and the cooldown is kept under `UID/exit` with the proxy's name.
+async fn a_ban_on_one_exit_cools_the_exit_not_the_proxy(backend: Backend) {
+    let Some(f) = Fixture::on(backend, config()).await else {
+        return;
+    };
+    let c = [candidate("a", 5)];
+    let lease = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
+    let report = LeaseReport {
+        exit: Some("sess0001".to_owned()),
+        ..LeaseReport::new(ReportResult::RateLimited, None)
+    };
+    f.ledger
+        .report(&lease.id, DEFAULT_TENANT, report)
+        .await
+        .unwrap();
+    let again = granted(f.acquire(&c, Some("shop.example"), MINUTE).await);
+    assert_eq!(
+        again.proxy.name, "a",
+        "the proxy is still choosable for the target"
+    );
+    let counts = f.ledger.counts();
+    assert!(counts.in_cooldown("uid-a/sess0001", "shop.example"));
+    assert!(!counts.in_cooldown("uid-a", "shop.example"));
+    assert_eq!(
+        f.rows("SELECT proxy_uid, proxy_name, target FROM cooldowns"),
+        [cells([
+            Some("uid-a/sess0001"),
+            Some("a"),
+            Some("shop.example")
+        ])]
+    );
+}
+
 /// A report may ask for its own cooldown length (a target's `Retry-After`), capped by
 /// `max_cooldown`; a later report never shortens a cooldown in force; the history row of each
 /// report says how long the cooldown it started is.
@@ -1659,6 +1694,7 @@ crate::on_both_backends!(
     release_is_idempotent_and_frees_the_slot,
     rate_limited_and_blocked_reports_cool_the_proxy_down_for_that_target,
     a_report_may_ask_for_its_own_cooldown_length,
+    a_ban_on_one_exit_cools_the_exit_not_the_proxy,
     report_target_defaults_to_the_lease_target_and_without_any_no_cooldown_is_keyed,
     a_late_report_on_an_expired_lease_still_lands_until_the_lease_is_pruned,
     a_late_report_on_a_released_lease_lands_and_cools_down,
