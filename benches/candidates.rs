@@ -163,6 +163,7 @@ async fn acquire(
             client: None,
             tenant: Tenancy::unrestricted(),
             session: None,
+            fallback_step: None,
         })
         .await
         .expect("acquire");

@@ -139,6 +139,7 @@ fn acquire_request(candidates: &Candidates, tenant: &Tenancy) -> AcquireRequest 
         client: None,
         tenant: tenant.clone(),
         session: None,
+        fallback_step: None,
     }
 }
 

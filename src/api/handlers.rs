@@ -269,6 +269,7 @@ pub async fn acquire(
             request: key,
             client: None,
             session: None,
+            fallback_step: None,
         })
         .await
         .map_err(|e| ledger_error(&state, "acquiring a lease", e))?;

@@ -276,6 +276,14 @@ pub(super) fn refusal(refusal: &Refusal, now: jiff::Timestamp) -> (RequestOutcom
                 &unspellable.to_string(),
             ),
         ),
+        Refusal::UnknownChain(name) => (
+            RequestOutcome::BadRequest,
+            error(
+                StatusCode::BAD_REQUEST,
+                "unknown_fallback",
+                &format!("fallback {name:?} names no chain of --gateway-rules-file"),
+            ),
+        ),
         Refusal::Ledger(e) => {
             log::error!("gateway: acquiring a lease failed: {e}");
             let mut response = error(

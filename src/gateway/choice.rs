@@ -332,9 +332,54 @@ impl Gateway {
 
     /// Acquires a lease for `ask` (on a proxy of its tenant's scope, none of `tried`), with
     /// `request` when it is a session's.
+    ///
+    /// With a fallback chain (the proxy URL's `fallback=`, else the target's rule's), each
+    /// step's selector is added to the request's in turn until one grants: the ledger records
+    /// the step, and a metric counts it.
     async fn acquire(
         &self,
         ask: &Ask,
+        request: Option<RequestKey>,
+        ttl: Duration,
+        tried: &HashSet<String>,
+    ) -> Result<Acquired, Refusal> {
+        let own = Selector::from(ask.options.selector.clone());
+        let rules = self.rules.current();
+        let chain = match &ask.options.fallback {
+            Some(name) => Some(
+                rules
+                    .chain(name)
+                    .ok_or_else(|| Refusal::UnknownChain(name.clone()))?,
+            ),
+            None => rules.for_host(&ask.target.host).fallback(),
+        };
+        let Some(chain) = chain else {
+            return self.acquire_step(ask, own, None, request, ttl, tried).await;
+        };
+        let mut refused = NoMatch::default();
+        for (number, step) in (1..).zip(&chain.steps) {
+            let selector = own.within(step);
+            match self
+                .acquire_step(ask, selector, Some(number), request.clone(), ttl, tried)
+                .await
+            {
+                Err(Refusal::NoMatch(no_match)) => refused = refused.and(no_match),
+                Ok(acquired) => {
+                    self.metrics.fallback_step(&chain.name, number);
+                    return Ok(acquired);
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(Refusal::NoMatch(refused))
+    }
+
+    /// One acquire for `ask` with `selector` (`step`: of a fallback chain).
+    async fn acquire_step(
+        &self,
+        ask: &Ask,
+        selector: Selector,
+        step: Option<u32>,
         request: Option<RequestKey>,
         ttl: Duration,
         tried: &HashSet<String>,
@@ -343,13 +388,14 @@ impl Gateway {
             .fleet
             .acquire(Acquire {
                 tenant: &ask.caller.tenant,
-                selector: Selector::from(ask.options.selector.clone()),
+                selector,
                 excluding: tried,
                 target: Some(ask.target.host.clone()),
                 ttl,
                 session: ask.options.session.clone().filter(|_| request.is_some()),
                 request,
                 client: Some(ask.options.client.clone()).filter(|c| !c.is_empty()),
+                fallback_step: step,
             })
             .await
             .map_err(Refusal::Ledger)?;
@@ -480,6 +526,8 @@ pub enum Refusal {
     Ledger(LedgerError),
     /// A rotating upstream's username cannot be spelled for the request.
     Username(FillError),
+    /// The proxy URL's `fallback=` names no chain of the rules file.
+    UnknownChain(String),
 }
 
 /// What an acquire got.

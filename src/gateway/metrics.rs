@@ -21,6 +21,7 @@ use crate::serving::tenants::TenantMetrics;
 pub struct GatewayMetrics {
     connections: IntCounter,
     rule_matches: IntCounterVec,
+    fallback_steps: IntCounterVec,
     intercepted: IntCounter,
     handshake_failures: IntCounterVec,
     certificates: IntCounterVec,
@@ -93,6 +94,14 @@ impl GatewayMetrics {
                  --gateway-rules-file, or default: --gateway-ban-statuses) and result.",
             ),
             &["rule", "result"],
+        )?;
+        let fallback_steps = IntCounterVec::new(
+            Opts::new(
+                "proxy_operator_gateway_fallback_steps_total",
+                "Leases taken through a fallback chain (--gateway-rules-file `chains`), by \
+                 chain and the step that served (1: the first).",
+            ),
+            &["chain", "step"],
         )?;
         let intercepted = IntCounter::new(
             "proxy_operator_gateway_intercepted_total",
@@ -167,6 +176,7 @@ impl GatewayMetrics {
             Box::new(held.clone()) as Box<dyn Collector>,
             Box::new(connections.clone()),
             Box::new(rule_matches.clone()),
+            Box::new(fallback_steps.clone()),
             Box::new(intercepted.clone()),
             Box::new(handshake_failures.clone()),
             Box::new(certificates.clone()),
@@ -220,6 +230,7 @@ impl GatewayMetrics {
         Ok(GatewayMetrics {
             connections,
             rule_matches,
+            fallback_steps,
             intercepted,
             handshake_failures,
             certificates,
@@ -294,6 +305,13 @@ impl GatewayMetrics {
     pub fn rule_matched(&self, rule: &str, result: ReportResult) {
         self.rule_matches
             .with_label_values(&[rule, result.as_str()])
+            .inc();
+    }
+
+    /// Counts a lease taken through step `step` (1: the first) of fallback chain `chain`.
+    pub fn fallback_step(&self, chain: &str, step: u32) {
+        self.fallback_steps
+            .with_label_values(&[chain, &step.to_string()])
             .inc();
     }
 

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 /// Longest session name accepted, in bytes.
 pub const MAX_SESSION_LEN: usize = 128;
+/// Longest fallback chain name (a rule name's length in the rules file).
+const MAX_CHAIN_NAME_LEN: usize = 63;
 /// Longest crawler name accepted, in bytes: it is written with every lease and its history.
 pub const MAX_CLIENT_LEN: usize = 128;
 /// Longest user part accepted, in bytes (name, session and labels together).
@@ -38,6 +40,8 @@ pub struct Options {
     pub inspect: bool,
     /// Labels the upstream proxy must carry.
     pub selector: BTreeMap<String, String>,
+    /// `fallback=NAME`: the fallback chain of the rules file its acquires walk.
+    pub fallback: Option<String>,
 }
 
 /// Reads the user part `user`; the error names what is wrong, for a `400` answer.
@@ -101,6 +105,15 @@ pub fn parse(user: &str) -> Result<Options, String> {
                         ));
                     }
                 };
+            }
+            "fallback" => {
+                if value.is_empty() || value.len() > MAX_CHAIN_NAME_LEN {
+                    return Err(format!(
+                        "fallback {value:?} must name a chain of --gateway-rules-file (1 to \
+                         {MAX_CHAIN_NAME_LEN} characters)"
+                    ));
+                }
+                options.fallback = Some(value.to_owned());
             }
             "sessionTTL" => {
                 let ttl = humantime::parse_duration(value).map_err(|e| {

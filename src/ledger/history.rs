@@ -46,6 +46,8 @@ pub(crate) struct Event<'a> {
     pub cooldown_ms: Option<i64>,
     /// The crawler that took the lease (`acquired` events only).
     pub client: Option<&'a str>,
+    /// The fallback chain's step that served the acquire (`acquired` events only).
+    pub fallback_step: Option<u32>,
 }
 
 impl<'a> Event<'a> {
@@ -72,6 +74,7 @@ impl<'a> Event<'a> {
             reason: None,
             cooldown_ms: None,
             client: None,
+            fallback_step: None,
         }
     }
 }

@@ -255,6 +255,9 @@ pub struct AcquireRequest {
     pub tenant: Tenancy,
     /// The gateway session the lease is for (its name), counted by the sessions quota.
     pub session: Option<String>,
+    /// Which step of a fallback chain this acquire is (1: the first), recorded on the lease's
+    /// `acquired` event; `None`: the acquire names no chain.
+    pub fallback_step: Option<u32>,
 }
 
 /// What a crawler observed on a lease, for [`Ledger::report`](super::Ledger::report).
@@ -429,6 +432,24 @@ impl NoMatchReason {
 }
 
 impl NoMatch {
+    /// The refusal of two selections that both found nothing (the steps of a fallback chain):
+    /// every count summed, and the earlier moment something frees up.
+    pub fn and(self, other: NoMatch) -> NoMatch {
+        NoMatch {
+            considered: self.considered + other.considered,
+            cordoned: self.cordoned + other.cordoned,
+            draining: self.draining + other.draining,
+            at_capacity: self.at_capacity + other.at_capacity,
+            in_cooldown: self.in_cooldown + other.in_cooldown,
+            unhealthy: self.unhealthy + other.unhealthy,
+            at_target_limit: self.at_target_limit + other.at_target_limit,
+            retry_after: match (self.retry_after, other.retry_after) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+        }
+    }
+
     /// The main reason nothing was granted.
     pub fn reason(&self) -> NoMatchReason {
         NoMatchReason::of(self)
@@ -470,6 +491,45 @@ pub struct SweepStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_refusals_of_two_steps_add_up_and_free_up_at_the_earlier_moment() {
+        let at = |s: i64| Timestamp::from_second(s).ok();
+        let a = NoMatch {
+            considered: 2,
+            in_cooldown: 2,
+            retry_after: at(200),
+            ..NoMatch::default()
+        };
+        let b = NoMatch {
+            considered: 3,
+            at_capacity: 1,
+            unhealthy: 2,
+            retry_after: at(100),
+            ..NoMatch::default()
+        };
+        let none = NoMatch::default();
+        let cases = [
+            (a, b, (5, 2, 1, 2, at(100))),
+            (a, none, (2, 2, 0, 0, at(200))),
+            (none, b, (3, 0, 1, 2, at(100))),
+            (none, none, (0, 0, 0, 0, None)),
+        ];
+        for (x, y, (considered, in_cooldown, at_capacity, unhealthy, retry_after)) in cases {
+            let got = x.and(y);
+            assert_eq!(
+                (
+                    got.considered,
+                    got.in_cooldown,
+                    got.at_capacity,
+                    got.unhealthy,
+                    got.retry_after
+                ),
+                (considered, in_cooldown, at_capacity, unhealthy, retry_after)
+            );
+            assert_eq!(got, y.and(x), "order does not matter");
+        }
+    }
 
     #[test]
     fn report_results_round_trip_through_their_names() {

@@ -27,7 +27,7 @@ pub fn load(common: &CommonArgs) -> Result<GatewayFiles, StartError> {
         Some(path) => {
             let file = RulesFile::new(path);
             let (loaded, content) = file.load().map_err(|e| StartError(e.to_string()))?;
-            let set = RuleSet::new(&flags.gateway_ban_statuses, loaded);
+            let set = RuleSet::of_file(&flags.gateway_ban_statuses, loaded);
             (Rules::new(set), Some((file, content)))
         }
         None => (

@@ -64,6 +64,8 @@ pub struct Acquire<'a> {
     pub client: Option<String>,
     /// The gateway session the lease is for.
     pub session: Option<String>,
+    /// Which step of a fallback chain this acquire is, recorded with the lease.
+    pub fallback_step: Option<u32>,
 }
 
 impl Fleet {
@@ -154,6 +156,7 @@ impl Fleet {
                 client: acquire.client,
                 tenant: acquire.tenant.tenancy(),
                 session: acquire.session,
+                fallback_step: acquire.fallback_step,
             })
             .await
     }

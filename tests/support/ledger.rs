@@ -317,6 +317,7 @@ pub fn request(candidates: impl Into<Candidates>, target: &str, ttl: Duration) -
         request: None,
         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
         session: None,
+        fallback_step: None,
     }
 }
 

@@ -254,7 +254,7 @@ impl ClientConnection {
                             gateway.metrics.tenants.no_match(tenant, no_match);
                         }
                         Refusal::Quota(refused) => gateway.metrics.tenants.quota_refused(refused),
-                        Refusal::Ledger(_) | Refusal::Username(_) => {}
+                        Refusal::Ledger(_) | Refusal::Username(_) | Refusal::UnknownChain(_) => {}
                     }
                     return Err(refusal(&refused, gateway.fleet.clock.now()));
                 }

@@ -18,10 +18,19 @@
 //!     cooldown: 10m
 //!     action: retry
 //!     retries: 2
+//!   - name: shop
+//!     hosts: [shop.example.net]
+//!     bans: [{status: [429], result: rate_limited}]
+//!     action: fallback
+//!     chain: own-then-rented
+//! chains:
+//!   - name: own-then-rented
+//!     steps: ["tier=own", "pool=rented"]
 //! ```
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::header::{HeaderName, HeaderValue};
@@ -31,9 +40,10 @@ use serde_saphyr::{Location, Spanned};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Action, BanRule, DEFAULT_RULE, HeaderMatch, HostPattern, Rule, RuleSet, Rules, Trigger,
+    Action, BanRule, Chain, DEFAULT_RULE, HeaderMatch, HostPattern, Rule, RuleSet, Rules, Trigger,
 };
 use crate::ledger::ReportResult;
+use crate::serving::candidates::Selector;
 use crate::serving::watched_file;
 
 /// Most rules one file may hold: their names are metric labels, so their number stays
@@ -45,6 +55,9 @@ const MAX_NAME: usize = 63;
 
 /// Most other exits one request is retried on: each retry holds the client's answer back.
 const MAX_RETRIES: u32 = 5;
+
+/// Most steps of one fallback chain (a metric label value each).
+pub const MAX_CHAIN_STEPS: usize = 8;
 
 /// The flag that names the file, as messages say it.
 const FLAG: &str = "--gateway-rules-file";
@@ -59,6 +72,24 @@ pub struct RulesError(pub String);
 #[serde(deny_unknown_fields)]
 struct FileDoc {
     rules: Spanned<Vec<Spanned<RuleDoc>>>,
+    #[serde(default)]
+    chains: Vec<Spanned<ChainDoc>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChainDoc {
+    name: Spanned<String>,
+    steps: Spanned<Vec<Spanned<String>>>,
+}
+
+/// What a rules file says: its rules, in its order, and its fallback chains.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    /// The rules.
+    pub rules: Vec<Rule>,
+    /// The chains.
+    pub chains: Vec<Arc<Chain>>,
 }
 
 #[derive(Deserialize)]
@@ -74,6 +105,8 @@ struct RuleDoc {
     action: Option<Spanned<String>>,
     #[serde(default)]
     retries: Option<Spanned<u32>>,
+    #[serde(default)]
+    chain: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -133,15 +166,15 @@ impl RulesFile {
 
     /// Reads and checks the file: its rules, and the content they came from (what the
     /// re-read compares against).
-    pub fn load(&self) -> Result<(Vec<Rule>, Vec<u8>), RulesError> {
+    pub fn load(&self) -> Result<(Parsed, Vec<u8>), RulesError> {
         let content = std::fs::read(&self.path)
             .map_err(|e| self.error(None, "", format!("cannot read: {e}")))?;
         let rules = self.parse(&content)?;
         Ok((rules, content))
     }
 
-    /// Checks `content` as the file's: its rules, in its order.
-    pub fn parse(&self, content: &[u8]) -> Result<Vec<Rule>, RulesError> {
+    /// Checks `content` as the file's: its rules, in its order, and its chains.
+    pub fn parse(&self, content: &[u8]) -> Result<Parsed, RulesError> {
         let text = std::str::from_utf8(content)
             .map_err(|e| self.error(None, "", format!("is not UTF-8: {e}")))?;
         let doc: FileDoc = serde_saphyr::from_str(text).map_err(|e| {
@@ -156,6 +189,7 @@ impl RulesFile {
                 format!("holds {} rules; at most {MAX_RULES}", doc.rules.value.len()),
             ));
         }
+        let chains = self.chains(doc.chains)?;
         let mut names: HashMap<String, usize> = HashMap::new();
         let mut rules = Vec::with_capacity(doc.rules.value.len());
         for (index, entry) in doc.rules.value.into_iter().enumerate() {
@@ -172,12 +206,78 @@ impl RulesFile {
                     format!("{:?} is rules[{first}]'s name too", name.value),
                 ));
             }
-            rules.push(self.rule(index, entry)?);
+            rules.push(self.rule(index, entry, &chains)?);
         }
-        Ok(rules)
+        Ok(Parsed {
+            rules,
+            chains: chains.into_values().collect(),
+        })
     }
 
-    fn rule(&self, index: usize, entry: RuleDoc) -> Result<Rule, RulesError> {
+    /// The file's chains by name.
+    fn chains(
+        &self,
+        docs: Vec<Spanned<ChainDoc>>,
+    ) -> Result<HashMap<String, Arc<Chain>>, RulesError> {
+        if docs.len() > MAX_RULES {
+            return Err(self.error(
+                docs.get(MAX_RULES).and_then(|d| line(&d.referenced)),
+                "chains",
+                format!("holds {} chains; at most {MAX_RULES}", docs.len()),
+            ));
+        }
+        let mut chains = HashMap::new();
+        for (index, doc) in docs.into_iter().enumerate() {
+            let doc = doc.value;
+            let field = |name: &str| format!("chains[{index}].{name}");
+            if let Some(problem) = name_problem(&doc.name.value) {
+                return Err(self.error(line(&doc.name.referenced), &field("name"), problem));
+            }
+            let count = doc.steps.value.len();
+            if !(2..=MAX_CHAIN_STEPS).contains(&count) {
+                return Err(self.error(
+                    line(&doc.steps.referenced),
+                    &field("steps"),
+                    format!("holds {count} steps; a chain has 2 to {MAX_CHAIN_STEPS}"),
+                ));
+            }
+            let steps = doc
+                .steps
+                .value
+                .iter()
+                .enumerate()
+                .map(|(s, step)| {
+                    Selector::parse(&step.value).map_err(|problem| {
+                        self.error(
+                            line(&step.referenced),
+                            &field(&format!("steps[{s}]")),
+                            format!("{problem} (a step is a selector: `tier=own,geo=eu`)"),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let name = doc.name.value;
+            let chain = Arc::new(Chain {
+                name: name.as_str().into(),
+                steps,
+            });
+            if chains.insert(name.clone(), chain).is_some() {
+                return Err(self.error(
+                    line(&doc.name.referenced),
+                    &field("name"),
+                    format!("{name:?} names another chain too"),
+                ));
+            }
+        }
+        Ok(chains)
+    }
+
+    fn rule(
+        &self,
+        index: usize,
+        entry: RuleDoc,
+        chains: &HashMap<String, Arc<Chain>>,
+    ) -> Result<Rule, RulesError> {
         let field = |name: &str| format!("rules[{index}].{name}");
         if entry.hosts.value.is_empty() {
             return Err(self.error(
@@ -225,19 +325,45 @@ impl RulesFile {
                     })?,
             ),
         };
-        let retry = match &entry.action {
-            None => false,
+        let (retry, fallback) = match &entry.action {
+            None => (false, false),
             Some(action) => match action.value.as_str() {
-                "pass" => false,
-                "retry" => true,
+                "pass" => (false, false),
+                "retry" => (true, false),
+                "fallback" => (true, true),
                 other => {
                     return Err(self.error(
                         line(&action.referenced),
                         &field("action"),
-                        format!("{other:?} is not pass or retry"),
+                        format!("{other:?} is not pass, retry or fallback"),
                     ));
                 }
             },
+        };
+        let fallback = match (fallback, &entry.chain) {
+            (false, None) => None,
+            (false, Some(chain)) => {
+                return Err(self.error(
+                    line(&chain.referenced),
+                    &field("chain"),
+                    "needs `action: fallback`",
+                ));
+            }
+            (true, None) => {
+                let at = entry.action.as_ref().and_then(|a| line(&a.referenced));
+                return Err(self.error(
+                    at,
+                    &field("chain"),
+                    "`action: fallback` needs `chain`, the name of one of `chains`",
+                ));
+            }
+            (true, Some(chain)) => Some(chains.get(&chain.value).cloned().ok_or_else(|| {
+                self.error(
+                    line(&chain.referenced),
+                    &field("chain"),
+                    format!("{:?} is not the name of one of `chains`", chain.value),
+                )
+            })?),
         };
         let action = match (retry, entry.retries) {
             (false, None) => Action::Pass,
@@ -245,7 +371,7 @@ impl RulesFile {
                 return Err(self.error(
                     line(&retries.referenced),
                     &field("retries"),
-                    "needs `action: retry`",
+                    "needs `action: retry` or `action: fallback`",
                 ));
             }
             (true, retries) => {
@@ -277,6 +403,7 @@ impl RulesFile {
             bans,
             cooldown,
             action,
+            fallback,
         })
     }
 
@@ -450,8 +577,12 @@ fn reload(
     content: &[u8],
 ) -> Result<String, String> {
     let parsed = file.parse(content).map_err(|e| e.0)?;
-    let applied = format!("{} rule(s)", parsed.len());
-    rules.replace(RuleSet::new(default, parsed));
+    let applied = format!(
+        "{} rule(s), {} chain(s)",
+        parsed.rules.len(),
+        parsed.chains.len()
+    );
+    rules.replace(RuleSet::of_file(default, parsed));
     Ok(applied)
 }
 
@@ -470,7 +601,9 @@ mod tests {
     const DEADLINE: Duration = Duration::from_secs(30);
 
     fn parse(text: &str) -> Result<Vec<Rule>, RulesError> {
-        RulesFile::new("/run/rules.yaml").parse(text.as_bytes())
+        RulesFile::new("/run/rules.yaml")
+            .parse(text.as_bytes())
+            .map(|parsed| parsed.rules)
     }
 
     #[test]
@@ -552,7 +685,7 @@ mod tests {
             .load()
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(content, std::fs::read(&path).unwrap());
-        let set = RuleSet::new(&BanRule::default(), rules);
+        let set = RuleSet::of_file(&BanRule::default(), rules);
         assert_eq!(
             set.names().collect::<Vec<_>>(),
             ["shop-captcha", "api-partner", DEFAULT_RULE]
@@ -566,6 +699,39 @@ mod tests {
                 .judge(403, &HeaderMap::new(), b""),
             None
         );
+    }
+
+    #[test]
+    fn a_fallback_rule_walks_its_chain_and_retries_like_retry() {
+        let text = [
+            "rules:",
+            "  - name: shop",
+            "    hosts: [shop.example]",
+            "    bans: [{status: [429], result: rate_limited}]",
+            "    action: fallback",
+            "    chain: own-then-rented",
+            "chains:",
+            "  - name: own-then-rented",
+            "    steps: [\"tier=own\", \"pool=rented,geo=eu\"]",
+        ]
+        .join("\n");
+        let parsed = RulesFile::new("/run/rules.yaml")
+            .parse(text.as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let set = RuleSet::of_file(&BanRule::default(), parsed);
+        let chain = set.chain("own-then-rented").expect("the chain by name");
+        assert_eq!(
+            chain.steps,
+            [
+                Selector::parse("tier=own").unwrap(),
+                Selector::parse("geo=eu,pool=rented").unwrap()
+            ]
+        );
+        let rule = set.for_host("shop.example");
+        assert_eq!(rule.action(), Action::Retry { times: 1 });
+        assert_eq!(rule.fallback(), Some(chain));
+        assert_eq!(set.for_host("other.example").fallback(), None);
+        assert_eq!(set.chain("nope"), None);
     }
 
     #[test]
@@ -773,7 +939,7 @@ mod tests {
             (
                 shop(&["    action: drop"]),
                 4,
-                "rules[0].action: \"drop\" is not pass or retry",
+                "rules[0].action: \"drop\" is not pass, retry or fallback",
             ),
             (
                 shop(&[
@@ -814,6 +980,51 @@ mod tests {
                 shop(&["    action: retry"]),
                 4,
                 "rules[0].action: retry is on a ban, and this rule names none",
+            ),
+            (
+                shop(&[
+                    "    bans: [{status: [429], result: blocked}]",
+                    "    action: fallback",
+                ]),
+                5,
+                "rules[0].chain: `action: fallback` needs `chain`",
+            ),
+            (
+                shop(&[
+                    "    bans: [{status: [429], result: blocked}]",
+                    "    action: fallback",
+                    "    chain: nope",
+                ]),
+                6,
+                "rules[0].chain: \"nope\" is not the name of one of `chains`",
+            ),
+            (
+                shop(&["    chain: own"]),
+                4,
+                "rules[0].chain: needs `action: fallback`",
+            ),
+            (
+                shop(&["chains:", "  - name: own", "    steps: [\"tier=own\"]"]),
+                6,
+                "chains[0].steps: holds 1 steps; a chain has 2 to 8",
+            ),
+            (
+                shop(&[
+                    "chains:",
+                    "  - name: own",
+                    "    steps: [\"tier=own\", \"pool\"]",
+                ]),
+                6,
+                "chains[0].steps[1]: selector term \"pool\" is not key=value",
+            ),
+            (
+                shop(&[
+                    "chains:",
+                    "  - {name: own, steps: [a=1, b=2]}",
+                    "  - {name: own, steps: [a=1, b=2]}",
+                ]),
+                6,
+                "chains[1].name: \"own\" names another chain too",
             ),
         ];
         let wrong: Vec<String> = cases
@@ -919,7 +1130,7 @@ mod tests {
         point(&path, &regular("v1.yaml", &version("first")));
         let file = RulesFile::new(&path);
         let (loaded, content) = file.load().unwrap();
-        let rules = Rules::new(RuleSet::new(&BanRule::default(), loaded));
+        let rules = Rules::new(RuleSet::of_file(&BanRule::default(), loaded));
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(watch(
             file,

@@ -11,6 +11,7 @@
 mod file;
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -18,11 +19,12 @@ use hyper::HeaderMap;
 use hyper::header::HeaderName;
 use regex::Regex;
 
-pub use file::{MAX_RULES, RulesError, RulesFile, watch};
+pub use file::{MAX_CHAIN_STEPS, MAX_RULES, Parsed, RulesError, RulesFile, watch};
 
 use super::bans::BanRule;
 use crate::egress::host::{self, Host};
 use crate::ledger::ReportResult;
+use crate::serving::candidates::Selector;
 
 /// How many bytes of a body a body condition reads: enough for a captcha page's title, and
 /// a bound on what the gateway holds back of a streamed answer.
@@ -44,6 +46,18 @@ pub enum Action {
         /// Other exits tried at most (1 to 5).
         times: u32,
     },
+}
+
+/// A fallback chain (`chains` in the rules file): selectors tried in order, e.g. the team's
+/// own proxies first and a vendor's next. An acquire walks it until a step has a proxy that can
+/// take the lease, so a ban that cools the first step's proxies for a target sends the next
+/// request for it to the next step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chain {
+    /// Its name: a metric label, and what a proxy URL's `fallback=` names.
+    pub name: Arc<str>,
+    /// The steps' selectors, each added to the request's own.
+    pub steps: Vec<Selector>,
 }
 
 /// An answer judged a ban: by which rule, reported as what, cooled down for how long when
@@ -193,9 +207,17 @@ pub struct Rule {
     bans: Vec<Trigger>,
     cooldown: Option<Duration>,
     action: Action,
+    /// `action: fallback`: the chain acquires for its hosts walk (a ban is retried like
+    /// `action: retry`, on the chain's next usable step).
+    fallback: Option<Arc<Chain>>,
 }
 
 impl Rule {
+    /// The chain acquires for its hosts walk, if it says `action: fallback`.
+    pub fn fallback(&self) -> Option<&Arc<Chain>> {
+        self.fallback.as_ref()
+    }
+
     /// Its name: a metric label, `default` for the rule of `--gateway-ban-statuses`.
     pub fn name(&self) -> &str {
         &self.name
@@ -239,6 +261,7 @@ impl Rule {
 pub struct RuleSet {
     rules: Vec<Rule>,
     default: Rule,
+    chains: HashMap<String, Arc<Chain>>,
 }
 
 impl RuleSet {
@@ -266,8 +289,35 @@ impl RuleSet {
             bans,
             cooldown: None,
             action: Action::Pass,
+            fallback: None,
         };
-        RuleSet { rules, default }
+        RuleSet {
+            rules,
+            default,
+            chains: HashMap::new(),
+        }
+    }
+
+    /// The file's rules and chains (see [`new`](Self::new)).
+    pub fn of_file(default: &BanRule, parsed: Parsed) -> Self {
+        RuleSet {
+            chains: parsed
+                .chains
+                .into_iter()
+                .map(|chain| (chain.name.to_string(), chain))
+                .collect(),
+            ..RuleSet::new(default, parsed.rules)
+        }
+    }
+
+    /// The chain named `name` (a proxy URL's `fallback=`).
+    pub fn chain(&self, name: &str) -> Option<&Arc<Chain>> {
+        self.chains.get(name)
+    }
+
+    /// Every chain's name: the label values of the fallback metric.
+    pub fn chain_names(&self) -> impl Iterator<Item = &str> {
+        self.chains.keys().map(String::as_str)
     }
 
     /// The rule for `host` (lower-cased, as a target's host is): the first whose hosts match,
@@ -326,6 +376,7 @@ mod tests {
         RulesFile::new("/run/rules.yaml")
             .parse(yaml.as_bytes())
             .unwrap_or_else(|e| panic!("{e}"))
+            .rules
     }
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {

@@ -134,16 +134,17 @@ const COOLED: &str = "SELECT proxy_uid, target FROM cooldowns WHERE proxy_uid = 
 const TARGET_LOADS: &str = "SELECT target, proxy_uid, count(*), min(expires_at) FROM leases \
      WHERE state = 'active' AND expires_at > $1 AND target = ANY($2) \
      GROUP BY target, proxy_uid";
-/// A statement inserting grants (their rows `g`: `$2`..`$14`, at `$1`) and their `acquired`
-/// events, returning the IDs inserted: those of `$source` after the CTEs `$checks`.
+/// A statement inserting grants (their rows `g`: `$2`..`$15`, at `$1`) and their `acquired`
+/// events (with the fallback step of the row in `g`), returning the IDs inserted: those of
+/// `$source` after the CTEs `$checks`.
 macro_rules! grant_sql {
     ($checks:literal, $source:literal) => {
         concat!(
             "WITH g AS (SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], \
              $6::text[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::text[], \
-             $12::bigint[], $13::text[], $14::text[]) WITH ORDINALITY AS g(id, ns, name, uid, \
-             target, expires_at, ttl_ms, request_id, fingerprint, client, max_leases, tenant, \
-             session, ord))",
+             $12::bigint[], $13::text[], $14::text[], $15::bigint[]) WITH ORDINALITY AS g(id, ns, \
+             name, uid, target, expires_at, ttl_ms, request_id, fingerprint, client, max_leases, \
+             tenant, session, fallback_step, ord))",
             $checks,
             ", granted AS (INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, \
              target, state, acquired_at, expires_at, ttl_ms, request_id, request_fingerprint, \
@@ -152,9 +153,11 @@ macro_rules! grant_sql {
             $source,
             " RETURNING id, proxy_namespace, proxy_name, proxy_uid, target, expires_at, client, \
              tenant) INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, \
-             proxy_uid, target, expires_at, client, tenant) SELECT $1, id, 'acquired', \
-             proxy_namespace, proxy_name, proxy_uid, target, expires_at, client, tenant \
-             FROM granted ORDER BY id RETURNING lease_id"
+             proxy_uid, target, expires_at, client, tenant, fallback_step) SELECT $1, \
+             granted.id, 'acquired', granted.proxy_namespace, granted.proxy_name, \
+             granted.proxy_uid, granted.target, granted.expires_at, granted.client, \
+             granted.tenant, g.fallback_step FROM granted JOIN g ON g.id = granted.id \
+             ORDER BY granted.id RETURNING lease_id"
         )
     };
 }
@@ -783,6 +786,10 @@ async fn insert_leases(
     };
     let request_ids = keys(|k| k.id.as_str());
     let fingerprints = keys(|k| k.fingerprint.as_str());
+    let fallback_steps: Vec<Option<i64>> = accepted
+        .iter()
+        .map(|p| batch[p.pending].request.fallback_step.map(i64::from))
+        .collect();
     let inserted = query(
         client,
         sql,
@@ -801,6 +808,7 @@ async fn insert_leases(
             &max_leases,
             &tenants,
             &sessions,
+            &fallback_steps,
         ],
     )
     .await?;
@@ -968,6 +976,7 @@ mod tests {
                 client: None,
                 tenant: crate::ledger::quota::Tenancy::unrestricted(),
                 session: None,
+                fallback_step: None,
             },
             ttl_ms: 60_000,
             id: id.into(),

@@ -23,6 +23,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0003_tenants.sql",
         sql: include_str!("../../../migrations/postgres/0003_tenants.sql"),
     },
+    Migration {
+        name: "0004_fallback_steps.sql",
+        sql: include_str!("../../../migrations/postgres/0004_fallback_steps.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -34,6 +34,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0006_tenants.sql",
         sql: include_str!("../../../migrations/0006_tenants.sql"),
     },
+    Migration {
+        name: "0007_fallback_steps.sql",
+        sql: include_str!("../../../migrations/0007_fallback_steps.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -262,12 +262,14 @@ pub(crate) fn load_state(
     Ok(state)
 }
 
-/// Inserts a granted lease and its `acquired` event.
+/// Inserts a granted lease and its `acquired` event (with the fallback chain's step that
+/// served it, if any).
 pub(crate) fn insert_lease(
     conn: &Connection,
     id: &str,
     lease: &ActiveLease,
     fingerprint: Option<&str>,
+    fallback_step: Option<u32>,
 ) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO leases (id, proxy_namespace, proxy_name, proxy_uid, target, state, \
@@ -291,7 +293,10 @@ pub(crate) fn insert_lease(
     ])?;
     record(
         conn,
-        &event_of(EventKind::Acquired, lease.acquired_at, id, lease),
+        &Event {
+            fallback_step,
+            ..event_of(EventKind::Acquired, lease.acquired_at, id, lease)
+        },
     )
 }
 
@@ -583,8 +588,8 @@ fn event_of<'a>(kind: EventKind, at: i64, lease_id: &'a str, lease: &'a ActiveLe
 fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO lease_events (at, lease_id, kind, proxy_namespace, proxy_name, proxy_uid, \
-         target, result, expires_at, reason, cooldown_ms, client, tenant) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+         target, result, expires_at, reason, cooldown_ms, client, tenant, fallback_step) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
     )?
     .execute(rusqlite::params![
         event.at,
@@ -599,7 +604,8 @@ fn record(conn: &Connection, event: &Event<'_>) -> rusqlite::Result<()> {
         event.reason,
         event.cooldown_ms,
         event.client,
-        event.tenant
+        event.tenant,
+        event.fallback_step
     ])?;
     Ok(())
 }
@@ -727,7 +733,7 @@ mod tests {
         ];
         for (id, expires_at, request_id, released) in leases {
             let lease = lease(id, expires_at, request_id);
-            insert_lease(&conn, id, &lease, request_id.map(|_| "fp")).unwrap();
+            insert_lease(&conn, id, &lease, request_id.map(|_| "fp"), None).unwrap();
             if released {
                 release_lease(&conn, id, &lease, now - 1, None).unwrap();
             }

@@ -486,7 +486,7 @@ impl Writer {
                     session: request.session.as_deref().map(Arc::from),
                 };
                 let fingerprint = key.map(|k| k.fingerprint.as_str());
-                store::insert_lease(&self.conn, &id, &lease, fingerprint)?;
+                store::insert_lease(&self.conn, &id, &lease, fingerprint, request.fallback_step)?;
                 let granted = store::lease_of(&id, &lease, now)?;
                 self.state
                     .grant(id.into(), lease, fingerprint.map(Arc::from));

@@ -4,6 +4,7 @@
 //! (`/whoami`), so every request says which vendor session carried it.
 
 use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
 use std::path::Path;
 
 use reqwest::StatusCode;
@@ -18,34 +19,47 @@ use crate::support::{DEADLINE, sqlite3};
 /// The vendor's username template (Oxylabs' spelling).
 const TEMPLATE: &str = "customer-{username}-cc-{geo}-sessid-{session}-sesstime-{lifetime}";
 
+/// Written in the more inventory documents of [`Vendor::start_with`] where the site's probe
+/// URL goes.
+const PROBE_URL: &str = "PROBE_URL";
+
 /// A vendor endpoint, the site behind it and the binary in front.
 struct Vendor {
     site: Site,
     squid: Squid,
     operator: Standalone,
     dir: std::path::PathBuf,
+    /// More inventory documents (other proxies) and flags.
+    more: (String, Vec<String>),
 }
 
 impl Vendor {
     async fn start(dir: &Path) -> Vendor {
+        Vendor::start_with(dir, String::new(), Vec::new()).await
+    }
+
+    /// [`start`](Self::start) with `inventory` beside the vendor, and `args`.
+    async fn start_with(dir: &Path, inventory: String, args: Vec<String>) -> Vendor {
         let site = Site::start();
         let squid = Squid::start_with(SquidOptions {
             vendor: true,
             ..SquidOptions::default()
         });
-        let operator = launch(dir, &site, &squid).await;
+        let more = (inventory, args);
+        let operator = launch(dir, &site, &squid, &more).await;
         Vendor {
             site,
             squid,
             operator,
             dir: dir.to_owned(),
+            more,
         }
     }
 
     /// Kills the binary and starts it again on the same ledger.
     async fn restart(&mut self) {
         self.operator.kill();
-        self.operator = launch(&self.dir, &self.site, &self.squid).await;
+        self.operator = launch(&self.dir, &self.site, &self.squid, &self.more).await;
     }
 
     fn client(&self, user: &str) -> reqwest::Client {
@@ -72,7 +86,12 @@ impl Vendor {
     }
 }
 
-async fn launch(dir: &Path, site: &Site, squid: &Squid) -> Standalone {
+async fn launch(
+    dir: &Path,
+    site: &Site,
+    squid: &Squid,
+    more: &(String, Vec<String>),
+) -> Standalone {
     let ca = dir.join("site-ca.pem");
     std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
     let inventory = format!(
@@ -101,9 +120,11 @@ spec:
     probeURL: {probe}
     interval: 1s
     timeout: 1s
-",
+---
+{more}",
         port = squid.port(),
         probe = site.http("/generate_204"),
+        more = more.0.replace(PROBE_URL, &site.http("/generate_204")),
     );
     let ports = format!("{},{}", site.http_port(), site.https_port());
     let mut operator = Standalone::start_inventory(
@@ -119,9 +140,13 @@ spec:
             "--inventory-poll",
             "200ms",
             "--lease-credentials",
-        ],
+        ]
+        .into_iter()
+        .chain(more.1.iter().map(String::as_str))
+        .collect::<Vec<_>>(),
     );
-    operator.wait_healthy(TOKEN, 1, 2 * DEADLINE).await;
+    let proxies = 1 + more.0.matches("kind: Proxy").count();
+    operator.wait_healthy(TOKEN, proxies, 2 * DEADLINE).await;
     operator
 }
 
@@ -290,4 +315,93 @@ async fn an_api_lease_on_a_vendor_endpoint_carries_its_own_username() {
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"], "vendor_username", "{body}");
+}
+
+#[tokio::test]
+async fn a_ban_on_the_own_squid_sends_the_target_to_the_vendor_and_the_ledger_names_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = Squid::start_with(SquidOptions {
+        address: Some(Ipv4Addr::new(127, 0, 0, 5)),
+        ..SquidOptions::default()
+    });
+    let rules = dir.path().join("rules.yaml");
+    std::fs::write(
+        &rules,
+        "rules:
+  - name: site
+    hosts: [127.0.0.1]
+    bans: [{status: [429], result: rate_limited}]
+    action: fallback
+    chain: own-then-rented
+chains:
+  - name: own-then-rented
+    steps: [\"tier=own\", \"pool=rented\"]
+",
+    )
+    .unwrap();
+    let own_proxy = format!(
+        "apiVersion: crawl.example.com/v1alpha1
+kind: Proxy
+metadata:
+  name: own
+  labels: {{tier: own}}
+spec:
+  mode: External
+  endpoint: {{host: 127.0.0.5, port: {port}}}
+  healthCheck: {{probeURL: \"{PROBE_URL}\", interval: 1s, timeout: 1s}}
+",
+        port = own.port()
+    );
+    let rules_flag = vec![
+        "--gateway-rules-file".to_owned(),
+        rules.display().to_string(),
+    ];
+    let vendor = Vendor::start_with(dir.path(), own_proxy, rules_flag).await;
+    // The first request leaves through the first step: the own squid.
+    let (status, ip, _) = vendor.whoami("crawler", "/whoami").await;
+    assert_eq!((status, ip.as_str()), (StatusCode::OK, "127.0.0.5"));
+    // The site bans the own squid: the GET is tried again on the chain's next step.
+    let (status, ip, _) = vendor.whoami("crawler", "/ban/127.0.0.5/429").await;
+    assert_eq!(status, StatusCode::OK, "{ip}");
+    let vendor_exits = || (100..132).map(|n| Ipv4Addr::new(127, 0, 0, n).to_string());
+    assert!(
+        vendor_exits().any(|exit| exit == ip),
+        "left through the vendor: {ip}"
+    );
+    // The next request for the target leaves through the vendor too.
+    let (status, _, username) = vendor.whoami("crawler", "/whoami").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(username.contains("-sessid-"), "{username}");
+    let steps = sqlite3(
+        &vendor.operator.ledger(),
+        "SELECT proxy_name, fallback_step FROM lease_events WHERE kind = 'acquired' \
+         ORDER BY seq",
+    );
+    assert_eq!(steps.trim(), "own|1\nown|1\nvendor|2\nvendor|2", "{steps}");
+    let scrape = reqwest::get(vendor.operator.metrics_url())
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let served = |step: &str| {
+        format!(
+            "proxy_operator_gateway_fallback_steps_total{{chain=\"own-then-rented\",step=\"{step}\"}} 2"
+        )
+    };
+    assert!(
+        scrape.contains(&served("1")) && scrape.contains(&served("2")),
+        "{scrape}"
+    );
+    // A proxy URL names a chain for itself; an unknown one is refused.
+    let (status, _, body) = vendor.whoami("crawler;fallback=nope", "/whoami").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, _, username) = vendor
+        .whoami("crawler;fallback=own-then-rented", "/whoami")
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        username.contains("-sessid-"),
+        "the own squid still cools: {username}"
+    );
 }

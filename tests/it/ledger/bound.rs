@@ -444,6 +444,7 @@ fn keyed(pool: &Candidates, request_id: &str) -> AcquireRequest {
         }),
         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
         session: None,
+        fallback_step: None,
         ..request(pool.clone(), "t.example", 10 * MINUTE)
     }
 }

@@ -70,6 +70,7 @@ fn acquire_request(request_id: &str) -> AcquireRequest {
         }),
         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
         session: None,
+        fallback_step: None,
     }
 }
 

@@ -441,6 +441,7 @@ async fn an_ended_lease_answers_its_crawler_like_any_released_lease(backend: Bac
         }),
         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
         session: None,
+        fallback_step: None,
         ..request(std::slice::from_ref(&a), "t.example", MINUTE)
     };
     let lease = granted(f.ledger.acquire(keyed.clone()).await);

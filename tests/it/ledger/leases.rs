@@ -84,6 +84,7 @@ impl Fixture {
                 }),
                 tenant: proxy_operator::ledger::Tenancy::unrestricted(),
                 session: None,
+                fallback_step: None,
             })
             .await
     }
@@ -105,6 +106,7 @@ async fn acquire(
             request: None,
             tenant: proxy_operator::ledger::Tenancy::unrestricted(),
             session: None,
+            fallback_step: None,
         })
         .await
 }
@@ -1257,6 +1259,7 @@ async fn concurrent_acquires_never_exceed_max_leases(backend: Backend) {
                         request: None,
                         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
                         session: None,
+                        fallback_step: None,
                     };
                     let outcome = loop {
                         let answer = f.ledger.acquire(request.clone()).await;

@@ -42,6 +42,7 @@ fn ask(
         client: None,
         tenant: tenant.clone(),
         session: session.map(str::to_owned),
+        fallback_step: None,
     }
 }
 

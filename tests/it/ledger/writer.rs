@@ -38,6 +38,7 @@ impl Fixture {
             }),
             tenant: proxy_operator::ledger::Tenancy::unrestricted(),
             session: None,
+            fallback_step: None,
             ..request(POOL.clone(), target, MINUTE)
         }
     }

@@ -170,6 +170,7 @@ async fn a_real_scrape_passes_promtool_and_per_proxy_series_go_with_the_proxy() 
             request: None,
             tenant: proxy_operator::ledger::Tenancy::unrestricted(),
             session: None,
+            fallback_step: None,
         })
         .await
         .unwrap();

@@ -56,6 +56,7 @@ fn keyed(pool: &proxy_operator::ledger::Candidates, id: &str, fingerprint: &str)
         }),
         tenant: proxy_operator::ledger::Tenancy::unrestricted(),
         session: None,
+        fallback_step: None,
         ..request(pool.clone(), "t.example", MINUTE)
     }
 }

@@ -223,7 +223,7 @@ fn the_gateway_rules_sample_loads() {
     let file =
         proxy_operator::gateway::rules::RulesFile::new(samples_dir().join("gateway-rules.yaml"));
     let (rules, _) = file.load().unwrap_or_else(|e| panic!("{e}"));
-    assert!(!rules.is_empty(), "the sample names no rule");
+    assert!(!rules.rules.is_empty(), "the sample names no rule");
 }
 
 #[test]
