@@ -21,6 +21,9 @@
 //! p99 is 5 ms or more to mint or 50 µs or more from the cache, or the gateway is below 3 times
 //! mitmproxy.
 //!
+//! Then rented exits: requests/s through a gateway session on a rotating upstream against one
+//! on an ordinary External proxy, both to one squid playing a vendor; fails below 0.9.
+//!
 //! Run with `cargo bench --bench gateway` (needs `wrk`, `squid`, `curl` and mitmproxy:
 //! `apt-get install -y wrk squid curl`, `pip install mitmproxy`).
 //! `PROXY_OPERATOR_BENCH_SECONDS` sets the length of each run (default 10). Everything shares
@@ -31,6 +34,9 @@ mod support;
 
 #[path = "gateway/interception.rs"]
 mod interception;
+
+#[path = "gateway/rented.rs"]
+mod rented;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -289,10 +295,15 @@ fn main() -> ExitCode {
         dir: dir.path(),
         seconds,
     }));
+    let rented_dir = tempfile::tempdir().expect("a temp dir");
+    std::fs::write(rented_dir.path().join("site-ca.pem"), site.ca_pem())
+        .expect("write the site's CA");
+    let rented = rented::measure(&site, rented_dir.path(), seconds);
     let passed = rate_ratio >= MIN_RATE_RATIO
         && added_p99 < MAX_ADDED_P99
         && bulk_ratio >= MIN_BULK_RATIO
-        && inside;
+        && inside
+        && rented;
     if passed {
         ExitCode::SUCCESS
     } else {

@@ -24,6 +24,7 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 
 use crate::resources::naming::machine_name;
 use crate::resources::proxy::{Mode, Proxy};
+use crate::resources::rotating::{Fill, FillError, Rotating};
 
 /// Label of the Secrets holding proxy credentials: the operator watches those (and labels the
 /// ones it generates with it).
@@ -40,6 +41,21 @@ pub const HTPASSWD_SECRET_KEY: &str = "htpasswd";
 /// UID `uid` (in the Proxy's namespace): the machine's name with `-credentials`.
 pub fn machine_secret_name(uid: &str) -> String {
     format!("{}-credentials", machine_name(uid))
+}
+
+/// What a rotating upstream asks for one vendor session: its templates spelled with `fill`
+/// (whose `secret` is `secret`'s pair).
+pub fn vendor_credentials(
+    rotating: &Rotating,
+    fill: Fill<'_>,
+    secret: Option<&Credentials>,
+) -> Result<Credentials, FillError> {
+    let fill = Fill {
+        secret: secret.map(|s| (s.username.as_str(), s.password.as_str())),
+        ..fill
+    };
+    let (username, password) = rotating.credentials(&fill)?;
+    Ok(Credentials { username, password })
 }
 
 /// A user name and password for a proxy. `Debug` never shows the password.

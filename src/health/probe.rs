@@ -192,15 +192,13 @@ impl ProbeSettings {
         let Some(vendor) = &self.vendor else {
             return secret;
         };
-        vendor
-            .rotating
-            .credentials(&Fill {
-                session: &vendor.session,
-                selector: &BTreeMap::new(),
-                labels: Some(&vendor.labels),
-                secret: secret.as_ref(),
-            })
-            .ok()
+        let fill = Fill {
+            session: &vendor.session,
+            selector: &BTreeMap::new(),
+            labels: Some(&vendor.labels),
+            secret: None,
+        };
+        credentials::vendor_credentials(&vendor.rotating, fill, secret.as_ref()).ok()
     }
 }
 

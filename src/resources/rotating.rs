@@ -15,8 +15,6 @@ use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::credentials::Credentials;
-
 /// Default of `sessionMinutes`.
 pub const DEFAULT_SESSION_MINUTES: i32 = 10;
 /// Default of `maxSessions`.
@@ -122,8 +120,8 @@ pub struct Fill<'a> {
     pub selector: &'a BTreeMap<String, String>,
     /// The Proxy's labels.
     pub labels: Option<&'a BTreeMap<String, String>>,
-    /// The credentials Secret's username and password, if it names one.
-    pub secret: Option<&'a Credentials>,
+    /// The credentials Secret's `(username, password)`, if it names one.
+    pub secret: Option<(&'a str, &'a str)>,
 }
 
 impl Rotating {
@@ -147,13 +145,13 @@ impl Rotating {
         names
     }
 
-    /// The username and password for one vendor session.
-    pub fn credentials(&self, fill: &Fill<'_>) -> Result<Credentials, FillError> {
+    /// The `(username, password)` for one vendor session.
+    pub fn credentials(&self, fill: &Fill<'_>) -> Result<(String, String), FillError> {
         let password_template = self.password_template.as_deref().unwrap_or("{password}");
-        Ok(Credentials {
-            username: self.spell(&self.username_template, fill)?,
-            password: self.spell(password_template, fill)?,
-        })
+        Ok((
+            self.spell(&self.username_template, fill)?,
+            self.spell(password_template, fill)?,
+        ))
     }
 
     fn spell(&self, template: &str, fill: &Fill<'_>) -> Result<String, FillError> {
@@ -163,12 +161,8 @@ impl Rotating {
                 Piece::Text(text) => out.push_str(text),
                 Piece::Field("session") => out.push_str(fill.session),
                 Piece::Field("lifetime") => out.push_str(&self.session_minutes.to_string()),
-                Piece::Field("username") => {
-                    out.push_str(fill.secret.map_or("", |s| s.username.as_str()))
-                }
-                Piece::Field("password") => {
-                    out.push_str(fill.secret.map_or("", |s| s.password.as_str()))
-                }
+                Piece::Field("username") => out.push_str(fill.secret.map_or("", |s| s.0)),
+                Piece::Field("password") => out.push_str(fill.secret.map_or("", |s| s.1)),
                 Piece::Field(name) => out.push_str(self.value(name, fill)?),
             }
         }
@@ -227,10 +221,6 @@ mod tests {
 
     #[test]
     fn templates_are_spelled_from_the_session_the_request_the_labels_and_the_defaults() {
-        let secret = Credentials {
-            username: "acme".to_owned(),
-            password: "pw".to_owned(),
-        };
         let labels = map(&[("zone", "res"), ("geo", "fr")]);
         /// Username and password templates, the request's selector, whether the Proxy's labels
         /// are there, and what is spelled.
@@ -301,10 +291,9 @@ mod tests {
                 session: "abcd2345",
                 selector: &selector,
                 labels: with_labels.then_some(&labels),
-                secret: Some(&secret),
+                secret: Some(("acme", "pw")),
             };
             let got = rotating(username, password).credentials(&fill);
-            let got = got.map(|c| (c.username, c.password));
             let expected = expected.map(|(u, p)| (u.to_owned(), p.to_owned()));
             assert_eq!(got, expected, "{username}");
         }

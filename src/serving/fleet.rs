@@ -14,7 +14,7 @@ use super::pools::PoolDirectory;
 use super::sessions::Sessions;
 use super::tenants::Tenant;
 use crate::credentials::CredentialStore;
-use crate::credentials::Credentials;
+use crate::credentials::{Credentials, vendor_credentials};
 use crate::health::HealthSnapshot;
 use crate::inventory::Inventory;
 use crate::ledger::{
@@ -91,14 +91,13 @@ impl Fleet {
         let Some(rotating) = object.spec.rotating() else {
             return Ok(secret);
         };
-        rotating
-            .credentials(&Fill {
-                session: &vendor_session(&proxy.uid, lease_id),
-                selector,
-                labels: object.metadata.labels.as_ref(),
-                secret: secret.as_ref(),
-            })
-            .map(Some)
+        let fill = Fill {
+            session: &vendor_session(&proxy.uid, lease_id),
+            selector,
+            labels: object.metadata.labels.as_ref(),
+            secret: None,
+        };
+        vendor_credentials(rotating, fill, secret.as_ref()).map(Some)
     }
 
     /// [`exit_of`](Self::exit_of) for `tenant`'s lease `id`, looked up in the ledger (`None`

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 use std::path::Path;
 
+use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -263,12 +264,16 @@ async fn geo_reaches_the_username_and_a_hundred_sessions_get_a_hundred_vendor_se
         .whoami("crawler;geo=de-zone-premium", "/whoami")
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    // 100 sessions held at once (each keeps its lease for its sessionTTL), opened 20 at a time.
     let fetches = (0..100).map(|i| {
         let user = format!("crawler;session=many{i}");
         let vendor = &vendor;
         async move { vendor.whoami(&user, "/whoami").await }
     });
-    let answers = futures::future::join_all(fetches).await;
+    let answers: Vec<_> = futures::stream::iter(fetches)
+        .buffer_unordered(20)
+        .collect()
+        .await;
     let sessions: BTreeSet<String> = answers
         .iter()
         .map(|(status, _, username)| {
@@ -281,6 +286,11 @@ async fn geo_reaches_the_username_and_a_hundred_sessions_get_a_hundred_vendor_se
         100,
         "no two gateway sessions share a vendor session"
     );
+    let held = sqlite3(
+        &vendor.operator.ledger(),
+        "SELECT COUNT(*) FROM leases WHERE state = 'active' AND session LIKE 'many%'",
+    );
+    assert_eq!(held.trim(), "100", "the 100 sessions are held at once");
 }
 
 #[tokio::test]

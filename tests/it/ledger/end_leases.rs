@@ -310,7 +310,8 @@ async fn the_reason_shows_in_leases_and_lease_history(backend: Backend) {
             "reason",
             "cooldown_seconds",
             "client",
-            "tenant"
+            "tenant",
+            "fallback_step"
         ]
     );
     let why = f.rows(
@@ -649,8 +650,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     let ledger =
         SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
-    assert_eq!(SCHEMA_VERSION, 6);
-    assert_eq!(count(&path, "PRAGMA user_version"), 6);
+    assert_eq!(SCHEMA_VERSION, 7);
+    assert_eq!(count(&path, "PRAGMA user_version"), 7);
     // Rows from before tenants belong to the default tenant.
     assert_eq!(
         sqlite3(

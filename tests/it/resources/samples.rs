@@ -18,9 +18,16 @@ fn samples_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("samples")
 }
 
+/// The `Proxy` documents of a sample (a Secret beside them is skipped).
 fn proxies_in(file: &str) -> Vec<Proxy> {
     let text = std::fs::read_to_string(samples_dir().join(file)).unwrap();
-    serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
+    let documents: Vec<Value> =
+        serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+    documents
+        .into_iter()
+        .filter(|document| document["kind"] == "Proxy")
+        .map(|document| serde_json::from_value(document).unwrap_or_else(|e| panic!("{file}: {e}")))
+        .collect()
 }
 
 fn assert_valid(file: &str, proxies: &[Proxy]) {
@@ -65,6 +72,19 @@ fn external_sample() {
     assert_valid("proxy_external.yaml", &proxies);
     assert_eq!(proxies[0].spec.mode, Mode::External);
     assert_eq!(proxies[0].spec.effective_port(None), 8080);
+}
+
+#[test]
+fn rotating_sample() {
+    let proxies = proxies_in("proxy_rotating.yaml");
+    assert_valid("proxy_rotating.yaml", &proxies);
+    let rotating = proxies[0].spec.rotating().expect("a rotating endpoint");
+    assert_eq!(rotating.selector_fields(), ["geo"]);
+    assert_eq!(
+        proxies[0].spec.max_leases(),
+        1000,
+        "maxSessions is the capacity"
+    );
 }
 
 #[test]
@@ -224,6 +244,10 @@ fn the_gateway_rules_sample_loads() {
         proxy_operator::gateway::rules::RulesFile::new(samples_dir().join("gateway-rules.yaml"));
     let (rules, _) = file.load().unwrap_or_else(|e| panic!("{e}"));
     assert!(!rules.rules.is_empty(), "the sample names no rule");
+    assert!(
+        !rules.chains.is_empty(),
+        "the sample names no fallback chain"
+    );
 }
 
 #[test]
@@ -236,6 +260,7 @@ fn every_yaml_sample_is_covered() {
         "standalone.yaml",
         "proxypool.yaml",
         "gateway-rules.yaml",
+        "proxy_rotating.yaml",
     ];
     for entry in std::fs::read_dir(samples_dir()).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
