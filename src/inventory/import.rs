@@ -155,7 +155,11 @@ fn parse_url(scheme: &str, rest: &str) -> Result<ListedProxy, String> {
     };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.contains(['/', '?', '#']) {
-        return Err("a proxy URL has no path, query or fragment".to_owned());
+        return Err(
+            "a proxy URL has no path, query or fragment (in a user name or password, write \
+             / ? # as %2F %3F %23)"
+                .to_owned(),
+        );
     }
     let (userinfo, host_port) = match authority.rsplit_once('@') {
         Some((userinfo, host_port)) => (Some(userinfo), host_port),
@@ -642,6 +646,7 @@ mod tests {
             ("http://h.example", "the URL has no port"),
             ("http://h.example:8080/path", "a proxy URL has no path"),
             ("http://h.example:8080?x=1", "a proxy URL has no path"),
+            ("http://u:a#b@h.example:8080", "a proxy URL has no path"),
             (
                 "http://user@h.example:8080",
                 "credentials in a URL are user:password",
