@@ -36,6 +36,64 @@ pub enum Command {
     /// Print the CustomResourceDefinitions as YAML: Proxy then ProxyPool, as two documents
     /// (what `crd/proxy.yaml` and `crd/proxypool.yaml` hold), or only the one named.
     Crd(CrdArgs),
+    /// Work with lists of proxies.
+    #[command(subcommand)]
+    Proxies(ProxiesCommand),
+}
+
+/// The subcommands of `proxies`.
+#[derive(Subcommand, Debug)]
+pub enum ProxiesCommand {
+    /// Print a vendor's proxy list as External `Proxy` objects and credentials Secrets (YAML
+    /// documents for `kubectl apply -f -` or a standalone inventory). One proxy a line:
+    /// `host:port`, `host:port:user:pass`, or `scheme://[user:pass@]host:port` with scheme
+    /// `http`, `socks5` or `socks5h` (user and password percent-decoded, an IPv6 host in
+    /// brackets); blank lines and `#` comments are skipped. A bad or repeated line refuses the
+    /// whole list, naming the line, and prints nothing.
+    Import(ImportArgs),
+}
+
+/// Flags of `proxies import`.
+#[derive(Args, Debug, Clone)]
+pub struct ImportArgs {
+    /// The list, or `-` for stdin.
+    #[arg(value_name = "FILE")]
+    pub file: String,
+
+    /// Namespace of the Proxies and Secrets.
+    #[arg(long, env = "PROXY_OPERATOR_IMPORT_NAMESPACE", default_value = crate::resources::proxy::DEFAULT_NAMESPACE, value_parser = crate::inventory::import::namespace)]
+    pub namespace: String,
+
+    /// Start of every name, followed by a hash of the proxy's host:port (so a proxy keeps its
+    /// name when the list is reordered); its Secret adds `-credentials`. Default: the file's
+    /// name without extension, or `proxy`.
+    #[arg(long, env = "PROXY_OPERATOR_IMPORT_NAME_PREFIX", value_parser = crate::inventory::import::name_prefix)]
+    pub name_prefix: Option<String>,
+
+    /// A label `key=value` of every Proxy and Secret (what crawlers select on, and what
+    /// `kubectl delete -l` finds the import by); repeatable.
+    #[arg(long = "label", env = "PROXY_OPERATOR_IMPORT_LABELS", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = crate::inventory::import::label)]
+    pub labels: Vec<(String, String)>,
+
+    /// `spec.maxLeases` of every Proxy (0: listed and probed, never leased). Unset: the
+    /// Proxy's default.
+    #[arg(long, env = "PROXY_OPERATOR_IMPORT_MAX_LEASES", value_parser = clap::value_parser!(i32).range(0..))]
+    pub max_leases: Option<i32>,
+}
+
+impl ImportArgs {
+    /// What every imported object gets.
+    pub fn options(&self) -> crate::inventory::import::ImportOptions {
+        crate::inventory::import::ImportOptions {
+            namespace: self.namespace.clone(),
+            name_prefix: self
+                .name_prefix
+                .clone()
+                .unwrap_or_else(|| crate::inventory::import::default_prefix(&self.file)),
+            labels: self.labels.iter().cloned().collect(),
+            max_leases: self.max_leases,
+        }
+    }
 }
 
 /// Flags of `crd`.

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use log::Log as _;
-use proxy_operator::cli::{Cli, Command};
+use proxy_operator::cli::{Cli, Command, ImportArgs, ProxiesCommand};
 use proxy_operator::process::{self, Exit, StartError};
 use proxy_operator::resources::crd::{self, Kind};
 
@@ -61,6 +61,7 @@ fn main() -> ExitCode {
                 }
             };
         }
+        Command::Proxies(ProxiesCommand::Import(args)) => return import(&args),
         Command::Standalone(args) => {
             runtime().and_then(|rt| rt.block_on(process::standalone::run(args)))
         }
@@ -72,6 +73,44 @@ fn main() -> ExitCode {
         Err(e) => {
             log::error!("cannot start: {e}");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// `proxies import`: the whole list checked and rendered before a byte reaches stdout, so a
+/// refused list prints nothing (a pipe into `kubectl apply` applies none of it).
+fn import(args: &ImportArgs) -> ExitCode {
+    let text = if args.file == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(&args.file)
+    };
+    // What messages call the list: its path, or `<stdin>` (`-:7:` would puzzle).
+    let source = if args.file == "-" {
+        "<stdin>"
+    } else {
+        &args.file
+    };
+    let rendered = text
+        .map_err(|e| format!("{source}: cannot read: {e}"))
+        .and_then(|text| {
+            proxy_operator::inventory::import::render(&text, source, &args.options())
+                .map_err(|e| e.to_string())
+        });
+    match rendered {
+        Ok(yaml) => {
+            use std::io::Write as _;
+            match std::io::stdout().lock().write_all(yaml.as_bytes()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cannot write the YAML: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Err(message) => {
+            eprintln!("{message}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -4,6 +4,7 @@
 //! hands over the `Arc`s of its store, so a replacement copies pointers, not Proxies.
 
 pub mod file;
+pub mod import;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};

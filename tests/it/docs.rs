@@ -6,7 +6,8 @@
 //!   in it; into any other file only a GitHub line anchor (`#L10`) is allowed;
 //! - every `proxy-operator` flag they name is in `--help`: on a command line (in a code block,
 //!   or a code span starting `proxy-operator <sub>` or `cargo run -- <sub>`), in that
-//!   subcommand's; as a code span of its own (`` `--ledger URL` ``), in some subcommand's.
+//!   subcommand's (`proxies import` counts as one, both words); as a code span of its own
+//!   (`` `--ledger URL` ``), in some subcommand's.
 //!   Other programs' flags are not ours;
 //! - every `sqlite3` query in a code block runs on a ledger file the ledger itself created.
 //!
@@ -477,8 +478,13 @@ fn binary_help() -> Help {
         ..Help::default()
     };
     for sub in help_subcommands(&top) {
-        let flags = help_flags(&run_help(&[&sub, "--help"]));
-        help.subcommands.insert(sub, flags);
+        let sub_help = run_help(&[&sub, "--help"]);
+        // A subcommand of subcommands (`proxies import`) is known by both words.
+        for nested in help_subcommands(&sub_help) {
+            let flags = help_flags(&run_help(&[&sub, &nested, "--help"]));
+            help.subcommands.insert(format!("{sub} {nested}"), flags);
+        }
+        help.subcommands.insert(sub, help_flags(&sub_help));
     }
     help
 }
@@ -538,20 +544,25 @@ fn command_flags(line: &str, subs: &BTreeSet<String>) -> Vec<(String, String)> {
             None
         };
         let Some((at, sub)) = sub_at
-            .and_then(|at| Some((at, *words.get(at)?)))
-            .filter(|(_, sub)| subs.contains(*sub))
+            .and_then(|at| Some((at, words.get(at)?.to_string())))
+            .filter(|(_, sub)| subs.contains(sub))
         else {
             i += 1;
             continue;
         };
-        let start = at + 1;
+        // `proxies import …`: the two words name the subcommand when both do.
+        let (last, sub) = match words.get(at + 1).map(|next| format!("{sub} {next}")) {
+            Some(nested) if subs.contains(&nested) => (at + 1, nested),
+            _ => (at, sub),
+        };
+        let start = last + 1;
         let end = words[start..]
             .iter()
             .position(|w| ends_command(w))
             .map_or(words.len(), |at| start + at);
         for word in &words[start..end] {
             if let Some(flag) = flag_word(word) {
-                found.push((sub.to_owned(), flag.to_owned()));
+                found.push((sub.clone(), flag.to_owned()));
             }
         }
         i = end.max(i + 1);
@@ -699,11 +710,14 @@ PROXY_OPERATOR_X=1 /usr/local/bin/proxy-operator run --ledger=x.db \\
 kubectl -n proxy-operator run debug --image=busybox --restart=Never
 helm install proxy-operator charts/proxy-operator --namespace proxy-operator --create-namespace
 cargo run --release -- standalone --ledger x.db --gc-interval 1m > out  # --not-checked
+proxy-operator proxies import l.txt --namespace x --labl a=b | kubectl apply -f - --force
 ```
 
 `proxy-operator crd --output yaml` and `cargo test --test it` and `--help`.
 ";
-    let subs: BTreeSet<String> = ["run", "standalone", "crd"].map(str::to_owned).into();
+    let subs: BTreeSet<String> = ["run", "standalone", "crd", "proxies", "proxies import"]
+        .map(str::to_owned)
+        .into();
     let mentions = flag_mentions(text, &subs);
     let said = |line, flag: &str, sub: Option<&str>| Mention {
         line,
@@ -719,8 +733,10 @@ cargo run --release -- standalone --ledger x.db --gc-interval 1m > out  # --not-
             said(4, "--inventory", Some("run")),
             said(8, "--ledger", Some("standalone")),
             said(8, "--gc-interval", Some("standalone")),
-            said(11, "--output", Some("crd")),
-            said(11, "--help", None),
+            said(9, "--namespace", Some("proxies import")),
+            said(9, "--labl", Some("proxies import")),
+            said(12, "--output", Some("crd")),
+            said(12, "--help", None),
         ]
     );
     let help = Help {
@@ -731,6 +747,8 @@ cargo run --release -- standalone --ledger x.db --gc-interval 1m > out  # --not-
             ),
             ("standalone", &["--ledger", "--inventory", "--help"][..]),
             ("crd", &["--help"][..]),
+            ("proxies", &["--help"][..]),
+            ("proxies import", &["--namespace", "--label", "--help"][..]),
         ]
         .into_iter()
         .map(|(sub, flags)| {
@@ -747,7 +765,8 @@ cargo run --release -- standalone --ledger x.db --gc-interval 1m > out  # --not-
         [
             "x.md:1: --ledgr-max-size is not a flag of any proxy-operator subcommand",
             "x.md:8: --gc-interval is not a flag of `proxy-operator standalone`",
-            "x.md:11: --output is not a flag of `proxy-operator crd`",
+            "x.md:9: --labl is not a flag of `proxy-operator proxies import`",
+            "x.md:12: --output is not a flag of `proxy-operator crd`",
         ]
     );
 }

@@ -35,6 +35,7 @@ mod external;
 mod gateway;
 mod health;
 mod house;
+mod import;
 mod install;
 mod ledger;
 mod metrics;

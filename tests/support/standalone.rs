@@ -122,6 +122,18 @@ impl Standalone {
     ) -> Standalone {
         let inventory = dir.join("inventory.yaml");
         std::fs::write(&inventory, yaml).expect("write the inventory");
+        Standalone::start_on(dir, inventory, probe_ca, token, extra_args)
+    }
+
+    /// Starts the binary on the inventory file `inventory` as it is, otherwise as
+    /// [`Standalone::start`] does.
+    pub fn start_on(
+        dir: &Path,
+        inventory: PathBuf,
+        probe_ca: &Path,
+        token: &str,
+        extra_args: &[&str],
+    ) -> Standalone {
         let log = dir.join("operator.log");
         let log_file = std::fs::File::create(&log).expect("create the operator log");
         let api_port = free_port();
