@@ -150,6 +150,7 @@ impl Gateway {
         Some(Upstream {
             host,
             port,
+            protocol: object.spec.protocol(),
             credentials: self.fleet.credentials.for_proxy(object),
         })
     }

@@ -22,6 +22,7 @@ mod bounds;
 mod destinations;
 mod inspect;
 mod inspect_clients;
+mod socks;
 
 /// A client whose every request goes through the gateway as `user`; `fresh`: a new
 /// connection per request (no pooling), as separate crawler processes would.
