@@ -22,10 +22,12 @@
 //! mitmproxy.
 //!
 //! Then rented exits: requests/s through a gateway session on a rotating upstream against one
-//! on an ordinary External proxy, both to one squid playing a vendor; fails below 0.9.
+//! on an ordinary External proxy, both to one squid playing a vendor; fails below 0.9. Then
+//! plain HTTP through a SOCKS5 upstream (danted): curl's GETs through the gateway against the
+//! same curl straight to danted; fails below 0.6 of the direct requests/s.
 //!
-//! Run with `cargo bench --bench gateway` (needs `wrk`, `squid`, `curl` and mitmproxy:
-//! `apt-get install -y wrk squid curl`, `pip install mitmproxy`).
+//! Run with `cargo bench --bench gateway` (needs `wrk`, `squid`, `curl`, `danted` and
+//! mitmproxy: `apt-get install -y wrk squid curl dante-server`, `pip install mitmproxy`).
 //! `PROXY_OPERATOR_BENCH_SECONDS` sets the length of each run (default 10). Everything shares
 //! the machine: the load, the gateway, squid and the site.
 
@@ -37,6 +39,9 @@ mod interception;
 
 #[path = "gateway/rented.rs"]
 mod rented;
+
+#[path = "gateway/socks.rs"]
+mod socks;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -111,6 +116,7 @@ fn main() -> ExitCode {
         probe_url: site.http("/generate_204"),
         interval: "10s",
         cordoned: false,
+        socks5: false,
         credentials: None,
     };
     let ports = format!("{},{}", site.http_port(), site.https_port());
@@ -299,11 +305,14 @@ fn main() -> ExitCode {
     std::fs::write(rented_dir.path().join("site-ca.pem"), site.ca_pem())
         .expect("write the site's CA");
     let rented = rented::measure(&site, rented_dir.path(), seconds);
+    let socks_dir = tempfile::tempdir().expect("a temp dir");
+    let through_socks = socks::measure(&runtime, &site, socks_dir.path(), TOKEN);
     let passed = rate_ratio >= MIN_RATE_RATIO
         && added_p99 < MAX_ADDED_P99
         && bulk_ratio >= MIN_BULK_RATIO
         && inside
-        && rented;
+        && rented
+        && through_socks;
     if passed {
         ExitCode::SUCCESS
     } else {

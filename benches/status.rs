@@ -71,6 +71,7 @@ fn inventory() -> Vec<ExternalProxy> {
             probe_url: "https://127.0.0.1:9/".into(),
             interval: "30s",
             cordoned: false,
+            socks5: false,
             credentials: None,
         })
         .collect()

@@ -138,7 +138,9 @@ fn lease_view(state: &ApiState, lease: &Lease, credentials: Option<Credentials>)
         proxy: LeaseProxy {
             name: lease.proxy.name.clone(),
             namespace: lease.proxy.namespace.clone(),
-            url: address.map(|(h, p)| proxy_url(h, p)),
+            url: object
+                .zip(address)
+                .map(|(proxy, (h, p))| proxy_url(proxy.spec.protocol(), h, p)),
             host: address.map(|(h, _)| h.to_owned()),
             port: address.map(|(_, p)| p),
             username,

@@ -175,6 +175,7 @@ impl Gateway {
         Ok(Some(Upstream {
             host: host.to_owned(),
             port,
+            protocol: object.spec.protocol(),
             credentials,
         }))
     }

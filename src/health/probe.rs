@@ -1,4 +1,7 @@
-//! One probe: an HTTP(S) request to the probe URL *through* the proxy, on a fresh connection.
+//! One probe: an HTTP(S) request to the probe URL *through* the proxy, on a fresh connection:
+//! through an HTTP proxy, or a SOCKS5 one as a `socks5h://` proxy URL (reqwest's `socks`
+//! feature: the probe target's name is resolved by the proxy, as the gateway's requests are,
+//! and the credentials go as RFC 1929 username/password).
 //!
 //! A [`ProbeClient`] is kept per proxy until the proxy's probe settings change. It holds the
 //! checked settings only: each probe builds a one-request reqwest client (the proxy URL and
@@ -126,7 +129,7 @@ impl ProbeResult {
 /// What a probe of one proxy needs; a change to any field rebuilds the proxy's client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeSettings {
-    /// `http://host:port` of the proxy.
+    /// `http://host:port` (`socks5h://host:port` for a SOCKS5 proxy) of the proxy.
     pub proxy_url: String,
     /// URL requested through the proxy.
     pub probe_url: String,
@@ -349,7 +352,9 @@ fn invalid_config(what: &str, error: &dyn StdError) -> ProbeError {
 }
 
 /// Sorts a reqwest error into a [`ProbeErrorKind`] by walking its `source()` chain (reqwest does
-/// not export its tunnel error type, so the CONNECT refusal is recognised by its text).
+/// not export its tunnel error type, so the CONNECT refusal is recognised by its text; a SOCKS
+/// handshake error ends the chain, so its text tells a proxy that is down from one that
+/// refused).
 pub fn classify(error: &reqwest::Error) -> ProbeError {
     let chain = error_chain(error);
     let message = chain.join(": ");
@@ -359,8 +364,10 @@ pub fn classify(error: &reqwest::Error) -> ProbeError {
         m == "tunnel error: unsuccessful" || m == "tunnel error: proxy authorization required"
     }) {
         ProbeErrorKind::ConnectTunnelRefused
-    } else if refused(error) {
+    } else if refused(error) || chain.iter().any(|m| m == SOCKS_NOT_CONNECTED) {
         ProbeErrorKind::ConnectRefused
+    } else if chain.iter().any(|m| m.starts_with("SOCKS error: ")) {
+        ProbeErrorKind::ConnectTunnelRefused
     } else if is_tls(error) {
         ProbeErrorKind::Tls
     } else {
@@ -368,6 +375,10 @@ pub fn classify(error: &reqwest::Error) -> ProbeError {
     };
     ProbeError::new(kind, message)
 }
+
+/// hyper-util's SOCKS error when the TCP connection to the proxy failed (its cause is not in
+/// the chain).
+const SOCKS_NOT_CONNECTED: &str = "SOCKS error: failed to create underlying connection";
 
 /// Every error in the chain, outermost first, including errors wrapped inside `io::Error`
 /// (whose `source()` skips the wrapped error itself).
@@ -434,6 +445,17 @@ mod tests {
         assert_eq!(s.probe_url, "http://example.com/");
         assert_eq!(s.timeout, Duration::from_secs(2));
         assert_eq!(s.expected_status_codes, vec![204]);
+    }
+
+    #[test]
+    fn a_socks5_proxy_is_probed_as_socks5h() {
+        let p = proxy(serde_json::json!({
+            "mode": "External",
+            "endpoint": {"host": "10.1.2.3", "port": 1080, "protocol": "socks5"}
+        }));
+        let s = ProbeSettings::for_proxy(&p).unwrap();
+        assert_eq!(s.proxy_url, "socks5h://10.1.2.3:1080");
+        assert!(reqwest::Proxy::all(&s.proxy_url).is_ok());
     }
 
     #[test]

@@ -234,6 +234,14 @@ impl EndpointProtocol {
     pub fn is_http(&self) -> bool {
         *self == EndpointProtocol::Http
     }
+
+    /// The scheme of the proxy's URL: `socks5h` for SOCKS5, since the proxy resolves the names.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            EndpointProtocol::Http => "http",
+            EndpointProtocol::Socks5 => "socks5h",
+        }
+    }
 }
 
 /// A Secret of the Proxy's namespace.
@@ -628,12 +636,14 @@ fn default_expected_status_codes() -> Vec<i32> {
     DEFAULT_EXPECTED_STATUS_CODES.to_vec()
 }
 
-/// `http://host:port`, with brackets around an IPv6 host that has none yet.
-pub fn proxy_url(host: &str, port: i32) -> String {
+/// `http://host:port` (`socks5h://` for a SOCKS5 proxy), with brackets around an IPv6 host
+/// that has none yet.
+pub fn proxy_url(protocol: EndpointProtocol, host: &str, port: i32) -> String {
+    let scheme = protocol.scheme();
     if host.contains(':') && !host.starts_with('[') {
-        format!("http://[{host}]:{port}")
+        format!("{scheme}://[{host}]:{port}")
     } else {
-        format!("http://{host}:{port}")
+        format!("{scheme}://{host}:{port}")
     }
 }
 
@@ -658,11 +668,23 @@ impl ProxySpec {
         }
     }
 
-    /// `http://host:port` crawlers and probes go through, or `None` while there is no host
-    /// (a Managed proxy without a running machine).
+    /// `http://host:port` (`socks5h://` for a SOCKS5 endpoint) crawlers and probes go
+    /// through, or `None` while there is no host (a Managed proxy without a running machine).
     pub fn proxy_url(&self, status: Option<&ProxyStatus>) -> Option<String> {
         let host = self.effective_host(status).filter(|h| !h.is_empty())?;
-        Some(proxy_url(host, self.effective_port(status)))
+        Some(proxy_url(
+            self.protocol(),
+            host,
+            self.effective_port(status),
+        ))
+    }
+
+    /// What the proxy speaks: its endpoint's protocol for External, HTTP for Managed (squid).
+    pub fn protocol(&self) -> EndpointProtocol {
+        match (self.mode, &self.endpoint) {
+            (Mode::External, Some(endpoint)) => endpoint.protocol,
+            _ => EndpointProtocol::Http,
+        }
     }
 
     /// Lease capacity with the default applied; 0 means unleasable.

@@ -872,6 +872,7 @@ async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
             probe_url: target.https_url(),
             interval: "500ms",
             cordoned: false,
+            socks5: false,
             credentials: None,
         })
         .collect();

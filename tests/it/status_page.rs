@@ -455,6 +455,7 @@ async fn ten_thousand_proxies_load_in_under_a_second() {
             probe_url: "http://127.0.0.1:9/".into(),
             interval: "1h",
             cordoned: false,
+            socks5: false,
             credentials: None,
         })
         .collect();

@@ -89,6 +89,7 @@ impl GatewayFleet {
                 probe_url: site.http("/generate_204"),
                 interval: "1s",
                 cordoned: false,
+                socks5: false,
                 credentials: Some((credentials.username, credentials.password)),
             });
             squids.push(squid);

@@ -8,6 +8,7 @@
 pub mod browser;
 pub mod crawl_load;
 pub mod curl;
+pub mod dante;
 pub mod envtest;
 pub mod fleet;
 pub mod gateway_ca;

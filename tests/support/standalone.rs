@@ -27,6 +27,8 @@ pub struct ExternalProxy {
     pub interval: &'static str,
     /// `spec.cordoned`.
     pub cordoned: bool,
+    /// `spec.endpoint.protocol: socks5` (a SOCKS5 proxy); otherwise the default, `http`.
+    pub socks5: bool,
     /// The `(username, password)` it asks for: a `kind: Secret` document goes beside it and
     /// its `credentialsSecretRef` names it.
     pub credentials: Option<(String, String)>,
@@ -58,6 +60,11 @@ stringData: {{username: {username}, password: {password}}}
             ),
             None => (String::new(), String::new()),
         };
+        let protocol = if self.socks5 {
+            ", protocol: socks5"
+        } else {
+            ""
+        };
         format!(
             "{secret}apiVersion: crawl.example.com/v1alpha1
 kind: Proxy
@@ -66,7 +73,7 @@ metadata:
   labels: {{{labels}}}
 spec:
   mode: External
-  endpoint: {{host: {host}, port: {port}{reference}}}
+  endpoint: {{host: {host}, port: {port}{reference}{protocol}}}
   maxLeases: {max_leases}
   cordoned: {cordoned}
   healthCheck:

@@ -46,6 +46,7 @@ pub(super) async fn send(
     }
     let may_resend = idempotent(&parts.method);
     let what = format!("{} {}", parts.method, parts.uri);
+    let authority = ask.target.authority();
     let up = body.len() as u64;
     let target = ask.target.host.as_str();
     // Exits a rule's retry left, and the first of them (the session moved from it).
@@ -55,8 +56,13 @@ pub(super) async fn send(
     loop {
         let through = connection
             .through_upstream(ask, LeaseFor::Request, &what, &banned, |held, upstream| {
-                let (parts, body) = (&parts, &body);
-                async move { exchange(connection, &held, &upstream, parts, body, may_resend).await }
+                let (parts, body, authority) = (&parts, &body, authority.as_str());
+                async move {
+                    exchange(
+                        connection, &held, &upstream, parts, body, authority, may_resend,
+                    )
+                    .await
+                }
             })
             .await;
         let Through {
@@ -130,7 +136,8 @@ pub(super) async fn read_body(
 }
 
 /// Sends the request through the connection's upstream connection for the lease (a new one
-/// when it has none or it closed). A kept-alive connection the proxy closed meanwhile is no
+/// when it has none, it closed, or it leads through a SOCKS5 proxy to another target than
+/// `authority`). A kept-alive connection the proxy closed meanwhile is no
 /// failure of the proxy: the request goes again once on a new connection when it was not sent
 /// or may be sent again. A failure may be retried on another proxy when the request did not
 /// reach the upstream, or `may_resend`.
@@ -140,6 +147,7 @@ async fn exchange(
     upstream: &Upstream,
     parts: &Parts,
     body: &Bytes,
+    authority: &str,
     may_resend: bool,
 ) -> Result<(Response<Incoming>, Busy), Failed> {
     let timeout = connection.gateway.config.upstream_timeout;
@@ -148,22 +156,25 @@ async fn exchange(
         .lock()
         .await
         .remove(&held.lease_id)
-        .filter(HttpUpstream::ready);
+        .filter(|http| http.ready() && http.leads_to(authority));
     let reused = kept.is_some();
     let mut http = match kept {
         Some(http) => http,
-        None => open(held, upstream, timeout).await?,
+        None => open(held, upstream, authority, timeout).await?,
     };
     let mut result = http.send(request(parts, body), timeout).await;
     if reused
         && let Err(UpstreamFailure::Http(e)) = &result
         && (e.is_canceled() || (may_resend && e.is_incomplete_message()))
     {
-        http = open(held, upstream, timeout).await?;
+        http = open(held, upstream, authority, timeout).await?;
         result = http.send(request(parts, body), timeout).await;
     }
     match result {
-        Ok((response, busy)) if response.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED => {
+        Ok((response, busy))
+            if http.via_proxy()
+                && response.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED =>
+        {
             drop(busy);
             Err(Failed {
                 failure: UpstreamFailure::Refused(response.status()),
@@ -180,7 +191,9 @@ async fn exchange(
         }
         Err(failure) => {
             let sent = match &failure {
-                UpstreamFailure::Connect(_) | UpstreamFailure::Refused(_) => false,
+                UpstreamFailure::Connect(_)
+                | UpstreamFailure::Refused(_)
+                | UpstreamFailure::SocksRefused(_) => false,
                 UpstreamFailure::Http(e) => !e.is_canceled(),
                 UpstreamFailure::Timeout | UpstreamFailure::Target(_) => true,
             };
@@ -195,9 +208,10 @@ async fn exchange(
 async fn open(
     held: &Held,
     upstream: &Upstream,
+    authority: &str,
     timeout: std::time::Duration,
 ) -> Result<HttpUpstream, Failed> {
-    HttpUpstream::open(held.proxy.clone(), upstream, timeout)
+    HttpUpstream::open(held.proxy.clone(), upstream, authority, timeout)
         .await
         .map_err(|failure| Failed {
             failure,

@@ -106,12 +106,17 @@ impl Origin {
         timeout: Duration,
     ) -> Result<Origin, Failed> {
         let failed = |failure, retriable| Failed { failure, retriable };
-        let io = upstream::tunnel(&upstream, &ask.target.authority(), timeout)
+        let tunnel = upstream::tunnel(&upstream, &ask.target.authority(), timeout)
             .await
             .map_err(|f| failed(f, true))?;
+        if !tunnel.early.is_empty() {
+            // TLS has the client speak first: bytes before its hello are the proxy's confusion.
+            let early = std::io::Error::other("the target spoke before the TLS handshake");
+            return Err(failed(UpstreamFailure::Connect(early), true));
+        }
         let tls = tokio::time::timeout(
             timeout,
-            interception.connect_target(TokioIo::new(io), &ask.target.host),
+            interception.connect_target(tunnel.stream, &ask.target.host),
         )
         .await
         .map_err(|_| failed(UpstreamFailure::Timeout, true))?

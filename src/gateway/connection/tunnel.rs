@@ -1,6 +1,7 @@
 //! `CONNECT host:port`: a tunnel through an upstream proxy. The upstream's own `CONNECT` must
-//! be answered 2xx before the crawler gets its `200`, so an upstream that refuses, times out
-//! or answers otherwise is reported `error` and another is tried. Once up, the tunnel is a byte
+//! be answered 2xx (a SOCKS5 upstream's stream granted) before the crawler gets its `200`, so
+//! an upstream that refuses, times out or answers otherwise is reported `error` and another is
+//! tried. Once up, the tunnel is a byte
 //! copy both ways, and its lease is renewed while it stays open.
 
 use std::collections::HashSet;
@@ -19,7 +20,7 @@ use crate::gateway::answers::{Body, RequestOutcome, full, lease_headers};
 use crate::gateway::ask::Ask;
 use crate::gateway::choice::{Gateway, Held};
 use crate::gateway::timeouts::Timed;
-use crate::gateway::upstream;
+use crate::gateway::upstream::{self, Tunnel};
 use crate::serving::outcomes::Outcome;
 
 /// Opens the tunnel `request` asks for and answers it.
@@ -75,7 +76,7 @@ pub(super) async fn open(
 
 /// Copies bytes both ways until either side closes, renewing the lease meanwhile; then gives
 /// a tunnel's own lease back (a session's stays with the session, used from now).
-async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: Upgraded) {
+async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: Tunnel) {
     let _in_use = held.uses.begin();
     let copied = async {
         let client = client.await.map_err(std::io::Error::other)?;
@@ -106,11 +107,13 @@ async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: U
 const TUNNEL_BUFFER: usize = 64 << 10;
 
 /// Copies both ways between the crawler's and the upstream's connections, on the TCP streams
-/// under hyper's upgrades (what hyper had read past the heads goes first); returns the bytes
-/// sent up and down.
-async fn pipe(client: Upgraded, upstream: Upgraded) -> std::io::Result<(u64, u64)> {
+/// (what was read past the heads goes first); returns the bytes sent up and down.
+async fn pipe(client: Upgraded, upstream: Tunnel) -> std::io::Result<(u64, u64)> {
     let (mut client, client_early) = tcp(client)?;
-    let (mut upstream, upstream_early) = tcp(upstream)?;
+    let Tunnel {
+        stream: mut upstream,
+        early: upstream_early,
+    } = upstream;
     upstream.write_all(&client_early).await?;
     client.write_all(&upstream_early).await?;
     let (up, down) = tokio::io::copy_bidirectional_with_sizes(
@@ -126,16 +129,11 @@ async fn pipe(client: Upgraded, upstream: Upgraded) -> std::io::Result<(u64, u64
     ))
 }
 
-/// The TCP stream under an upgraded connection (the client's, out of its timers: a tunnel is
-/// quiet as long as its crawler likes, or the upstream's), and the bytes hyper read past its
-/// head.
+/// The TCP stream under the crawler's upgraded connection, out of its timers (a tunnel is
+/// quiet as long as its crawler likes), and the bytes hyper read past its head.
 fn tcp(upgraded: Upgraded) -> std::io::Result<(TcpStream, bytes::Bytes)> {
-    let upgraded = match upgraded.downcast::<TokioIo<Timed<TcpStream>>>() {
-        Ok(parts) => return Ok((parts.io.into_inner().into_inner(), parts.read_buf)),
-        Err(upgraded) => upgraded,
-    };
     let parts = upgraded
-        .downcast::<TokioIo<TcpStream>>()
+        .downcast::<TokioIo<Timed<TcpStream>>>()
         .map_err(|_| std::io::Error::other("an upgraded connection that is not TCP"))?;
-    Ok((parts.io.into_inner(), parts.read_buf))
+    Ok((parts.io.into_inner().into_inner(), parts.read_buf))
 }

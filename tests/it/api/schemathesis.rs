@@ -272,6 +272,7 @@ async fn schemathesis_finds_nothing_with_every_check() {
             interval: "2s",
             // One cordoned proxy: listed with `cordoned: true`, never leased.
             cordoned: i == 0,
+            socks5: false,
             credentials: None,
         })
         .collect();

@@ -23,6 +23,7 @@ mod destinations;
 mod inspect;
 mod inspect_clients;
 mod rented;
+mod socks;
 
 /// A client whose every request goes through the gateway as `user`; `fresh`: a new
 /// connection per request (no pooling), as separate crawler processes would.

@@ -232,6 +232,7 @@ async fn a_real_prometheus_fires_no_healthy_proxy_when_the_only_squid_dies_and_r
         probe_url: target.https_url(),
         interval: "500ms",
         cordoned: false,
+        socks5: false,
         credentials: None,
     }];
     let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);

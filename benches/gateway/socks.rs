@@ -1,0 +1,97 @@
+//! Plain HTTP through a SOCKS5 upstream, for `benches/gateway.rs`: curl fetching the site's
+//! `/ip` [`REQUESTS`] times over [`CONNECTIONS`] parallel connections through a gateway whose
+//! one proxy is danted (`protocol: socks5`), against the same curl straight to that danted
+//! (`socks5h://`), each twice, alternating. wrk speaks no SOCKS, so curl is the client both
+//! ways. Fails when the gateway's requests/s are below [`MIN_RATIO`] of the direct ones.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::support::dante::{Dante, DanteOptions};
+use crate::support::site::Site;
+use crate::support::standalone::{ExternalProxy, Standalone};
+
+/// GETs per run.
+const REQUESTS: usize = 4000;
+/// curl's parallel connections.
+const CONNECTIONS: usize = 32;
+/// Requests/s through the gateway against straight to danted, at least.
+const MIN_RATIO: f64 = 0.6;
+
+/// Requests/s of [`REQUESTS`] GETs of `url` through `proxy` (a curl proxy URL).
+fn rate(proxy: &str, url: &str) -> f64 {
+    let started = Instant::now();
+    let output = Command::new("curl")
+        .args([
+            "-sS",
+            "--parallel",
+            "--parallel-max",
+            &CONNECTIONS.to_string(),
+        ])
+        .args(["-x", proxy, "-w", "\n%{http_code}\n"])
+        .arg(format!("{url}?n=[1-{REQUESTS}]"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run curl ({e}); install it: apt-get install -y curl"));
+    let elapsed = started.elapsed();
+    let ok = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| *line == "200")
+        .count();
+    assert!(
+        output.status.success() && ok == REQUESTS,
+        "curl through {proxy}: {ok} of {REQUESTS} answered 200; {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    REQUESTS as f64 / elapsed.as_secs_f64()
+}
+
+/// Runs the comparison with its own danted and binary in `dir`; whether it met its target.
+pub fn measure(runtime: &tokio::runtime::Runtime, site: &Site, dir: &Path, token: &str) -> bool {
+    let Some(dante) = Dante::start(DanteOptions::default()) else {
+        eprintln!("danted is not installed; install it: apt-get install -y dante-server");
+        return false;
+    };
+    let ca = dir.join("site-ca.pem");
+    std::fs::write(&ca, site.ca_pem()).expect("write the site's CA");
+    let proxy = ExternalProxy {
+        name: "bench-socks".into(),
+        labels: vec![],
+        host: dante.address().to_string(),
+        port: dante.port(),
+        max_leases: 256,
+        probe_url: site.http("/generate_204"),
+        interval: "10s",
+        cordoned: false,
+        socks5: true,
+        credentials: None,
+    };
+    let ports = format!("{},{}", site.http_port(), site.https_port());
+    let args = [
+        "--gateway-allowed-ports",
+        &ports,
+        "--gateway-allowed-destinations",
+        "127.0.0.0/8",
+    ];
+    let mut operator = Standalone::start(dir, &[proxy], &ca, token, &args);
+    runtime.block_on(operator.wait_healthy(token, 1, Duration::from_secs(60)));
+    let gateway = format!("http://bench:{token}@{}", operator.gateway());
+    let url = site.http("/ip");
+    rate(&dante.url(), &url);
+    rate(&gateway, &url);
+    let (mut direct, mut through) = (0.0, 0.0);
+    for _ in 0..2 {
+        direct += rate(&dante.url(), &url) / 2.0;
+        through += rate(&gateway, &url) / 2.0;
+    }
+    let ratio = through / direct;
+    println!(
+        "\nplain HTTP through a SOCKS5 upstream (danted): curl, {REQUESTS} GETs over \
+         {CONNECTIONS} parallel connections, 2 runs each (means)"
+    );
+    println!("{:<34} {:>12}", "", "requests/s");
+    println!("{:<34} {direct:>12.0}", "curl straight to danted");
+    println!("{:<34} {through:>12.0}", "through the gateway to danted");
+    println!("ratio {ratio:.2} (at least {MIN_RATIO})");
+    ratio >= MIN_RATIO
+}
