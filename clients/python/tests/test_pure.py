@@ -22,7 +22,7 @@ from proxy_operator import (
     gateway_proxy_url,
 )
 from proxy_operator.calls import NO_WAIT, error_of, refusal_of
-from proxy_operator.models import parse_time
+from proxy_operator.models import LeaseProxy, parse_time
 from proxy_operator.scrapy import gateway_status, retry_after_seconds
 from proxy_operator.sessions import SessionPool
 
@@ -37,6 +37,10 @@ from proxy_operator.sessions import SessionPool
             "http://crawler;session=s1;sessionTTL=30s;a=b;geo=eu:t0k@gw:8888",
         ),
         ({"crawler": "my crawler"}, "http://my%20crawler:t0k@gw:8888"),
+        (
+            {"fallback": "own-then-rented", "selector": {"geo": "de"}},
+            "http://crawler;fallback=own-then-rented;geo=de:t0k@gw:8888",
+        ),
     ],
 )
 def test_gateway_proxy_urls(kwargs: dict, expected: str) -> None:
@@ -53,6 +57,8 @@ def test_a_token_with_url_characters_is_escaped() -> None:
         {"session": "a;b"},
         {"session": "a:b"},
         {"selector": {"session": "x"}},
+        {"selector": {"fallback": "x"}},
+        {"selector": {"tls": "inspect"}},
         {"selector": {"geo": "e@u"}},
         {"crawler": "a/b"},
     ],
@@ -434,3 +440,20 @@ def test_the_middleware_refuses_bad_settings_naming_them(monkeypatch: pytest.Mon
     waits = _middleware(**good, PROXY_OPERATOR_MAX_WAIT=7, PROXY_OPERATOR_MAX_WAITS={"quota_exceeded": 120})
     budgets = {kind: waits.retry.budget(kind) for kind in REFUSALS}  # type: ignore[attr-defined]
     assert budgets == {"no_match": 7, "pool_waking": 7, "quota_exceeded": 120, "unavailable": 7, "too_many": 7}
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "expected"),
+    [
+        ("http://10.0.0.1:3128", "10.0.0.1", "http://u%3Bx:p%40ss@10.0.0.1:3128"),
+        ("socks5h://10.0.0.1:3128", "10.0.0.1", "socks5h://u%3Bx:p%40ss@10.0.0.1:3128"),
+        ("http://[fd00::1]:3128", "fd00::1", "http://u%3Bx:p%40ss@[fd00::1]:3128"),
+    ],
+)
+def test_a_lease_s_proxy_url_keeps_its_scheme_and_escapes_its_credentials(
+    url: str, host: str, expected: str
+) -> None:
+    proxy = LeaseProxy(
+        name="p", namespace="n", host=host, port=3128, url=url, username="u;x", password="p@ss"
+    )
+    assert proxy.url_with_credentials == expected

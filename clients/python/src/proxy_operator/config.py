@@ -84,17 +84,21 @@ def gateway_proxy_url(
     session: str | None = None,
     session_ttl: str | None = None,
     selector: dict[str, str] | None = None,
+    fallback: str | None = None,
 ) -> str:
     """The proxy URL that sends requests through the gateway with these options, e.g.
     ``http://crawler;session=s1;geo=eu:TOKEN@gateway:8888``. ``session_ttl`` is a duration
-    such as ``"5m"``; ``selector`` the labels the upstream proxy must carry."""
+    such as ``"5m"``; ``selector`` the labels the upstream proxy must carry; ``fallback`` the
+    name of a fallback chain of the gateway's rules file (own proxies first, a vendor next)."""
     parts = [crawler]
     if session is not None:
         parts.append(f"session={session}")
     if session_ttl is not None:
         parts.append(f"sessionTTL={session_ttl}")
+    if fallback is not None:
+        parts.append(f"fallback={fallback}")
     for key, value in sorted((selector or {}).items()):
-        if key in ("session", "sessionTTL"):
+        if key in ("session", "sessionTTL", "tls", "fallback"):
             raise ConfigError(f"selector label {key!r} is a reserved gateway option")
         parts.append(f"{key}={value}")
     for part in parts:

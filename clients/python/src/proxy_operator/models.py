@@ -66,14 +66,17 @@ class LeaseProxy:
 
     @property
     def url_with_credentials(self) -> str | None:
-        """``http://user:pass@host:port`` (percent-encoded), or ``url`` without credentials;
-        ``None`` when the proxy has left the inventory."""
+        """``http://user:pass@host:port`` (percent-encoded; ``socks5h://`` for a SOCKS5 proxy,
+        as ``url`` says), or ``url`` without credentials; ``None`` when the proxy has left the
+        inventory."""
         if self.host is None or self.port is None:
             return None
         if self.username is None:
             return self.url
+        scheme = (self.url or "http://").partition("://")[0]
         userinfo = f"{quote(self.username, safe='')}:{quote(self.password or '', safe='')}"
-        return f"http://{userinfo}@{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{userinfo}@{host}:{self.port}"
 
 
 @dataclass(frozen=True)
