@@ -44,8 +44,11 @@
 //! (one replica), the same binary is offered a third of the pairs/s it reached, for
 //! `PROXY_OPERATOR_BENCH_OPEN_SECONDS` (default 20), by an open-loop client
 //! (`tests/support/open_loop.rs`: each request's latency from when it was due, as wrk2
-//! counts it): p50, p99, p99.9 and max per request. Targets: SQLite p99 < 5 ms and p99.9 < 25
-//! ms, PostgreSQL p99 < 10 ms, no errors. A baseline binary gets the same open-loop run. Below
+//! counts it): p50, p99, p99.9 and max per request, in `PROXY_OPERATOR_BENCH_OPEN_ROUNDS`
+//! (default 3) rounds, each followed by the HTTP floor: `GET /healthz` offered the same
+//! requests/s (two per pair) on as many connections, so the tail is held against what the same
+//! machine gives any route at that moment. Targets: SQLite p99 < 5 ms and p99.9 < 25 ms, and at
+//! most 3 × the floor's p99 and 5 × its p99.9; PostgreSQL p99 < 10 ms; no errors. A baseline binary gets the same open-loop run. Below
 //! each SQLite open-loop row, the writer's batch, commit and checkpoint times over the run
 //! (from its `proxy_operator_ledger_*_seconds` histograms) show what the tail waited behind;
 //! below the PostgreSQL one, the database server's checkpoints that started during the run
@@ -86,6 +89,12 @@ const P99_TARGET: Duration = Duration::from_millis(10);
 /// The share of a run's saturated pairs/s offered to it open-loop.
 const OPEN_LOOP_SHARE: f64 = 1.0 / 3.0;
 const DEFAULT_OPEN_SECONDS: u64 = 20;
+/// Open-loop rounds (pairs, then the floor) per measurement.
+const DEFAULT_OPEN_ROUNDS: usize = 3;
+/// The lease pairs' latency against the floor's (`GET /healthz` at the same requests/s), at
+/// most: p99 and p99.9.
+const FLOOR_P99_RATIO: f64 = 3.0;
+const FLOOR_P999_RATIO: f64 = 5.0;
 /// Open-loop targets, per request, at a third of saturation.
 const OPEN_P99_TARGET: Duration = Duration::from_millis(5);
 const OPEN_P999_TARGET: Duration = Duration::from_millis(25);
@@ -116,13 +125,21 @@ struct Figures {
     /// PostgreSQL: acquires decided again (or transactions retried) per pair, over every
     /// replica, during the pair run.
     conflicts_per_pair: Option<f64>,
-    /// The open-loop run at a third of `pairs`, when one was asked for.
-    open_loop: Option<OpenLoopResult>,
+    /// The open-loop rounds at a third of `pairs`, when they were asked for.
+    open_loop: Vec<OpenRound>,
     /// The SQLite writer's histograms over the open-loop run (`None`: not asked for, or a
     /// ledger or binary without them).
     open_writer: Option<WriterTimes>,
     /// PostgreSQL: the database server's checkpoints over the open-loop run.
     open_database: Option<DatabaseCheckpoints>,
+}
+
+/// One open-loop round: the pairs, then the HTTP floor (`GET /healthz`) offered the same
+/// requests/s (two per pair) on the same connections.
+#[derive(Debug, Clone)]
+struct OpenRound {
+    pairs: OpenLoopResult,
+    floor: OpenLoopResult,
 }
 
 /// The database server's checkpoints so far (`pg_stat_bgwriter`): a checkpoint ends with an
@@ -522,16 +539,25 @@ async fn measure(label: &str, binary: &Path, fleet: &Fleet<'_>, setup: Setup<'_>
             let api = &operators[0].api;
             let before = operators[0].writer_times(&http).await;
             let database_before = DatabaseCheckpoints::read(postgres).await;
-            let run =
-                open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds).await;
+            let floor_url = format!("{api}/healthz");
+            let mut rounds = Vec::with_capacity(fleet.open_rounds);
+            for _ in 0..fleet.open_rounds {
+                let pairs =
+                    open_loop::pairs(api, token, body, connections, offered, fleet.open_seconds)
+                        .await;
+                let floor =
+                    open_loop::floor(&floor_url, connections, 2.0 * offered, fleet.open_seconds)
+                        .await;
+                rounds.push(OpenRound { pairs, floor });
+            }
             let after = operators[0].writer_times(&http).await;
             let writer = before.zip(after).map(|(b, a)| a.since(&b));
             let database = database_before
                 .zip(DatabaseCheckpoints::read(postgres).await)
                 .map(|(b, a)| a.since(&b));
-            (Some(run), writer, database)
+            (rounds, writer, database)
         }
-        false => (None, None, None),
+        false => (Vec::new(), None, None),
     };
     let healthz = wrk(
         "healthz.lua",
@@ -600,6 +626,8 @@ struct Fleet<'a> {
     connections: u32,
     /// How long an open-loop run lasts.
     open_seconds: Duration,
+    /// Open-loop rounds (pairs, then the floor) per measurement.
+    open_rounds: usize,
 }
 
 /// One replica on a fresh SQLite file, measured saturated only.
@@ -731,37 +759,83 @@ fn table(runs: &[Figures]) -> String {
     out
 }
 
-/// Prints the open-loop runs and whether they met their targets.
+/// Prints the open-loop rounds and whether they met their targets.
 fn report_open_loop(runs: &[Figures]) -> bool {
     let mut ok = true;
     println!(
         "\nopen loop, a third of each run's saturated pairs/s, latency per request from when it \
-         was due:"
+         was due; each round's pairs, then the floor (GET /healthz at the same requests/s):"
     );
     println!(
         "{:<10} {:>14} {:>14} {:>9} {:>9} {:>10} {:>9} {:>7}",
-        "binary", "offered pairs/s", "done pairs/s", "p50", "p99", "p99.9", "max", "errors"
+        "binary", "offered/s", "done/s", "p50", "p99", "p99.9", "max", "errors"
     );
     for run in runs {
-        let Some(open) = &run.open_loop else {
+        if run.open_loop.is_empty() {
             continue;
-        };
-        println!(
-            "{:<10} {:>14.0} {:>14.0} {:>9} {:>9} {:>10} {:>9} {:>7}",
-            run.label,
-            open.offered,
-            open.achieved(),
-            ms(open.quantile(0.5)),
-            ms(open.quantile(0.99)),
-            ms(open.quantile(0.999)),
-            ms(open.quantile(1.0)),
-            open.errors
-        );
-        if let Some(error) = &open.first_error {
-            println!("  first error of {}: {error}", run.label);
         }
+        let row = |label: &str, open: &OpenLoopResult| {
+            println!(
+                "{label:<10} {:>14.0} {:>14.0} {:>9} {:>9} {:>10} {:>9} {:>7}",
+                open.offered,
+                open.achieved(),
+                ms(open.quantile(0.5)),
+                ms(open.quantile(0.99)),
+                ms(open.quantile(0.999)),
+                ms(open.quantile(1.0)),
+                open.errors
+            );
+            if let Some(error) = &open.first_error {
+                println!("  first error of {label}: {error}");
+            }
+        };
+        let (p99_target, p999_target, floor_targets) = match run.label.as_str() {
+            UNFLUSHED => (None, None, false),
+            label if label.starts_with("postgres") => (Some(OPEN_POSTGRES_P99_TARGET), None, false),
+            _ => (Some(OPEN_P99_TARGET), Some(OPEN_P999_TARGET), true),
+        };
+        for round in &run.open_loop {
+            let (open, floor) = (&round.pairs, &round.floor);
+            row(&run.label, open);
+            row("  floor", floor);
+            let ratio =
+                |q: f64| open.quantile(q).as_secs_f64() / floor.quantile(q).as_secs_f64().max(1e-6);
+            let (p99_ratio, p999_ratio) = (ratio(0.99), ratio(0.999));
+            let mut met = open.errors == 0 && floor.errors == 0;
+            if let Some(target) = p99_target {
+                met &= open.quantile(0.99) < target;
+            }
+            if let Some(target) = p999_target {
+                met &= open.quantile(0.999) < target;
+            }
+            if floor_targets {
+                met &= p99_ratio <= FLOOR_P99_RATIO && p999_ratio <= FLOOR_P999_RATIO;
+            }
+            match p99_target {
+                None => println!(
+                    "  against the floor: p99 {p99_ratio:.2}x, p99.9 {p999_ratio:.2}x; for scale, not a target"
+                ),
+                Some(p99) => println!(
+                    "  against the floor: p99 {p99_ratio:.2}x, p99.9 {p999_ratio:.2}x{}; targets: p99 < {}{}, no errors: {}",
+                    if floor_targets {
+                        format!(" (at most {FLOOR_P99_RATIO}x, {FLOOR_P999_RATIO}x)")
+                    } else {
+                        String::new()
+                    },
+                    ms(p99),
+                    p999_target.map_or_else(String::new, |t| format!(", p99.9 < {}", ms(t))),
+                    if met { "met" } else { "MISSED" }
+                ),
+            }
+            ok &= met;
+        }
+        let elapsed = run
+            .open_loop
+            .iter()
+            .map(|round| round.pairs.elapsed + round.floor.elapsed)
+            .sum();
         if let Some(writer) = &run.open_writer {
-            report_writer_times(writer, open.elapsed);
+            report_writer_times(writer, elapsed);
         }
         if let Some(database) = &run.open_database {
             println!(
@@ -769,24 +843,6 @@ fn report_open_loop(runs: &[Figures]) -> bool {
                 database.timed, database.requested, database.sync_ms
             );
         }
-        let (p99_target, p999_target) = match run.label.as_str() {
-            UNFLUSHED => {
-                println!("  for scale, not a target");
-                continue;
-            }
-            label if label.starts_with("postgres") => (OPEN_POSTGRES_P99_TARGET, None),
-            _ => (OPEN_P99_TARGET, Some(OPEN_P999_TARGET)),
-        };
-        let met = open.quantile(0.99) < p99_target
-            && p999_target.is_none_or(|t| open.quantile(0.999) < t)
-            && open.errors == 0;
-        println!(
-            "  targets: p99 < {}{}, no errors: {}",
-            ms(p99_target),
-            p999_target.map_or_else(String::new, |t| format!(", p99.9 < {}", ms(t))),
-            if met { "met" } else { "MISSED" }
-        );
-        ok &= met;
     }
     ok
 }
@@ -854,12 +910,17 @@ async fn main() -> ExitCode {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(DEFAULT_CONNECTIONS);
+    let open_rounds = std::env::var("PROXY_OPERATOR_BENCH_OPEN_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_OPEN_ROUNDS);
     let fleet = Fleet {
         squids: &squids,
         probe_url: &probe_url,
         seconds,
         connections,
         open_seconds,
+        open_rounds,
     };
 
     let parts = std::env::var("PROXY_OPERATOR_BENCH_PARTS")

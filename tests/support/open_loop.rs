@@ -6,7 +6,8 @@
 //!
 //! Two kinds of work: lease pairs ([`pairs`]), an acquire (`POST /v1/leases`) and the release
 //! of the lease it got (`DELETE`), the acquire due at its slot and the release when the
-//! acquire's answer arrived; and plain-HTTP GETs through a forward proxy ([`gets`]).
+//! acquire's answer arrived; and plain-HTTP GETs, through a forward proxy ([`gets`]) or
+//! straight to a server ([`floor`]: the HTTP floor a route's latency is held against).
 
 use std::time::{Duration, Instant};
 
@@ -70,8 +71,9 @@ enum Work {
         token: String,
         body: String,
     },
-    /// A GET of `url` through the forward proxy `proxy` (credentials in its user part).
-    Gets { proxy: String, url: String },
+    /// A GET of `url`, through the forward proxy `proxy` (credentials in its user part) when
+    /// there is one.
+    Gets { proxy: Option<String>, url: String },
 }
 
 /// Offers `pairs_per_s` acquire+release pairs to the lease API at `api` for `duration`, over
@@ -104,7 +106,22 @@ pub async fn gets(
     duration: Duration,
 ) -> OpenLoopResult {
     let work = Work::Gets {
-        proxy: proxy.to_owned(),
+        proxy: Some(proxy.to_owned()),
+        url: url.to_owned(),
+    };
+    offer(work, connections, gets_per_s, duration).await
+}
+
+/// Offers `gets_per_s` GETs of `url` straight to its server for `duration`, over
+/// `connections` keep-alive connections; a GET counts when answered 200.
+pub async fn floor(
+    url: &str,
+    connections: usize,
+    gets_per_s: f64,
+    duration: Duration,
+) -> OpenLoopResult {
+    let work = Work::Gets {
+        proxy: None,
         url: url.to_owned(),
     };
     offer(work, connections, gets_per_s, duration).await
@@ -148,7 +165,10 @@ async fn lane(work: Work, first: Instant, interval: Duration, end: Instant) -> L
     let mut builder = reqwest::Client::builder()
         .pool_max_idle_per_host(1)
         .timeout(Duration::from_secs(10));
-    if let Work::Gets { proxy, .. } = &work {
+    if let Work::Gets {
+        proxy: Some(proxy), ..
+    } = &work
+    {
         match reqwest::Proxy::http(proxy) {
             Ok(proxy) => builder = builder.proxy(proxy),
             Err(e) => {

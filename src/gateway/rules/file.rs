@@ -688,8 +688,11 @@ mod tests {
         let set = RuleSet::of_file(&BanRule::default(), rules);
         assert_eq!(
             set.names().collect::<Vec<_>>(),
-            ["shop-captcha", "api-partner", DEFAULT_RULE]
+            ["shop-captcha", "api-partner", "marketplace", DEFAULT_RULE]
         );
+        let chain = set.for_host("market.example.com").fallback();
+        assert_eq!(chain.map(|c| &*c.name), Some("own-then-rented"));
+        assert!(set.chain("own-then-rented").is_some());
         assert_eq!(
             set.for_host("www.example.org").action(),
             Action::Retry { times: 2 }

@@ -315,11 +315,6 @@ impl RuleSet {
         self.chains.get(name)
     }
 
-    /// Every chain's name: the label values of the fallback metric.
-    pub fn chain_names(&self) -> impl Iterator<Item = &str> {
-        self.chains.keys().map(String::as_str)
-    }
-
     /// The rule for `host` (lower-cased, as a target's host is): the first whose hosts match,
     /// else the default. A trailing dot names the same host.
     pub fn for_host(&self, host: &str) -> &Rule {
