@@ -671,8 +671,13 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
         "{}",
         columns("leases")
     );
-    assert!(columns("lease_events").ends_with("reason\nclient\ncooldown_ms\ntenant"));
-    assert!(columns("lease_history").ends_with("reason\ncooldown_seconds\nclient\ntenant"));
+    assert!(
+        columns("lease_events").ends_with("reason\nclient\ncooldown_ms\ntenant\nfallback_step")
+    );
+    assert!(
+        columns("lease_history")
+            .ends_with("reason\ncooldown_seconds\nclient\ntenant\nfallback_step")
+    );
     assert_eq!(
         columns("pool_demand"),
         "pool\nbucket_start_ms\nrequests",
