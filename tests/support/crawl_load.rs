@@ -84,6 +84,9 @@ impl Operator {
             .args(["--gateway-addr", &format!("127.0.0.1:{}", free_port())])
             .args(extra_args)
             .env("DISCOVERY_TOKEN", TOKEN)
+            // A PostgreSQL ledger's connections may take more than the default 2 s to open on
+            // a loaded test machine; a replica that cannot open one at start stops.
+            .env("PGCONNECT_TIMEOUT", "10")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -160,6 +160,9 @@ impl Standalone {
             .args(["--gateway-addr", &format!("127.0.0.1:{gateway_port}")])
             .args(extra_args)
             .env("DISCOVERY_TOKEN", token)
+            // See `crawl_load::Operator::start`: a loaded test machine may open a PostgreSQL
+            // connection more slowly than the default 2 s.
+            .env("PGCONNECT_TIMEOUT", "10")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
