@@ -13,7 +13,7 @@ use crate::support::site::Site;
 use crate::support::standalone::{ExternalProxy, Standalone};
 
 /// GETs per run.
-const REQUESTS: usize = 4000;
+const REQUESTS: usize = 20_000;
 /// curl's parallel connections.
 const CONNECTIONS: usize = 32;
 /// Requests/s through the gateway against straight to danted, at least.
