@@ -161,6 +161,45 @@ async fn curl_reaches_http_and_https_targets_through_a_socks5_upstream() {
             authenticate,
             "{log}"
         );
+
+        // The destination policy and the allowed ports hold before any SOCKS request: a
+        // private address not opened, the metadata address (plain and CONNECT) and a port not
+        // allowed are refused, and danted sees nothing of them.
+        let port = site.http_port();
+        let refused = [
+            (
+                format!("http://10.20.30.40:{port}/ip"),
+                false,
+                "destination_not_allowed",
+            ),
+            (
+                format!("https://169.254.169.254:{}/", site.https_port()),
+                true,
+                "destination_not_allowed",
+            ),
+            ("http://127.0.0.1:9/".to_owned(), false, "port_not_allowed"),
+        ];
+        for (url, tunnel, code_name) in refused {
+            let mut args = vec!["-sS", "-D", "-", "-x", &gateway];
+            if tunnel {
+                args.push("-p");
+            }
+            args.push(&url);
+            let (_, out, err) = curl(&args).await;
+            assert!(
+                out.contains(" 403"),
+                "{case} credentials, {url}: {out}{err}"
+            );
+            assert!(
+                out.contains(code_name),
+                "{case} credentials, {url}: {out}{err}"
+            );
+        }
+        assert_eq!(
+            dante.log(),
+            log,
+            "{case} credentials: danted saw a refused request"
+        );
     }
 }
 
