@@ -24,7 +24,7 @@ use crate::ledger::{
 };
 use crate::resources::proxy::proxy_url;
 use crate::serving::candidates::Selector;
-use crate::serving::fleet::Acquire;
+use crate::serving::fleet::{Acquire, lease_exit};
 use crate::serving::outcomes::Outcome;
 use crate::serving::pools::Waking;
 use crate::serving::sessions::SessionKey;
@@ -94,9 +94,10 @@ async fn acquired_view(
         .get(&lease.proxy)
         .filter(|_| state.lease_credentials)
         .map(|proxy| {
+            let exit = lease_exit(proxy, &lease.proxy, &lease.id);
             state
                 .fleet
-                .upstream_credentials(proxy, &lease.proxy, &lease.id, selector)
+                .upstream_credentials(proxy, exit.as_deref(), selector)
         })
         .transpose();
     match credentials {

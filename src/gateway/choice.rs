@@ -29,10 +29,10 @@ use crate::ledger::{
     RequestKey, cooldown_key,
 };
 use crate::resources::proxy::ProxyId;
-use crate::resources::rotating::{FillError, vendor_session};
+use crate::resources::rotating::FillError;
 use crate::serving::Fleet;
 use crate::serving::candidates::Selector;
-use crate::serving::fleet::Acquire;
+use crate::serving::fleet::{Acquire, lease_exit};
 use crate::serving::sessions::{self, Session, SessionKey, Uses};
 use crate::serving::tokens::ApiToken;
 
@@ -150,10 +150,7 @@ impl Gateway {
         if self.fleet.health.get(proxy).and_then(|h| h.healthy) != Some(true) {
             return Ok(None);
         }
-        let exit = object
-            .spec
-            .rotating()
-            .map(|_| vendor_session(&proxy.uid, lease_id));
+        let exit = lease_exit(object, proxy, lease_id);
         let cooled = cooldown_key(&proxy.uid, exit.as_deref());
         if self.fleet.ledger.counts().in_cooldown(&cooled, target) {
             return Ok(None);
@@ -171,7 +168,7 @@ impl Gateway {
         };
         let credentials =
             self.fleet
-                .upstream_credentials(object, proxy, lease_id, &ask.options.selector)?;
+                .upstream_credentials(object, exit.as_deref(), &ask.options.selector)?;
         Ok(Some(Upstream {
             host: host.to_owned(),
             port,

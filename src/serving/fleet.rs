@@ -68,31 +68,36 @@ pub struct Acquire<'a> {
     pub fallback_step: Option<u32>,
 }
 
+/// The exit lease `lease_id` on `object` (the proxy `proxy`) goes through when the proxy has
+/// many: a rotating upstream's vendor session, derived from the lease's ID (a gateway session
+/// keeps its lease, and so its exit, across requests and restarts). `None`: the proxy is one
+/// exit.
+pub fn lease_exit(object: &Proxy, proxy: &ProxyId, lease_id: &str) -> Option<String> {
+    object.spec.rotating()?;
+    Some(vendor_session(&proxy.uid, lease_id))
+}
+
 impl Fleet {
-    /// The exit a lease on `proxy` goes through when the proxy has many: a rotating
-    /// upstream's vendor session, derived from the lease's ID (a gateway session keeps its
-    /// lease, and so its exit, across requests and restarts). `None`: the proxy is one exit.
+    /// [`lease_exit`] of a lease on `proxy`, read in the current inventory.
     pub fn exit_of(&self, proxy: &ProxyId, lease_id: &str) -> Option<String> {
-        self.inventory.snapshot().get(proxy)?.spec.rotating()?;
-        Some(vendor_session(&proxy.uid, lease_id))
+        lease_exit(self.inventory.snapshot().get(proxy)?, proxy, lease_id)
     }
 
-    /// What to send through `object` (the proxy `proxy`) on lease `lease_id` for a request
-    /// with `selector`: the credentials Secret's; for a rotating upstream, the username and
-    /// password spelled for the lease's vendor session.
+    /// What to send through `object` on a lease whose exit is `exit` (its [`lease_exit`]) for
+    /// a request with `selector`: the credentials Secret's; for a rotating upstream, the
+    /// username and password spelled for that vendor session.
     pub fn upstream_credentials(
         &self,
         object: &Proxy,
-        proxy: &ProxyId,
-        lease_id: &str,
+        exit: Option<&str>,
         selector: &BTreeMap<String, String>,
     ) -> Result<Option<Credentials>, FillError> {
         let secret = self.credentials.for_proxy(object);
-        let Some(rotating) = object.spec.rotating() else {
+        let (Some(rotating), Some(session)) = (object.spec.rotating(), exit) else {
             return Ok(secret);
         };
         let fill = Fill {
-            session: &vendor_session(&proxy.uid, lease_id),
+            session,
             selector,
             labels: object.metadata.labels.as_ref(),
             secret: None,
