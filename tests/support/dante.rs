@@ -132,7 +132,7 @@ impl Dante {
 
     /// Spawns danted in the foreground and polls its port; its log when it does not listen.
     fn spawn(&mut self) -> Result<(), String> {
-        let mut child = Command::new(&self.binary)
+        let child = Command::new(&self.binary)
             .arg("-f")
             .arg(self.conf())
             .arg("-p")
@@ -143,20 +143,8 @@ impl Dante {
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {}: {e}", self.binary.display()));
         let addr = SocketAddr::from((self.address, self.port));
-        let deadline = Instant::now() + super::DEADLINE;
-        loop {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                self.child = Some(child);
-                return Ok(());
-            }
-            let exited = matches!(child.try_wait(), Ok(Some(_)));
-            if exited || Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(self.log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child = Some(super::listening(child, addr).ok_or_else(|| self.log())?);
+        Ok(())
     }
 }
 

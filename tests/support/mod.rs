@@ -46,6 +46,27 @@ use std::time::{Duration, Instant};
 /// Generous deadline for conditions that depend on real processes on a loaded machine.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// Polls until the server `child` just spawned listens on `addr`: the child back, or `None`
+/// once it has exited or [`DEADLINE`] has passed (then it is killed and reaped).
+pub fn listening(
+    mut child: std::process::Child,
+    addr: std::net::SocketAddr,
+) -> Option<std::process::Child> {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Some(child);
+        }
+        let exited = matches!(child.try_wait(), Ok(Some(_)));
+        if exited || Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `name` when `name <version_args…>` runs and succeeds; otherwise `None`, skipped (see
 /// [`skip::skip`]) for want of it and saying `how_to_install`.
 pub fn required_tool(

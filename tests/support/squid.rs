@@ -142,7 +142,7 @@ impl Squid {
 
     fn spawn(&mut self, binary: &Path) -> Result<(), String> {
         let conf = self.dir.path().join("squid.conf");
-        let mut child = Command::new(binary)
+        let child = Command::new(binary)
             .arg("-N")
             .arg("-f")
             .arg(&conf)
@@ -152,20 +152,8 @@ impl Squid {
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {}: {e}", binary.display()));
         let addr = SocketAddr::from((self.address, self.port));
-        let deadline = Instant::now() + super::DEADLINE;
-        loop {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                self.child = Some(child);
-                return Ok(());
-            }
-            let exited = matches!(child.try_wait(), Ok(Some(_)));
-            if exited || Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(self.cache_log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child = Some(super::listening(child, addr).ok_or_else(|| self.cache_log())?);
+        Ok(())
     }
 
     fn cache_log(&self) -> String {
