@@ -195,10 +195,18 @@ async fn curl_reaches_http_and_https_targets_through_a_socks5_upstream() {
                 "{case} credentials, {url}: {out}{err}"
             );
         }
-        assert_eq!(
-            dante.log(),
-            log,
-            "{case} credentials: danted saw a refused request"
+        // danted may still log the end of the streams above; of the refused requests it
+        // logs nothing (it writes addresses as `host.port`).
+        let later = dante.log();
+        let since = later.get(log.len()..).unwrap_or(&later);
+        let refused_address = |word: &str| {
+            word.starts_with("10.20.30.40.")
+                || word.starts_with("169.254.169.254.")
+                || word == "127.0.0.1.9"
+        };
+        assert!(
+            !since.split_whitespace().any(refused_address),
+            "{case} credentials: danted saw a refused request: {since}"
         );
     }
 }
