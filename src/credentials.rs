@@ -154,7 +154,6 @@ pub struct SecretName {
 /// Where `proxy`'s credentials are: an External proxy's `credentialsSecretRef`, a Managed
 /// proxy's generated Secret; `None` for an External proxy that names none.
 pub fn secret_of(proxy: &Proxy) -> Option<SecretName> {
-    let id = proxy.id();
     let name = match proxy.spec.mode {
         Mode::External => proxy
             .spec
@@ -164,10 +163,11 @@ pub fn secret_of(proxy: &Proxy) -> Option<SecretName> {
             .as_ref()?
             .name
             .clone(),
-        Mode::Managed => machine_secret_name(&id.uid),
+        // The UID is worked out only here: a standalone one is hashed from namespace/name.
+        Mode::Managed => machine_secret_name(&proxy.id().uid),
     };
     Some(SecretName {
-        namespace: id.namespace,
+        namespace: proxy.namespace_or_default().to_owned(),
         name,
     })
 }

@@ -4,7 +4,6 @@
 //! with a different question is refused rather than answered with an unrelated lease.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 use sha2::{Digest, Sha256};
 
@@ -63,13 +62,7 @@ pub fn fingerprint(
         return canonical;
     }
     let digest = Sha256::digest(canonical.as_bytes());
-    let mut hashed = String::with_capacity(7 + 64);
-    hashed.push_str("sha256:");
-    for byte in digest.iter() {
-        // Writing to a String cannot fail.
-        let _ = write!(hashed, "{byte:02x}");
-    }
-    hashed
+    format!("sha256:{}", hex::encode(digest))
 }
 
 #[cfg(test)]

@@ -764,14 +764,19 @@ impl std::fmt::Display for ProxyId {
 pub const DEFAULT_NAMESPACE: &str = "default";
 
 impl Proxy {
+    /// The object's namespace (`default` when unset).
+    pub fn namespace_or_default(&self) -> &str {
+        self.metadata
+            .namespace
+            .as_deref()
+            .unwrap_or(DEFAULT_NAMESPACE)
+    }
+
     /// `namespace/name` of the object (namespace `default` when unset).
     pub fn key(&self) -> String {
         format!(
             "{}/{}",
-            self.metadata
-                .namespace
-                .as_deref()
-                .unwrap_or(DEFAULT_NAMESPACE),
+            self.namespace_or_default(),
             self.metadata.name.as_deref().unwrap_or_default()
         )
     }
@@ -779,11 +784,7 @@ impl Proxy {
     /// The object's identity. Objects that never passed through an API server (the standalone
     /// inventory file) have no UID; they get a stable one derived from namespace/name.
     pub fn id(&self) -> ProxyId {
-        let namespace = self
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| DEFAULT_NAMESPACE.to_owned());
+        let namespace = self.namespace_or_default().to_owned();
         let name = self.metadata.name.clone().unwrap_or_default();
         let uid = match &self.metadata.uid {
             Some(uid) if !uid.is_empty() => uid.clone(),
@@ -817,8 +818,7 @@ impl Proxy {
 fn local_uid(namespace: &str, name: &str) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(format!("{namespace}/{name}").as_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("local-{hex}")
+    format!("local-{}", hex::encode(&digest[..16]))
 }
 
 #[cfg(test)]

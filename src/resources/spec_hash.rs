@@ -40,7 +40,7 @@ impl<'a> SpecHashInput<'a> {
         let value = serde_json::to_value(self).unwrap_or(Value::Null);
         let canonical = canonical_json(&value);
         let digest = Sha256::digest(canonical.as_bytes());
-        digest.iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(digest)
     }
 }
 

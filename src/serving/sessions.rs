@@ -113,10 +113,7 @@ pub fn request_id(key: &SessionKey, selector: &str, epoch: u32) -> String {
         digest.update(part.len().to_le_bytes());
         digest.update(part.as_bytes());
     }
-    let hash: String = digest.finalize()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hash = hex::encode(&digest.finalize()[..16]);
     format!("gw-session-{hash}-{epoch}")
 }
 

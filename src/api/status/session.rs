@@ -29,7 +29,7 @@ const CONTEXT: &[u8] = b"proxy-operator status session v1\n";
 pub fn seal(token: &ApiToken, id: &TokenId, now_ms: i64) -> Option<String> {
     let payload = format!("{}.{}", now_ms.saturating_add(ttl_ms()), id.as_str());
     let mac = token.with_token(id, |key| mac(key, &payload))??;
-    Some(format!("{payload}.{}", hex(&mac)))
+    Some(format!("{payload}.{}", hex::encode(&mac)))
 }
 
 /// The token a cookie value was sealed for, while it has not expired at `now_ms` and that
@@ -45,7 +45,7 @@ pub fn open(token: &ApiToken, value: &str, now_ms: i64) -> Option<TokenId> {
     if expiry <= now_ms || expiry > latest {
         return None;
     }
-    let presented = unhex(presented)?;
+    let presented = hex::decode(presented).ok()?;
     let verified = token.with_token(&id, |key| {
         let mut check = keyed(key)?;
         check.update(CONTEXT);
@@ -78,20 +78,6 @@ fn mac(key: &[u8], payload: &str) -> Option<Vec<u8>> {
     mac.update(CONTEXT);
     mac.update(payload.as_bytes());
     Some(mac.finalize().into_bytes().to_vec())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 #[cfg(test)]

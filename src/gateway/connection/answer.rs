@@ -310,15 +310,17 @@ impl Drop for Relayed {
 /// Drops the headers that concern one connection only (RFC 9110 7.6.1): those `Connection`
 /// names, and the usual ones.
 pub(super) fn drop_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    if headers.contains_key(CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
     }
     for name in [CONNECTION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE] {
         headers.remove(name);

@@ -8,6 +8,7 @@
 //! answers.
 
 use std::collections::HashSet;
+use std::fmt;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
@@ -45,7 +46,7 @@ pub(super) async fn send(
         parts.headers.insert(HOST, host);
     }
     let may_resend = idempotent(&parts.method);
-    let what = format!("{} {}", parts.method, parts.uri);
+    let what = RequestLine(&parts);
     let authority = ask.target.authority();
     let up = body.len() as u64;
     let target = ask.target.host.as_str();
@@ -103,6 +104,15 @@ pub(super) async fn send(
         let keep = Box::new((busy, in_use));
         let response = answer::hand_on(gateway, &held, judged, reported, moved_from, up, keep);
         return (RequestOutcome::Forwarded, response);
+    }
+}
+
+/// A request as the log names it (`GET http://...`), spelled only when a line is written.
+struct RequestLine<'a>(&'a Parts);
+
+impl fmt::Display for RequestLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.0.method, self.0.uri)
     }
 }
 

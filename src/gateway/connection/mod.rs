@@ -223,7 +223,7 @@ impl ClientConnection {
         &self,
         ask: &Ask,
         lease_for: LeaseFor,
-        what: &str,
+        what: &(dyn std::fmt::Display + Sync),
         excluding: &HashSet<String>,
         mut attempt: impl FnMut(Held, Upstream) -> Fut,
     ) -> Result<Through<T>, (RequestOutcome, Response<Body>)>

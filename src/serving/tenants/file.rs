@@ -419,10 +419,7 @@ mod tests {
     }
 
     fn hex(token: &str) -> String {
-        digest(token.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        hex::encode(digest(token.as_bytes()))
     }
 
     fn parse(text: &str) -> Result<LoadedTenants, TenantsError> {

@@ -238,7 +238,7 @@ impl TokenId {
     }
 
     fn of_digest(digest: &TokenDigest) -> Self {
-        TokenId(digest[..16].iter().map(|b| format!("{b:02x}")).collect())
+        TokenId(hex::encode(&digest[..16]))
     }
 
     /// The identity as text (32 hex digits).
