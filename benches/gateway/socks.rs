@@ -1,8 +1,9 @@
 //! Plain HTTP through a SOCKS5 upstream, for `benches/gateway.rs`: curl fetching the site's
 //! `/ip` [`REQUESTS`] times over [`CONNECTIONS`] parallel connections through a gateway whose
 //! one proxy is danted (`protocol: socks5`), against the same curl straight to that danted
-//! (`socks5h://`), each twice, alternating. wrk speaks no SOCKS, so curl is the client both
-//! ways. Fails when the gateway's requests/s are below [`MIN_RATIO`] of the direct ones.
+//! (`socks5h://`), [`ROUNDS`] times each, alternating: one run takes a second or two on this
+//! loopback, short enough for the machine's other work to tip a single pair. wrk speaks no
+//! SOCKS, so curl is the client both ways. Fails when the gateway's requests/s are below [`MIN_RATIO`] of the direct ones.
 
 use std::path::Path;
 use std::process::Command;
@@ -14,6 +15,8 @@ use crate::support::standalone::{ExternalProxy, Standalone};
 
 /// GETs per run.
 const REQUESTS: usize = 20_000;
+/// Runs each way, alternating.
+const ROUNDS: usize = 5;
 /// curl's parallel connections.
 const CONNECTIONS: usize = 32;
 /// Requests/s through the gateway against straight to danted, at least.
@@ -80,14 +83,14 @@ pub fn measure(runtime: &tokio::runtime::Runtime, site: &Site, dir: &Path, token
     rate(&dante.url(), &url);
     rate(&gateway, &url);
     let (mut direct, mut through) = (0.0, 0.0);
-    for _ in 0..2 {
-        direct += rate(&dante.url(), &url) / 2.0;
-        through += rate(&gateway, &url) / 2.0;
+    for _ in 0..ROUNDS {
+        direct += rate(&dante.url(), &url) / ROUNDS as f64;
+        through += rate(&gateway, &url) / ROUNDS as f64;
     }
     let ratio = through / direct;
     println!(
         "\nplain HTTP through a SOCKS5 upstream (danted): curl, {REQUESTS} GETs over \
-         {CONNECTIONS} parallel connections, 2 runs each (means)"
+         {CONNECTIONS} parallel connections, {ROUNDS} runs each (means)"
     );
     println!("{:<34} {:>12}", "", "requests/s");
     println!("{:<34} {direct:>12.0}", "curl straight to danted");
