@@ -6,20 +6,23 @@
 //! at scrape time from the inventory, the health snapshot and the ledger, so they can never
 //! drift or leak series the way incremented gauges do.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use prometheus::core::{Collector, Desc};
-use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::health::{HealthSnapshot, PerProxyGauge};
-use crate::inventory::Inventory;
+use crate::inventory::{Inventory, InventorySnapshot};
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
 use crate::resources::phase::shown_phase;
-use crate::resources::proxy::Phase;
+use crate::resources::pool::POOL_LABEL;
+use crate::resources::proxy::{Phase, ProxyId};
 use crate::serving::candidates::CandidateIndex;
+use crate::serving::traffic::Traffic;
 
 /// Scrape-time gauges over the inventory, health snapshot and ledger.
 pub struct FleetCollector {
@@ -39,6 +42,9 @@ pub struct FleetCollector {
     tenant_leases: IntGaugeVec,
     /// Gateway sessions' leases counting per tenant.
     tenant_sessions: IntGaugeVec,
+    /// Bytes through the gateway per proxy.
+    traffic: Traffic,
+    proxy_bytes: ProxyBytesCounter,
     /// Serializes scrapes, which reset and refill the gauges.
     scrape: Mutex<()>,
 }
@@ -49,6 +55,7 @@ impl FleetCollector {
         inventory: Inventory,
         health: HealthSnapshot,
         ledger: Arc<dyn Ledger>,
+        traffic: Traffic,
     ) -> Result<Self, prometheus::Error> {
         Ok(FleetCollector {
             inventory,
@@ -91,6 +98,8 @@ impl FleetCollector {
                 ),
                 &["tenant"],
             )?,
+            traffic,
+            proxy_bytes: ProxyBytesCounter::new()?,
             scrape: Mutex::new(()),
         })
     }
@@ -102,6 +111,7 @@ impl Collector for FleetCollector {
         descs.extend(self.leases_active.desc());
         descs.extend(self.lease_capacity.desc());
         descs.push(self.proxy_leases_active.desc());
+        descs.push(&self.proxy_bytes.desc);
         descs.extend(self.cooldowns_active.desc());
         descs.push(&self.target_cooldowns.desc);
         descs.extend(self.tenant_leases.desc());
@@ -126,7 +136,7 @@ impl Collector for FleetCollector {
             )
         };
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
-        let proxy_leases = {
+        let (proxy_leases, proxy_bytes) = {
             let snapshot = self.inventory.snapshot();
             let health = self.positions.health(&snapshot, &self.health);
             let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
@@ -151,7 +161,8 @@ impl Collector for FleetCollector {
                     _ => per_proxy.push((&id.namespace, &id.name, active)),
                 }
             }
-            self.proxy_leases_active.family(per_proxy)
+            let bytes = self.proxy_bytes.family(&snapshot, &self.traffic);
+            (self.proxy_leases_active.family(per_proxy), bytes)
         };
         for (phase, count) in Phase::ALL.iter().zip(counts) {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
@@ -166,6 +177,7 @@ impl Collector for FleetCollector {
         families.extend(self.leases_active.collect());
         families.extend(self.lease_capacity.collect());
         families.push(proxy_leases);
+        families.push(proxy_bytes);
         families.extend(self.cooldowns_active.collect());
         // Tenants come from the tenants file, so these series stay few; a tenant without a
         // lease has none.
@@ -189,6 +201,86 @@ impl Collector for FleetCollector {
     }
 }
 
+/// `proxy_operator_proxy_bytes_total{namespace,name,pool,direction}`: bytes through the gateway
+/// per proxy of the inventory (0 until it carries some), `pool` its ProxyPool (empty for a
+/// proxy of none), so a pool's and a vendor endpoint's bytes are sums over their proxies.
+/// Made at every scrape from [`Traffic`].
+struct ProxyBytesCounter {
+    desc: Desc,
+}
+
+impl ProxyBytesCounter {
+    fn new() -> Result<Self, prometheus::Error> {
+        let desc = Desc::new(
+            "proxy_operator_proxy_bytes_total".into(),
+            "Bytes relayed by the gateway through the proxy: up (to the target) and down (to \
+             the crawler)."
+                .into(),
+            ["direction", "name", "namespace", "pool"]
+                .map(String::from)
+                .to_vec(),
+            HashMap::new(),
+        )?;
+        Ok(ProxyBytesCounter { desc })
+    }
+
+    /// The family for the proxies of `snapshot`; `traffic` forgets the others.
+    fn family(&self, snapshot: &InventorySnapshot, traffic: &Traffic) -> MetricFamily {
+        let live: HashSet<&str> = snapshot.entries().map(|(id, _)| id.uid.as_str()).collect();
+        traffic.retain(|uid| live.contains(uid));
+        let label = |key: &str, value: &str| {
+            let mut pair = LabelPair::default();
+            pair.set_name(key.to_owned());
+            pair.set_value(value.to_owned());
+            pair
+        };
+        // Two objects of one name (a re-created Proxy) share the name's series, as they do
+        // `proxy_operator_proxy_leases_active`; the snapshot is sorted by namespace/name.
+        let mut per_name: Vec<(&ProxyId, &str, u64, u64)> = Vec::with_capacity(snapshot.len());
+        for (id, proxy) in snapshot.entries() {
+            let pool = proxy
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|labels| labels.get(POOL_LABEL))
+                .map_or("", String::as_str);
+            let (up, down) = traffic.of(&id.uid);
+            match per_name.last_mut() {
+                Some((named, _, sum_up, sum_down))
+                    if named.namespace == id.namespace && named.name == id.name =>
+                {
+                    *sum_up += up;
+                    *sum_down += down;
+                }
+                _ => per_name.push((id, pool, up, down)),
+            }
+        }
+        let mut metrics = Vec::with_capacity(2 * per_name.len());
+        for (id, pool, up, down) in per_name {
+            for (direction, bytes) in [("down", down), ("up", up)] {
+                // Sorted by label name, as the registry's own series are.
+                let mut metric = Metric::from_label(vec![
+                    label("direction", direction),
+                    label("name", &id.name),
+                    label("namespace", &id.namespace),
+                    label("pool", pool),
+                ]);
+                let mut counter = Counter::default();
+                // Exact up to 2^53 bytes (8 PiB) per proxy.
+                counter.set_value(bytes as f64);
+                metric.set_counter(counter);
+                metrics.push(metric);
+            }
+        }
+        let mut family = MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(MetricType::COUNTER);
+        family.set_metric(metrics);
+        family
+    }
+}
+
 /// `proxy_operator_target_cooldowns{target}`: cooldowns in force per target, for the
 /// [`NAMED_TARGETS`] targets with the most and `_other` for the rest. Made at every scrape from
 /// the ledger's ranking, so a target whose cooldowns ended has no series left behind.
@@ -207,7 +299,7 @@ impl TargetCooldownGauge {
             "proxy_operator_target_cooldowns".into(),
             help,
             vec!["target".into()],
-            std::collections::HashMap::new(),
+            HashMap::new(),
         )?;
         Ok(TargetCooldownGauge { desc })
     }
@@ -312,5 +404,46 @@ mod tests {
         );
         let with_other = TargetCooldowns { other: 7, ..named };
         assert_eq!(series(&with_other)[2], ("_other".to_owned(), 7.0));
+    }
+
+    #[test]
+    fn proxy_bytes_name_each_proxy_and_its_pool_and_forget_the_proxies_gone() {
+        use crate::fixtures::external;
+        let inventory = Inventory::new();
+        let member = external("m-0", "10.0.0.1", 3128)
+            .uid(Some("uid-m"))
+            .labels(&[(POOL_LABEL, "res")])
+            .build();
+        let alone = external("alone", "10.0.0.2", 3128)
+            .uid(Some("uid-a"))
+            .build();
+        inventory.replace([member, alone]);
+        let traffic = Traffic::default();
+        traffic.add("uid-m", 10, 2048);
+        traffic.add("uid-gone", 1, 1);
+        let counter = ProxyBytesCounter::new().unwrap();
+        let family = counter.family(&inventory.snapshot(), &traffic);
+        assert_eq!(family.name(), "proxy_operator_proxy_bytes_total");
+        assert_eq!(family.get_field_type(), MetricType::COUNTER);
+        let series: Vec<(Vec<String>, f64)> = family
+            .get_metric()
+            .iter()
+            .map(|m| {
+                let labels = m.get_label().iter().map(|l| l.value().to_owned());
+                (labels.collect(), m.get_counter().value())
+            })
+            .collect();
+        let labels = |values: [&str; 4]| values.map(String::from).to_vec();
+        assert_eq!(
+            series,
+            [
+                (labels(["down", "alone", "default", ""]), 0.0),
+                (labels(["up", "alone", "default", ""]), 0.0),
+                (labels(["down", "m-0", "default", "res"]), 2048.0),
+                (labels(["up", "m-0", "default", "res"]), 10.0),
+            ]
+        );
+        assert_eq!(traffic.of("uid-gone"), (0, 0));
+        assert_eq!(traffic.of("uid-m"), (10, 2048));
     }
 }

@@ -15,6 +15,7 @@ use crate::egress::{Kind, UNRESOLVABLE};
 use crate::ledger::ReportResult;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::TenantMetrics;
+use crate::serving::traffic::Traffic;
 
 /// Counters the gateway increments.
 #[derive(Clone, Debug)]
@@ -36,6 +37,8 @@ pub struct GatewayMetrics {
     held: HistogramVec,
     /// The counters per tenant, shared with the lease API.
     pub tenants: TenantMetrics,
+    /// Bytes per proxy, shared with the fleet's scrape-time series.
+    traffic: Traffic,
 }
 
 /// Label value of a hold that ended with a member to relay through.
@@ -51,6 +54,7 @@ impl GatewayMetrics {
         registry: &Registry,
         sessions: Sessions,
         tenants: TenantMetrics,
+        traffic: Traffic,
     ) -> Result<Self, prometheus::Error> {
         let connections = IntCounter::new(
             "proxy_operator_gateway_connections_total",
@@ -244,6 +248,7 @@ impl GatewayMetrics {
             bans,
             held,
             tenants,
+            traffic,
         })
     }
 
@@ -289,11 +294,12 @@ impl GatewayMetrics {
             .inc();
     }
 
-    /// Counts bytes relayed for `tenant`.
-    pub fn relayed(&self, tenant: &str, up: u64, down: u64) {
+    /// Counts bytes relayed for `tenant` through the proxy `proxy_uid`.
+    pub fn relayed(&self, tenant: &str, proxy_uid: &str, up: u64, down: u64) {
         self.bytes.with_label_values(&["up"]).inc_by(up);
         self.bytes.with_label_values(&["down"]).inc_by(down);
         self.tenants.relayed(tenant, up, down);
+        self.traffic.add(proxy_uid, up, down);
     }
 
     /// Counts a try on another proxy.

@@ -34,6 +34,7 @@ use crate::serving::Fleet;
 use crate::serving::sessions::Sessions;
 use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
+use crate::serving::traffic::Traffic;
 
 /// How often expired leases are marked and old rows pruned.
 pub const LEDGER_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
@@ -96,9 +97,14 @@ impl Core {
         let probe_metrics = ProbeMetrics::register(&registry).map_err(metric_error)?;
         let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
         let sessions = Sessions::default();
-        let gateway_metrics =
-            GatewayMetrics::register(&registry, sessions.clone(), lease_metrics.tenants.clone())
-                .map_err(metric_error)?;
+        let traffic = Traffic::default();
+        let gateway_metrics = GatewayMetrics::register(
+            &registry,
+            sessions.clone(),
+            lease_metrics.tenants.clone(),
+            traffic.clone(),
+        )
+        .map_err(metric_error)?;
         let ledger_error = |e: LedgerError| StartError::from_display("--ledger", e);
         let ledger: Arc<dyn Ledger> = match &common.ledger {
             LedgerLocation::Sqlite(path) => {
@@ -129,8 +135,13 @@ impl Core {
                 Arc::new(postgres)
             }
         };
-        let fleet = FleetCollector::new(inventory.clone(), health.clone(), ledger.clone())
-            .map_err(metric_error)?;
+        let fleet = FleetCollector::new(
+            inventory.clone(),
+            health.clone(),
+            ledger.clone(),
+            traffic.clone(),
+        )
+        .map_err(metric_error)?;
         registry.register(Box::new(fleet)).map_err(metric_error)?;
         registry
             .register(Box::new(
@@ -140,6 +151,7 @@ impl Core {
         Ok(Core {
             fleet: Fleet {
                 sessions,
+                traffic,
                 ..Fleet::new(inventory, health, ledger, clock)
             },
             registry,

@@ -13,6 +13,7 @@ use super::outcomes::Outcomes;
 use super::pools::PoolDirectory;
 use super::sessions::Sessions;
 use super::tenants::Tenant;
+use super::traffic::Traffic;
 use crate::credentials::CredentialStore;
 use crate::credentials::{Credentials, vendor_credentials};
 use crate::health::HealthSnapshot;
@@ -44,6 +45,8 @@ pub struct Fleet {
     pub outcomes: Outcomes,
     /// The ProxyPools a refused request may wake (empty in standalone mode).
     pub pools: PoolDirectory,
+    /// Bytes through the gateway per proxy.
+    pub traffic: Traffic,
 }
 
 /// One acquire as a server asks it (see [`Fleet::acquire`]).
@@ -130,6 +133,7 @@ impl Fleet {
             credentials: CredentialStore::default(),
             sessions: Sessions::default(),
             pools: PoolDirectory::default(),
+            traffic: Traffic::default(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod retry_after;
 pub mod sessions;
 pub mod tenants;
 pub mod tokens;
+pub mod traffic;
 pub mod watched_file;
 
 pub use fleet::Fleet;

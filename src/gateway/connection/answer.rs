@@ -193,6 +193,7 @@ pub(in crate::gateway) fn hand_on(
             down: 0,
             metrics: gateway.metrics.clone(),
             tenant: held.tenant.clone(),
+            proxy: held.proxy.uid.clone(),
             _keep: keep,
         }
         .boxed()
@@ -272,6 +273,8 @@ struct Relayed {
     down: u64,
     metrics: GatewayMetrics,
     tenant: Arc<str>,
+    /// The UID of the proxy it came through.
+    proxy: String,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
@@ -303,7 +306,8 @@ impl http_body::Body for Relayed {
 
 impl Drop for Relayed {
     fn drop(&mut self) {
-        self.metrics.relayed(&self.tenant, self.up, self.down);
+        self.metrics
+            .relayed(&self.tenant, &self.proxy, self.up, self.down);
     }
 }
 

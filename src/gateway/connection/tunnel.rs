@@ -95,7 +95,9 @@ async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: T
         }
     };
     match result {
-        Some(Ok((up, down))) => gateway.metrics.relayed(&held.tenant, up, down),
+        Some(Ok((up, down))) => gateway
+            .metrics
+            .relayed(&held.tenant, &held.proxy.uid, up, down),
         Some(Err(e)) => log::debug!("gateway: tunnel through {} ended: {e}", held.proxy),
         None => log::debug!("gateway: tunnel through {} cut at shutdown", held.proxy),
     }

@@ -24,6 +24,7 @@ mod inspect;
 mod inspect_clients;
 mod rented;
 mod socks;
+mod traffic;
 
 /// A client whose every request goes through the gateway as `user`; `fresh`: a new
 /// connection per request (no pooling), as separate crawler processes would.

@@ -30,6 +30,7 @@ use proxy_operator::ledger::{
 use proxy_operator::metrics::{self, FleetCollector};
 use proxy_operator::resources::proxy::{Proxy, ProxyId};
 use proxy_operator::serving::Fleet;
+use proxy_operator::serving::traffic::Traffic;
 use support::skip::skip;
 use support::{DEADLINE, Squid, Target};
 use tokio_util::sync::CancellationToken;
@@ -52,8 +53,13 @@ fn registry(
     let registry = Registry::new();
     let probes = ProbeMetrics::register(&registry).unwrap();
     LeaseMetrics::register(&registry).unwrap();
-    let fleet =
-        FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone())).unwrap();
+    let fleet = FleetCollector::new(
+        inventory.clone(),
+        health.clone(),
+        Arc::new(ledger.clone()),
+        Traffic::default(),
+    )
+    .unwrap();
     registry.register(Box::new(fleet)).unwrap();
     let file = SqliteLedgerCollector::new(ledger.clone()).unwrap();
     registry.register(Box::new(file)).unwrap();
@@ -408,9 +414,13 @@ impl CooldownWorld {
         }
         inventory.replace(proxies);
         let registry = Registry::new();
-        let fleet =
-            FleetCollector::new(inventory.clone(), health.clone(), Arc::new(ledger.clone()))
-                .unwrap();
+        let fleet = FleetCollector::new(
+            inventory.clone(),
+            health.clone(),
+            Arc::new(ledger.clone()),
+            Traffic::default(),
+        )
+        .unwrap();
         registry.register(Box::new(fleet)).unwrap();
         let state = ApiState::new(
             Fleet::new(inventory, health, Arc::new(ledger.clone()), dyn_clock),

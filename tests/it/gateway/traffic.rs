@@ -1,0 +1,129 @@
+//! Bytes through the gateway per proxy, against what the target and the crawler sent: plain
+//! HTTP answers and request bodies, and a CONNECT tunnel's bytes (TLS included), each in the
+//! series of the proxy that carried them; every proxy of the inventory has its series from
+//! the start.
+
+use std::time::Instant;
+
+use super::curl;
+use crate::support::DEADLINE;
+use crate::support::fleet::GatewayFleet;
+use crate::support::operator::metric_sum;
+
+const PROXY_BYTES: &str = "proxy_operator_proxy_bytes_total";
+/// What a tunnel may carry beyond the bodies: the TLS handshake (the site's certificate
+/// chain), record framing and the HTTP heads.
+const TUNNEL_OVERHEAD: f64 = 16_384.0;
+
+/// `gw-N`'s bytes in `direction` in `metrics`.
+fn proxy_bytes(metrics: &str, n: usize, direction: &str) -> f64 {
+    let name = format!("name=\"gw-{n}\"");
+    let direction = format!("direction=\"{direction}\"");
+    metric_sum(metrics, PROXY_BYTES, &[&name, &direction, "pool=\"\""])
+}
+
+#[tokio::test]
+async fn bytes_are_counted_per_proxy_as_the_target_and_the_crawler_sent_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = |i: usize| vec![("slot".to_owned(), i.to_string())];
+    let fleet = GatewayFleet::start_labelled(dir.path(), 2, slot, &[]).await;
+
+    // Every proxy has its series before it carried anything.
+    let metrics = fleet.metrics().await;
+    for n in 0..2 {
+        for direction in ["up", "down"] {
+            let series = format!(
+                "{PROXY_BYTES}{{direction=\"{direction}\",name=\"gw-{n}\",namespace=\"default\",pool=\"\"}} 0"
+            );
+            assert!(metrics.contains(&series), "{series} in {metrics}");
+        }
+    }
+
+    // Through gw-0 only: 300,000 bytes down; 50,000 up and echoed back; then 200,000 down
+    // inside a TLS tunnel.
+    let proxy = fleet.proxy_url("bytes;slot=0");
+    let (code, out, err) = curl(&[
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{size_download}",
+        "-x",
+        &proxy,
+        &fleet.site.http("/bytes/300000"),
+    ])
+    .await;
+    assert_eq!((code, out.as_str()), (0, "300000"), "{err}");
+    let body = dir.path().join("body");
+    std::fs::write(&body, vec![b'x'; 50_000]).unwrap();
+    let upload = format!("@{}", body.display());
+    let (code, out, err) = curl(&[
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{size_download}",
+        "--data-binary",
+        &upload,
+        "-x",
+        &proxy,
+        &fleet.site.http("/echo"),
+    ])
+    .await;
+    assert_eq!((code, out.as_str()), (0, "50000"), "{err}");
+    let ca = dir.path().join("site-ca.pem");
+    let (code, out, err) = curl(&[
+        "-sS",
+        "-p",
+        "--cacert",
+        ca.to_str().unwrap(),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{size_download}",
+        "-x",
+        &proxy,
+        &fleet.site.https("/bytes/200000"),
+    ])
+    .await;
+    assert_eq!((code, out.as_str()), (0, "200000"), "{err}");
+
+    // Counted as each answer and the tunnel ended: poll until the bodies are in.
+    let bodies_down = 300_000.0 + 50_000.0 + 200_000.0;
+    let started = Instant::now();
+    let metrics = loop {
+        let metrics = fleet.metrics().await;
+        if proxy_bytes(&metrics, 0, "down") >= bodies_down && proxy_bytes(&metrics, 0, "up") > 0.0
+        {
+            break metrics;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "gw-0's bytes never reached the bodies': {metrics}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let (up, down) = (
+        proxy_bytes(&metrics, 0, "up"),
+        proxy_bytes(&metrics, 0, "down"),
+    );
+    assert!(down - bodies_down <= TUNNEL_OVERHEAD, "down {down}");
+    assert!(
+        (50_000.0..=50_000.0 + TUNNEL_OVERHEAD).contains(&up),
+        "up {up}"
+    );
+    // gw-1 carried nothing; the fleet's and the tenant's counts are gw-0's.
+    assert_eq!(proxy_bytes(&metrics, 1, "up"), 0.0);
+    assert_eq!(proxy_bytes(&metrics, 1, "down"), 0.0);
+    for direction in ["up", "down"] {
+        let label = format!("direction=\"{direction}\"");
+        let fleet_wide = metric_sum(&metrics, "proxy_operator_gateway_bytes_total", &[&label]);
+        let tenant = metric_sum(
+            &metrics,
+            "proxy_operator_tenant_gateway_bytes_total",
+            &[&label],
+        );
+        let proxies = metric_sum(&metrics, PROXY_BYTES, &[&label]);
+        assert_eq!((fleet_wide, tenant), (proxies, proxies), "{direction}");
+    }
+}
