@@ -6,16 +6,16 @@
 //! at scrape time from the inventory, the health snapshot and the ledger, so they can never
 //! drift or leak series the way incremented gauges do.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use actix_web::dev::Server;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use prometheus::core::{Collector, Desc};
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{Counter, Gauge, Metric, MetricFamily, MetricType};
 use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::health::{HealthSnapshot, PerProxyGauge};
+use crate::health::{HealthSnapshot, PerProxyGauge, label_pair, scraped_family};
 use crate::inventory::{Inventory, InventorySnapshot};
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
 use crate::resources::phase::shown_phase;
@@ -135,6 +135,9 @@ impl Collector for FleetCollector {
                 ledger.tenant_usage(),
             )
         };
+        // Read before the inventory: a proxy that carried bytes was in it by then, so one
+        // missing from it is gone, never one added since.
+        let counted = self.traffic.counts();
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
         let (proxy_leases, proxy_bytes) = {
             let snapshot = self.inventory.snapshot();
@@ -161,7 +164,8 @@ impl Collector for FleetCollector {
                     _ => per_proxy.push((&id.namespace, &id.name, active)),
                 }
             }
-            let bytes = self.proxy_bytes.family(&snapshot, &self.traffic);
+            let (bytes, gone) = self.proxy_bytes.family(&snapshot, counted);
+            self.traffic.forget(&gone);
             (self.proxy_leases_active.family(per_proxy), bytes)
         };
         for (phase, count) in Phase::ALL.iter().zip(counts) {
@@ -225,27 +229,20 @@ impl ProxyBytesCounter {
         Ok(ProxyBytesCounter { desc })
     }
 
-    /// The family for the proxies of `snapshot`; `traffic` forgets the others.
-    fn family(&self, snapshot: &InventorySnapshot, traffic: &Traffic) -> MetricFamily {
-        let live: HashSet<&str> = snapshot.entries().map(|(id, _)| id.uid.as_str()).collect();
-        traffic.retain(|uid| live.contains(uid));
-        let label = |key: &str, value: &str| {
-            let mut pair = LabelPair::default();
-            pair.set_name(key.to_owned());
-            pair.set_value(value.to_owned());
-            pair
-        };
+    /// The family for the proxies of `snapshot` among `counted` (what [`Traffic::counts`]
+    /// read), and the UIDs of `counted` that are not in `snapshot`: proxies gone.
+    fn family(
+        &self,
+        snapshot: &InventorySnapshot,
+        mut counted: HashMap<String, (u64, u64)>,
+    ) -> (MetricFamily, Vec<String>) {
         // Two objects of one name (a re-created Proxy) share the name's series, as they do
         // `proxy_operator_proxy_leases_active`; the snapshot is sorted by namespace/name.
-        let mut per_name: Vec<(&ProxyId, &str, u64, u64)> = Vec::with_capacity(snapshot.len());
+        let mut per_name: Vec<(&ProxyId, &str, u64, u64)> = Vec::new();
         for (id, proxy) in snapshot.entries() {
-            let pool = proxy
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|labels| labels.get(POOL_LABEL))
-                .map_or("", String::as_str);
-            let (up, down) = traffic.of(&id.uid);
+            let Some((up, down)) = counted.remove(&id.uid) else {
+                continue;
+            };
             match per_name.last_mut() {
                 Some((named, _, sum_up, sum_down))
                     if named.namespace == id.namespace && named.name == id.name =>
@@ -253,7 +250,15 @@ impl ProxyBytesCounter {
                     *sum_up += up;
                     *sum_down += down;
                 }
-                _ => per_name.push((id, pool, up, down)),
+                _ => {
+                    let pool = proxy
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|labels| labels.get(POOL_LABEL))
+                        .map_or("", String::as_str);
+                    per_name.push((id, pool, up, down));
+                }
             }
         }
         let mut metrics = Vec::with_capacity(2 * per_name.len());
@@ -264,10 +269,10 @@ impl ProxyBytesCounter {
             for (direction, bytes) in [("down", down), ("up", up)] {
                 // Sorted by label name, as the registry's own series are.
                 let mut metric = Metric::from_label(vec![
-                    label("direction", direction),
-                    label("name", &id.name),
-                    label("namespace", &id.namespace),
-                    label("pool", pool),
+                    label_pair("direction", direction),
+                    label_pair("name", &id.name),
+                    label_pair("namespace", &id.namespace),
+                    label_pair("pool", pool),
                 ]);
                 let mut counter = Counter::default();
                 // Exact up to 2^53 bytes (8 PiB) per proxy.
@@ -276,12 +281,8 @@ impl ProxyBytesCounter {
                 metrics.push(metric);
             }
         }
-        let mut family = MetricFamily::default();
-        family.set_name(self.desc.fq_name.clone());
-        family.set_help(self.desc.help.clone());
-        family.set_field_type(MetricType::COUNTER);
-        family.set_metric(metrics);
-        family
+        let family = scraped_family(&self.desc, MetricType::COUNTER, metrics);
+        (family, counted.into_keys().collect())
     }
 }
 
@@ -318,10 +319,7 @@ impl TargetCooldownGauge {
             .map(|(target, count)| (&**target, *count))
             .chain(other)
             .map(|(target, count)| {
-                let mut label = LabelPair::default();
-                label.set_name("target".to_owned());
-                label.set_value(target.to_owned());
-                let mut metric = Metric::from_label(vec![label]);
+                let mut metric = Metric::from_label(vec![label_pair("target", target)]);
                 let mut gauge = Gauge::default();
                 // Exact up to 2^53 cooldowns.
                 gauge.set_value(count as f64);
@@ -332,12 +330,7 @@ impl TargetCooldownGauge {
         if metrics.is_empty() {
             return None;
         }
-        let mut family = MetricFamily::default();
-        family.set_name(self.desc.fq_name.clone());
-        family.set_help(self.desc.help.clone());
-        family.set_field_type(MetricType::GAUGE);
-        family.set_metric(metrics);
-        Some(family)
+        Some(scraped_family(&self.desc, MetricType::GAUGE, metrics))
     }
 }
 
@@ -428,9 +421,12 @@ mod tests {
         let traffic = Traffic::default();
         traffic.add("uid-m", 10, 2048);
         traffic.add("uid-a", 0, 5);
+        // An answer without a body through the idle proxy: still nothing carried.
+        traffic.add("uid-i", 0, 0);
         traffic.add("uid-gone", 1, 1);
         let counter = ProxyBytesCounter::new().unwrap();
-        let family = counter.family(&inventory.snapshot(), &traffic);
+        let (family, gone) = counter.family(&inventory.snapshot(), traffic.counts());
+        assert_eq!(gone, ["uid-gone"]);
         assert_eq!(family.name(), "proxy_operator_proxy_bytes_total");
         assert_eq!(family.get_field_type(), MetricType::COUNTER);
         let series: Vec<(Vec<String>, f64)> = family
@@ -452,7 +448,5 @@ mod tests {
                 (labels(["up", "m-0", "crawl", "res"]), 10.0),
             ]
         );
-        assert_eq!(traffic.of("uid-gone"), (0, 0));
-        assert_eq!(traffic.of("uid-m"), (10, 2048));
     }
 }

@@ -220,31 +220,40 @@ impl PerProxyGauge {
         &self,
         samples: impl IntoIterator<Item = (&'a str, &'a str, f64)>,
     ) -> MetricFamily {
-        let label = |key: &str, value: &str| {
-            let mut pair = LabelPair::default();
-            pair.set_name(key.to_owned());
-            pair.set_value(value.to_owned());
-            pair
-        };
         let metrics = samples
             .into_iter()
             .map(|(namespace, name, value)| {
                 // Sorted by label name, as the registry's own series are.
-                let mut metric =
-                    Metric::from_label(vec![label("name", name), label("namespace", namespace)]);
+                let mut metric = Metric::from_label(vec![
+                    label_pair("name", name),
+                    label_pair("namespace", namespace),
+                ]);
                 let mut gauge = Gauge::default();
                 gauge.set_value(value);
                 metric.set_gauge(gauge);
                 metric
             })
             .collect();
-        let mut family = MetricFamily::default();
-        family.set_name(self.desc.fq_name.clone());
-        family.set_help(self.desc.help.clone());
-        family.set_field_type(MetricType::GAUGE);
-        family.set_metric(metrics);
-        family
+        scraped_family(&self.desc, MetricType::GAUGE, metrics)
     }
+}
+
+/// One label of a series made at scrape time.
+pub fn label_pair(name: &str, value: &str) -> LabelPair {
+    let mut pair = LabelPair::default();
+    pair.set_name(name.to_owned());
+    pair.set_value(value.to_owned());
+    pair
+}
+
+/// The family of `desc`, of type `kind`, with the series `metrics` made at scrape time.
+pub fn scraped_family(desc: &Desc, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+    let mut family = MetricFamily::default();
+    family.set_name(desc.fq_name.clone());
+    family.set_help(desc.help.clone());
+    family.set_field_type(kind);
+    family.set_metric(metrics);
+    family
 }
 
 #[cfg(test)]

@@ -7,6 +7,6 @@ pub mod snapshot;
 pub mod thresholds;
 
 pub use engine::{EngineConfig, HealthEngine, HealthTransition};
-pub use metrics::{PerProxyGauge, ProbeMetrics};
+pub use metrics::{PerProxyGauge, ProbeMetrics, label_pair, scraped_family};
 pub use probe::{ProbeClient, ProbeError, ProbeErrorKind, ProbeResult, ProbeSettings, ProbeTls};
 pub use snapshot::{HealthSnapshot, HealthTable, LastFailure, ProxyHealth};

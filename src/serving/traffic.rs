@@ -1,7 +1,7 @@
 //! Bytes through the gateway per proxy: up (the crawler's request bodies and tunnel bytes, to
 //! the target) and down (the target's answer bodies and tunnel bytes, to the crawler), added as
 //! each answer or tunnel ends. A pool's and a vendor endpoint's bytes are their proxies'. The
-//! table is keyed by UID and read at scrape time for the proxies in the inventory (see
+//! table is keyed by UID and read once a scrape for the proxies in the inventory (see
 //! `metrics::FleetCollector`), which also drops the entries of proxies gone from it.
 
 use std::collections::HashMap;
@@ -38,21 +38,27 @@ impl Traffic {
         counted.down.fetch_add(down, Ordering::Relaxed);
     }
 
-    /// The proxy `uid`'s bytes so far, `(up, down)`.
-    pub fn of(&self, uid: &str) -> (u64, u64) {
+    /// Every proxy's bytes so far, `(up, down)` by UID: those that carried some.
+    pub fn counts(&self) -> HashMap<String, (u64, u64)> {
         let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
-        table.get(uid).map_or((0, 0), |counted| {
-            (
-                counted.up.load(Ordering::Relaxed),
-                counted.down.load(Ordering::Relaxed),
-            )
-        })
+        table
+            .iter()
+            .map(|(uid, counted)| {
+                let up = counted.up.load(Ordering::Relaxed);
+                (uid.clone(), (up, counted.down.load(Ordering::Relaxed)))
+            })
+            .collect()
     }
 
-    /// Forgets the proxies `live` says are gone.
-    pub fn retain(&self, live: impl Fn(&str) -> bool) {
+    /// Forgets the proxies `gone` (UIDs).
+    pub fn forget(&self, gone: &[String]) {
+        if gone.is_empty() {
+            return;
+        }
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
-        table.retain(|uid, _| live(uid));
+        for uid in gone {
+            table.remove(uid);
+        }
     }
 }
 
@@ -63,14 +69,21 @@ mod tests {
     #[test]
     fn bytes_add_up_per_proxy_until_it_is_forgotten() {
         let traffic = Traffic::default();
-        assert_eq!(traffic.of("a"), (0, 0));
+        assert!(traffic.counts().is_empty());
         traffic.add("a", 10, 1000);
         traffic.clone().add("a", 5, 24);
         traffic.add("b", 1, 2);
-        assert_eq!(traffic.of("a"), (15, 1024));
-        assert_eq!(traffic.of("b"), (1, 2));
-        traffic.retain(|uid| uid == "b");
-        assert_eq!(traffic.of("a"), (0, 0));
-        assert_eq!(traffic.of("b"), (1, 2));
+        let expected = |pairs: &[(&str, (u64, u64))]| -> HashMap<String, (u64, u64)> {
+            pairs
+                .iter()
+                .map(|(uid, c)| ((*uid).to_owned(), *c))
+                .collect()
+        };
+        assert_eq!(
+            traffic.counts(),
+            expected(&[("a", (15, 1024)), ("b", (1, 2))])
+        );
+        traffic.forget(&["a".to_owned()]);
+        assert_eq!(traffic.counts(), expected(&[("b", (1, 2))]));
     }
 }

@@ -21,6 +21,24 @@ fn proxy_bytes(metrics: &str, n: usize, direction: &str) -> f64 {
     metric_sum(metrics, PROXY_BYTES, &[&name, &direction, "pool=\"\""])
 }
 
+/// The bytes of `url`'s answer body curl received through `proxy`, with `options`.
+async fn downloaded(proxy: &str, options: &[&str], url: &str) -> u64 {
+    let mut args = vec![
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{size_download}",
+        "-x",
+        proxy,
+    ];
+    args.extend_from_slice(options);
+    args.push(url);
+    let (code, out, err) = curl(&args).await;
+    assert_eq!(code, 0, "{url}: {err}");
+    out.parse().unwrap_or_else(|_| panic!("{url}: {out}"))
+}
+
 #[tokio::test]
 async fn bytes_are_counted_per_proxy_as_the_target_and_the_crawler_sent_them() {
     let dir = tempfile::tempdir().unwrap();
@@ -34,51 +52,20 @@ async fn bytes_are_counted_per_proxy_as_the_target_and_the_crawler_sent_them() {
     // Through gw-0 only: 300,000 bytes down; 50,000 up and echoed back; then 200,000 down
     // inside a TLS tunnel.
     let proxy = fleet.proxy_url("bytes;slot=s0");
-    let (code, out, err) = curl(&[
-        "-sS",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{size_download}",
-        "-x",
-        &proxy,
-        &fleet.site.http("/bytes/300000"),
-    ])
-    .await;
-    assert_eq!((code, out.as_str()), (0, "300000"), "{err}");
+    assert_eq!(
+        downloaded(&proxy, &[], &fleet.site.http("/bytes/300000")).await,
+        300_000
+    );
     let body = dir.path().join("body");
     std::fs::write(&body, vec![b'x'; 50_000]).unwrap();
     let upload = format!("@{}", body.display());
-    let (code, out, err) = curl(&[
-        "-sS",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{size_download}",
-        "--data-binary",
-        &upload,
-        "-x",
-        &proxy,
-        &fleet.site.http("/echo"),
-    ])
-    .await;
-    assert_eq!((code, out.as_str()), (0, "50000"), "{err}");
+    let echo = fleet.site.http("/echo");
+    let posted = downloaded(&proxy, &["--data-binary", &upload], &echo).await;
+    assert_eq!(posted, 50_000);
     let ca = dir.path().join("site-ca.pem");
-    let (code, out, err) = curl(&[
-        "-sS",
-        "-p",
-        "--cacert",
-        ca.to_str().unwrap(),
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{size_download}",
-        "-x",
-        &proxy,
-        &fleet.site.https("/bytes/200000"),
-    ])
-    .await;
-    assert_eq!((code, out.as_str()), (0, "200000"), "{err}");
+    let tunnelled = ["-p", "--cacert", ca.to_str().unwrap()];
+    let https = fleet.site.https("/bytes/200000");
+    assert_eq!(downloaded(&proxy, &tunnelled, &https).await, 200_000);
 
     // Counted as each answer and the tunnel ended: poll until the bodies are in.
     let bodies_down = 300_000.0 + 50_000.0 + 200_000.0;
