@@ -22,7 +22,7 @@ use crate::credentials::Credentials;
 use crate::ledger::{
     AcquireOutcome, Lease, LeaseReport, LeaseState, LedgerError, ReportResult, RequestKey,
 };
-use crate::resources::proxy::proxy_url;
+use crate::resources::proxy::{Proxy, proxy_url};
 use crate::serving::candidates::Selector;
 use crate::serving::fleet::{Acquire, lease_exit};
 use crate::serving::outcomes::Outcome;
@@ -90,8 +90,8 @@ async fn acquired_view(
     tenant: &str,
 ) -> Result<LeaseView, ApiError> {
     let snapshot = state.fleet.inventory.snapshot();
-    let credentials = snapshot
-        .get(&lease.proxy)
+    let object = snapshot.get(&lease.proxy).map(|proxy| &**proxy);
+    let credentials = object
         .filter(|_| state.lease_credentials)
         .map(|proxy| {
             let exit = lease_exit(proxy, &lease.proxy, &lease.id);
@@ -101,7 +101,7 @@ async fn acquired_view(
         })
         .transpose();
     match credentials {
-        Ok(credentials) => Ok(lease_view(state, lease, credentials.flatten())),
+        Ok(credentials) => Ok(lease_view(lease, object, credentials.flatten())),
         Err(unspellable) => {
             if let Err(e) = state.fleet.ledger.release(&lease.id, tenant).await {
                 log::warn!(
@@ -121,17 +121,20 @@ async fn acquired_view(
 /// from the acquire's selector, which only the acquire's answer carries.
 fn stored_view(state: &ApiState, lease: &Lease) -> LeaseView {
     let snapshot = state.fleet.inventory.snapshot();
-    let credentials = snapshot
-        .get(&lease.proxy)
+    let object = snapshot.get(&lease.proxy).map(|proxy| &**proxy);
+    let credentials = object
         .filter(|proxy| state.lease_credentials && proxy.spec.rotating().is_none())
         .and_then(|proxy| state.fleet.credentials.for_proxy(proxy));
-    lease_view(state, lease, credentials)
+    lease_view(lease, object, credentials)
 }
 
-/// `lease` as an answer, with `credentials` to reach its proxy.
-fn lease_view(state: &ApiState, lease: &Lease, credentials: Option<Credentials>) -> LeaseView {
-    let snapshot = state.fleet.inventory.snapshot();
-    let object = snapshot.get(&lease.proxy);
+/// `lease` as an answer: where its proxy (`object`, as the inventory has it) is, with
+/// `credentials` to reach it.
+fn lease_view(
+    lease: &Lease,
+    object: Option<&Proxy>,
+    credentials: Option<Credentials>,
+) -> LeaseView {
     let address = object.and_then(|p| address(p));
     let (username, password) = credentials.map(|c| (c.username, c.password)).unzip();
     LeaseView {
