@@ -5,14 +5,18 @@
 //! copy both ways, and its lease is renewed while it stays open.
 
 use std::collections::HashSet;
+use std::io::IoSlice;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::upgrade::{OnUpgrade, Upgraded};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::{ClientConnection, Failed, LeaseFor, Through};
@@ -74,13 +78,15 @@ pub(super) async fn open(
     (RequestOutcome::Tunneled, response)
 }
 
-/// Copies bytes both ways until either side closes, renewing the lease meanwhile; then gives
-/// a tunnel's own lease back (a session's stays with the session, used from now).
+/// Copies bytes both ways until either side closes, renewing the lease meanwhile; counts what
+/// went each way however it ended (a crawler that resets its connection at the end is common);
+/// then gives a tunnel's own lease back (a session's stays with the session, used from now).
 async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: Tunnel) {
     let _in_use = held.uses.begin();
+    let (up, down) = (AtomicU64::new(0), AtomicU64::new(0));
     let copied = async {
         let client = client.await.map_err(std::io::Error::other)?;
-        pipe(client, upstream).await
+        pipe(client, upstream, &up, &down).await
     };
     tokio::pin!(copied);
     let mut renewals = tokio::time::interval_at(
@@ -94,10 +100,12 @@ async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: T
             () = gateway.stopping.cancelled() => break None,
         }
     };
+    let (up, down) = (up.load(Ordering::Relaxed), down.load(Ordering::Relaxed));
+    gateway
+        .metrics
+        .relayed(&held.tenant, &held.proxy.uid, up, down);
     match result {
-        Some(Ok((up, down))) => gateway
-            .metrics
-            .relayed(&held.tenant, &held.proxy.uid, up, down),
+        Some(Ok(())) => {}
         Some(Err(e)) => log::debug!("gateway: tunnel through {} ended: {e}", held.proxy),
         None => log::debug!("gateway: tunnel through {} cut at shutdown", held.proxy),
     }
@@ -109,26 +117,91 @@ async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: T
 const TUNNEL_BUFFER: usize = 64 << 10;
 
 /// Copies both ways between the crawler's and the upstream's connections, on the TCP streams
-/// (what was read past the heads goes first); returns the bytes sent up and down.
-async fn pipe(client: Upgraded, upstream: Tunnel) -> std::io::Result<(u64, u64)> {
-    let (mut client, client_early) = tcp(client)?;
-    let Tunnel {
-        stream: mut upstream,
-        early: upstream_early,
-    } = upstream;
-    upstream.write_all(&client_early).await?;
-    client.write_all(&upstream_early).await?;
-    let (up, down) = tokio::io::copy_bidirectional_with_sizes(
+/// (what was read past the heads goes first), adding the bytes written up and down to `up` and
+/// `down` as they go.
+async fn pipe(
+    client: Upgraded,
+    upstream: Tunnel,
+    up: &AtomicU64,
+    down: &AtomicU64,
+) -> std::io::Result<()> {
+    let (client, client_early) = tcp(client)?;
+    let mut client = Counting {
+        inner: client,
+        written: down,
+    };
+    let mut upstream_side = Counting {
+        inner: upstream.stream,
+        written: up,
+    };
+    upstream_side.write_all(&client_early).await?;
+    client.write_all(&upstream.early).await?;
+    tokio::io::copy_bidirectional_with_sizes(
         &mut client,
-        &mut upstream,
+        &mut upstream_side,
         TUNNEL_BUFFER,
         TUNNEL_BUFFER,
     )
     .await?;
-    Ok((
-        up + client_early.len() as u64,
-        down + upstream_early.len() as u64,
-    ))
+    Ok(())
+}
+
+/// A stream that counts the bytes written to it, so a tunnel's bytes are known however the
+/// copy ends (its error carries no counts).
+struct Counting<'a> {
+    inner: TcpStream,
+    written: &'a AtomicU64,
+}
+
+impl Counting<'_> {
+    fn count(&self, polled: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = &polled {
+            self.written.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl AsyncRead for Counting<'_> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Counting<'_> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.count(polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.count(polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// The TCP stream under the crawler's upgraded connection, out of its timers (a tunnel is
