@@ -381,6 +381,11 @@ pub struct GatewayArgs {
     /// as if no pool were waking (503 with `Retry-After`).
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_MAX_HELD_REQUESTS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub gateway_max_held_requests: u32,
+
+    /// Threads serving the gateway's client connections, each with every connection it
+    /// accepted; `0` is one per CPU the process may use.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u16))]
+    pub gateway_threads: u16,
 }
 
 /// Where a server listens, or `off`.

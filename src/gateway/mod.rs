@@ -47,5 +47,5 @@ pub use bans::BanRule;
 pub use choice::Gateway;
 pub use config::GatewayConfig;
 pub use metrics::GatewayMetrics;
-pub use server::serve;
+pub use server::{Workers, serve};
 pub use timeouts::Timeouts;

@@ -1,6 +1,13 @@
 //! Accepting client connections: each one counted against the process's cap and served on
 //! its timed stream (see `timeouts`), one over the cap answered and closed; and the shutdown
 //! that ends them and gives their leases back.
+//!
+//! Connections are served on the gateway's own threads, each running a single-threaded
+//! runtime that accepts from the one listening socket. Everything a connection starts (its
+//! upstream connections, tunnels and timers) stays on the thread that accepted it, so a
+//! request and its answer are never handed between threads: on the process's multi-threaded
+//! runtime the client and upstream halves of one request woke each other across workers and
+//! woke idle workers to steal work, which cost more CPU than the relaying itself.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -12,6 +19,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
 use super::answers::{PROXY_STATUS, TOO_MANY_CONNECTIONS, proxy_status};
@@ -24,10 +32,32 @@ use super::timeouts::{Activity, Timed};
 /// How long connections and tunnels get to give their leases back at shutdown.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves the gateway on `listener` until `shutdown` fires; then stops accepting, ends the
+/// The threads the gateway serves on, each with its runtime and its handle on the listening
+/// socket; made before the gateway starts, so a failure stops start-up.
+pub struct Workers {
+    threads: Vec<(Runtime, std::net::TcpListener)>,
+}
+
+impl Workers {
+    /// `threads` (at least one) runtimes accepting from `listener`.
+    pub fn new(listener: std::net::TcpListener, threads: usize) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let threads = (0..threads.max(1))
+            .map(|_| {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                Ok((runtime, listener.try_clone()?))
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(Workers { threads })
+    }
+}
+
+/// Serves the gateway on `workers` until `shutdown` fires; then stops accepting, ends the
 /// connections and tunnels under way and gives their leases back (a session's stays, so the
 /// session finds it again after a restart).
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: CancellationToken) {
+pub async fn serve(workers: Workers, gateway: Arc<Gateway>, shutdown: CancellationToken) {
     let housekeeping = tokio::spawn(choice::release_idle_sessions(
         gateway.clone(),
         shutdown.clone(),
@@ -38,6 +68,60 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
         connections.clone(),
         shutdown.clone(),
     ));
+    // Cancelled once the connections have ended (or had their grace): the threads' runtimes
+    // keep running their connections until then.
+    let finished = CancellationToken::new();
+    let mut threads = Vec::with_capacity(workers.threads.len());
+    for (index, (runtime, listener)) in workers.threads.into_iter().enumerate() {
+        let (gateway, connections) = (gateway.clone(), connections.clone());
+        let (shutdown, finished) = (shutdown.clone(), finished.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("gateway-{index}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(listener) {
+                        Ok(listener) => accept(listener, gateway, connections, shutdown).await,
+                        Err(e) => log::error!("gateway: thread {index} cannot listen: {e}"),
+                    }
+                    finished.cancelled().await;
+                });
+            });
+        match spawned {
+            Ok(thread) => threads.push(thread),
+            Err(e) => log::error!("gateway: cannot start serving thread {index}: {e}"),
+        }
+    }
+    shutdown.cancelled().await;
+    housekeeping.abort();
+    drains.abort();
+    gateway.stopping.cancel();
+    gateway.tasks.close();
+    if tokio::time::timeout(STOP_GRACE, gateway.tasks.wait())
+        .await
+        .is_err()
+    {
+        log::warn!("gateway: connections did not end within {STOP_GRACE:?}; their leases expire");
+    }
+    finished.cancel();
+    let joined = tokio::task::spawn_blocking(move || {
+        for thread in threads {
+            if thread.join().is_err() {
+                log::error!("gateway: a serving thread panicked");
+            }
+        }
+    });
+    if let Err(e) = joined.await {
+        log::error!("gateway: waiting for the serving threads failed: {e}");
+    }
+}
+
+/// Accepts connections on `listener` until `shutdown` fires, each served on this thread.
+async fn accept(
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    connections: Arc<drain::Connections>,
+    shutdown: CancellationToken,
+) {
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -70,16 +154,6 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-    }
-    housekeeping.abort();
-    drains.abort();
-    gateway.stopping.cancel();
-    gateway.tasks.close();
-    if tokio::time::timeout(STOP_GRACE, gateway.tasks.wait())
-        .await
-        .is_err()
-    {
-        log::warn!("gateway: connections did not end within {STOP_GRACE:?}; their leases expire");
     }
 }
 

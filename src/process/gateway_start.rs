@@ -71,10 +71,12 @@ pub fn start(
     token: ApiToken,
     files: GatewayFiles,
 ) -> Result<(), StartError> {
-    let listener = listener
-        .set_nonblocking(true)
-        .and_then(|()| tokio::net::TcpListener::from_std(listener))
-        .map_err(|e| StartError::from_display("--gateway-addr", e))?;
+    let threads = match common.gateway.gateway_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        threads => usize::from(threads),
+    };
+    let workers = gateway::Workers::new(listener, threads)
+        .map_err(|e| StartError::from_display("--gateway-threads", e))?;
     if !token.is_required() {
         log::warn!("--insecure-no-auth: the gateway relays for anyone who can reach it");
     }
@@ -104,7 +106,7 @@ pub fn start(
     let gateway = Arc::new(gateway);
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("gateway", async move {
-        gateway::serve(listener, gateway, shutdown).await;
+        gateway::serve(workers, gateway, shutdown).await;
         Ok(())
     });
     Ok(())
