@@ -3,6 +3,12 @@
 //! batch every [`FLUSH_INTERVAL`] and once more when the gateway stops, never one write per
 //! request. A batch the ledger refuses (overloaded, full, unreachable) is kept and goes with
 //! the next one.
+//!
+//! The ledger answers each flush with the day's bytes of the tenants it named, every
+//! replica's included. A tenant whose bytes reached its `bytesPerDay` quota is refused new
+//! work here until the day's turn, also on a session or a connection that holds its lease
+//! already (new leases the ledger refuses itself): within one flush interval of the ledger
+//! counting the bytes that spent it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,9 +17,12 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::inventory::InventorySnapshot;
-use crate::ledger::{Ledger, TrafficBytes};
+
+use crate::ledger::traffic::{DayBytes, day_start};
+use crate::ledger::{Ledger, QuotaExceeded, TrafficBytes, bytes_spent};
 use crate::resources::pool::POOL_LABEL;
 use crate::resources::proxy::ProxyId;
+use crate::serving::tenants::Tenant;
 
 /// How often the bytes added up go to the ledger.
 pub const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
@@ -23,15 +32,28 @@ type Key = (Arc<str>, ProxyId, Arc<str>);
 
 /// Bytes not yet in the ledger, `(up, down)` by row. Cheap to clone; every clone adds to the
 /// same table.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Accounting {
+    /// Whether bytes go to the ledger at all (`--gateway-no-traffic-ledger` turns it off).
+    enabled: bool,
     pending: Arc<Mutex<HashMap<Key, (u64, u64)>>>,
+    /// Each tenant's bytes of the day as the ledger last answered them.
+    today: Arc<Mutex<HashMap<String, DayBytes>>>,
 }
 
 impl Accounting {
+    /// Accounting that writes to the ledger when `enabled`, and otherwise adds up nothing.
+    pub fn new(enabled: bool) -> Self {
+        Accounting {
+            enabled,
+            pending: Arc::default(),
+            today: Arc::default(),
+        }
+    }
+
     /// Adds `up` and `down` bytes relayed for `tenant` through `proxy` to `target`.
     pub fn add(&self, tenant: &Arc<str>, proxy: &ProxyId, target: &Arc<str>, up: u64, down: u64) {
-        if up == 0 && down == 0 {
+        if !self.enabled || (up == 0 && down == 0) {
             return;
         }
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
@@ -57,25 +79,41 @@ impl Accounting {
     }
 
     /// Writes what was added so far to `ledger`, each proxy with the pool `inventory` gives
-    /// it; returns each tenant's bytes today as the ledger counts them (empty when there was
-    /// nothing to write or the ledger refused: then the bytes are kept for the next flush).
-    pub async fn flush(
-        &self,
-        ledger: &dyn Ledger,
-        inventory: &InventorySnapshot,
-    ) -> HashMap<String, u64> {
+    /// it, at `now_ms` (the ledger's clock, read before the write: the day the ledger counts
+    /// in is never an earlier one), and keeps each tenant's bytes today as the ledger answers
+    /// them. When the ledger refuses, the bytes are kept for the next flush.
+    pub async fn flush(&self, ledger: &dyn Ledger, inventory: &InventorySnapshot, now_ms: i64) {
         let batch = self.take();
         if batch.is_empty() {
-            return HashMap::new();
+            return;
         }
         match ledger.record_traffic(rows(&batch, inventory)).await {
-            Ok(today) => today,
+            Ok(answered) => {
+                let mut today = self.today.lock().unwrap_or_else(PoisonError::into_inner);
+                let day_ms = day_start(now_ms);
+                today.retain(|_, day| day.day_ms == day_ms);
+                for (tenant, bytes) in answered {
+                    today.insert(tenant, DayBytes { day_ms, bytes });
+                }
+            }
             Err(error) => {
                 log::warn!("gateway: the ledger did not take the bytes relayed, kept: {error}");
                 self.keep(batch);
-                HashMap::new()
             }
         }
+    }
+
+    /// Why `tenant` may start no new work at `now_ms`: its bytes of the day, as the ledger
+    /// last answered them, reached its `bytesPerDay` quota.
+    pub fn budget_spent(&self, tenant: &Tenant, now_ms: i64) -> Option<QuotaExceeded> {
+        tenant.quotas.bytes_per_day?;
+        let bytes = self
+            .today
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&*tenant.name)
+            .map_or(0, |day| day.at(now_ms));
+        bytes_spent(&tenant.tenancy(), bytes, now_ms)
     }
 }
 
@@ -127,7 +165,10 @@ mod tests {
 
     #[test]
     fn bytes_add_up_per_tenant_proxy_and_target_until_taken_and_a_kept_batch_adds_back() {
-        let accounting = Accounting::default();
+        let off = Accounting::new(false);
+        off.add(&"team-a".into(), &proxy("p1"), &"example.com".into(), 1, 1);
+        assert!(off.take().is_empty(), "accounting off adds nothing");
+        let accounting = Accounting::new(true);
         let (a, b): (Arc<str>, Arc<str>) = ("team-a".into(), "team-b".into());
         let target: Arc<str> = "example.com".into();
         accounting.add(&a, &proxy("p1"), &target, 10, 100);

@@ -79,6 +79,7 @@ impl Gateway {
         metrics: GatewayMetrics,
         config: GatewayConfig,
     ) -> Self {
+        let accounting = Accounting::new(config.traffic_ledger);
         Gateway {
             destinations: Destinations::new(
                 config.allowed_destinations.clone(),
@@ -97,7 +98,7 @@ impl Gateway {
             config,
             tasks: TaskTracker::new(),
             stopping: CancellationToken::new(),
-            accounting: Accounting::default(),
+            accounting,
         }
     }
 
@@ -113,9 +114,17 @@ impl Gateway {
     /// Writes the bytes relayed since the last flush to the ledger.
     pub(super) async fn flush_traffic(&self) {
         let inventory = self.fleet.inventory.snapshot();
+        let now = self.fleet.clock.now().as_millisecond();
         self.accounting
-            .flush(self.fleet.ledger.as_ref(), &inventory)
+            .flush(self.fleet.ledger.as_ref(), &inventory, now)
             .await;
+    }
+
+    /// Why `ask`'s tenant may start no new work: its bytes of the day reached its
+    /// `bytesPerDay` quota (see `accounting`).
+    pub(super) fn budget_spent(&self, ask: &Ask) -> Option<QuotaExceeded> {
+        let now = self.fleet.clock.now().as_millisecond();
+        self.accounting.budget_spent(&ask.caller.tenant, now)
     }
 
     /// Whether `host` is never intercepted (`--gateway-intercept-exclude`).

@@ -65,7 +65,7 @@ mod selection;
 mod sqlite;
 mod target_hold;
 mod targets;
-mod traffic;
+pub(crate) mod traffic;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -90,6 +90,7 @@ pub use postgres::{
 };
 pub use quota::{
     Bucket, DEFAULT_TENANT, QuotaExceeded, QuotaKind, Quotas, Rate, Tenancy, TenantUsage,
+    bytes_spent,
 };
 pub use sqlite::{
     DEFAULT_MAX_SIZE, Durability, MIN_MAX_SIZE, SCHEMA_VERSION, SqliteLedger,

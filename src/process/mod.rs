@@ -416,6 +416,19 @@ pub fn load_tokens(common: &CommonArgs) -> Result<LoadedAccess, StartError> {
     })
     .map_err(|e| StartError(e.0))?;
     if let Some((file, loaded)) = &tenants {
+        if common.gateway.gateway_no_traffic_ledger
+            && let Some(budgeted) = loaded
+                .tenants
+                .iter()
+                .find(|t| t.quotas.bytes_per_day.is_some())
+        {
+            return Err(StartError(format!(
+                "--gateway-no-traffic-ledger: tenant {} of --tenants-file {} has a bytesPerDay \
+                 quota, which counts the bytes the ledger would no longer get",
+                budgeted.name,
+                file.path().display()
+            )));
+        }
         tokens.token.replace_tenants(loaded.tokens.clone());
         log::info!(
             "--tenants-file {}: {} tenant(s)",

@@ -284,11 +284,17 @@ impl LedgerState {
             .filter(|e| e.expires_at > now)
     }
 
-    /// What `tenant` holds at `now`: its leases that count, and its sessions' among them.
+    /// What `tenant` holds at `now`: its leases that count, its sessions' among them, and its
+    /// bytes of the day.
     pub fn usage(&self, tenant: &str, now: i64) -> TenantUsage {
-        self.by_tenant
+        let usage = self
+            .by_tenant
             .get(tenant)
-            .map_or_else(TenantUsage::default, |leases| leases.usage(now))
+            .map_or_else(TenantUsage::default, |leases| leases.usage(now));
+        TenantUsage {
+            bytes_today: self.day_bytes.get(tenant).map_or(0, |day| day.at(now)),
+            ..usage
+        }
     }
 
     /// Keeps `tenant`'s token bucket as a grant left it.
@@ -1181,6 +1187,7 @@ mod tests {
                 sessions,
                 rate: rate
                     .map(|(per_second, burst)| crate::ledger::quota::Rate { per_second, burst }),
+                bytes_per_day: None,
             },
         }
     }
@@ -1297,6 +1304,7 @@ mod tests {
                 sessions: 1,
                 earliest_expiry: Some(MIN),
                 earliest_session_expiry: Some(2 * MIN),
+                bytes_today: 0,
             }
         );
         s.release("l2", "team-a", 0);

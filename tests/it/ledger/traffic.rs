@@ -1,8 +1,9 @@
 //! Bytes through the gateway in the ledger's hourly traffic rows, each behaviour test run on
 //! both backends (a real SQLite file, a fresh database on the real PostgreSQL server): bytes
 //! added up per (hour, tenant, proxy, pool, target), read back since an hour, each tenant's
-//! bytes of the UTC day answered, swept after the retention, kept across a restart. Time
-//! only moves through the ledger's `ManualClock`.
+//! bytes of the UTC day answered, swept after the retention, kept across a restart; and a
+//! tenant's `bytesPerDay` quota refusing its acquires once the day's bytes reach it, until
+//! midnight UTC. Time only moves through the ledger's `ManualClock`.
 
 use crate::support;
 
@@ -10,9 +11,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use proxy_operator::ledger::{
-    HOUR_MS, LedgerConfig, SweepStats, TrafficBytes, TrafficHour, day_start,
+    AcquireOutcome, AcquireRequest, HOUR_MS, LedgerConfig, QuotaKind, Quotas, SweepStats, Tenancy,
+    TrafficBytes, TrafficHour, day_start,
 };
-use support::ledger::{Backend, Fixture, start};
+use support::ledger::{Backend, Fixture, candidates, granted, start};
 
 fn config() -> LedgerConfig {
     LedgerConfig {
@@ -175,7 +177,82 @@ async fn sweep_drops_traffic_rows_whose_hour_ended_before_the_retention(backend:
     assert_eq!(f.count("SELECT COUNT(*) FROM traffic_hours"), 0);
 }
 
+/// An acquire of `tenant` (with a `bytesPerDay` budget of `budget`) on one of two proxies.
+fn acquire(tenant: &str, budget: Option<u64>) -> AcquireRequest {
+    AcquireRequest {
+        candidates: candidates(2, 100),
+        target: Some("example.com".into()),
+        ttl: Duration::from_secs(60),
+        request: None,
+        client: None,
+        tenant: Tenancy {
+            name: tenant.into(),
+            quotas: Quotas {
+                bytes_per_day: budget,
+                ..Quotas::default()
+            },
+        },
+        session: None,
+        fallback_step: None,
+    }
+}
+
+async fn a_budget_refuses_once_the_days_bytes_reach_it_until_midnight_utc(backend: Backend) {
+    let Some(mut f) = Fixture::on(backend, config()).await else {
+        return;
+    };
+    const BUDGET: u64 = 1_000;
+    let spend = |n: u64| bytes("team-a", "p1", None, "example.com", n / 4, n - n / 4);
+    f.clock_to(22 * HOUR_MS);
+    // Work under way: leases granted while under the budget stay, whatever they carry.
+    let under_way = granted(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    f.record(vec![spend(600)]).await;
+    granted(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    f.record(vec![spend(399)]).await;
+    granted(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    // The byte that reaches the budget, and what the leases under way carry after it.
+    assert_eq!(
+        f.record(vec![spend(1), spend(500)]).await,
+        today(&[("team-a", 1_500)])
+    );
+    let refusal = |outcome| match outcome {
+        Ok(AcquireOutcome::QuotaExceeded(refused)) => refused,
+        other => panic!("expected a refusal for the budget, got {other:?}"),
+    };
+    f.clock_to(23 * HOUR_MS);
+    let refused = refusal(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    assert_eq!(refused.quota, QuotaKind::BytesPerDay);
+    assert_eq!(refused.limit, 1_000.0);
+    assert_eq!(
+        refused.retry_after,
+        Duration::from_secs(3600),
+        "it frees at midnight UTC"
+    );
+    // The lease under way is still the tenant's; other tenants and a larger budget go on.
+    assert!(
+        f.ledger
+            .get(&under_way.id, "team-a")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    granted(f.ledger.acquire(acquire("team-b", Some(BUDGET))).await);
+    granted(f.ledger.acquire(acquire("team-a", Some(2_000))).await);
+    granted(f.ledger.acquire(acquire("team-a", None)).await);
+    // Across a restart the day's bytes still refuse.
+    f.reopen().await;
+    refusal(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    f.clock_to(24 * HOUR_MS - 1);
+    refusal(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    // The day's turn frees it.
+    f.clock_to(24 * HOUR_MS);
+    granted(f.ledger.acquire(acquire("team-a", Some(BUDGET))).await);
+    assert_eq!(f.record(vec![spend(10)]).await, today(&[("team-a", 10)]));
+    f.self_check().await;
+}
+
 crate::on_both_backends!(
+    a_budget_refuses_once_the_days_bytes_reach_it_until_midnight_utc,
     bytes_add_up_per_hour_and_row_and_read_back_oldest_first,
     a_tenants_day_starts_again_at_midnight_utc_and_survives_a_restart,
     sweep_drops_traffic_rows_whose_hour_ended_before_the_retention,
