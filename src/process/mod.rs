@@ -32,7 +32,7 @@ use crate::ledger::{
 use crate::metrics::{self, FleetCollector};
 use crate::serving::Fleet;
 use crate::serving::sessions::Sessions;
-use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
+use crate::serving::tenants::{self, BudgetCollector, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
 use crate::serving::traffic::Traffic;
 
@@ -346,6 +346,18 @@ pub fn start_core(
         gateway: gateway_files,
     } = tokens;
     let token = watch_tokens(supervisor, tokens, tenants, common);
+    let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
+    let budgets =
+        BudgetCollector::new(token.clone(), core.fleet.clock.clone()).map_err(metric_error)?;
+    let refresher = budgets.handle();
+    core.registry
+        .register(Box::new(budgets))
+        .map_err(metric_error)?;
+    let (ledger, shutdown) = (core.fleet.ledger.clone(), supervisor.shutdown_token());
+    supervisor.spawn("tenants' bytes today", async move {
+        refresher.refresh_every(ledger, shutdown).await;
+        Ok(())
+    });
     let state = ApiState {
         lease_credentials: common.lease_credentials,
         kube_events,

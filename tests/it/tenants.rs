@@ -1143,4 +1143,21 @@ async fn a_daily_byte_budget_refuses_new_work_once_spent_and_is_over_by_the_work
         ),
         "{metrics}"
     );
+    // The gauges: the day's bytes as the ledger holds them, and the budget.
+    assert!(
+        metrics.contains(&format!(
+            "proxy_operator_tenant_bytes_per_day_quota{{tenant=\"team-a\"}} {BUDGET}"
+        )),
+        "{metrics}"
+    );
+    let gauge = format!("proxy_operator_tenant_bytes_today{{tenant=\"team-a\"}} {spent}");
+    let started = Instant::now();
+    loop {
+        let metrics = fleet.metrics().await;
+        if metrics.contains(&gauge) {
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "no {gauge}: {metrics}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
