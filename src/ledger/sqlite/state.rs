@@ -1160,6 +1160,24 @@ mod tests {
     }
 
     #[test]
+    fn a_tenants_day_bytes_add_up_until_the_days_turn_and_a_rollback_takes_them_back() {
+        const DAY: i64 = 24 * 60 * MIN;
+        let mut s = state();
+        s.restore_day_bytes("team-a".into(), 100, DAY + 5);
+        assert_eq!(s.count_bytes("team-a", 50, DAY + MIN), 150);
+        s.commit();
+        assert_eq!(s.count_bytes("team-a", 25, DAY + 2 * MIN), 175);
+        assert_eq!(s.count_bytes("team-b", 7, DAY + 2 * MIN), 7);
+        assert_eq!(s.usage("team-a", DAY + 3 * MIN).bytes_today, 175);
+        s.rollback();
+        assert_eq!(s.usage("team-a", DAY + 3 * MIN).bytes_today, 150);
+        assert_eq!(s.usage("team-b", DAY + 3 * MIN).bytes_today, 0);
+        // The next day counts from nothing.
+        assert_eq!(s.usage("team-a", 2 * DAY).bytes_today, 0);
+        assert_eq!(s.count_bytes("team-a", 1, 2 * DAY), 1);
+    }
+
+    #[test]
     fn commit_reports_what_changed() {
         let mut s = state();
         s.release("l2", DEFAULT, 0);
