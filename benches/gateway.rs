@@ -24,7 +24,10 @@
 //! Then rented exits: requests/s through a gateway session on a rotating upstream against one
 //! on an ordinary External proxy, both to one squid playing a vendor; fails below 0.9. Then
 //! plain HTTP through a SOCKS5 upstream (danted): curl's GETs through the gateway against the
-//! same curl straight to danted; fails below 0.6 of the direct requests/s.
+//! same curl straight to danted; fails below 0.6 of the direct requests/s. Then the ledger's
+//! byte accounting: the same wrk through a gateway with it on against one with
+//! `--gateway-no-traffic-ledger`, three runs each, alternating; fails below 0.95 (it may cost
+//! at most 5 % of the requests/s).
 //!
 //! Run with `cargo bench --bench gateway` (needs `wrk`, `squid`, `curl`, `danted` and
 //! mitmproxy: `apt-get install -y wrk squid curl dante-server`, `pip install mitmproxy`).
@@ -33,6 +36,9 @@
 
 #[path = "../tests/support/mod.rs"]
 mod support;
+
+#[path = "gateway/accounting.rs"]
+mod accounting;
 
 #[path = "gateway/interception.rs"]
 mod interception;
@@ -307,12 +313,22 @@ fn main() -> ExitCode {
     let rented = rented::measure(&site, rented_dir.path(), seconds);
     let socks_dir = tempfile::tempdir().expect("a temp dir");
     let through_socks = socks::measure(&runtime, &site, socks_dir.path(), TOKEN);
+    let accounting_dir = tempfile::tempdir().expect("a temp dir");
+    let accounted = accounting::measure(
+        &runtime,
+        &site,
+        &squid,
+        accounting_dir.path(),
+        TOKEN,
+        seconds,
+    );
     let passed = rate_ratio >= MIN_RATE_RATIO
         && added_p99 < MAX_ADDED_P99
         && bulk_ratio >= MIN_BULK_RATIO
         && inside
         && rented
-        && through_socks;
+        && through_socks
+        && accounted;
     if passed {
         ExitCode::SUCCESS
     } else {

@@ -282,6 +282,12 @@ pub struct GatewayArgs {
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_PASS_UNRESOLVED")]
     pub gateway_pass_unresolved: bool,
 
+    /// Keep the gateway's bytes out of the ledger's hourly traffic rows (the metrics still
+    /// count them): for measuring what the accounting costs. Refused with a tenants file that
+    /// sets a `bytesPerDay` quota, which the rows decide.
+    #[arg(long, env = "PROXY_OPERATOR_GATEWAY_NO_TRAFFIC_LEDGER")]
+    pub gateway_no_traffic_ledger: bool,
+
     /// Other proxies a gateway request is tried on after an upstream failed (refused, timed
     /// out, answered the CONNECT with an error) before anything reached the crawler; then 502.
     #[arg(long, env = "PROXY_OPERATOR_GATEWAY_RETRIES", default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=10))]
@@ -434,6 +440,7 @@ impl CommonArgs {
                 connection_lease_ttl: self.default_lease_ttl,
                 allowed_destinations: gateway.gateway_allowed_destinations.0.clone(),
                 pass_unresolved: gateway.gateway_pass_unresolved,
+                traffic_ledger: !gateway.gateway_no_traffic_ledger,
                 timeouts: crate::gateway::Timeouts {
                     header: gateway.gateway_header_timeout,
                     idle: gateway.gateway_idle_timeout,

@@ -31,6 +31,9 @@ pub struct GatewayConfig {
     pub allowed_destinations: Vec<IpNet>,
     /// Whether a target name the gateway cannot resolve goes on to the upstream to resolve.
     pub pass_unresolved: bool,
+    /// Whether the bytes relayed go to the ledger's hourly traffic rows (and so count towards
+    /// the tenants' `bytesPerDay` quotas).
+    pub traffic_ledger: bool,
     /// How long a request head and an idle kept-alive connection may take.
     pub timeouts: Timeouts,
     /// Most client connections open at once.
@@ -58,6 +61,7 @@ impl Default for GatewayConfig {
             max_request_body: 16 << 20,
             allowed_destinations: Vec::new(),
             pass_unresolved: false,
+            traffic_ledger: true,
             timeouts: Timeouts {
                 header: Duration::from_secs(10),
                 idle: Duration::from_secs(60),

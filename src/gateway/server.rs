@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
+use super::accounting;
 use super::answers::{PROXY_STATUS, TOO_MANY_CONNECTIONS, proxy_status};
 use super::choice::{self, Gateway};
 use super::connection::ClientConnection;
@@ -54,11 +55,16 @@ impl Workers {
     }
 }
 
-/// Serves the gateway on `workers` until `shutdown` fires; then stops accepting, ends the
-/// connections and tunnels under way and gives their leases back (a session's stays, so the
-/// session finds it again after a restart).
+/// Serves the gateway on `workers` until `shutdown` fires, writing the bytes relayed to the
+/// ledger every second meanwhile; then stops accepting, ends the connections and tunnels under
+/// way, gives their leases back (a session's stays, so the session finds it again after a
+/// restart) and writes the last bytes.
 pub async fn serve(workers: Workers, gateway: Arc<Gateway>, shutdown: CancellationToken) {
     let housekeeping = tokio::spawn(choice::release_idle_sessions(
+        gateway.clone(),
+        shutdown.clone(),
+    ));
+    let flushes = tokio::spawn(accounting::flush_every_interval(
         gateway.clone(),
         shutdown.clone(),
     ));
@@ -113,6 +119,9 @@ pub async fn serve(workers: Workers, gateway: Arc<Gateway>, shutdown: Cancellati
     if let Err(e) = joined.await {
         log::error!("gateway: waiting for the serving threads failed: {e}");
     }
+    // The bytes of the connections that ended, the last of them included.
+    let _ = flushes.await;
+    gateway.flush_traffic().await;
 }
 
 /// Accepts connections on `listener` until `shutdown` fires, each served on this thread.

@@ -9,6 +9,11 @@
 //! - **Rate**: a token bucket of `burst` tokens refilled at `per_second`; a granted acquire
 //!   takes one token (a replay or a refusal takes none). Over any window of `T` seconds a
 //!   tenant is granted at most `burst + per_second × T` acquires.
+//! - **Bytes per day**: the tenant's bytes through the gateway on the current UTC day (the
+//!   ledger's hourly traffic rows, as flushed) stay below `bytes_per_day`; once they reach it
+//!   every acquire is refused until the day's turn. Work under way is not cut, so a tenant
+//!   ends a day over its budget by at most what its requests and tunnels under way carry
+//!   plus what the gateways relayed in the last flush interval.
 
 use std::fmt;
 use std::sync::Arc;
@@ -40,12 +45,17 @@ pub struct Quotas {
     pub sessions: Option<u32>,
     /// Granted acquires per second, with a burst.
     pub rate: Option<Rate>,
+    /// Bytes through the gateway (up and down) per UTC day.
+    pub bytes_per_day: Option<u64>,
 }
 
 impl Quotas {
     /// Whether any quota is set.
     pub fn any(&self) -> bool {
-        self.leases.is_some() || self.sessions.is_some() || self.rate.is_some()
+        self.leases.is_some()
+            || self.sessions.is_some()
+            || self.rate.is_some()
+            || self.bytes_per_day.is_some()
     }
 }
 
@@ -78,11 +88,18 @@ pub enum QuotaKind {
     Sessions,
     /// Acquires per second.
     Rate,
+    /// Bytes per UTC day.
+    BytesPerDay,
 }
 
 impl QuotaKind {
     /// Every kind.
-    pub const ALL: [QuotaKind; 3] = [QuotaKind::Leases, QuotaKind::Sessions, QuotaKind::Rate];
+    pub const ALL: [QuotaKind; 4] = [
+        QuotaKind::Leases,
+        QuotaKind::Sessions,
+        QuotaKind::Rate,
+        QuotaKind::BytesPerDay,
+    ];
 
     /// The kind as the API, the gateway and the metrics name it.
     pub fn as_str(self) -> &'static str {
@@ -90,6 +107,7 @@ impl QuotaKind {
             QuotaKind::Leases => "leases",
             QuotaKind::Sessions => "sessions",
             QuotaKind::Rate => "acquiresPerSecond",
+            QuotaKind::BytesPerDay => "bytesPerDay",
         }
     }
 }
@@ -107,7 +125,7 @@ pub struct QuotaExceeded {
     pub tenant: Arc<str>,
     /// The quota.
     pub quota: QuotaKind,
-    /// Its limit: leases or sessions, or acquires per second.
+    /// Its limit: leases or sessions, acquires per second, or bytes per day.
     pub limit: f64,
     /// The bucket's size, for the rate quota.
     pub burst: Option<u32>,
@@ -133,6 +151,11 @@ impl QuotaExceeded {
                 "tenant {} has {} gateway sessions, its quota: end one first",
                 self.tenant, self.limit
             ),
+            QuotaKind::BytesPerDay => format!(
+                "tenant {} used its quota of {} bytes through the gateway today (UTC): it \
+                 frees at midnight UTC",
+                self.tenant, self.limit
+            ),
         }
     }
 }
@@ -148,6 +171,8 @@ pub struct TenantUsage {
     pub earliest_expiry: Option<i64>,
     /// The earliest expiry among its sessions' leases (ms).
     pub earliest_session_expiry: Option<i64>,
+    /// Its bytes through the gateway on the current UTC day.
+    pub bytes_today: u64,
 }
 
 impl TenantUsage {
@@ -211,8 +236,9 @@ impl Bucket {
 }
 
 /// Whether a tenant with `usage` and `bucket` (refilled to `now`; `None` without a rate
-/// quota) may be granted one more lease (a gateway session's when `session`). The lease
-/// quota is checked first, then the session quota, then the rate.
+/// quota) may be granted one more lease (a gateway session's when `session`). The day's
+/// bytes are checked first (nothing else frees them before the day's turn), then the lease
+/// quota, then the session quota, then the rate.
 pub fn check(
     tenant: &Tenancy,
     usage: &TenantUsage,
@@ -232,6 +258,9 @@ pub fn check(
         let until = earliest.map_or(0, |e| e.saturating_sub(now)).max(1);
         Duration::from_millis(until.unsigned_abs()).min(MAX_SLOT_WAIT)
     };
+    if let Some(refused) = bytes_spent(tenant, usage.bytes_today, now) {
+        return Err(refused);
+    }
     if let Some(limit) = quotas.leases
         && usage.leases >= limit
     {
@@ -268,6 +297,24 @@ pub fn check(
     Ok(())
 }
 
+/// The refusal of a tenant whose bytes today (`bytes_today` at `now`) reached its
+/// `bytes_per_day`; `None` under it, or without that quota. It frees at the next midnight UTC.
+pub fn bytes_spent(tenant: &Tenancy, bytes_today: u64, now: i64) -> Option<QuotaExceeded> {
+    let limit = tenant.quotas.bytes_per_day?;
+    #[expect(
+        clippy::cast_precision_loss,
+        reason = "a limit in bytes, exact below 2^53 (8 PiB)"
+    )]
+    let limit_f64 = limit as f64;
+    (bytes_today >= limit).then(|| QuotaExceeded {
+        tenant: tenant.name.clone(),
+        quota: QuotaKind::BytesPerDay,
+        limit: limit_f64,
+        burst: None,
+        retry_after: super::traffic::until_next_day(now),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,6 +326,7 @@ mod tests {
                 leases,
                 sessions,
                 rate: rate.map(|(per_second, burst)| Rate { per_second, burst }),
+                bytes_per_day: None,
             },
         }
     }
@@ -289,7 +337,96 @@ mod tests {
             sessions,
             earliest_expiry: Some(3_000),
             earliest_session_expiry: Some(2_500),
+            bytes_today: 0,
         }
+    }
+
+    #[test]
+    fn the_days_bytes_refuse_first_once_they_reach_the_budget_until_midnight_utc() {
+        let budget = |bytes_per_day| Tenancy {
+            quotas: Quotas {
+                bytes_per_day,
+                ..tenant(Some(1), None, Some((1.0, 1))).quotas
+            },
+            ..tenant(None, None, None)
+        };
+        let spent = |bytes_today, leases| TenantUsage {
+            bytes_today,
+            ..usage(leases, 0)
+        };
+        // 2026-01-01T18:00:00Z: six hours to the day's turn.
+        let now = 1_767_290_400_000;
+        let empty = Some(Bucket {
+            tokens: 0.0,
+            at: now,
+        });
+        let full = Some(Bucket {
+            tokens: 1.0,
+            at: now,
+        });
+        // (case, budget, bytes today, leases held, bucket, the quota that refuses)
+        let cases = [
+            ("no budget", None, u64::MAX, 0, full, None),
+            ("under it", Some(1_000), 999, 0, full, None),
+            (
+                "at it",
+                Some(1_000),
+                1_000,
+                0,
+                full,
+                Some(QuotaKind::BytesPerDay),
+            ),
+            (
+                "over it",
+                Some(1_000),
+                5_000,
+                0,
+                full,
+                Some(QuotaKind::BytesPerDay),
+            ),
+            (
+                "before the leases",
+                Some(1_000),
+                1_000,
+                1,
+                full,
+                Some(QuotaKind::BytesPerDay),
+            ),
+            (
+                "before the rate",
+                Some(1_000),
+                1_000,
+                0,
+                empty,
+                Some(QuotaKind::BytesPerDay),
+            ),
+            (
+                "under it, the leases",
+                Some(1_000),
+                10,
+                1,
+                full,
+                Some(QuotaKind::Leases),
+            ),
+        ];
+        for (name, bytes_per_day, today, leases, bucket, expected) in cases {
+            let verdict = check(
+                &budget(bytes_per_day),
+                &spent(today, leases),
+                bucket.as_ref(),
+                false,
+                now,
+            );
+            assert_eq!(verdict.err().map(|e| e.quota), expected, "{name}");
+        }
+        let refused = bytes_spent(&budget(Some(1_000)), 1_000, now).unwrap();
+        assert_eq!(refused.retry_after, Duration::from_secs(6 * 3600));
+        assert_eq!((refused.limit, refused.burst), (1_000.0, None));
+        assert_eq!(
+            refused.message(),
+            "tenant team-a used its quota of 1000 bytes through the gateway today (UTC): it \
+             frees at midnight UTC"
+        );
     }
 
     /// `(case, tenant, what it holds, its bucket, a session's?, the quota that refuses)`.
@@ -504,6 +641,7 @@ mod tests {
                 sessions: 2,
                 earliest_expiry: Some(300),
                 earliest_session_expiry: Some(300),
+                bytes_today: 0,
             }
         );
     }

@@ -32,7 +32,7 @@ use crate::ledger::{
 use crate::metrics::{self, FleetCollector};
 use crate::serving::Fleet;
 use crate::serving::sessions::Sessions;
-use crate::serving::tenants::{self, LoadedTenants, TenantsFile};
+use crate::serving::tenants::{self, BudgetCollector, LoadedTenants, TenantsFile};
 use crate::serving::tokens::{self, ApiToken, LoadedTokens, TokenSources};
 use crate::serving::traffic::Traffic;
 
@@ -346,6 +346,18 @@ pub fn start_core(
         gateway: gateway_files,
     } = tokens;
     let token = watch_tokens(supervisor, tokens, tenants, common);
+    let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
+    let budgets =
+        BudgetCollector::new(token.clone(), core.fleet.clock.clone()).map_err(metric_error)?;
+    let refresher = budgets.handle();
+    core.registry
+        .register(Box::new(budgets))
+        .map_err(metric_error)?;
+    let (ledger, shutdown) = (core.fleet.ledger.clone(), supervisor.shutdown_token());
+    supervisor.spawn("tenants' bytes today", async move {
+        refresher.refresh_every(ledger, shutdown).await;
+        Ok(())
+    });
     let state = ApiState {
         lease_credentials: common.lease_credentials,
         kube_events,
@@ -416,6 +428,19 @@ pub fn load_tokens(common: &CommonArgs) -> Result<LoadedAccess, StartError> {
     })
     .map_err(|e| StartError(e.0))?;
     if let Some((file, loaded)) = &tenants {
+        if common.gateway.gateway_no_traffic_ledger
+            && let Some(budgeted) = loaded
+                .tenants
+                .iter()
+                .find(|t| t.quotas.bytes_per_day.is_some())
+        {
+            return Err(StartError(format!(
+                "--gateway-no-traffic-ledger: tenant {} of --tenants-file {} has a bytesPerDay \
+                 quota, which counts the bytes the ledger would no longer get",
+                budgeted.name,
+                file.path().display()
+            )));
+        }
         tokens.token.replace_tenants(loaded.tokens.clone());
         log::info!(
             "--tenants-file {}: {} tenant(s)",

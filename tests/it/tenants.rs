@@ -534,6 +534,35 @@ fn a_broken_tenants_file_stops_start_up_naming_its_line_and_field() {
     );
 }
 
+#[test]
+fn a_byte_budget_without_the_ledgers_accounting_stops_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.yaml");
+    std::fs::write(&file, budget_of_team_a(1_000_000)).unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-operator"))
+        .args([
+            "standalone",
+            "--inventory",
+            "/nonexistent",
+            "--gateway-no-traffic-ledger",
+            "--tenants-file",
+        ])
+        .arg(&file)
+        .env_remove("DISCOVERY_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "--gateway-no-traffic-ledger: tenant team-a of --tenants-file {} has a bytesPerDay \
+             quota",
+            file.display()
+        )),
+        "{stderr}"
+    );
+}
+
 /// The tenants of the load tests: `quota-leases` may hold 5 leases, `quota-rate` acquire 20 a
 /// second with a burst of 5.
 const LEASES_TOKEN: &str = "quota-leases-token-0123456789";
@@ -948,5 +977,187 @@ async fn a_tenant_holds_at_most_its_cap_of_gateway_connections() {
             "team-a has no room after a close"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A tenants file giving team-a a budget of `bytes_per_day` through the gateway, team-b none.
+fn budget_of_team_a(bytes_per_day: u64) -> String {
+    format!(
+        "tenants:
+  - name: team-a
+    tokens: [\"{a}\"]
+    scope:
+      selector: {{team: a}}
+    quotas: {{bytesPerDay: {bytes_per_day}}}
+  - name: team-b
+    tokens: [\"{b}\"]
+    scope:
+      selector: {{team: b}}
+",
+        a = digest(TEAM_A),
+        b = digest(TEAM_B),
+    )
+}
+
+/// One download of `url` through the gateway as `user` with `token`: the status, the head and
+/// the body.
+async fn download(
+    fleet: &GatewayFleet,
+    user: &str,
+    token: &str,
+    url: &str,
+) -> (u16, String, String) {
+    let proxy = format!("http://{user}:{token}@{}", fleet.operator.gateway());
+    let dir = tempfile::tempdir().unwrap();
+    let body = dir.path().join("body");
+    let (code, head, stderr) = curl(
+        DEADLINE,
+        &[
+            "-s",
+            "-o",
+            body.to_str().unwrap(),
+            "-D",
+            "-",
+            "-x",
+            &proxy,
+            url,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "curl: {stderr}");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (
+        status,
+        head,
+        std::fs::read_to_string(&body).unwrap_or_default(),
+    )
+}
+
+/// A tenant's daily byte budget on the real binary: a session crawls until its tenant's bytes
+/// reach the budget, then new work is refused, on its session too (`503`, `Proxy-Status`
+/// `quota_exceeded`, `Retry-After` until midnight UTC), the lease API answers `429`, another
+/// tenant goes on, and the tenant is over its budget by no more than the request that crossed
+/// it (the work under way) and what a flush interval let through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_byte_budget_refuses_new_work_once_spent_and_is_over_by_the_work_under_way() {
+    const BUDGET: u64 = 500_000;
+    const ANSWER: u64 = 200_000;
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, _) = fleet_of_two_teams(dir.path(), &budget_of_team_a(BUDGET)).await;
+    let ledger = fleet.operator.ledger();
+    let team_a_bytes = || -> u64 {
+        sqlite3(
+            &ledger,
+            "SELECT coalesce(SUM(up + down), 0) FROM traffic_hours WHERE tenant = 'team-a'",
+        )
+        .trim()
+        .parse()
+        .unwrap()
+    };
+    let url = fleet.site.http(&format!("/bytes/{ANSWER}"));
+    // Three answers through one session: the third crosses the budget.
+    for n in 1..=3_u64 {
+        let (status, head, _) = download(&fleet, "crawler;session=s1", TEAM_A, &url).await;
+        assert_eq!(status, 200, "answer {n}: {head}");
+        wait_until("team-a's bytes in the ledger", || {
+            team_a_bytes() >= n * ANSWER
+        })
+        .await;
+    }
+    // The flush that counted the third told the gateway: new work on the session is refused
+    // (a request the gateway let through before it heard is what one flush interval allows).
+    let mut let_through = 0;
+    let started = Instant::now();
+    let (head, body) = loop {
+        let (status, head, body) = download(&fleet, "crawler;session=s1", TEAM_A, &url).await;
+        if status == 503 {
+            break (head, body);
+        }
+        assert_eq!(status, 200, "{head}");
+        let_through += 1;
+        assert!(started.elapsed() < DEADLINE, "never refused: {head}");
+    };
+    assert!(
+        let_through <= 1,
+        "{let_through} answers after the budget was spent"
+    );
+    assert_eq!(
+        header_value(&head, "proxy-status"),
+        Some("proxy-operator; error=http_request_denied; details=\"quota_exceeded\""),
+        "{head}"
+    );
+    let retry_after: u64 = header_value(&head, "retry-after")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Retry-After: {head}"));
+    assert!((1..=86_400).contains(&retry_after), "{head}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["error"], "quota_exceeded", "{body}");
+    assert_eq!(body["quota"], "bytesPerDay", "{body}");
+    assert_eq!(body["limit"], BUDGET, "{body}");
+    assert_eq!(body["tenant"], "team-a", "{body}");
+    // A new connection without a session, and the lease API, are refused too.
+    let (status, head, _) = download(&fleet, "crawler", TEAM_A, &url).await;
+    assert_eq!(status, 503, "{head}");
+    let url_api = format!("{}/v1/leases", fleet.operator.api());
+    let answer = client()
+        .post(&url_api)
+        .bearer_auth(TEAM_A)
+        .json(&json!({"ttlSeconds": 60}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry_after = answer
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|s| (1..=86_400).contains(&s)));
+    let refused: Value = answer.json().await.unwrap();
+    assert_eq!(refused["error"], "quota_exceeded", "{refused}");
+    assert_eq!(refused["quota"], "bytesPerDay", "{refused}");
+    assert_eq!(
+        refused["retryAfterSeconds"],
+        json!(retry_after),
+        "{refused}"
+    );
+    // Team B has no budget and goes on.
+    let (status, head, _) = download(&fleet, "crawler", TEAM_B, &url).await;
+    assert_eq!(status, 200, "{head}");
+    // Over by the answer that crossed the budget and what one interval let through, each
+    // within its heads' size.
+    let heads = 4 * 1_024;
+    let spent = team_a_bytes();
+    assert!(
+        spent <= BUDGET + (1 + let_through) * ANSWER + heads,
+        "team-a used {spent} bytes"
+    );
+    let metrics = fleet.metrics().await;
+    assert!(
+        metrics.contains(
+            "proxy_operator_tenant_refusals_total{reason=\"quota_bytesPerDay\",tenant=\"team-a\"}"
+        ),
+        "{metrics}"
+    );
+    // The gauges: the day's bytes as the ledger holds them, and the budget.
+    assert!(
+        metrics.contains(&format!(
+            "proxy_operator_tenant_bytes_per_day_quota{{tenant=\"team-a\"}} {BUDGET}"
+        )),
+        "{metrics}"
+    );
+    let gauge = format!("proxy_operator_tenant_bytes_today{{tenant=\"team-a\"}} {spent}");
+    let started = Instant::now();
+    loop {
+        let metrics = fleet.metrics().await;
+        if metrics.contains(&gauge) {
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "no {gauge}: {metrics}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

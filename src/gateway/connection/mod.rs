@@ -235,9 +235,10 @@ impl ClientConnection {
         let mut attempts = Attempts::default();
         let mut hold: Option<hold::Hold> = None;
         loop {
-            let chosen = match lease_for {
-                LeaseFor::Request => self.choose(ask, &tried).await,
-                LeaseFor::Tunnel => self.gateway.tunnel_lease(ask, &tried).await,
+            let chosen = match (gateway.budget_spent(ask), lease_for) {
+                (Some(spent), _) => Err(Refusal::Quota(spent)),
+                (None, LeaseFor::Request) => self.choose(ask, &tried).await,
+                (None, LeaseFor::Tunnel) => self.gateway.tunnel_lease(ask, &tried).await,
             };
             let (held, upstream) = match chosen {
                 Ok(chosen) => chosen,

@@ -11,7 +11,8 @@
 //! checked by the insert itself, so BEGIN, the locks, the insert and COMMIT go out together:
 //! one round trip. The others are checked here, between the locks and the insert (three).
 //! A tenant's quotas are decided under its row of `tenant_quotas`, locked before any proxy
-//! (in name order, so replicas never deadlock), which also holds its token bucket.
+//! (in name order, so replicas never deadlock), which also holds its token bucket; its bytes
+//! of the day (`bytesPerDay`) are summed from `traffic_hours` under that lock.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
@@ -31,6 +32,7 @@ use crate::ledger::lease::{AcquireOutcome, AcquireRequest, Lease, LeaseRow, Leas
 use crate::ledger::quota::{self, Bucket, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
+use crate::ledger::traffic;
 use crate::resources::proxy::ProxyId;
 
 /// One acquire waiting for its batch.
@@ -100,6 +102,10 @@ const OPEN_REQUEST_TENANT: usize = 14;
 const TENANT_USAGE: &str = "SELECT tenant, count(*), count(session), min(expires_at), \
      min(expires_at) FILTER (WHERE session IS NOT NULL) FROM leases \
      WHERE tenant = ANY($1) AND state = 'active' AND expires_at > $2 GROUP BY tenant";
+/// The bytes of the tenants (`$1`) on the UTC day starting `$2`: what their `bytesPerDay`
+/// quota counts, read under their rows' locks in [`check_under_locks`].
+const TENANT_BYTES: &str = "SELECT tenant, sum(up + down)::BIGINT FROM traffic_hours \
+     WHERE tenant = ANY($1) AND hour_ms >= $2 GROUP BY tenant";
 /// The tenants' token buckets.
 const TENANT_BUCKETS: &str =
     "SELECT tenant, tokens, refilled_at FROM tenant_quotas WHERE tenant = ANY($1)";
@@ -217,7 +223,18 @@ pub(crate) async fn decide(
     let limited = quota_tenants(batch);
     // The reads are independent: sent together, they cost one round trip. (Each in a block of
     // its own, so its parameters live as long as its query.)
-    let (earlier, open_rows, load_rows, cooldown_rows, for_target, usage_rows, bucket_rows) = tokio::try_join!(
+    let budgeted = budget_tenants(batch);
+    let day = traffic::day_start(now);
+    let (
+        earlier,
+        open_rows,
+        load_rows,
+        cooldown_rows,
+        for_target,
+        usage_rows,
+        bucket_rows,
+        bytes_rows,
+    ) = tokio::try_join!(
         // Grants of an earlier attempt of this batch whose answer was lost.
         async {
             match retried {
@@ -237,6 +254,15 @@ pub(crate) async fn decide(
         // What the tenants with a quota hold, and their buckets.
         async { query_if(!limited.is_empty(), client, TENANT_USAGE, &[&limited, &now]).await },
         async { query_if(!limited.is_empty(), client, TENANT_BUCKETS, &[&limited]).await },
+        async {
+            query_if(
+                !budgeted.is_empty(),
+                client,
+                TENANT_BYTES,
+                &[&budgeted, &day],
+            )
+            .await
+        },
     )?;
     let mut known = Known {
         granted: earlier.into_iter().map(|l| (l.id.clone(), l)).collect(),
@@ -246,7 +272,7 @@ pub(crate) async fn decide(
             .map(|row| ((row.get(0), row.get(1)), row.get(2)))
             .collect(),
         for_target,
-        usage: usage_of(&usage_rows),
+        usage: with_bytes(usage_of(&usage_rows), &bytes_rows),
         buckets: buckets_of(&bucket_rows),
     };
     for row in &open_rows {
@@ -533,9 +559,21 @@ async fn check_under_locks(
             rate.map_or(0.0, |r| f64::from(r.burst))
         })
         .collect();
+    let budgeted: Vec<&str> = tenants
+        .iter()
+        .copied()
+        .filter(|name| {
+            planned
+                .iter()
+                .map(|p| &batch[p.pending].request.tenant)
+                .any(|t| &*t.name == *name && t.quotas.bytes_per_day.is_some())
+        })
+        .collect();
+    let day = traffic::day_start(now);
     conn.prepare(&[
         LOCK_TENANTS,
         TENANT_USAGE,
+        TENANT_BYTES,
         LOCK_TARGETS,
         LOCK_PROXIES,
         HELD,
@@ -545,13 +583,22 @@ async fn check_under_locks(
     .await?;
     // BEGIN, the locks, then under them what the tenants and proxies hold now, committed by
     // any replica: one round trip, run by the server in this order.
-    let (_, stored_buckets, tenant_usage, _, _, held, cooled, mut per_target) = tokio::try_join!(
+    let (_, stored_buckets, tenant_usage, tenant_bytes, _, _, held, cooled, mut per_target) = tokio::try_join!(
         conn.begin(),
         async {
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&tenants, &now, &bursts];
             query_if(!tenants.is_empty(), client, LOCK_TENANTS, &params).await
         },
         async { query_if(!tenants.is_empty(), client, TENANT_USAGE, &[&tenants, &now]).await },
+        async {
+            query_if(
+                !budgeted.is_empty(),
+                client,
+                TENANT_BYTES,
+                &[&budgeted, &day],
+            )
+            .await
+        },
         async {
             let limited = config.max_leases_per_target.is_some() && !targets.is_empty();
             query_if(limited, client, LOCK_TARGETS, &[&targets]).await
@@ -572,7 +619,7 @@ async fn check_under_locks(
     let mut held: HashMap<String, i64> = held.iter().map(|row| (row.get(0), row.get(1))).collect();
     let cooled: HashSet<(String, String)> =
         cooled.iter().map(|row| (row.get(0), row.get(1))).collect();
-    let mut usage = usage_of(&tenant_usage);
+    let mut usage = with_bytes(usage_of(&tenant_usage), &tenant_bytes);
     let mut buckets = buckets_of(&stored_buckets);
     let mut spent: HashMap<String, Bucket> = HashMap::new();
     // A replica whose clock read came before another's may get a tenant's lock after it: its
@@ -836,6 +883,28 @@ fn quota_tenants(batch: &[Pending]) -> Vec<&str> {
     )
 }
 
+/// The tenants of `batch` that have a `bytesPerDay` quota, each once.
+fn budget_tenants(batch: &[Pending]) -> Vec<&str> {
+    in_lock_order(
+        batch
+            .iter()
+            .map(|p| &p.request.tenant)
+            .filter(|t| t.quotas.bytes_per_day.is_some())
+            .map(|t| &*t.name),
+    )
+}
+
+/// `usage` with the day's bytes of [`TENANT_BYTES`] rows.
+fn with_bytes(
+    mut usage: HashMap<String, TenantUsage>,
+    rows: &[Row],
+) -> HashMap<String, TenantUsage> {
+    for row in rows {
+        usage.entry(row.get(0)).or_default().bytes_today = traffic::from_sql(row.get(1));
+    }
+    usage
+}
+
 /// A tenant's bucket at `now`: the stored one refilled, or a full one for a tenant that never
 /// acquired.
 fn bucket_at(stored: Option<&Bucket>, rate: &quota::Rate, now: i64) -> Bucket {
@@ -852,6 +921,7 @@ fn usage_of(rows: &[Row]) -> HashMap<String, TenantUsage> {
                 sessions: count(2),
                 earliest_expiry: row.get(3),
                 earliest_session_expiry: row.get(4),
+                bytes_today: 0,
             };
             (row.get(0), usage)
         })

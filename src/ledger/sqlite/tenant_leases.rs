@@ -46,7 +46,8 @@ impl TenantLeases {
         self.all.is_empty()
     }
 
-    /// What counts against the tenant's quotas at `now`.
+    /// What the tenant's leases count against its quotas at `now` (its bytes are the
+    /// state's).
     pub fn usage(&self, now: i64) -> TenantUsage {
         let (leases, earliest_expiry) = counting(&self.all, now);
         let (sessions, earliest_session_expiry) = counting(&self.sessions, now);
@@ -55,6 +56,7 @@ impl TenantLeases {
             sessions,
             earliest_expiry,
             earliest_session_expiry,
+            bytes_today: 0,
         }
     }
 }

@@ -16,6 +16,7 @@
 //!       sessions: 10
 //!       acquiresPerSecond: 5
 //!       burst: 10
+//!       bytesPerDay: 20GiB    # through the gateway per UTC day (a number of bytes, or units)
 //!     interception: true      # may ask the gateway for tls=inspect (default false)
 //! ```
 
@@ -88,6 +89,30 @@ struct QuotasDoc {
     acquires_per_second: Option<Spanned<f64>>,
     #[serde(default)]
     burst: Option<Spanned<u32>>,
+    #[serde(default)]
+    bytes_per_day: Option<Spanned<ByteCount>>,
+}
+
+/// A number of bytes as the file spells it: a whole number, or with units (`20GiB`, `1.5TB`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ByteCount {
+    Bytes(u64),
+    Text(String),
+}
+
+impl ByteCount {
+    /// The bytes, or why the spelling is none.
+    fn bytes(&self) -> Result<u64, String> {
+        match self {
+            ByteCount::Bytes(bytes) => Ok(*bytes),
+            ByteCount::Text(text) => text
+                .trim()
+                .parse::<bytesize::ByteSize>()
+                .map(|size| size.as_u64())
+                .map_err(|e| format!("{text:?} is not a number of bytes: {e}")),
+        }
+    }
 }
 
 /// A tenants file, and what it says: every token digest with its tenant.
@@ -302,10 +327,27 @@ impl TenantsFile {
                 })
             }
         };
+        let bytes_per_day = match quotas.bytes_per_day {
+            None => None,
+            Some(spelled) => match spelled.value.bytes() {
+                Ok(0) => {
+                    return Err(self.error(
+                        line(&spelled.referenced),
+                        &field("bytesPerDay"),
+                        "must be at least 1 byte",
+                    ));
+                }
+                Ok(bytes) => Some(bytes),
+                Err(why) => {
+                    return Err(self.error(line(&spelled.referenced), &field("bytesPerDay"), why));
+                }
+            },
+        };
         Ok(Quotas {
             leases: quotas.leases.map(|l| l.value),
             sessions: quotas.sessions.map(|s| s.value),
             rate,
+            bytes_per_day,
         })
     }
 }
@@ -435,10 +477,10 @@ mod tests {
     scope:
       namespaces: [crawl-a]
       selector: {{team: a}}
-    quotas: {{leases: 20, sessions: 10, acquiresPerSecond: 2.5, burst: 8}}
+    quotas: {{leases: 20, sessions: 10, acquiresPerSecond: 2.5, burst: 8, bytesPerDay: 2GiB}}
   - name: team-b
     tokens: [\"sha256:{b}\"]
-    quotas: {{acquiresPerSecond: 2.5}}
+    quotas: {{acquiresPerSecond: 2.5, bytesPerDay: 1000000}}
 ",
             a = hex("team-a-token-0123456789"),
             a2 = hex("team-a-next-0123456789"),
@@ -458,6 +500,7 @@ mod tests {
                     per_second: 2.5,
                     burst: 8
                 }),
+                bytes_per_day: Some(2 << 30),
             }
         );
         let labels = crate::fixtures::label_map(&[("team", "a")]);
@@ -472,6 +515,7 @@ mod tests {
             "one second's worth"
         );
         assert_eq!((b.quotas.leases, b.quotas.sessions), (None, None));
+        assert_eq!(b.quotas.bytes_per_day, Some(1_000_000));
     }
 
     #[test]
@@ -479,6 +523,18 @@ mod tests {
         let a = hex("team-a-token-0123456789");
         let cases: Vec<(String, &str)> = vec![
             ("tenants: []\n".into(), "line 1: tenants: names no tenant"),
+            (
+                format!(
+                    "tenants:\n  - name: a\n    tokens: [\"sha256:{a}\"]\n    quotas:\n      bytesPerDay: 0\n"
+                ),
+                "line 5: tenants[0].quotas.bytesPerDay: must be at least 1 byte",
+            ),
+            (
+                format!(
+                    "tenants:\n  - name: a\n    tokens: [\"sha256:{a}\"]\n    quotas:\n      bytesPerDay: lots\n"
+                ),
+                "line 5: tenants[0].quotas.bytesPerDay: \"lots\" is not a number of bytes",
+            ),
             (
                 format!("tenants:\n  - name: Team-A\n    tokens: [\"sha256:{a}\"]\n"),
                 "line 2: tenants[0].name: \"Team-A\" is not",

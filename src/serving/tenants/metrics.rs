@@ -22,8 +22,8 @@ impl TenantMetrics {
             Opts::new(
                 "proxy_operator_tenant_refusals_total",
                 "Acquires (API and gateway) refused, by tenant and reason: quota_leases, \
-                 quota_sessions, quota_acquiresPerSecond, or why no proxy in the tenant's \
-                 scope was free (no_proxies, capacity, cooldown, ...).",
+                 quota_sessions, quota_acquiresPerSecond, quota_bytesPerDay, or why no proxy \
+                 in the tenant's scope was free (no_proxies, capacity, cooldown, ...).",
             ),
             &["tenant", "reason"],
         )?;

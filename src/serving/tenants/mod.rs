@@ -7,12 +7,14 @@
 //! Another tenant's leases and sessions are answered exactly as unknown ones: the API and
 //! the gateway never say that an ID exists.
 
+mod budgets;
 mod file;
 mod metrics;
 mod refusal;
 
 use std::sync::Arc;
 
+pub use budgets::BudgetCollector;
 pub use file::{LoadedTenants, MAX_TENANTS, TenantsError, TenantsFile, load, watch_file};
 pub use metrics::TenantMetrics;
 pub use refusal::QuotaExceededBody;

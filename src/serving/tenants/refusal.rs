@@ -19,9 +19,10 @@ pub struct QuotaExceededBody {
     /// The caller's tenant.
     pub tenant: String,
     /// The quota: `leases` (leases at once, a gateway session's included), `sessions`
-    /// (gateway sessions at once) or `acquiresPerSecond`.
+    /// (gateway sessions at once), `acquiresPerSecond`, or `bytesPerDay` (bytes through the
+    /// gateway per UTC day; it frees at midnight UTC).
     pub quota: String,
-    /// Its limit: leases or sessions (a whole number), or acquires per second.
+    /// Its limit: leases or sessions (a whole number), acquires per second, or bytes.
     #[serde(serialize_with = "whole_when_it_is")]
     pub limit: f64,
     /// The burst of the `acquiresPerSecond` quota.

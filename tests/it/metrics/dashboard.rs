@@ -408,7 +408,22 @@ async fn traffic(fleet: &GatewayFleet) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_standalone_panel_answers_from_a_real_prometheus() {
     let dir = tempfile::tempdir().expect("a temp dir");
-    let fleet = GatewayFleet::start(dir.path(), 2, &[]).await;
+    // A tenant with a daily byte budget, for the budget's panel.
+    let tenants = dir.path().join("tenants.yaml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "tenants:\n  - name: team-a\n    tokens: [\"{}\"]\n    quotas: {{bytesPerDay: 1GiB}}\n",
+            support::token_digest("dashboard-team-a-token-0123456789")
+        ),
+    )
+    .expect("write the tenants file");
+    let fleet = GatewayFleet::start(
+        dir.path(),
+        2,
+        &["--tenants-file", tenants.to_str().expect("a UTF-8 path")],
+    )
+    .await;
     let Some(prometheus) = prometheus(fleet.operator.metrics_address()).await else {
         return;
     };

@@ -202,7 +202,7 @@ fn promtool_unit_tests_fire_and_quiet_every_alert() {
         }
     }
     let alerts: BTreeSet<String> = alert_names().into_iter().collect();
-    assert_eq!(alerts.len(), 12, "{alerts:?}");
+    assert_eq!(alerts.len(), 13, "{alerts:?}");
     assert_eq!(fires, alerts, "alerts with a firing case");
     assert_eq!(quiet, alerts, "alerts with a quiet case");
 }

@@ -85,11 +85,12 @@ class TooManyRequests(ApiError):
 
 class QuotaExceeded(TooManyRequests):
     """429 ``quota_exceeded``: the caller's tenant is at one of its quotas, and nothing was
-    looked at. ``tenant`` names it, ``quota`` says which (``leases``, ``sessions`` or
-    ``acquiresPerSecond``), ``limit`` is that quota's limit (leases, sessions, or acquires per
-    second) and ``burst`` the rate's bucket size (``None`` for the other quotas). A quota frees
-    up by itself (a lease expiring, the bucket refilling) or when the tenant gives a lease
-    back, so :class:`RetryPolicy` asks again every ``retry_after`` seconds, up to its
+    looked at. ``tenant`` names it, ``quota`` says which (``leases``, ``sessions``,
+    ``acquiresPerSecond`` or ``bytesPerDay``), ``limit`` is that quota's limit (leases,
+    sessions, acquires per second, or bytes through the gateway per UTC day) and ``burst`` the
+    rate's bucket size (``None`` for the other quotas). A quota frees up by itself (a lease
+    expiring, the bucket refilling, midnight UTC for ``bytesPerDay``) or when the tenant gives
+    a lease back, so :class:`RetryPolicy` asks again every ``retry_after`` seconds, up to its
     ``quota_exceeded`` budget."""
 
     def __init__(
