@@ -19,6 +19,7 @@ use super::store;
 use crate::ledger::clock::Clock;
 use crate::ledger::config::{LedgerConfig, millis};
 use crate::ledger::error::LedgerError;
+use crate::ledger::exits::{CONFIRM_DIVISOR, ExitRecord, ExitSeen};
 use crate::ledger::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats, new_lease_id,
 };
@@ -60,6 +61,11 @@ pub(crate) enum Job {
     RecordDemand {
         pools: Vec<String>,
         reply: Reply<()>,
+    },
+    /// The exit a check found for a proxy.
+    RecordExit {
+        exit: ExitRecord,
+        reply: Reply<ExitSeen>,
     },
     Sweep {
         reply: Reply<SweepStats>,
@@ -149,6 +155,7 @@ impl Job {
             Job::Renew { reply, .. } | Job::Report { reply, .. } => send(reply, error()),
             Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
             Job::RecordDemand { reply, .. } => send(reply, error()),
+            Job::RecordExit { reply, .. } => send(reply, error()),
             Job::Sweep { reply } => send(reply, error()),
             Job::EndLeases { reply, .. } => send(reply, error()),
         }
@@ -351,6 +358,7 @@ impl Writer {
                 reply,
             } => answer(reply, self.report(&id, &tenant, &report, now)),
             Job::RecordDemand { pools, reply } => answer(reply, self.record_demand(&pools, now)),
+            Job::RecordExit { exit, reply } => answer(reply, self.record_exit(&exit, now)),
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
@@ -376,6 +384,13 @@ impl Writer {
     fn record_demand(&self, pools: &[String], now: i64) -> Decision<()> {
         store::record_demand(&self.conn, pools, now)?;
         Ok(Ok(()))
+    }
+
+    /// Records a proxy's exit. Memory holds no exits, so nothing is journalled: a failed
+    /// batch rolls the rows back with the rest.
+    fn record_exit(&self, exit: &ExitRecord, now: i64) -> Decision<ExitSeen> {
+        let confirm_after = millis(self.config.history_retention) / i64::from(CONFIRM_DIVISOR);
+        Ok(Ok(store::record_exit(&self.conn, exit, now, confirm_after)?))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page
