@@ -190,11 +190,19 @@ mod tests {
                 &serde_json::json!({"country": {"iso_code": "de"}}),
             )
             .unwrap();
+        // Typed as GeoLite2-ASN has it: the number a uint32.
+        #[derive(serde::Serialize)]
+        struct Asn {
+            autonomous_system_number: u32,
+            autonomous_system_organization: &'static str,
+        }
         let mut asn = Writer::new("GeoLite2-ASN");
         asn.insert(
             "192.0.2.0/25".parse::<ipnet::IpNet>().unwrap(),
-            &serde_json::json!({"autonomous_system_number": 64500,
-                                "autonomous_system_organization": "Example Net"}),
+            &Asn {
+                autonomous_system_number: 64500,
+                autonomous_system_organization: "Example Net",
+            },
         )
         .unwrap();
         let paths = [dir.path().join("country.mmdb"), dir.path().join("asn.mmdb")];
