@@ -205,7 +205,12 @@ pub struct CommonArgs {
     /// free equivalents) that gives exit addresses their country and network; repeat it for
     /// one file of each kind. Read whole at start: a file that cannot be read stops the
     /// process.
-    #[arg(long, env = "PROXY_OPERATOR_GEOIP_DATABASE", value_name = "PATH", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GEOIP_DATABASE",
+        value_name = "PATH",
+        value_delimiter = ','
+    )]
     pub geoip_database: Vec<PathBuf>,
 
     /// File of API bearer tokens, one a line (blank lines and surrounding whitespace

@@ -251,7 +251,10 @@ pub async fn proxy_detail(
     let exit_changes = state
         .fleet
         .ledger
-        .exit_changes(Some((namespace.to_owned(), name.to_owned())), PROXY_EXIT_CHANGES)
+        .exit_changes(
+            Some((namespace.to_owned(), name.to_owned())),
+            PROXY_EXIT_CHANGES,
+        )
         .await
         .map_err(|e| ledger_error(state, e))?;
     let kube = state.kube_events.of(&proxy).await;

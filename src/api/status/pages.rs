@@ -5,8 +5,8 @@
 use maud::{DOCTYPE, Markup, html};
 
 use super::view::{
-    Badge, EventsView, ExitRow, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail, ProxyRow,
-    SortKey, TargetsView,
+    Badge, EventsView, ExitRow, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail,
+    ProxyRow, SortKey, TargetsView,
 };
 use crate::api::types::LastFailureView;
 
@@ -347,6 +347,7 @@ fn exit_cell(exit: Option<&ExitRow>) -> Markup {
         @if let Some(asn) = exit.asn { " AS" (asn) }
         @if !exit.shared_with.is_empty() { " " span.flag title=(format!("also {}", exit.shared_with.join(", "))) { "shared" } }
         @if exit.sampled { " " span.flag { "sampled" } }
+        @if let Some(mismatch) = &exit.geo_mismatch { " " span.flag title=(mismatch) { "geo mismatch" } }
     }
 }
 
@@ -550,6 +551,7 @@ pub fn proxy(view: &ProxyDetail, access: Access) -> Markup {
                             (exit.organization.as_deref().unwrap_or(""))
                         } }
                         div { dt { "Shared with" } dd { @if exit.shared_with.is_empty() { "—" } @else { (exit.shared_with.join(", ")) } } }
+                        @if let Some(mismatch) = &exit.geo_mismatch { div { dt { "Geo mismatch" } dd { (mismatch) } } }
                         div { dt { "Last check" } dd { (exit.checked_at) } }
                     }
                     @if let Some(error) = &exit.last_error {

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::api::types::LastFailureView;
+use crate::geoip::{GEO_LABEL, geo_mismatch};
 use crate::health::ProxyHealth;
 use crate::health::exits::ExitView;
 use crate::inventory::InventorySnapshot;
@@ -387,6 +388,10 @@ pub struct ExitRow {
     pub organization: Option<String>,
     /// Other Ready proxies exiting from the same address (`namespace/name`).
     pub shared_with: Vec<String>,
+    /// The proxy's `geo` label names another country than the exit's: what it says, as the
+    /// `GeoMismatch` condition does (absent when they agree or either is unknown).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub geo_mismatch: Option<String>,
     /// When it was last checked (RFC 3339).
     pub checked_at: String,
     /// Why the last check failed, when it did (the exit shown is the last one found).
@@ -394,9 +399,16 @@ pub struct ExitRow {
     pub last_error: Option<String>,
 }
 
-impl From<&ExitView> for ExitRow {
-    fn from(view: &ExitView) -> Self {
+impl ExitRow {
+    /// The row of `view`, for a proxy labelled `labels`.
+    fn of(view: &ExitView, labels: Option<&BTreeMap<String, String>>) -> Self {
+        let label = labels.and_then(|l| l.get(GEO_LABEL)).map(String::as_str);
+        let geo_mismatch =
+            geo_mismatch(label, view.network.country.as_deref()).map(|(labelled, found)| {
+                format!("label {GEO_LABEL} names {labelled}, the exit is in {found}")
+            });
         ExitRow {
+            geo_mismatch,
             ip: view.ip.to_string(),
             changed_at: view.changed_at.map(|t| t.to_string()),
             sampled: view.sampled,
@@ -535,7 +547,10 @@ pub fn proxy_row(id: &ProxyId, proxy: &Proxy, figures: &Figures<'_>) -> ProxyRow
             .creation_timestamp
             .as_ref()
             .and_then(|t| u64::try_from(figures.now.duration_since(t.0).as_secs()).ok()),
-        exit: figures.exits.get(id).map(ExitRow::from),
+        exit: figures
+            .exits
+            .get(id)
+            .map(|view| ExitRow::of(view, proxy.metadata.labels.as_ref())),
     }
 }
 

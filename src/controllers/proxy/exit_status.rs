@@ -85,7 +85,11 @@ pub fn apply_exit(
     }
     let label = labels.and_then(|l| l.get(GEO_LABEL)).map(String::as_str);
     let country = exit.network.country.as_deref();
-    match (geo_mismatch(label, country), label.and_then(label_country), country) {
+    match (
+        geo_mismatch(label, country),
+        label.and_then(label_country),
+        country,
+    ) {
         (Some((labelled, found)), _, _) => set_condition(
             &mut status.conditions,
             condition(
@@ -208,22 +212,54 @@ mod tests {
         for (case, geo, exit, shared, mismatch, message) in cases {
             let labels = geo.map(|g| BTreeMap::from([(GEO_LABEL.to_owned(), g.to_owned())]));
             let mut status = ProxyStatus::default();
-            apply_exit(&mut status, &spec(true), labels.as_ref(), Some(&exit), Some(1), ts(200));
+            apply_exit(
+                &mut status,
+                &spec(true),
+                labels.as_ref(),
+                Some(&exit),
+                Some(1),
+                ts(200),
+            );
             assert_eq!(status.exit_ip.as_deref(), Some("192.0.2.1"), "{case}");
             assert_eq!(status.exit_asn, Some(64500), "{case}");
             assert_eq!(status.exit_ip_changed_at, exit.changed_at, "{case}");
             assert_eq!(condition(&status, CONDITION_SHARED_EXIT), shared, "{case}");
-            assert_eq!(condition(&status, CONDITION_GEO_MISMATCH), mismatch, "{case}");
+            assert_eq!(
+                condition(&status, CONDITION_GEO_MISMATCH),
+                mismatch,
+                "{case}"
+            );
             if !message.is_empty() {
                 let text = &status.condition(CONDITION_GEO_MISMATCH).unwrap().message;
                 assert!(text.contains(message), "{case}: {text}");
             }
             let before = status.clone();
-            apply_exit(&mut status, &spec(true), labels.as_ref(), Some(&exit), Some(1), ts(300));
+            apply_exit(
+                &mut status,
+                &spec(true),
+                labels.as_ref(),
+                Some(&exit),
+                Some(1),
+                ts(300),
+            );
             assert_eq!(status, before, "{case}: stable on the next pass");
-            apply_exit(&mut status, &spec(true), labels.as_ref(), None, Some(1), ts(300));
+            apply_exit(
+                &mut status,
+                &spec(true),
+                labels.as_ref(),
+                None,
+                Some(1),
+                ts(300),
+            );
             assert_eq!(status, before, "{case}: kept without a report");
-            apply_exit(&mut status, &spec(false), labels.as_ref(), Some(&exit), Some(1), ts(300));
+            apply_exit(
+                &mut status,
+                &spec(false),
+                labels.as_ref(),
+                Some(&exit),
+                Some(1),
+                ts(300),
+            );
             assert_eq!(status.exit_ip, None, "{case}: check removed");
             assert!(status.conditions.is_empty(), "{case}");
         }

@@ -11,8 +11,8 @@ use kube::{Api, Resource, ResourceExt};
 
 use super::context::Context;
 use super::error::Error;
-use super::exit_status::apply_exit;
 use super::execute::Step;
+use super::exit_status::apply_exit;
 use super::status::{desired_status, status_patch};
 use crate::resources::proxy::{Proxy, ProxyStatus};
 

@@ -70,7 +70,11 @@ mod tests {
         let bad = [
             ("html", "<html>blocked</html>", "neither an address"),
             ("json without ip", r#"{"address": "1.2.3.4"}"#, "neither"),
-            ("json ip not an address", r#"{"ip": "localhost"}"#, "not an address"),
+            (
+                "json ip not an address",
+                r#"{"ip": "localhost"}"#,
+                "not an address",
+            ),
             ("empty", "", "neither"),
         ];
         for (name, body, want) in bad {

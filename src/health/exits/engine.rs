@@ -190,7 +190,10 @@ impl ExitChecker {
                         .await
                         .map_err(|e| e.to_string())?;
                     let ip = exit_address(&body)?;
-                    Ok(check_found(&task_id, ip, geoip.lookup(ip), sampled, recorded, &*ledger).await)
+                    Ok(
+                        check_found(&task_id, ip, geoip.lookup(ip), sampled, recorded, &*ledger)
+                            .await,
+                    )
                 }
                 .await;
                 (task_id, found)
@@ -474,7 +477,10 @@ mod tests {
         let due = clock.next_slot(&schedule, started);
         assert!(due > started && due <= started + interval);
         let slot = clock.started_since_epoch + (due - started);
-        assert_eq!(slot.as_nanos() % interval.as_nanos(), schedule.phase().as_nanos());
+        assert_eq!(
+            slot.as_nanos() % interval.as_nanos(),
+            schedule.phase().as_nanos()
+        );
         // The slot after it is one interval later.
         assert_eq!(clock.next_slot(&schedule, due), due + interval);
     }
@@ -497,6 +503,9 @@ mod tests {
         let b = fresh_session(&settings, true);
         assert_ne!(session(&a), session(&b));
         assert_ne!(session(&a), session(&settings));
-        assert_eq!(session(&fresh_session(&settings, false)), session(&settings));
+        assert_eq!(
+            session(&fresh_session(&settings, false)),
+            session(&settings)
+        );
     }
 }

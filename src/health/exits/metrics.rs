@@ -104,7 +104,10 @@ impl Collector for ExitCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         let mut exits: Vec<_> = self.table.all().into_iter().collect();
         exits.sort_by(|(a, _), (b, _)| (&a.name, &a.namespace).cmp(&(&b.name, &b.namespace)));
-        let shared = exits.iter().filter(|(_, v)| !v.shared_with.is_empty()).count();
+        let shared = exits
+            .iter()
+            .filter(|(_, v)| !v.shared_with.is_empty())
+            .count();
         // A rotating upstream's samples would make a new series every check: left out.
         let info = exits
             .iter()

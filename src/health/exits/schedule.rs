@@ -123,10 +123,7 @@ mod tests {
             (max as f64) <= 2.5 * mean,
             "busiest second {max} checks, mean {mean:.1}"
         );
-        assert!(
-            min >= 1,
-            "quietest second {min} checks, mean {mean:.1}"
-        );
+        assert!(min >= 1, "quietest second {min} checks, mean {mean:.1}");
         // Every 10-second window carries its share within 25 %.
         for window in per_second.chunks(10) {
             let sum: usize = window.iter().sum();

@@ -72,7 +72,10 @@ mod tests {
         let cases: Vec<(&str, Vec<KnownExit>, Vec<(&str, Vec<&str>)>)> = vec![
             (
                 "distinct exits",
-                vec![exit(0, "192.0.2.1", true, false), exit(1, "192.0.2.2", true, false)],
+                vec![
+                    exit(0, "192.0.2.1", true, false),
+                    exit(1, "192.0.2.2", true, false),
+                ],
                 vec![],
             ),
             (
@@ -99,12 +102,18 @@ mod tests {
             ),
             (
                 "one of the two not Ready",
-                vec![exit(0, "192.0.2.1", true, false), exit(1, "192.0.2.1", false, false)],
+                vec![
+                    exit(0, "192.0.2.1", true, false),
+                    exit(1, "192.0.2.1", false, false),
+                ],
                 vec![],
             ),
             (
                 "a rotating upstream's sample is never flagged",
-                vec![exit(0, "192.0.2.1", true, false), exit(3, "192.0.2.1", true, true)],
+                vec![
+                    exit(0, "192.0.2.1", true, false),
+                    exit(3, "192.0.2.1", true, true),
+                ],
                 vec![],
             ),
             (
@@ -133,7 +142,10 @@ mod tests {
             let expected: Vec<(String, Vec<String>)> = expected
                 .into_iter()
                 .map(|(name, others)| {
-                    (name.to_owned(), others.into_iter().map(str::to_owned).collect())
+                    (
+                        name.to_owned(),
+                        others.into_iter().map(str::to_owned).collect(),
+                    )
                 })
                 .collect();
             assert_eq!(got, expected, "{case}");

@@ -53,8 +53,8 @@ use super::clock::Clock;
 use super::config::LedgerConfig;
 use super::counts::LedgerCounts;
 use super::demand;
-use super::exits::{self, ExitChange, ExitRecord, ExitSeen, MAX_EXIT_CHANGES};
 use super::error::LedgerError;
+use super::exits::{self, ExitChange, ExitRecord, ExitSeen, MAX_EXIT_CHANGES};
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
 };
@@ -748,7 +748,12 @@ impl Ledger for PostgresLedger {
         let now = self.now_ms();
         let confirm_after = crate::ledger::config::millis(self.inner.config.history_retention)
             / i64::from(exits::CONFIRM_DIVISOR);
-        in_transaction!(self, |tx| store::record_exit(&tx, &exit, now, confirm_after))
+        in_transaction!(self, |tx| store::record_exit(
+            &tx,
+            &exit,
+            now,
+            confirm_after
+        ))
     }
 
     async fn exit_changes(

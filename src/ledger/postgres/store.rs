@@ -465,7 +465,9 @@ pub(crate) async fn record_exit(
             let ip: String = row.get(0);
             (ip, row.get::<_, i64>(1), row.get::<_, i64>(2))
         });
-        let current = row.as_ref().map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
+        let current = row
+            .as_ref()
+            .map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
         match exits::exit_write(current, &exit.exit_ip, now, confirm_after_ms) {
             ExitWrite::Keep { changed_at } => {
                 return Ok(ExitSeen {

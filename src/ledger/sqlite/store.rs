@@ -584,7 +584,9 @@ pub(crate) fn record_exit(
             Ok((row.get(0)?, row.get(1)?, row.get(2)?))
         })
         .optional()?;
-    let current = row.as_ref().map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
+    let current = row
+        .as_ref()
+        .map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
     let write = exits::exit_write(current, &exit.exit_ip, now, confirm_after_ms);
     let changed_at = match write {
         ExitWrite::Keep { changed_at } => {

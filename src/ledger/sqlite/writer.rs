@@ -390,7 +390,12 @@ impl Writer {
     /// batch rolls the rows back with the rest.
     fn record_exit(&self, exit: &ExitRecord, now: i64) -> Decision<ExitSeen> {
         let confirm_after = millis(self.config.history_retention) / i64::from(CONFIRM_DIVISOR);
-        Ok(Ok(store::record_exit(&self.conn, exit, now, confirm_after)?))
+        Ok(Ok(store::record_exit(
+            &self.conn,
+            exit,
+            now,
+            confirm_after,
+        )?))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page
