@@ -213,6 +213,43 @@ async fn exits_are_checked_shared_ones_flagged_and_changes_recorded_once() {
         "{metrics}"
     );
 
+    // The same in Chromium: the exit filter, the exit column, a proxy's page, axe-core.
+    if support::browser::chromium().is_some()
+        && let Some(axe) = support::browser::axe_core()
+    {
+        let seen = support::browser::run_script(
+            "exit_pages.py",
+            &serde_json::json!({"base": operator.api(), "token": TOKEN, "proxy": "default/b",
+                                "axe": axe}),
+        )
+        .await;
+        let shared = seen["shared"].as_object().unwrap();
+        let names: Vec<&String> = shared.keys().collect();
+        assert_eq!(names, ["default/b", "default/c"], "{seen}");
+        let b = shared["default/b"].as_str().unwrap();
+        for part in ["127.0.0.72", "FR", "AS64572", "shared", "geo mismatch"] {
+            assert!(b.contains(part), "{part} in {b:?}: {seen}");
+        }
+        assert_eq!(
+            seen["by_country"],
+            serde_json::json!(["default/a"]),
+            "{seen}"
+        );
+        let page = seen["proxy_page"].as_str().unwrap();
+        for part in [
+            "127.0.0.72",
+            "Exit Net B",
+            "default/c",
+            "names DE, the exit is in FR",
+        ] {
+            assert!(page.contains(part), "{part} on the proxy's page: {page}");
+        }
+        for (path, violations) in seen["violations"].as_object().unwrap() {
+            assert_eq!(violations, &serde_json::json!([]), "axe-core on {path}");
+        }
+        assert_eq!(seen["errors"], serde_json::json!([]), "{seen}");
+    }
+
     // a moves to b's squid: its exit changes once, however many checks follow.
     let moved = [
         proxy_doc("a", Some("de"), &b_squid, &url),
