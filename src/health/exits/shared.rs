@@ -69,7 +69,8 @@ mod tests {
             sampled,
         };
         // (case, exits, expected: proxy → others)
-        let cases: Vec<(&str, Vec<KnownExit>, Vec<(&str, Vec<&str>)>)> = vec![
+        type Expected<'a> = Vec<(&'a str, Vec<&'a str>)>;
+        let cases: Vec<(&str, Vec<KnownExit>, Expected)> = vec![
             (
                 "distinct exits",
                 vec![
