@@ -44,9 +44,9 @@ spec:
     )
 }
 
-/// Country and ASN records for two loopback exits, as GeoLite2-Country and -ASN files hold
-/// them.
-fn write_databases(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+/// Country and ASN records for two loopback exits, `127.0.0.<first>` in Germany and the next
+/// one in France, as GeoLite2-Country and -ASN files hold them.
+fn write_databases(dir: &std::path::Path, first: u8) -> (std::path::PathBuf, std::path::PathBuf) {
     #[derive(serde::Serialize)]
     struct Country {
         country: IsoCode,
@@ -62,11 +62,11 @@ fn write_databases(dir: &std::path::Path) -> (std::path::PathBuf, std::path::Pat
     }
     let mut countries = mmdb_writer::Writer::new("GeoLite2-Country");
     let mut asns = mmdb_writer::Writer::new("GeoLite2-ASN");
-    for (network, iso_code, number, organization) in [
-        ("127.0.0.71/32", "DE", 64571, "Exit Net A"),
-        ("127.0.0.72/32", "FR", 64572, "Exit Net B"),
-    ] {
-        let network: ipnet::IpNet = network.parse().unwrap();
+    for (last, iso_code, organization) in
+        [(first, "DE", "Exit Net A"), (first + 1, "FR", "Exit Net B")]
+    {
+        let network: ipnet::IpNet = format!("127.0.0.{last}/32").parse().unwrap();
+        let number = 64500 + u32::from(last);
         countries
             .insert(
                 network,
@@ -152,7 +152,7 @@ async fn exits_are_checked_shared_ones_flagged_and_changes_recorded_once() {
         proxy_doc("b", Some("de"), &b_squid, &url),
         proxy_doc("c", None, &b_squid, &url),
     ];
-    let (country_db, asn_db) = write_databases(dir.path());
+    let (country_db, asn_db) = write_databases(dir.path(), 71);
     let mut operator = Standalone::start_inventory(
         dir.path(),
         &inventory.concat(),
@@ -345,4 +345,112 @@ fn an_unreadable_geoip_database_stops_start_up_naming_the_flag_and_file() {
         stderr.contains("--geoip-database") && stderr.contains("GeoLite2-ASN.mmdb"),
         "{stderr}"
     );
+}
+
+/// On a real API server: `proxy-operator run` writes the exits to status — `exitIP`,
+/// `exitIPChangedAt`, country and network — with `SharedExit` on the two proxies behind one
+/// squid naming each other and `GeoMismatch` on the one labelled `geo=de` that exits in France.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_writes_exits_and_their_conditions_to_status() {
+    use support::world::{World, eventually};
+    let Some(world) = World::new("exits").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let echo = EchoTarget::start();
+    let (x_squid, y_squid) = (squid_from(73), squid_from(74));
+    let (country_db, asn_db) = write_databases(dir.path(), 73);
+    let _operator = world
+        .operator(&[
+            "--geoip-database",
+            country_db.to_str().unwrap(),
+            "--geoip-database",
+            asn_db.to_str().unwrap(),
+        ])
+        .await;
+    // x and y leave from their own squids; z is a second entry for y's squid.
+    for (name, geo, squid) in [
+        ("x", Some("de"), &x_squid),
+        ("y", Some("de"), &y_squid),
+        ("z", None, &y_squid),
+    ] {
+        let labels = match geo {
+            Some(geo) => serde_json::json!({"geo": geo}),
+            None => serde_json::json!({}),
+        };
+        let object: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "mode": "External",
+                "endpoint": {"host": squid.address().to_string(), "port": squid.port()},
+                "healthCheck": world.health_check("2s"),
+                "exitCheck": {"url": echo.http_url(), "interval": "2s", "timeout": "2s"},
+            },
+        }))
+        .unwrap();
+        world
+            .raw_proxies()
+            .create(&kube::api::PostParams::default(), &object)
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e}"));
+    }
+    let condition = |status: &Value, kind: &str| -> Option<(String, String, String)> {
+        status["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == kind)
+            .map(|c| {
+                let text = |key: &str| c[key].as_str().unwrap_or_default().to_owned();
+                (text("status"), text("reason"), text("message"))
+            })
+    };
+    let statuses = eventually("exits and their conditions in status", || async {
+        let mut statuses = BTreeMap::new();
+        for name in ["x", "y", "z"] {
+            let proxy = world.proxies().get(name).await.ok()?;
+            statuses.insert(name, serde_json::to_value(proxy.status?).ok()?);
+        }
+        let shared = |name: &str| condition(&statuses[name], "SharedExit").map(|c| c.0);
+        let ready = statuses.values().all(|s| s["exitIP"].is_string())
+            && shared("x").as_deref() == Some("False")
+            && shared("y").as_deref() == Some("True")
+            && shared("z").as_deref() == Some("True");
+        ready.then_some(statuses)
+    })
+    .await;
+    let (x, y, z) = (&statuses["x"], &statuses["y"], &statuses["z"]);
+    assert_eq!(x["exitIP"], "127.0.0.73", "{x}");
+    assert_eq!(x["exitCountry"], "DE", "{x}");
+    assert_eq!(x["exitASN"], 64573, "{x}");
+    assert_eq!(x["exitOrganization"], "Exit Net A", "{x}");
+    assert!(x["exitIPChangedAt"].is_string(), "{x}");
+    assert_eq!(y["exitIP"], "127.0.0.74", "{y}");
+    assert_eq!(y["exitCountry"], "FR", "{y}");
+    let (_, reason, message) = condition(y, "SharedExit").unwrap();
+    assert_eq!(reason, "SharedExit");
+    assert!(
+        message.ends_with(&format!("like {}/z", world.ns)),
+        "{message}"
+    );
+    let (_, _, message) = condition(z, "SharedExit").unwrap();
+    assert!(
+        message.ends_with(&format!("like {}/y", world.ns)),
+        "{message}"
+    );
+    let mismatch = condition(y, "GeoMismatch").expect("GeoMismatch on y");
+    assert_eq!(mismatch.0, "True");
+    assert_eq!(mismatch.1, "CountryDiffers");
+    assert!(
+        mismatch
+            .2
+            .contains("names DE, but the exit 127.0.0.74 is in FR"),
+        "{mismatch:?}"
+    );
+    assert_eq!(
+        condition(x, "GeoMismatch").map(|c| c.1).as_deref(),
+        Some("CountryMatches")
+    );
+    assert_eq!(condition(z, "GeoMismatch"), None, "no geo label on z");
 }
