@@ -6,6 +6,9 @@
 //! twice: the runtime threads that drive the probes (what the engine costs), and the whole
 //! process from `getrusage` (which also includes the in-process probe target).
 //!
+//! Then the exit-check schedule of 10,000 proxies on a 10-minute interval: the checks due in
+//! each second of one interval (busiest, quietest, mean), and the time to compute them.
+//!
 //! Run with `cargo bench --bench health`.
 
 #[path = "../tests/support/mod.rs"]
@@ -17,6 +20,7 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use proxy_operator::fixtures;
+use proxy_operator::health::exits::ExitSchedule;
 use proxy_operator::health::{
     EngineConfig, HealthEngine, HealthSnapshot, ProbeClient, ProbeMetrics, ProbeSettings, ProbeTls,
 };
@@ -78,6 +82,32 @@ fn main() {
     let bare = measure(|| runtime.block_on(bare_run(&proxies, &target)));
     bare.print("bare loop");
     println!("ratio engine/bare: {:.3}", engine.rate() / bare.rate());
+    exit_schedule();
+}
+
+/// The exit checks of 10,000 proxies over one 10-minute interval, per second: spread by each
+/// proxy's phase, never a burst at start.
+fn exit_schedule() {
+    const EXIT_PROXIES: usize = 10_000;
+    let interval = Duration::from_secs(600);
+    let start = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let began = std::time::Instant::now();
+    let mut per_second = vec![0u32; 600];
+    for i in 0..EXIT_PROXIES {
+        let uid = format!("uid-{i:05}-bench");
+        let due = ExitSchedule::new(&uid, interval).next_after(start) - start;
+        let second = usize::try_from(due.as_secs()).unwrap_or(0).min(599);
+        per_second[second] += 1;
+    }
+    let took = began.elapsed();
+    let busiest = per_second.iter().max().copied().unwrap_or(0);
+    let quietest = per_second.iter().min().copied().unwrap_or(0);
+    println!(
+        "exit checks: {EXIT_PROXIES} proxies, interval {interval:?}: mean {:.1}/s, busiest second {busiest}, quietest {quietest}; schedule computed in {took:?}",
+        EXIT_PROXIES as f64 / 600.0
+    );
 }
 
 fn proxy(i: usize, port: u16, probe_url: &str) -> Proxy {

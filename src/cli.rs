@@ -201,6 +201,18 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_PROBE_CA_FILE")]
     pub probe_ca_file: Option<PathBuf>,
 
+    /// A MaxMind-format database file (`.mmdb`: GeoLite2-Country, -City or -ASN, or DB-IP's
+    /// free equivalents) that gives exit addresses their country and network; repeat it for
+    /// one file of each kind. Read whole at start: a file that cannot be read stops the
+    /// process.
+    #[arg(
+        long,
+        env = "PROXY_OPERATOR_GEOIP_DATABASE",
+        value_name = "PATH",
+        value_delimiter = ','
+    )]
+    pub geoip_database: Vec<PathBuf>,
+
     /// File of API bearer tokens, one a line (blank lines and surrounding whitespace
     /// ignored; each at least 16 bytes of printable ASCII), e.g. a mounted Secret. Re-read
     /// when its content changes, so tokens rotate without a restart: list the new token next

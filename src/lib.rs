@@ -10,6 +10,7 @@ pub mod events;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
 pub mod gateway;
+pub mod geoip;
 pub mod health;
 pub mod inventory;
 pub mod leader;

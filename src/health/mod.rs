@@ -1,6 +1,7 @@
 //! The health engine: probes every proxy through the proxy and decides healthy/unhealthy.
 
 pub mod engine;
+pub mod exits;
 pub mod metrics;
 pub mod probe;
 pub mod snapshot;

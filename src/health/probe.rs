@@ -321,6 +321,38 @@ impl ProbeClient {
     }
 
     async fn request(&self, client: &reqwest::Client) -> Result<u16, ProbeError> {
+        let response = self.response(client).await?;
+        Ok(response.status().as_u16())
+    }
+
+    /// Requests the probe URL through the proxy once, like [`probe`](Self::probe), and reads
+    /// the body of an expected answer, at most `limit` bytes (a longer body is an error: an
+    /// exit check's answer is an address).
+    pub async fn fetch(
+        &self,
+        credentials: Option<&Credentials>,
+        limit: usize,
+    ) -> Result<Vec<u8>, ProbeError> {
+        let client = match &self.tls {
+            Ok(tls) => Self::client(&self.settings, tls, credentials)?,
+            Err(e) => return Err(e.clone()),
+        };
+        let mut response = self.response(&client).await?;
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| classify(&e))? {
+            if body.len() + chunk.len() > limit {
+                return Err(ProbeError::new(
+                    ProbeErrorKind::Other,
+                    format!("the answer is longer than {limit} bytes"),
+                ));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body)
+    }
+
+    /// The response to one GET of the probe URL, when its status is an expected one.
+    async fn response(&self, client: &reqwest::Client) -> Result<reqwest::Response, ProbeError> {
         let response = client
             .get(&self.settings.probe_url)
             .send()
@@ -328,7 +360,7 @@ impl ProbeClient {
             .map_err(|e| classify(&e))?;
         let status = response.status().as_u16();
         if self.settings.expected_status_codes.contains(&status) {
-            return Ok(status);
+            return Ok(response);
         }
         let proxy_error = response
             .headers()

@@ -55,6 +55,7 @@ mod config;
 mod counts;
 mod demand;
 mod error;
+mod exits;
 mod history;
 mod lease;
 mod location;
@@ -79,6 +80,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::LedgerConfig;
 pub use counts::LedgerCounts;
 pub use error::LedgerError;
+pub use exits::{ExitChange, ExitRecord, ExitSeen, MAX_EXIT_CHANGES};
 pub use lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, NoMatch, NoMatchReason,
     ReportResult, RequestKey, SweepStats, UnknownValue, cooldown_key,
@@ -224,6 +226,21 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
 
     /// The newest history events, of every proxy or of one, newest first.
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError>;
+
+    /// Records the exit a check found for a proxy: a new exit (or the first) sets the proxy's
+    /// exit and appends one history row; the same exit changes nothing (its confirmation is
+    /// refreshed about twice per history retention). Replicas recording the same change at
+    /// once record it once. Answers when the proxy's exit last changed. A write like any
+    /// other (`Overloaded`, `Full`, `Unavailable`: try again with the next check).
+    async fn record_exit(&self, exit: ExitRecord) -> Result<ExitSeen, LedgerError>;
+
+    /// The newest exit changes, of every proxy or of one (`namespace`, `name`), newest first,
+    /// at most `limit` (capped at [`MAX_EXIT_CHANGES`]).
+    async fn exit_changes(
+        &self,
+        proxy: Option<(String, String)>,
+        limit: usize,
+    ) -> Result<Vec<ExitChange>, LedgerError>;
 
     /// `tenant`'s lease with this ID, if it is still retained, as recorded (`None` for
     /// another tenant's). A lease past its expiry reads as expired even before the sweep marks

@@ -22,6 +22,9 @@ use crate::api::status::KubeEvents;
 use crate::api::{self, ApiState, LeaseMetrics};
 use crate::cli::CommonArgs;
 use crate::gateway::GatewayMetrics;
+use crate::geoip::GeoIp;
+use crate::health::engine::DEFAULT_TICK;
+use crate::health::exits::{ExitChecker, ExitCheckerConfig, ExitMetrics, ExitReport, ExitTable};
 use crate::health::{EngineConfig, HealthEngine, HealthSnapshot, HealthTransition, ProbeMetrics};
 use crate::inventory::Inventory;
 use crate::ledger::{
@@ -74,11 +77,19 @@ pub struct Core {
     pub lease_metrics: LeaseMetrics,
     /// The gateway's counters.
     pub gateway_metrics: GatewayMetrics,
+    /// Exit-check counters (the per-proxy series read `fleet.exits`).
+    pub exit_metrics: ExitMetrics,
+    /// The `--geoip-database` files, opened.
+    pub geoip: Arc<GeoIp>,
 }
 
 impl Core {
     /// Opens (and migrates) the ledger and registers the metrics.
     pub async fn open(common: &CommonArgs, inventory: Inventory) -> Result<Core, StartError> {
+        let geoip = GeoIp::open(&common.geoip_database).map_err(|e| StartError(e.to_string()))?;
+        if !geoip.is_empty() {
+            log::info!("exit countries and networks from {geoip:?}");
+        }
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let config = LedgerConfig {
             max_ttl: common.max_lease_ttl,
@@ -96,6 +107,8 @@ impl Core {
         let metric_error = |e: prometheus::Error| StartError::from_display("metrics", e);
         let probe_metrics = ProbeMetrics::register(&registry).map_err(metric_error)?;
         let lease_metrics = LeaseMetrics::register(&registry).map_err(metric_error)?;
+        let exits = ExitTable::new();
+        let exit_metrics = ExitMetrics::register(&registry, exits.clone()).map_err(metric_error)?;
         let sessions = Sessions::default();
         let traffic = Traffic::default();
         let gateway_metrics = GatewayMetrics::register(
@@ -152,12 +165,15 @@ impl Core {
             fleet: Fleet {
                 sessions,
                 traffic,
+                exits,
                 ..Fleet::new(inventory, health, ledger, clock)
             },
             registry,
             probe_metrics,
             lease_metrics,
             gateway_metrics,
+            exit_metrics,
+            geoip: Arc::new(geoip),
         })
     }
 }
@@ -302,14 +318,23 @@ impl Supervisor {
     }
 }
 
-/// Starts the parts both modes share: the health engine, the ledger sweep, the API, the
-/// gateway and the metrics server (with `tokens`, from [`load_tokens`]). Health transitions go
-/// to `transitions`; the status page reads Proxies' Kubernetes Events from `kube_events`.
+/// Where the health engine and the exit checker push what status should show.
+pub struct Pushed {
+    /// Health transitions.
+    pub transitions: mpsc::Sender<HealthTransition>,
+    /// Exit reports.
+    pub exits: mpsc::Sender<ExitReport>,
+}
+
+/// Starts the parts both modes share: the health engine, the exit checker, the ledger sweep,
+/// the API, the gateway and the metrics server (with `tokens`, from [`load_tokens`]). Health
+/// transitions and exit reports go to `pushed`; the status page reads Proxies' Kubernetes
+/// Events from `kube_events`.
 pub fn start_core(
     supervisor: &mut Supervisor,
     core: &Core,
     common: &CommonArgs,
-    transitions: mpsc::Sender<HealthTransition>,
+    pushed: Pushed,
     tokens: LoadedAccess,
     kube_events: KubeEvents,
 ) -> Result<(), StartError> {
@@ -319,21 +344,42 @@ pub fn start_core(
         Some((addr, config)) => Some((bind(addr, "--gateway-addr")?, config)),
         None => None,
     };
+    let roots = probe_roots(common)?;
     let engine = HealthEngine::new(
         EngineConfig {
             workers: usize::from(common.health_workers),
-            extra_root_certs: probe_roots(common)?,
+            extra_root_certs: roots.clone(),
             credentials: core.fleet.credentials.clone(),
             ..EngineConfig::default()
         },
         core.fleet.inventory.clone(),
         core.fleet.health.clone(),
         core.probe_metrics.clone(),
-        transitions,
+        pushed.transitions,
     );
     let shutdown = supervisor.shutdown_token();
     supervisor.spawn("health engine", async move {
         engine.run(shutdown).await;
+        Ok(())
+    });
+    let exit_checker = ExitChecker::new(
+        ExitCheckerConfig {
+            workers: usize::from(common.health_workers),
+            tick: DEFAULT_TICK,
+            extra_root_certs: roots,
+            credentials: core.fleet.credentials.clone(),
+        },
+        core.fleet.inventory.clone(),
+        core.fleet.health.clone(),
+        core.fleet.ledger.clone(),
+        core.geoip.clone(),
+        core.fleet.exits.clone(),
+        core.exit_metrics.clone(),
+        pushed.exits,
+    );
+    let shutdown = supervisor.shutdown_token();
+    supervisor.spawn("exit checker", async move {
+        exit_checker.run(shutdown).await;
         Ok(())
     });
     supervisor.spawn(
@@ -520,5 +566,12 @@ pub async fn log_transitions(
         let state = if t.healthy { "healthy" } else { "unhealthy" };
         log::info!("proxy {} is {state}: {}", t.id, t.message);
     }
+    Ok(())
+}
+
+/// Drops exit reports (the standalone mode has no status to write them to: the API and the
+/// status page read the exit table, and the checker logs changes).
+pub async fn drop_exit_reports(mut reports: mpsc::Receiver<ExitReport>) -> Result<(), String> {
+    while reports.recv().await.is_some() {}
     Ok(())
 }

@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 
 use crate::api::status::KubeEvents;
 
-use super::{Core, Exit, StartError, Supervisor, load_tokens, start_core};
+use super::{Core, Exit, Pushed, StartError, Supervisor, load_tokens, start_core};
 use crate::cli::{GatewayArgs, RunArgs};
 use crate::controllers::gc::{self, GcConfig};
 use crate::controllers::pool::{self, PoolContext, PoolIntervals, PoolMetrics};
@@ -188,11 +188,15 @@ async fn start(
         }
     });
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
+    let (exits_tx, exits_rx) = mpsc::channel(1024);
     start_core(
         &mut supervisor,
         &core,
         &args.common,
-        transitions_tx,
+        Pushed {
+            transitions: transitions_tx,
+            exits: exits_tx,
+        },
         tokens,
         KubeEvents::new(client.clone()),
     )?;
@@ -272,7 +276,10 @@ async fn start(
         },
     )?;
 
-    let triggers = reconciler::health_triggers(transitions_rx, ctx.health.clone());
+    let triggers = futures::stream::select(
+        reconciler::health_triggers(transitions_rx, ctx.health.clone()),
+        reconciler::health_triggers(exits_rx, ctx.exits.clone()),
+    );
     let namespace = args.watch_namespace.clone();
     let shutdown = supervisor.shutdown_token();
     RemediationGauge::register(

@@ -5,7 +5,10 @@ use tokio::sync::mpsc;
 
 use crate::api::status::KubeEvents;
 
-use super::{Core, Exit, StartError, Supervisor, load_tokens, log_transitions, start_core};
+use super::{
+    Core, Exit, Pushed, StartError, Supervisor, drop_exit_reports, load_tokens, log_transitions,
+    start_core,
+};
 use crate::cli::StandaloneArgs;
 use crate::inventory::Inventory;
 use crate::inventory::file::{self, InventoryFile};
@@ -32,15 +35,20 @@ pub async fn run(args: StandaloneArgs) -> Result<Exit, StartError> {
 
     let mut supervisor = Supervisor::new();
     let (transitions_tx, transitions_rx) = mpsc::channel(1024);
+    let (exits_tx, exits_rx) = mpsc::channel(1024);
     start_core(
         &mut supervisor,
         &core,
         &args.common,
-        transitions_tx,
+        Pushed {
+            transitions: transitions_tx,
+            exits: exits_tx,
+        },
         tokens,
         KubeEvents::default(),
     )?;
     supervisor.spawn("health transition log", log_transitions(transitions_rx));
+    supervisor.spawn("exit reports", drop_exit_reports(exits_rx));
 
     let (reload_tx, reload_rx) = mpsc::channel(1);
     let mut hangup = signal(SignalKind::hangup())

@@ -5,6 +5,7 @@
 
 pub mod crd;
 pub mod duration;
+pub mod exit_check;
 pub mod naming;
 pub mod phase;
 pub mod pool;

@@ -71,6 +71,7 @@ pub const DEFAULT_EXPECTED_STATUS_CODES: [i32; 2] = [200, 204];
     printcolumn(name = "Provider", type_ = "string", json_path = ".spec.provider"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
+    printcolumn(name = "Exit", type_ = "string", json_path = ".status.exitIP"),
     printcolumn(
         name = "Healthy",
         type_ = "string",
@@ -178,6 +179,11 @@ pub struct ProxySpec {
     #[serde(default)]
     #[schemars(extend("default" = {}))]
     pub health_check: HealthCheck,
+
+    /// Which address targets see through the proxy, checked at its own interval (none by
+    /// default). Not part of the spec hash: setting or changing it never replaces a machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_check: Option<super::exit_check::ExitCheck>,
 }
 
 /// Whether the operator owns the machine behind a proxy.
@@ -420,7 +426,8 @@ pub struct ProxyStatus {
     /// Generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Provisioned and Healthy conditions.
+    /// Provisioned and Healthy conditions; SharedExit and GeoMismatch for a proxy with an exit
+    /// check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -442,6 +449,27 @@ pub struct ProxyStatus {
     /// runs and passes health checks; it holds a slot of the replacement budget meanwhile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disruption: Option<Disruption>,
+    /// The address targets see, from the last successful `spec.exitCheck` (for a rotating
+    /// upstream: the last sampled exit, one vendor session of many).
+    #[serde(rename = "exitIP", default, skip_serializing_if = "Option::is_none")]
+    pub exit_ip: Option<String>,
+    /// When `exitIP` last changed (unset for a rotating upstream, whose exits are sampled).
+    #[serde(
+        rename = "exitIPChangedAt",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(with = "Option<String>", extend("format" = "date-time"))]
+    pub exit_ip_changed_at: Option<jiff::Timestamp>,
+    /// ISO 3166-1 country code of `exitIP`, from the `--geoip-database` files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_country: Option<String>,
+    /// Autonomous system number of `exitIP`, from the `--geoip-database` files.
+    #[serde(rename = "exitASN", default, skip_serializing_if = "Option::is_none")]
+    pub exit_asn: Option<i64>,
+    /// Organisation of that autonomous system, from the `--geoip-database` files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_organization: Option<String>,
 }
 
 /// A voluntary replacement of a Managed proxy's machine.
@@ -544,7 +572,7 @@ impl Phase {
 #[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Condition {
-    /// Condition type: `Provisioned` or `Healthy`.
+    /// Condition type: `Provisioned`, `Healthy`, `SharedExit` or `GeoMismatch`.
     #[serde(rename = "type")]
     pub type_: String,
     /// `True`, `False` or `Unknown`.
@@ -578,6 +606,12 @@ pub enum ConditionStatus {
 pub const CONDITION_PROVISIONED: &str = "Provisioned";
 /// Condition type set from health transitions.
 pub const CONDITION_HEALTHY: &str = "Healthy";
+/// Condition type set from exit checks: `True` while another Ready proxy exits from the same
+/// address (its message names them).
+pub const CONDITION_SHARED_EXIT: &str = "SharedExit";
+/// Condition type set from exit checks: `True` while the proxy's `geo` label names another
+/// country than its exit's.
+pub const CONDITION_GEO_MISMATCH: &str = "GeoMismatch";
 /// `Provisioned` reason while a proxy drains before its machine is deleted: it takes no new
 /// leases and its leases cannot be renewed.
 pub const REASON_DRAINING: &str = "Draining";

@@ -47,6 +47,8 @@ pub struct Fleet {
     pub pools: PoolDirectory,
     /// Bytes through the gateway per proxy.
     pub traffic: Traffic,
+    /// Each proxy's exit, as the exit checker last found it.
+    pub exits: crate::health::exits::ExitTable,
 }
 
 /// One acquire as a server asks it (see [`Fleet::acquire`]).
@@ -134,6 +136,7 @@ impl Fleet {
             sessions: Sessions::default(),
             pools: PoolDirectory::default(),
             traffic: Traffic::default(),
+            exits: Default::default(),
         }
     }
 

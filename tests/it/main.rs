@@ -31,6 +31,7 @@ mod browser;
 mod docs;
 mod e2e_standalone;
 mod envtest_harness;
+mod exits;
 mod external;
 mod gateway;
 mod health;

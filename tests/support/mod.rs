@@ -9,6 +9,7 @@ pub mod browser;
 pub mod crawl_load;
 pub mod curl;
 pub mod dante;
+pub mod echo;
 pub mod envtest;
 pub mod fleet;
 pub mod gateway_ca;

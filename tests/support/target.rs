@@ -141,18 +141,26 @@ impl Target {
     }
 }
 
-/// Reads one request head and answers it with the current status, then closes.
-async fn answer<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, behaviour: &Behaviour) {
+/// Reads one request head (at most 64 KiB); `false` when the peer went away first.
+pub async fn read_head<S: AsyncRead + Unpin>(stream: &mut S) -> bool {
     let mut head = Vec::new();
     let mut buf = [0u8; 4096];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
         match stream.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return false,
             Ok(n) => head.extend_from_slice(&buf[..n]),
         }
         if head.len() > 64 * 1024 {
-            return;
+            return false;
         }
+    }
+    true
+}
+
+/// Reads one request head and answers it with the current status, then closes.
+async fn answer<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, behaviour: &Behaviour) {
+    if !read_head(&mut stream).await {
+        return;
     }
     let delay = behaviour.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {

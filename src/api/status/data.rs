@@ -27,6 +27,9 @@ use crate::serving::tokens::{ApiToken, Caller};
 /// Lease events a proxy's page lists.
 const PROXY_EVENTS: usize = 50;
 
+/// Exit changes a proxy's page lists.
+const PROXY_EXIT_CHANGES: usize = 20;
+
 /// Lease events the events page lists by default.
 const DEFAULT_EVENTS: usize = 100;
 
@@ -57,11 +60,13 @@ fn figures_then<T>(
     let active = state.fleet.ledger.counts().active_counts();
     let outcomes: HashMap<ProxyId, _> = state.fleet.outcomes.proxies().into_iter().collect();
     let health = |id: &ProxyId| state.fleet.health.get(id);
+    let exits = state.fleet.exits.all();
     let figures = Figures {
         health: &health,
         active: &active,
         cooldowns,
         outcomes: &outcomes,
+        exits: &exits,
         now: jiff::Timestamp::now(),
     };
     build(&snapshot, &figures)
@@ -243,6 +248,15 @@ pub async fn proxy_detail(
     let row = figures_then(state, &cooldowns, |_, figures| {
         view::proxy_row(&id, &proxy, figures)
     });
+    let exit_changes = state
+        .fleet
+        .ledger
+        .exit_changes(
+            Some((namespace.to_owned(), name.to_owned())),
+            PROXY_EXIT_CHANGES,
+        )
+        .await
+        .map_err(|e| ledger_error(state, e))?;
     let kube = state.kube_events.of(&proxy).await;
     let health = state.fleet.health.get(&id);
     Ok(Some(view::proxy_detail(
@@ -250,6 +264,7 @@ pub async fn proxy_detail(
         row,
         health.as_ref(),
         lease_events,
+        exit_changes,
         kube,
     )))
 }

@@ -5,8 +5,8 @@
 use maud::{DOCTYPE, Markup, html};
 
 use super::view::{
-    Badge, EventsView, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail, ProxyRow,
-    SortKey, TargetsView,
+    Badge, EventsView, ExitRow, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail,
+    ProxyRow, SortKey, TargetsView,
 };
 use crate::api::types::LastFailureView;
 
@@ -299,6 +299,7 @@ fn proxies_href(filter: &ProxiesFilter, sort: SortKey, order: Order, page: u32) 
     let mut query = url_params(&[
         ("name", filter.name()),
         ("label", filter.label()),
+        ("exit", filter.exit()),
         ("sort", &name_of(sort)),
         ("order", &name_of(order)),
     ]);
@@ -334,6 +335,22 @@ fn proxy_href(row: &ProxyRow) -> String {
     format!("/proxies/{}/{}", encode(&row.namespace), encode(&row.name))
 }
 
+/// A proxy's exit in one cell: the address, its country and network, and a flag when it is
+/// shared or sampled.
+fn exit_cell(exit: Option<&ExitRow>) -> Markup {
+    let Some(exit) = exit else {
+        return html! { "—" };
+    };
+    html! {
+        code { (exit.ip) }
+        @if let Some(country) = &exit.country { " " (country) }
+        @if let Some(asn) = exit.asn { " AS" (asn) }
+        @if !exit.shared_with.is_empty() { " " span.flag title=(format!("also {}", exit.shared_with.join(", "))) { "shared" } }
+        @if exit.sampled { " " span.flag { "sampled" } }
+        @if let Some(mismatch) = &exit.geo_mismatch { " " span.flag title=(mismatch) { "geo mismatch" } }
+    }
+}
+
 /// The proxies page.
 pub fn proxies(view: &ProxiesView, filter: &ProxiesFilter, access: Access) -> Markup {
     layout(
@@ -346,6 +363,8 @@ pub fn proxies(view: &ProxiesView, filter: &ProxiesFilter, access: Access) -> Ma
                 input #name type="search" name="name" value=(filter.name());
                 label for="label" { "Labels" }
                 input #label type="search" name="label" value=(filter.label()) placeholder="geo=eu,tier=a";
+                label for="exit" { "Exit" }
+                input #exit type="search" name="exit" value=(filter.exit()) placeholder="address, country or shared";
                 input type="hidden" name="sort" value=(name_of(filter.sort));
                 input type="hidden" name="order" value=(name_of(filter.order));
                 button type="submit" { "Filter" }
@@ -357,6 +376,7 @@ pub fn proxies(view: &ProxiesView, filter: &ProxiesFilter, access: Access) -> Ma
                         (sort_link(filter, SortKey::Name, "Proxy"))
                         th scope="col" { "Mode" }
                         th scope="col" { "Endpoint" }
+                        th scope="col" { "Exit" }
                         (sort_link(filter, SortKey::Phase, "Phase"))
                         (sort_link(filter, SortKey::Latency, "Health"))
                         (sort_link(filter, SortKey::Leases, "Leases"))
@@ -371,6 +391,7 @@ pub fn proxies(view: &ProxiesView, filter: &ProxiesFilter, access: Access) -> Ma
                                 td { a href=(proxy_href(row)) { (row.namespace) "/" (row.name) } }
                                 td { (row.mode) @if let Some(p) = &row.provider { " (" (p) ")" } }
                                 td { (row.endpoint.as_deref().unwrap_or("—")) }
+                                td.exit { (exit_cell(row.exit.as_ref())) }
                                 td.phase { (row.phase) }
                                 td.health { (health_cell(row)) }
                                 td { (row.active_leases) " ÷ " (row.max_leases) }
@@ -516,6 +537,45 @@ pub fn proxy(view: &ProxyDetail, access: Access) -> Markup {
                 }
                 @if !view.labels.is_empty() {
                     p { "Labels: " @for (k, v) in &view.labels { code { (k) "=" (v) } " " } }
+                }
+            }
+            section #exit data-live aria-labelledby="exit-h" {
+                h2 #exit-h { "Exit" }
+                @if let Some(exit) = &row.exit {
+                    dl.cards {
+                        div { dt { "Exit address" } dd { code { (exit.ip) } @if exit.sampled { " (sampled)" } } }
+                        div { dt { "Changed" } dd { (exit.changed_at.as_deref().unwrap_or("—")) } }
+                        div { dt { "Country" } dd { (exit.country.as_deref().unwrap_or("—")) } }
+                        div { dt { "Network" } dd {
+                            @if let Some(asn) = exit.asn { "AS" (asn) " " }
+                            (exit.organization.as_deref().unwrap_or(""))
+                        } }
+                        div { dt { "Shared with" } dd { @if exit.shared_with.is_empty() { "—" } @else { (exit.shared_with.join(", ")) } } }
+                        @if let Some(mismatch) = &exit.geo_mismatch { div { dt { "Geo mismatch" } dd { (mismatch) } } }
+                        div { dt { "Last check" } dd { (exit.checked_at) } }
+                    }
+                    @if let Some(error) = &exit.last_error {
+                        p { "Last exit check error: " code { (error) } }
+                    }
+                } @else {
+                    p { "No exit known (no exit check, or no answer yet)." }
+                }
+                @if !view.exit_changes.is_empty() {
+                    table #exit-changes {
+                        caption { "Exit changes, newest first" }
+                        thead { tr { th scope="col" { "When" } th scope="col" { "From" } th scope="col" { "To" } th scope="col" { "Country" } th scope="col" { "ASN" } } }
+                        tbody {
+                            @for c in &view.exit_changes {
+                                tr {
+                                    td { time { (at(c.at_ms)) } }
+                                    td { (c.previous_ip.as_deref().unwrap_or("—")) }
+                                    td { code { (c.exit_ip) } }
+                                    td { (c.country.as_deref().unwrap_or("—")) }
+                                    td { @if let Some(asn) = c.asn { (asn) } @else { "—" } }
+                                }
+                            }
+                        }
+                    }
                 }
             }
             section #conditions data-live aria-labelledby="conditions-h" {

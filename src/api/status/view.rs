@@ -9,10 +9,12 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::api::types::LastFailureView;
+use crate::geoip::{GEO_LABEL, geo_mismatch};
 use crate::health::ProxyHealth;
+use crate::health::exits::ExitView;
 use crate::inventory::InventorySnapshot;
 use crate::ledger::TenantUsage;
-use crate::ledger::{ActiveCooldown, Activity, EventEntry, ReportCounts};
+use crate::ledger::{ActiveCooldown, Activity, EventEntry, ExitChange, ReportCounts};
 use crate::resources::phase::shown_phase;
 use crate::resources::proxy::{Mode, Proxy, ProxyId};
 use crate::serving::candidates::Selector;
@@ -239,6 +241,10 @@ pub struct ProxiesQuery {
     /// Only proxies whose labels match this selector (`k=v,k2=v2`).
     #[param(schema_with = crate::api::types::selector_schema)]
     pub label: Option<String>,
+    /// Only proxies whose exit (address, country or network) contains this text; `shared`:
+    /// only proxies flagged for a shared exit.
+    #[param(max_length = 253)]
+    pub exit: Option<String>,
     /// The column to sort by (default `name`).
     pub sort: Option<SortKey>,
     /// Ascending (default) or descending.
@@ -254,6 +260,9 @@ pub enum QueryError {
     /// The name filter is too long.
     #[error("`name`: at most {MAX_NAME_FILTER} bytes")]
     NameTooLong,
+    /// The exit filter is too long.
+    #[error("`exit`: at most {MAX_NAME_FILTER} bytes")]
+    ExitTooLong,
     /// The selector does not parse.
     #[error("`label`: {0}")]
     Selector(String),
@@ -267,6 +276,7 @@ pub enum QueryError {
 pub struct ProxiesFilter {
     name: String,
     label: String,
+    exit: String,
     selector: Selector,
     /// The sort column.
     pub sort: SortKey,
@@ -283,6 +293,10 @@ impl ProxiesQuery {
         if name.len() > MAX_NAME_FILTER {
             return Err(QueryError::NameTooLong);
         }
+        let exit = self.exit.clone().unwrap_or_default();
+        if exit.len() > MAX_NAME_FILTER {
+            return Err(QueryError::ExitTooLong);
+        }
         let selector = Selector::parse(self.label.as_deref().unwrap_or_default())
             .map_err(|e| QueryError::Selector(e.to_string()))?;
         let page = self.page.unwrap_or(1);
@@ -291,6 +305,7 @@ impl ProxiesQuery {
         }
         Ok(ProxiesFilter {
             name,
+            exit,
             label: self.label.clone().unwrap_or_default(),
             selector,
             sort: self.sort.unwrap_or_default(),
@@ -317,6 +332,93 @@ impl ProxiesFilter {
     /// The label selector as given (empty: none).
     pub fn label(&self) -> &str {
         &self.label
+    }
+
+    /// The exit filter as given (empty: none).
+    pub fn exit(&self) -> &str {
+        &self.exit
+    }
+
+    /// Whether a row passes the exit filter: `shared` keeps the rows flagged for a shared
+    /// exit; other text must be part of the exit's address, country or organisation.
+    fn keeps_exit(&self, row: &ProxyRow) -> bool {
+        if self.exit.is_empty() {
+            return true;
+        }
+        let Some(exit) = &row.exit else {
+            return false;
+        };
+        if self.exit == SHARED_FILTER {
+            return !exit.shared_with.is_empty();
+        }
+        let wanted = self.exit.to_lowercase();
+        [
+            Some(exit.ip.as_str()),
+            exit.country.as_deref(),
+            exit.organization.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        .any(|field| field.to_lowercase().contains(&wanted))
+    }
+}
+
+/// The exit filter's value that keeps proxies flagged for a shared exit.
+pub const SHARED_FILTER: &str = "shared";
+
+/// A proxy's exit, as its row shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExitRow {
+    /// The address targets see.
+    pub ip: String,
+    /// When it last changed (RFC 3339; absent for a rotating upstream's sample).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed_at: Option<String>,
+    /// A rotating upstream's exit: one vendor session's, sampled at each check.
+    pub sampled: bool,
+    /// ISO 3166-1 country code, from `--geoip-database`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub country: Option<String>,
+    /// Autonomous system number, from `--geoip-database`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub asn: Option<u32>,
+    /// The autonomous system's organisation, from `--geoip-database`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub organization: Option<String>,
+    /// Other Ready proxies exiting from the same address (`namespace/name`).
+    pub shared_with: Vec<String>,
+    /// The proxy's `geo` label names another country than the exit's: what it says, as the
+    /// `GeoMismatch` condition does (absent when they agree or either is unknown).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub geo_mismatch: Option<String>,
+    /// When it was last checked (RFC 3339).
+    pub checked_at: String,
+    /// Why the last check failed, when it did (the exit shown is the last one found).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+impl ExitRow {
+    /// The row of `view`, for a proxy labelled `labels`.
+    fn of(view: &ExitView, labels: Option<&BTreeMap<String, String>>) -> Self {
+        let label = labels.and_then(|l| l.get(GEO_LABEL)).map(String::as_str);
+        let geo_mismatch =
+            geo_mismatch(label, view.network.country.as_deref()).map(|(labelled, found)| {
+                format!("label {GEO_LABEL} names {labelled}, the exit is in {found}")
+            });
+        ExitRow {
+            geo_mismatch,
+            ip: view.ip.to_string(),
+            changed_at: view.changed_at.map(|t| t.to_string()),
+            sampled: view.sampled,
+            country: view.network.country.clone(),
+            asn: view.network.asn,
+            organization: view.network.organization.clone(),
+            shared_with: view.shared_with.clone(),
+            checked_at: view.checked_at.to_string(),
+            last_error: view.last_error.clone(),
+        }
     }
 }
 
@@ -365,6 +467,9 @@ pub struct ProxyRow {
     /// Seconds since the Proxy was created, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub age_seconds: Option<u64>,
+    /// Its exit, from its exit check (absent without one, or before its first answer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ExitRow>,
 }
 
 /// Body of `GET /v1/status/proxies`.
@@ -395,6 +500,8 @@ pub struct Figures<'a> {
     pub cooldowns: &'a HashMap<String, u32>,
     /// Outcomes over the last hour by proxy.
     pub outcomes: &'a HashMap<ProxyId, OutcomeCounts>,
+    /// Exits by proxy.
+    pub exits: &'a HashMap<ProxyId, ExitView>,
     /// Now, for ages.
     pub now: jiff::Timestamp,
 }
@@ -440,6 +547,10 @@ pub fn proxy_row(id: &ProxyId, proxy: &Proxy, figures: &Figures<'_>) -> ProxyRow
             .creation_timestamp
             .as_ref()
             .and_then(|t| u64::try_from(figures.now.duration_since(t.0).as_secs()).ok()),
+        exit: figures
+            .exits
+            .get(id)
+            .map(|view| ExitRow::of(view, proxy.metadata.labels.as_ref())),
     }
 }
 
@@ -458,6 +569,7 @@ pub fn proxies_view(
                     .matches(&id.namespace, proxy.metadata.labels.as_ref())
         })
         .map(|(id, proxy)| proxy_row(id, proxy, figures))
+        .filter(|row| filter.keeps_exit(row))
         .collect();
     rows.sort_by(|a, b| {
         let by_column = match filter.sort {
@@ -744,6 +856,8 @@ pub struct ProxyDetail {
     pub probe: ProbeView,
     /// Its newest lease events, newest first.
     pub lease_events: Vec<EventEntry>,
+    /// Its newest exit changes, newest first.
+    pub exit_changes: Vec<ExitChange>,
     /// Its recent Kubernetes Events, newest first (operator mode; empty in standalone mode).
     pub events: Vec<KubeEventRow>,
 }
@@ -754,6 +868,7 @@ pub fn proxy_detail(
     row: ProxyRow,
     health: Option<&ProxyHealth>,
     lease_events: Vec<EventEntry>,
+    exit_changes: Vec<ExitChange>,
     events: Vec<KubeEventRow>,
 ) -> ProxyDetail {
     let conditions = proxy
@@ -784,6 +899,7 @@ pub fn proxy_detail(
         conditions,
         probe,
         lease_events,
+        exit_changes,
         events,
     }
 }
@@ -867,11 +983,30 @@ mod tests {
             },
         )]);
         let lookup = |id: &ProxyId| health.get(id).cloned();
+        let exit = |ip: &str, country: &str, shared: &[&str]| ExitView {
+            ip: ip.parse().unwrap(),
+            changed_at: Some(jiff::Timestamp::UNIX_EPOCH),
+            sampled: false,
+            network: crate::geoip::ExitNetwork {
+                country: Some(country.to_owned()),
+                asn: Some(64500),
+                organization: Some("Example Net".to_owned()),
+            },
+            shared_with: shared.iter().map(|s| (*s).to_owned()).collect(),
+            checked_at: jiff::Timestamp::UNIX_EPOCH,
+            last_error: None,
+        };
+        let exits = HashMap::from([
+            (proxy_id("p1"), exit("192.0.2.1", "DE", &["crawl/p2"])),
+            (proxy_id("p2"), exit("192.0.2.1", "DE", &["crawl/p1"])),
+            (proxy_id("p3"), exit("198.51.100.3", "FR", &[])),
+        ]);
         let figures = Figures {
             health: &lookup,
             active: &active,
             cooldowns: &cooldowns,
             outcomes: &outcomes,
+            exits: &exits,
             now: jiff::Timestamp::UNIX_EPOCH,
         };
         let query = |name: &str, label: &str, sort: Option<SortKey>, order: Option<Order>| {
@@ -881,11 +1016,24 @@ mod tests {
                 sort,
                 order,
                 page: None,
+                exit: None,
             }
             .check()
             .unwrap()
         };
-        let cases: [(ProxiesFilter, Vec<&str>); 8] = [
+        let by_exit = |exit: &str| {
+            ProxiesQuery {
+                exit: Some(exit.to_owned()),
+                ..ProxiesQuery::default()
+            }
+            .check()
+            .unwrap()
+        };
+        let cases: [(ProxiesFilter, Vec<&str>); 12] = [
+            (by_exit("shared"), vec!["p1", "p2"]),
+            (by_exit("fr"), vec!["p3"]),
+            (by_exit("192.0.2."), vec!["p1", "p2"]),
+            (by_exit("example"), vec!["p1", "p2", "p3"]),
             (
                 query("", "", None, None),
                 vec!["p1", "p2", "p3", "p4", "p5"],
@@ -949,11 +1097,13 @@ mod tests {
         let none = HashMap::new();
         let outcomes = HashMap::new();
         let lookup = |_: &ProxyId| None;
+        let no_exits = HashMap::new();
         let figures = Figures {
             health: &lookup,
             active: &none,
             cooldowns: &none,
             outcomes: &outcomes,
+            exits: &no_exits,
             now: jiff::Timestamp::UNIX_EPOCH,
         };
         for (page, first, rows) in [(1, "p000", 100), (3, "p200", 50), (9, "p200", 50)] {
@@ -1059,6 +1209,7 @@ mod tests {
             outcomes: OutcomeCounts::default(),
             success_rate: None,
             age_seconds: None,
+            exit: None,
         };
         let rows = [
             row("a", Some(true), 2, false),

@@ -9,7 +9,7 @@ use kube::Client;
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 
-use super::health_transitions::HealthStates;
+use super::health_transitions::{ExitStates, HealthStates};
 use super::metrics::ReconcilerMetrics;
 use super::pacing::Pacing;
 use crate::controllers::budget::{self, Share};
@@ -86,6 +86,8 @@ pub struct Context {
     pub config: ReconcilerConfig,
     /// Last health transitions.
     pub health: HealthStates,
+    /// Last exit reports.
+    pub exits: ExitStates,
     /// Retry memory: failures in a row and holds on creates.
     pub pacing: Pacing,
     /// The lease ledger, to end the leases of machines that are gone.
@@ -121,6 +123,7 @@ impl Context {
             install,
             config,
             health: HealthStates::default(),
+            exits: ExitStates::default(),
             pacing: Pacing::default(),
             ledger,
             clock: jiff::Timestamp::now,

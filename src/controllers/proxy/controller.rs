@@ -147,6 +147,7 @@ async fn track_fleet(store: Store<Proxy>, ctx: Arc<Context>, namespace: Option<S
         let uids: Vec<String> = state.iter().filter_map(|p| p.uid()).collect();
         let live: HashSet<&str> = uids.iter().map(String::as_str).collect();
         ctx.health.retain(&live);
+        ctx.exits.retain(&live);
         ctx.pacing.retain(&live);
         ctx.grants.retain(&live);
         deleted::sweep(&ctx, &store, namespace.as_deref()).await;

@@ -1,5 +1,6 @@
-//! What the reconciler knows of health: the last transition the health engine reported per
-//! proxy, recorded before the reconcile it triggers runs, so that reconcile writes it.
+//! What the reconciler knows of health and exits: the last transition the health engine, and
+//! the last exit report the exit checker, pushed per proxy, recorded before the reconcile it
+//! triggers runs, so that reconcile writes it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -9,25 +10,58 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 
 use crate::health::HealthTransition;
+use crate::health::exits::ExitReport;
 use crate::resources::proxy::{Proxy, ProxyId};
 
-/// The last health transition per proxy, fed by the health engine and read by reconciles.
-#[derive(Debug, Clone, Default)]
-pub struct HealthStates {
-    inner: Arc<RwLock<HashMap<ProxyId, HealthTransition>>>,
+/// Something pushed to the reconciler about one proxy.
+pub trait ProxyReport: Clone + Send + Sync + 'static {
+    /// The proxy it is about.
+    fn proxy(&self) -> &ProxyId;
 }
 
-impl HealthStates {
-    /// Records a transition.
-    pub fn record(&self, transition: HealthTransition) {
+impl ProxyReport for HealthTransition {
+    fn proxy(&self) -> &ProxyId {
+        &self.id
+    }
+}
+
+impl ProxyReport for ExitReport {
+    fn proxy(&self) -> &ProxyId {
+        &self.id
+    }
+}
+
+/// The last report of each proxy, fed by the health engine or the exit checker and read by
+/// reconciles.
+#[derive(Debug, Clone)]
+pub struct LastReports<T> {
+    inner: Arc<RwLock<HashMap<ProxyId, T>>>,
+}
+
+impl<T> Default for LastReports<T> {
+    fn default() -> Self {
+        LastReports {
+            inner: Arc::default(),
+        }
+    }
+}
+
+/// The last health transition per proxy.
+pub type HealthStates = LastReports<HealthTransition>;
+/// The last exit report per proxy.
+pub type ExitStates = LastReports<ExitReport>;
+
+impl<T: ProxyReport> LastReports<T> {
+    /// Records a report.
+    pub fn record(&self, report: T) {
         self.inner
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(transition.id.clone(), transition);
+            .insert(report.proxy().clone(), report);
     }
 
-    /// The last transition of a proxy.
-    pub fn get(&self, id: &ProxyId) -> Option<HealthTransition> {
+    /// The last report of a proxy.
+    pub fn get(&self, id: &ProxyId) -> Option<T> {
         self.inner
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -66,14 +100,15 @@ impl HealthStates {
     }
 }
 
-/// Turns the health engine's transitions into reconcile triggers, recording each in `states`
-/// first so the reconcile it causes sees it.
-pub fn health_triggers(
-    mut transitions: mpsc::Receiver<HealthTransition>,
-    states: HealthStates,
+/// Turns the health engine's transitions (or the exit checker's reports) into reconcile
+/// triggers, recording each in `states` first so the reconcile it causes sees it.
+pub fn health_triggers<T: ProxyReport>(
+    mut transitions: mpsc::Receiver<T>,
+    states: LastReports<T>,
 ) -> impl Stream<Item = ObjectRef<Proxy>> + Send + 'static {
     futures::stream::poll_fn(move |cx| transitions.poll_recv(cx)).map(move |transition| {
-        let object = ObjectRef::new(&transition.id.name).within(&transition.id.namespace);
+        let id = transition.proxy();
+        let object = ObjectRef::new(&id.name).within(&id.namespace);
         states.record(transition);
         object
     })

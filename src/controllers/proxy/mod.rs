@@ -14,6 +14,7 @@ pub mod decide;
 pub mod deleted;
 mod error;
 mod execute;
+mod exit_status;
 pub mod first_write;
 pub mod health_transitions;
 mod leading;
@@ -35,7 +36,7 @@ pub use execute::{
     LEASES_DRAIN_TIMEOUT, LEASES_MACHINE_GONE, LEASES_MACHINE_LOST, LEASES_MACHINE_REPLACED,
     REASON_DRAIN_TIMED_OUT,
 };
-pub use health_transitions::{HealthStates, health_triggers};
+pub use health_transitions::{ExitStates, HealthStates, LastReports, ProxyReport, health_triggers};
 pub use leading::run_while_leading;
 pub use metrics::ReconcilerMetrics;
 pub use pacing::Pacing;

@@ -250,6 +250,11 @@ pub fn status_patch(status: &ProxyStatus, resource_version: Option<&str>) -> Val
             "lastHealthCheckTime": status.last_health_check_time,
             "port": status.port,
             "machineCreatedAt": status.machine_created_at,
+            "exitIP": status.exit_ip,
+            "exitIPChangedAt": status.exit_ip_changed_at,
+            "exitCountry": status.exit_country,
+            "exitASN": status.exit_asn,
+            "exitOrganization": status.exit_organization,
             // Spelled out: a merge patch merges nested objects, so an absent `replacedAt` would
             // leave an old one in place.
             "disruption": status.disruption.as_ref().map(|d| json!({

@@ -12,6 +12,7 @@ use kube::{Api, Resource, ResourceExt};
 use super::context::Context;
 use super::error::Error;
 use super::execute::Step;
+use super::exit_status::apply_exit;
 use super::status::{desired_status, status_patch};
 use crate::resources::proxy::{Proxy, ProxyStatus};
 
@@ -27,13 +28,22 @@ pub(super) async fn write(
     let mut conflict = false;
     if let Some(change) = &step.status {
         let health = ctx.health.get(&proxy.id());
-        let desired = desired_status(
+        let now = (ctx.clock)();
+        let mut desired = desired_status(
             current,
             change,
             &proxy.spec,
             health.as_ref(),
             proxy.metadata.generation,
-            (ctx.clock)(),
+            now,
+        );
+        apply_exit(
+            &mut desired,
+            &proxy.spec,
+            proxy.metadata.labels.as_ref(),
+            ctx.exits.get(&proxy.id()).as_ref(),
+            proxy.metadata.generation,
+            now,
         );
         if desired != *current {
             let known = step

@@ -54,6 +54,7 @@ use super::config::LedgerConfig;
 use super::counts::LedgerCounts;
 use super::demand;
 use super::error::LedgerError;
+use super::exits::{self, ExitChange, ExitRecord, ExitSeen, MAX_EXIT_CHANGES};
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
 };
@@ -758,6 +759,32 @@ impl Ledger for PostgresLedger {
 
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
         on_connection!(self, |conn| store::events(conn.client(), &query))
+    }
+
+    /// In a transaction of its own, the proxy's row locked (see `store::record_exit`).
+    async fn record_exit(&self, exit: ExitRecord) -> Result<ExitSeen, LedgerError> {
+        let now = self.now_ms();
+        let confirm_after = crate::ledger::config::millis(self.inner.config.history_retention)
+            / i64::from(exits::CONFIRM_DIVISOR);
+        in_transaction!(self, |tx| store::record_exit(
+            &tx,
+            &exit,
+            now,
+            confirm_after
+        ))
+    }
+
+    async fn exit_changes(
+        &self,
+        proxy: Option<(String, String)>,
+        limit: usize,
+    ) -> Result<Vec<ExitChange>, LedgerError> {
+        let limit = i64::try_from(limit.min(MAX_EXIT_CHANGES)).unwrap_or(0);
+        on_connection!(self, |conn| store::exit_changes(
+            conn.client(),
+            proxy.as_ref(),
+            limit
+        ))
     }
 
     async fn get(&self, id: &str, tenant: &str) -> Result<Option<Lease>, LedgerError> {

@@ -31,6 +31,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0005_traffic_hours.sql",
         sql: include_str!("../../../migrations/postgres/0005_traffic_hours.sql"),
     },
+    Migration {
+        name: "0006_proxy_exits.sql",
+        sql: include_str!("../../../migrations/postgres/0006_proxy_exits.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -15,6 +15,7 @@ use crate::ledger::activity::{self, ActiveCooldown, Activity, EventEntry, Events
 use crate::ledger::config::LedgerConfig;
 use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
+use crate::ledger::exits::{self, ExitChange, ExitRecord, ExitSeen, ExitWrite};
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseReport, LeaseRow, LeaseRowError, ReportResult, SweepStats};
 use crate::ledger::traffic::{self, TrafficBytes, TrafficHour};
@@ -308,6 +309,8 @@ pub(crate) async fn sweep(
         )],
     )
     .await?;
+    execute(tx, exits::PRUNE_CHANGES_SQL, &[&history_since]).await?;
+    execute(tx, exits::PRUNE_EXITS_SQL, &[&history_since]).await?;
     Ok(SweepStats {
         expired,
         leases_pruned,
@@ -528,6 +531,118 @@ pub(crate) async fn events(
             reason: row.get(8),
             client: row.get(9),
             tenant: row.get(10),
+        })
+        .collect())
+}
+
+/// Records the exit a check found (see `Ledger::record_exit`) in the transaction `tx`: a
+/// first row is inserted (once, whichever replica wins); an existing one is locked first, so
+/// replicas recording the same change one after the other find it recorded.
+pub(crate) async fn record_exit(
+    tx: &impl GenericClient,
+    exit: &ExitRecord,
+    now: i64,
+    confirm_after_ms: i64,
+) -> Result<ExitSeen> {
+    let first = query(
+        tx,
+        "INSERT INTO proxy_exits (proxy_uid, exit_ip, changed_at, confirmed_at)          VALUES ($1, $2, $3, $3) ON CONFLICT (proxy_uid) DO NOTHING RETURNING proxy_uid",
+        &[&exit.proxy.uid, &exit.exit_ip, &now],
+    )
+    .await?;
+    let previous = if first.is_empty() {
+        let row = query(
+            tx,
+            concat!(
+                "SELECT exit_ip, changed_at, confirmed_at FROM proxy_exits WHERE proxy_uid = $1",
+                " FOR UPDATE"
+            ),
+            &[&exit.proxy.uid],
+        )
+        .await?;
+        let row = row.first().map(|row| {
+            let ip: String = row.get(0);
+            (ip, row.get::<_, i64>(1), row.get::<_, i64>(2))
+        });
+        let current = row
+            .as_ref()
+            .map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
+        match exits::exit_write(current, &exit.exit_ip, now, confirm_after_ms) {
+            ExitWrite::Keep { changed_at } => {
+                return Ok(ExitSeen {
+                    changed_at_ms: changed_at,
+                    changed: false,
+                });
+            }
+            ExitWrite::Confirm { changed_at } => {
+                execute(
+                    tx,
+                    exits::UPSERT_EXIT_SQL,
+                    &[&exit.proxy.uid, &exit.exit_ip, &changed_at, &now],
+                )
+                .await?;
+                return Ok(ExitSeen {
+                    changed_at_ms: changed_at,
+                    changed: false,
+                });
+            }
+            ExitWrite::Change => {
+                execute(
+                    tx,
+                    exits::UPSERT_EXIT_SQL,
+                    &[&exit.proxy.uid, &exit.exit_ip, &now, &now],
+                )
+                .await?;
+                row.map(|(ip, _, _)| ip)
+            }
+        }
+    } else {
+        None
+    };
+    execute(
+        tx,
+        exits::INSERT_CHANGE_SQL,
+        &[
+            &now,
+            &exit.proxy.namespace,
+            &exit.proxy.name,
+            &exit.proxy.uid,
+            &previous,
+            &exit.exit_ip,
+            &exit.country,
+            &exit.asn,
+        ],
+    )
+    .await?;
+    Ok(ExitSeen {
+        changed_at_ms: now,
+        changed: true,
+    })
+}
+
+/// The newest exit changes, of every proxy or of one.
+pub(crate) async fn exit_changes(
+    tx: &impl GenericClient,
+    proxy: Option<&(String, String)>,
+    limit: i64,
+) -> Result<Vec<ExitChange>> {
+    let rows = match proxy {
+        None => query(tx, exits::CHANGES_SQL, &[&limit]).await?,
+        Some((namespace, name)) => {
+            query(tx, exits::PROXY_CHANGES_SQL, &[namespace, name, &limit]).await?
+        }
+    };
+    Ok(rows
+        .iter()
+        .map(|row| ExitChange {
+            seq: row.get(0),
+            at_ms: row.get(1),
+            namespace: row.get(2),
+            name: row.get(3),
+            previous_ip: row.get(4),
+            exit_ip: row.get(5),
+            country: row.get(6),
+            asn: row.get(7),
         })
         .collect())
 }

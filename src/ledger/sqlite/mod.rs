@@ -97,6 +97,7 @@ use super::{
     Ledger, LedgerConfig, LedgerCounts, LedgerError, SweepStats, TrafficBytes, TrafficHour,
 };
 use crate::ledger::demand;
+use crate::ledger::exits::{ExitChange, ExitRecord, ExitSeen, MAX_EXIT_CHANGES};
 use crate::ledger::lease::is_release_reason;
 use crate::ledger::quota::DEFAULT_TENANT;
 use crate::ledger::target_hold::TargetLimits;
@@ -481,6 +482,22 @@ impl Ledger for SqliteLedger {
 
     async fn events(&self, query: EventsQuery) -> Result<Vec<EventEntry>, LedgerError> {
         self.on_reader(move |conn, _| store::events(conn, &query))
+            .await
+    }
+
+    /// A write like `record_demand`: it joins the batch queued with it, no queue deadline.
+    async fn record_exit(&self, exit: ExitRecord) -> Result<ExitSeen, LedgerError> {
+        self.submit_and_wait(|reply| Job::RecordExit { exit, reply }, false)
+            .await
+    }
+
+    async fn exit_changes(
+        &self,
+        proxy: Option<(String, String)>,
+        limit: usize,
+    ) -> Result<Vec<ExitChange>, LedgerError> {
+        let limit = i64::try_from(limit.min(MAX_EXIT_CHANGES)).unwrap_or(0);
+        self.on_reader(move |conn, _| store::exit_changes(conn, proxy.as_ref(), limit))
             .await
     }
 

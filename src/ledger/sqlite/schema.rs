@@ -42,6 +42,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0008_traffic_hours.sql",
         sql: include_str!("../../../migrations/0008_traffic_hours.sql"),
     },
+    Migration {
+        name: "0009_proxy_exits.sql",
+        sql: include_str!("../../../migrations/0009_proxy_exits.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

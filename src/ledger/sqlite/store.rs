@@ -20,6 +20,7 @@ use super::state::{ActiveLease, LedgerState, RequestEntry};
 use crate::ledger::activity::{self, ActiveCooldown, Activity, EventEntry, EventsQuery};
 use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
+use crate::ledger::exits::{self, ExitChange, ExitRecord, ExitSeen, ExitWrite};
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};
 use crate::ledger::target_hold::TargetLimits;
@@ -478,6 +479,11 @@ pub(crate) fn sweep(
     let traffic_pruned = conn
         .prepare_cached("DELETE FROM traffic_hours WHERE hour_ms <= ?1")?
         .execute([traffic::retention_cutoff(now, retention_ms)])?;
+    let history_cutoff = now.saturating_sub(retention_ms);
+    conn.prepare_cached(exits::PRUNE_CHANGES_SQL)?
+        .execute([history_cutoff])?;
+    conn.prepare_cached(exits::PRUNE_EXITS_SQL)?
+        .execute([history_cutoff])?;
     let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     Ok(SweepStats {
         expired: count(expired),
@@ -651,6 +657,87 @@ pub(crate) fn events(conn: &Connection, query: &EventsQuery) -> rusqlite::Result
                 ),
                 decode,
             )?
+            .collect(),
+    }
+}
+
+/// Records the exit a check found (see `Ledger::record_exit`), inside the writer's batch.
+pub(crate) fn record_exit(
+    conn: &Connection,
+    exit: &ExitRecord,
+    now: i64,
+    confirm_after_ms: i64,
+) -> rusqlite::Result<ExitSeen> {
+    let row: Option<(String, i64, i64)> = conn
+        .prepare_cached(exits::SELECT_EXIT_SQL)?
+        .query_row([&exit.proxy.uid], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+        })
+        .optional()?;
+    let current = row
+        .as_ref()
+        .map(|(ip, changed, confirmed)| (ip.as_str(), *changed, *confirmed));
+    let write = exits::exit_write(current, &exit.exit_ip, now, confirm_after_ms);
+    let changed_at = match write {
+        ExitWrite::Keep { changed_at } => {
+            return Ok(ExitSeen {
+                changed_at_ms: changed_at,
+                changed: false,
+            });
+        }
+        ExitWrite::Confirm { changed_at } => changed_at,
+        ExitWrite::Change => {
+            conn.prepare_cached(exits::INSERT_CHANGE_SQL)?.execute((
+                now,
+                &exit.proxy.namespace,
+                &exit.proxy.name,
+                &exit.proxy.uid,
+                row.as_ref().map(|(ip, _, _)| ip.as_str()),
+                &exit.exit_ip,
+                exit.country.as_deref(),
+                exit.asn,
+            ))?;
+            now
+        }
+    };
+    conn.prepare_cached(exits::UPSERT_EXIT_SQL)?.execute((
+        &exit.proxy.uid,
+        &exit.exit_ip,
+        changed_at,
+        now,
+    ))?;
+    Ok(ExitSeen {
+        changed_at_ms: changed_at,
+        changed: write == ExitWrite::Change,
+    })
+}
+
+/// The newest exit changes, of every proxy or of one.
+pub(crate) fn exit_changes(
+    conn: &Connection,
+    proxy: Option<&(String, String)>,
+    limit: i64,
+) -> rusqlite::Result<Vec<ExitChange>> {
+    let decode = |row: &Row<'_>| {
+        Ok(ExitChange {
+            seq: row.get(0)?,
+            at_ms: row.get(1)?,
+            namespace: row.get(2)?,
+            name: row.get(3)?,
+            previous_ip: row.get(4)?,
+            exit_ip: row.get(5)?,
+            country: row.get(6)?,
+            asn: row.get(7)?,
+        })
+    };
+    match proxy {
+        None => conn
+            .prepare_cached(exits::CHANGES_SQL)?
+            .query_map([limit], decode)?
+            .collect(),
+        Some((namespace, name)) => conn
+            .prepare_cached(exits::PROXY_CHANGES_SQL)?
+            .query_map((namespace, name, limit), decode)?
             .collect(),
     }
 }

@@ -20,6 +20,7 @@ use super::store;
 use crate::ledger::clock::Clock;
 use crate::ledger::config::{LedgerConfig, millis};
 use crate::ledger::error::LedgerError;
+use crate::ledger::exits::{CONFIRM_DIVISOR, ExitRecord, ExitSeen};
 use crate::ledger::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats, new_lease_id,
 };
@@ -67,6 +68,11 @@ pub(crate) enum Job {
     RecordTraffic {
         traffic: Vec<TrafficBytes>,
         reply: Reply<HashMap<String, u64>>,
+    },
+    /// The exit a check found for a proxy.
+    RecordExit {
+        exit: ExitRecord,
+        reply: Reply<ExitSeen>,
     },
     Sweep {
         reply: Reply<SweepStats>,
@@ -157,6 +163,7 @@ impl Job {
             Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
             Job::RecordDemand { reply, .. } => send(reply, error()),
             Job::RecordTraffic { reply, .. } => send(reply, error()),
+            Job::RecordExit { reply, .. } => send(reply, error()),
             Job::Sweep { reply } => send(reply, error()),
             Job::EndLeases { reply, .. } => send(reply, error()),
         }
@@ -362,6 +369,7 @@ impl Writer {
             Job::RecordTraffic { traffic, reply } => {
                 answer(reply, self.record_traffic(&traffic, now))
             }
+            Job::RecordExit { exit, reply } => answer(reply, self.record_exit(&exit, now)),
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
@@ -404,6 +412,18 @@ impl Writer {
                 (tenant, today)
             })
             .collect()))
+    }
+
+    /// Records a proxy's exit. Memory holds no exits, so nothing is journalled: a failed
+    /// batch rolls the rows back with the rest.
+    fn record_exit(&self, exit: &ExitRecord, now: i64) -> Decision<ExitSeen> {
+        let confirm_after = millis(self.config.history_retention) / i64::from(CONFIRM_DIVISOR);
+        Ok(Ok(store::record_exit(
+            &self.conn,
+            exit,
+            now,
+            confirm_after,
+        )?))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page

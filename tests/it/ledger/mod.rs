@@ -5,6 +5,7 @@ mod crash;
 mod demand;
 mod durability;
 mod end_leases;
+mod exits;
 mod leases;
 mod tenants;
 mod traffic;

@@ -26,7 +26,7 @@ fn committed_crds_match_the_types() {
 /// spare; the YAML is larger than the compact JSON the annotation holds.
 #[test]
 fn every_crd_is_as_small_as_the_install_page_says() {
-    const LIMIT: usize = 30 * 1024;
+    const LIMIT: usize = 40 * 1024;
     for kind in Kind::ALL {
         let size = kind.yaml().unwrap().len();
         assert!(size < LIMIT, "{}: {size} bytes", kind.file());
@@ -34,7 +34,7 @@ fn every_crd_is_as_small_as_the_install_page_says() {
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/install.md"))
         .expect("docs/install.md");
     assert!(
-        page.contains("under 30 KB"),
+        page.contains("under 40 KB"),
         "docs/install.md names the CRDs' size"
     );
 }
@@ -84,7 +84,7 @@ fn crd_names_scope_and_printer_columns() {
     assert_eq!(
         columns,
         [
-            "Mode", "Provider", "Phase", "IP", "Healthy", "Cordoned", "Age"
+            "Mode", "Provider", "Phase", "IP", "Exit", "Healthy", "Cordoned", "Age"
         ]
     );
 }

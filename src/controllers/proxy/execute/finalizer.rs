@@ -37,6 +37,7 @@ pub(super) async fn remove_finalizer(
     patch_finalizers(api, proxy, finalizers).await?;
     if proxy.metadata.deletion_timestamp.is_some() {
         machine.ctx.health.forget(&proxy.id());
+        machine.ctx.exits.forget(&proxy.id());
         machine.ctx.grants.release(&machine.uid());
     }
     Ok(Step::requeue(controller::Action::await_change()))
