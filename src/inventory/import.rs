@@ -495,6 +495,7 @@ fn object(name: String, proxy: &ListedProxy, options: &ImportOptions) -> Importe
         cordoned: false,
         max_lifetime: None,
         health_check: HealthCheck::default(),
+        cost: None,
     };
     let mut object = Proxy::new(&name, spec);
     object.metadata = metadata(name, None);

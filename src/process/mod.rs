@@ -140,6 +140,8 @@ impl Core {
             health.clone(),
             ledger.clone(),
             traffic.clone(),
+            &common.cost_currency,
+            clock.clone(),
         )
         .map_err(metric_error)?;
         registry.register(Box::new(fleet)).map_err(metric_error)?;
@@ -152,6 +154,7 @@ impl Core {
             fleet: Fleet {
                 sessions,
                 traffic,
+                currency: common.cost_currency.as_str().into(),
                 ..Fleet::new(inventory, health, ledger, clock)
             },
             registry,

@@ -47,6 +47,8 @@ pub struct Fleet {
     pub pools: PoolDirectory,
     /// Bytes through the gateway per proxy.
     pub traffic: Traffic,
+    /// The currency of every proxy's `cost` (`--cost-currency`).
+    pub currency: Arc<str>,
 }
 
 /// One acquire as a server asks it (see [`Fleet::acquire`]).
@@ -134,6 +136,7 @@ impl Fleet {
             sessions: Sessions::default(),
             pools: PoolDirectory::default(),
             traffic: Traffic::default(),
+            currency: crate::resources::cost::DEFAULT_CURRENCY.into(),
         }
     }
 

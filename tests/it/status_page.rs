@@ -457,6 +457,7 @@ async fn ten_thousand_proxies_load_in_under_a_second() {
             cordoned: false,
             socks5: false,
             credentials: None,
+            cost: None,
         })
         .collect();
     let mut fleet = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);
