@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::accounting::Accounting;
 use super::ask::Ask;
 use super::config::GatewayConfig;
 use super::intercept::Interception;
@@ -66,6 +67,8 @@ pub struct Gateway {
     pub(super) tasks: TaskTracker,
     /// Fired at shutdown: connections and tunnels end and give their leases back.
     pub(super) stopping: CancellationToken,
+    /// Bytes relayed, on their way to the ledger's hourly traffic rows.
+    pub(super) accounting: Accounting,
 }
 
 impl Gateway {
@@ -94,7 +97,25 @@ impl Gateway {
             config,
             tasks: TaskTracker::new(),
             stopping: CancellationToken::new(),
+            accounting: Accounting::default(),
         }
+    }
+
+    /// Counts bytes relayed for `held`'s request: in the metrics, and towards the ledger's
+    /// hourly traffic rows.
+    pub(super) fn relayed(&self, held: &Held, up: u64, down: u64) {
+        self.metrics
+            .relayed(&held.tenant, &held.proxy.uid, up, down);
+        self.accounting
+            .add(&held.tenant, &held.proxy, &held.target, up, down);
+    }
+
+    /// Writes the bytes relayed since the last flush to the ledger.
+    pub(super) async fn flush_traffic(&self) {
+        let inventory = self.fleet.inventory.snapshot();
+        self.accounting
+            .flush(self.fleet.ledger.as_ref(), &inventory)
+            .await;
     }
 
     /// Whether `host` is never intercepted (`--gateway-intercept-exclude`).
@@ -214,6 +235,7 @@ impl Gateway {
                         lease_id: session.lease_id,
                         tenant: session.tenant,
                         proxy: session.proxy,
+                        target: ask.target.host.as_str().into(),
                         session: Some(key),
                         ttl,
                         renewed: now,
@@ -255,6 +277,7 @@ impl Gateway {
                         lease_id,
                         tenant: ask.caller.tenant.name.clone(),
                         proxy,
+                        target: ask.target.host.as_str().into(),
                         session: Some(key),
                         ttl,
                         renewed: now,
@@ -304,6 +327,7 @@ impl Gateway {
                     lease_id,
                     tenant: ask.caller.tenant.name.clone(),
                     proxy,
+                    target: ask.target.host.as_str().into(),
                     session: None,
                     ttl,
                     renewed: Instant::now(),
@@ -501,6 +525,8 @@ pub struct Held {
     pub tenant: Arc<str>,
     /// Its proxy.
     pub proxy: ProxyId,
+    /// The target (host) of the request it serves now.
+    pub target: Arc<str>,
     /// The session it belongs to; `None`: the connection's own.
     pub session: Option<SessionKey>,
     /// TTL it is renewed with.

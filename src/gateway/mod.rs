@@ -20,6 +20,7 @@
 //!   `wakeTimeout`), then relayed; its refusal is recorded as the pool's demand.
 //! - **Drains** (`upstream`): a draining or deleted proxy's idle upstream connections are
 
+mod accounting;
 mod answers;
 mod ask;
 mod auth;
@@ -38,6 +39,7 @@ mod timeouts;
 mod upstream;
 pub mod user;
 
+pub use accounting::FLUSH_INTERVAL;
 pub use answers::{
     BAN_REPORTED_HEADER, Body, DESTINATION_NOT_ALLOWED, DESTINATION_UNRESOLVABLE,
     PROXY_LEASE_HEADER, PROXY_NAME_HEADER, PROXY_STATUS, RequestOutcome, SESSION_MOVED_HEADER,

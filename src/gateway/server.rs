@@ -14,6 +14,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use super::accounting;
 use super::answers::{PROXY_STATUS, TOO_MANY_CONNECTIONS, proxy_status};
 use super::choice::{self, Gateway};
 use super::connection::ClientConnection;
@@ -24,11 +25,16 @@ use super::timeouts::{Activity, Timed};
 /// How long connections and tunnels get to give their leases back at shutdown.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves the gateway on `listener` until `shutdown` fires; then stops accepting, ends the
-/// connections and tunnels under way and gives their leases back (a session's stays, so the
-/// session finds it again after a restart).
+/// Serves the gateway on `listener` until `shutdown` fires, writing the bytes relayed to the
+/// ledger every second meanwhile; then stops accepting, ends the connections and tunnels under
+/// way, gives their leases back (a session's stays, so the session finds it again after a
+/// restart) and writes the last bytes.
 pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: CancellationToken) {
     let housekeeping = tokio::spawn(choice::release_idle_sessions(
+        gateway.clone(),
+        shutdown.clone(),
+    ));
+    let flushes = tokio::spawn(accounting::flush_every_interval(
         gateway.clone(),
         shutdown.clone(),
     ));
@@ -81,6 +87,9 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: Cance
     {
         log::warn!("gateway: connections did not end within {STOP_GRACE:?}; their leases expire");
     }
+    // The bytes of the connections that ended, the last of them included.
+    let _ = flushes.await;
+    gateway.flush_traffic().await;
 }
 
 /// How long a connection over the cap gets to read its refusal.

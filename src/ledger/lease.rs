@@ -486,6 +486,8 @@ pub struct SweepStats {
     /// Buckets of unmet demand (one per pool each) that ended before the last
     /// [`DEMAND_RETENTION`](super::DEMAND_RETENTION), deleted.
     pub demand_pruned: u64,
+    /// Hourly traffic rows whose hour ended before the retention period, deleted.
+    pub traffic_pruned: u64,
 }
 
 #[cfg(test)]

@@ -41,6 +41,11 @@
 //!   acknowledged once durable like any write and kept where the leader reads it (the one
 //!   SQLite file, the database every replica shares); the sweep deletes the buckets that end
 //!   before the last [`DEMAND_RETENTION`].
+//! - **Traffic**: bytes through the gateway are added, a gateway's batch at a time, to one
+//!   row per UTC hour (of the ledger's clock), tenant, proxy, pool and target (`traffic`),
+//!   acknowledged once durable; the sweep deletes the rows whose hour ended before the
+//!   history's retention. A tenant's bytes of the current UTC day count towards its
+//!   `bytesPerDay` quota where its other quotas are decided.
 
 mod activity;
 mod batch_counters;
@@ -60,6 +65,7 @@ mod selection;
 mod sqlite;
 mod target_hold;
 mod targets;
+mod traffic;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -90,6 +96,9 @@ pub use sqlite::{
     SqliteLedgerCollector, SqliteOptions, WriterStats,
 };
 pub use targets::{NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns, rank_targets};
+pub use traffic::{
+    DAY_MS, HOUR_MS, TrafficBytes, TrafficHour, day_start, hour_start, until_next_day,
+};
 
 /// The length of one bucket of ProxyPools' unmet demand: a refusal counts in the bucket
 /// (aligned to the Unix epoch) holding the ledger's clock's time, and a window of
@@ -165,7 +174,8 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// Marks leases past their expiry as expired (one `expired` event each, timed at the
     /// expiry), deletes finished leases whose expiry is older than the cooldown window (their
     /// request IDs go with them), ended cooldowns, history older than the retention period,
-    /// and demand buckets that end before the last [`DEMAND_RETENTION`].
+    /// demand buckets that end before the last [`DEMAND_RETENTION`], and traffic rows whose
+    /// hour ended before the retention period.
     async fn sweep(&self) -> Result<SweepStats, LedgerError>;
 
     /// Records one refused request (an acquire or a gateway connection refused for capacity,
@@ -183,6 +193,23 @@ pub trait Ledger: std::fmt::Debug + Send + Sync {
     /// are absent. Buckets older than [`DEMAND_RETENTION`] may be swept, so a longer window
     /// reads only what is left.
     async fn recent_demand(&self, window: Duration) -> Result<HashMap<String, u64>, LedgerError>;
+
+    /// Adds the bytes a gateway relayed since its last call to the rows of the UTC hour
+    /// holding the ledger's clock (one row per tenant, proxy, pool and target; bytes for one
+    /// row are added up first, empty ones dropped), in one write: the SQLite writer's batch,
+    /// or one PostgreSQL transaction. Answered once durable, like any write, with the same
+    /// errors (`Overloaded`, `Full`, `Unavailable`, …: keep the bytes and try again). Returns
+    /// the bytes of the current UTC day of each tenant it named, this call's included, as the
+    /// quotas count them. Counted at least once: a PostgreSQL transaction tried again after a
+    /// lost connection may have committed the first time.
+    async fn record_traffic(
+        &self,
+        traffic: Vec<TrafficBytes>,
+    ) -> Result<HashMap<String, u64>, LedgerError>;
+
+    /// Hourly rows whose hour starts at or after `since_ms`, oldest first; a read, on any
+    /// replica.
+    async fn traffic(&self, since_ms: i64) -> Result<Vec<TrafficHour>, LedgerError>;
 
     /// Acquires and reports per target over the last `window` at the ledger's clock (among
     /// the newest [`SCAN_EVENTS`] events), of `tenant` (`None`: every tenant), and the

@@ -21,6 +21,7 @@ use hyper::header::{
     TRANSFER_ENCODING, UPGRADE,
 };
 
+use crate::gateway::accounting::Accounting;
 use crate::gateway::answers::{
     BAN_REPORTED_HEADER, Body, PROXY_STATUS, PROXY_STATUS_NAME, RequestOutcome, lease_headers,
 };
@@ -192,8 +193,10 @@ pub(in crate::gateway) fn hand_on(
             up,
             down: 0,
             metrics: gateway.metrics.clone(),
+            accounting: gateway.accounting.clone(),
             tenant: held.tenant.clone(),
-            proxy: held.proxy.uid.clone(),
+            proxy: held.proxy.clone(),
+            target: held.target.clone(),
             _keep: keep,
         }
         .boxed()
@@ -272,9 +275,12 @@ struct Relayed {
     up: u64,
     down: u64,
     metrics: GatewayMetrics,
+    accounting: Accounting,
     tenant: Arc<str>,
-    /// The UID of the proxy it came through.
-    proxy: String,
+    /// The proxy it came through.
+    proxy: ProxyId,
+    /// The target it came from.
+    target: Arc<str>,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
@@ -307,7 +313,9 @@ impl http_body::Body for Relayed {
 impl Drop for Relayed {
     fn drop(&mut self) {
         self.metrics
-            .relayed(&self.tenant, &self.proxy, self.up, self.down);
+            .relayed(&self.tenant, &self.proxy.uid, self.up, self.down);
+        self.accounting
+            .add(&self.tenant, &self.proxy, &self.target, self.up, self.down);
     }
 }
 

@@ -57,7 +57,7 @@ use super::error::LedgerError;
 use super::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, SweepStats, is_release_reason, new_lease_id,
 };
-use super::{Activity, DatabaseStatus, EventEntry, EventsQuery, Ledger};
+use super::{Activity, DatabaseStatus, EventEntry, EventsQuery, Ledger, TrafficBytes, TrafficHour};
 
 /// How often the counts are read again from the database (other replicas' writes show
 /// within this) and the database's state is checked.
@@ -714,6 +714,24 @@ impl Ledger for PostgresLedger {
             window,
             now
         ))
+    }
+
+    /// One transaction on a pooled connection, like `report`: every replica adds to the same
+    /// rows. Tried again on a fresh connection after a lost one, which may count bytes twice
+    /// when the first attempt committed unanswered.
+    async fn record_traffic(
+        &self,
+        traffic: Vec<TrafficBytes>,
+    ) -> Result<HashMap<String, u64>, LedgerError> {
+        if traffic.iter().all(|t| t.up == 0 && t.down == 0) {
+            return Ok(HashMap::new());
+        }
+        let now = self.now_ms();
+        in_transaction!(self, |tx| store::record_traffic(&tx, &traffic, now))
+    }
+
+    async fn traffic(&self, since_ms: i64) -> Result<Vec<TrafficHour>, LedgerError> {
+        on_connection!(self, |conn| store::traffic(conn.client(), since_ms))
     }
 
     /// Safe on every replica at once (see `store::sweep`).

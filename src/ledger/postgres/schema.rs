@@ -27,6 +27,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0004_fallback_steps.sql",
         sql: include_str!("../../../migrations/postgres/0004_fallback_steps.sql"),
     },
+    Migration {
+        name: "0005_traffic_hours.sql",
+        sql: include_str!("../../../migrations/postgres/0005_traffic_hours.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

@@ -17,6 +17,7 @@ use crate::ledger::demand;
 use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseReport, LeaseRow, LeaseRowError, ReportResult, SweepStats};
+use crate::ledger::traffic::{self, TrafficBytes, TrafficHour};
 use crate::resources::proxy::ProxyId;
 
 /// A statement that failed: the driver's error, or an answer for the caller.
@@ -298,12 +299,22 @@ pub(crate) async fn sweep(
         &[&demand::retention_cutoff(now)],
     )
     .await?;
+    let traffic_pruned = execute(
+        tx,
+        "DELETE FROM traffic_hours WHERE hour_ms <= $1",
+        &[&traffic::retention_cutoff(
+            now,
+            crate::ledger::config::millis(config.history_retention),
+        )],
+    )
+    .await?;
     Ok(SweepStats {
         expired,
         leases_pruned,
         cooldowns_pruned,
         events_pruned,
         demand_pruned,
+        traffic_pruned,
     })
 }
 
@@ -321,6 +332,94 @@ pub(crate) async fn record_demand(tx: &impl GenericClient, pools: &[&str], now: 
     )
     .await?;
     Ok(())
+}
+
+/// Adds `bytes` (merged by row) to the rows of the hour holding `now` in one statement, rows
+/// in key order (so replicas adding to the same rows never deadlock); returns the bytes of the
+/// UTC day holding `now` of each tenant it named, as committed by every replica and this
+/// transaction.
+pub(crate) async fn record_traffic(
+    tx: &impl GenericClient,
+    bytes: &[TrafficBytes],
+    now: i64,
+) -> Result<HashMap<String, u64>> {
+    let rows = traffic::merged(bytes);
+    if rows.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let tenants: Vec<&str> = rows.iter().map(|(k, ..)| k.0).collect();
+    let namespaces: Vec<&str> = rows.iter().map(|(k, ..)| k.1).collect();
+    let names: Vec<&str> = rows.iter().map(|(k, ..)| k.2).collect();
+    let pools: Vec<&str> = rows.iter().map(|(k, ..)| k.3).collect();
+    let targets: Vec<&str> = rows.iter().map(|(k, ..)| k.4).collect();
+    let ups: Vec<i64> = rows.iter().map(|r| traffic::to_sql(r.1)).collect();
+    let downs: Vec<i64> = rows.iter().map(|r| traffic::to_sql(r.2)).collect();
+    execute(
+        tx,
+        "INSERT INTO traffic_hours (hour_ms, tenant, namespace, name, pool, target, up, down) \
+         SELECT $1, t, ns, n, p, tg, u, d \
+         FROM unnest($2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TEXT[], $6::TEXT[], \
+         $7::BIGINT[], $8::BIGINT[]) AS r (t, ns, n, p, tg, u, d) ORDER BY t, ns, n, p, tg \
+         ON CONFLICT (hour_ms, tenant, namespace, name, pool, target) DO UPDATE \
+         SET up = traffic_hours.up + excluded.up, down = traffic_hours.down + excluded.down",
+        &[
+            &traffic::hour_start(now),
+            &tenants,
+            &namespaces,
+            &names,
+            &pools,
+            &targets,
+            &ups,
+            &downs,
+        ],
+    )
+    .await?;
+    let mut named = tenants;
+    named.dedup();
+    bytes_today(tx, &named, now).await
+}
+
+/// The bytes of the UTC day holding `now` of each of `tenants` that has some.
+pub(crate) async fn bytes_today(
+    tx: &impl GenericClient,
+    tenants: &[&str],
+    now: i64,
+) -> Result<HashMap<String, u64>> {
+    let rows = query(
+        tx,
+        "SELECT tenant, sum(up + down)::BIGINT FROM traffic_hours \
+         WHERE tenant = ANY($1) AND hour_ms >= $2 GROUP BY tenant",
+        &[&tenants, &traffic::day_start(now)],
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|row| (row.get(0), traffic::from_sql(row.get(1))))
+        .collect())
+}
+
+/// The hourly traffic rows whose hour starts at or after `since`, oldest first.
+pub(crate) async fn traffic(tx: &impl GenericClient, since: i64) -> Result<Vec<TrafficHour>> {
+    let rows = query(
+        tx,
+        "SELECT hour_ms, tenant, namespace, name, pool, target, up, down FROM traffic_hours \
+         WHERE hour_ms >= $1 ORDER BY hour_ms, tenant, namespace, name, pool, target",
+        &[&since],
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|row| TrafficHour {
+            hour_ms: row.get(0),
+            tenant: row.get(1),
+            namespace: row.get(2),
+            name: row.get(3),
+            pool: traffic::pool_of(row.get(4)),
+            target: row.get(5),
+            up: traffic::from_sql(row.get(6)),
+            down: traffic::from_sql(row.get(7)),
+        })
+        .collect())
 }
 
 /// The refusals per pool in the buckets overlapping the last `window` at `now`.

@@ -4,11 +4,12 @@
 //! # One writer
 //!
 //! Every write (acquire, renew, release, the end of a proxy's leases, report, a refusal's
-//! unmet demand, sweep) is decided by one writer thread that owns the write connection and
+//! unmet demand, a gateway's bytes, sweep) is decided by one writer thread that owns the write connection and
 //! the lease state in memory (`state.rs`): the leases whose row says active with their expiry
 //! times (a lease counts while `expires_at > now`, so capacity is counted by time, not by a
-//! counter), the cooldowns per (proxy UID, target), and the request-ID index. The state is
-//! rebuilt from the file at open; unmet demand is not part of it (it is only added to, and
+//! counter), the cooldowns per (proxy UID, target), the request-ID index, and each tenant's
+//! bytes of the current UTC day (its `bytesPerDay` quota). The state is rebuilt from the file
+//! at open; unmet demand is not part of it (it is only added to, and
 //! read from the file). Writes are decided one after the other in arrival order against that
 //! state, so concurrent acquires can never exceed a proxy's `maxLeases`, and no acquire scans
 //! the leases table or copies the candidates. A dedicated thread rather than a tokio task: SQLite calls
@@ -93,7 +94,7 @@ use writer::{Job, Message, OVERLOADED_RETRY_AFTER, Reply, Writer};
 
 use super::{
     AcquireOutcome, AcquireRequest, Activity, Clock, EventEntry, EventsQuery, Lease, LeaseReport,
-    Ledger, LedgerConfig, LedgerCounts, LedgerError, SweepStats,
+    Ledger, LedgerConfig, LedgerCounts, LedgerError, SweepStats, TrafficBytes, TrafficHour,
 };
 use crate::ledger::demand;
 use crate::ledger::lease::is_release_reason;
@@ -435,6 +436,27 @@ impl Ledger for SqliteLedger {
         tokio::task::spawn_blocking(move || ledger.read_demand(window))
             .await
             .map_err(|e| LedgerError::Read(e.to_string()))?
+    }
+
+    /// A write through the writer like `record_demand`: it joins the batch queued with it,
+    /// has no queue deadline (a gateway flushes about once a second, and a late count is
+    /// still right), and is refused with [`LedgerError::Overloaded`] when the queue is full.
+    /// The tenants' days are the writer's memory, so the answer costs no read.
+    async fn record_traffic(
+        &self,
+        traffic: Vec<TrafficBytes>,
+    ) -> Result<HashMap<String, u64>, LedgerError> {
+        if traffic.iter().all(|t| t.up == 0 && t.down == 0) {
+            return Ok(HashMap::new());
+        }
+        self.submit_and_wait(|reply| Job::RecordTraffic { traffic, reply }, false)
+            .await
+    }
+
+    /// As committed, on a pooled read connection, like `activity`.
+    async fn traffic(&self, since_ms: i64) -> Result<Vec<TrafficHour>, LedgerError> {
+        self.on_reader(move |conn, _| store::traffic(conn, since_ms))
+            .await
     }
 
     /// Housekeeping has no queue deadline: it waits for its turn.

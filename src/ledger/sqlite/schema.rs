@@ -38,6 +38,10 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0007_fallback_steps.sql",
         sql: include_str!("../../../migrations/0007_fallback_steps.sql"),
     },
+    Migration {
+        name: "0008_traffic_hours.sql",
+        sql: include_str!("../../../migrations/0008_traffic_hours.sql"),
+    },
 ];
 
 /// The schema version this binary reads and writes.

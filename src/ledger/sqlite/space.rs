@@ -209,7 +209,7 @@ impl Space {
         })();
         if let Ok(pruned) = &result {
             let frames = checkpoint::wal_frames().saturating_sub(frames_before);
-            let rows = pruned.events + pruned.leases;
+            let rows = pruned.events + pruned.traffic + pruned.leases;
             self.last_step = Some(StepCost { rows, frames });
             writer
                 .shared

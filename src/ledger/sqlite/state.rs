@@ -1,6 +1,6 @@
 //! The lease state the writer decides on, in memory and without I/O: leases that may count
-//! towards capacity, cooldowns, the request-ID index (per tenant) and the tenants' token
-//! buckets. It is rebuilt from the file at open
+//! towards capacity, cooldowns, the request-ID index (per tenant), the tenants' token
+//! buckets and their bytes of the current UTC day. It is rebuilt from the file at open
 //! and changed only by the writer, which journals every change of a batch so that a batch
 //! whose transaction fails can be undone and memory matches the file again.
 
@@ -15,6 +15,7 @@ use crate::ledger::lease::{NoMatch, RequestKey};
 use crate::ledger::quota::{self, Bucket, QuotaExceeded, Tenancy, TenantUsage};
 use crate::ledger::selection::{ProxyLoad, Selection, select};
 use crate::ledger::target_hold::{TargetHold, TargetLimits, total_load};
+use crate::ledger::traffic::DayBytes;
 use crate::resources::proxy::ProxyId;
 
 /// The maps of the state. An acquire looks every candidate's UID up, so the hasher matters:
@@ -122,6 +123,10 @@ enum Undo {
         tenant: Arc<str>,
         previous: Option<Bucket>,
     },
+    DayBytes {
+        tenant: Arc<str>,
+        previous: Option<DayBytes>,
+    },
 }
 
 /// `(expires_at, lease ID)` of active leases, by proxy UID.
@@ -148,6 +153,9 @@ pub(crate) struct LedgerState {
     /// Token buckets of the tenants with a rate quota that acquired since the file was
     /// opened (a restart starts them full).
     buckets: FastMap<Arc<str>, Bucket>,
+    /// Bytes through the gateway per tenant on the day of its last traffic (rebuilt from the
+    /// hourly rows at open): what the `bytesPerDay` quota counts.
+    day_bytes: FastMap<Arc<str>, DayBytes>,
     undo: Vec<Undo>,
     touched: Touched,
 }
@@ -290,6 +298,26 @@ impl LedgerState {
             tenant: tenant.clone(),
             previous,
         });
+    }
+
+    /// Adds `bytes` relayed for `tenant` at `now` to its day; returns its bytes today.
+    pub fn count_bytes(&mut self, tenant: &str, bytes: u64, now: i64) -> u64 {
+        let tenant: Arc<str> = self
+            .day_bytes
+            .get_key_value(tenant)
+            .map_or_else(|| Arc::from(tenant), |(name, _)| name.clone());
+        let previous = self.day_bytes.get(&tenant).copied();
+        let counted = previous.unwrap_or_default().added(bytes, now);
+        self.day_bytes.insert(tenant.clone(), counted);
+        self.undo.push(Undo::DayBytes { tenant, previous });
+        counted.bytes
+    }
+
+    /// Loads a tenant's bytes of the day holding `now`, read from the file (at open; not
+    /// journaled).
+    pub fn restore_day_bytes(&mut self, tenant: Arc<str>, bytes: u64, now: i64) {
+        self.day_bytes
+            .insert(tenant, DayBytes::default().added(bytes, now));
     }
 
     /// Leases counting towards `uid`'s capacity at `now`, and the earliest of their expiries.
@@ -518,6 +546,14 @@ impl LedgerState {
                     }
                     None => {
                         self.buckets.remove(&tenant);
+                    }
+                },
+                Undo::DayBytes { tenant, previous } => match previous {
+                    Some(day) => {
+                        self.day_bytes.insert(tenant, day);
+                    }
+                    None => {
+                        self.day_bytes.remove(&tenant);
                     }
                 },
             }

@@ -23,6 +23,7 @@ use crate::ledger::error::LedgerError;
 use crate::ledger::history::{Event, EventKind};
 use crate::ledger::lease::{Lease, LeaseRow, LeaseRowError, LeaseState, ReportResult, SweepStats};
 use crate::ledger::target_hold::TargetLimits;
+use crate::ledger::traffic::{self, TrafficBytes, TrafficHour};
 use crate::resources::proxy::ProxyId;
 
 /// How long a connection waits for another process's write lock before failing.
@@ -134,11 +135,13 @@ pub(crate) fn history_rows(conn: &Connection) -> rusqlite::Result<u64> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Pruned {
     pub events: u64,
+    pub traffic: u64,
     pub leases: u64,
 }
 
-/// Deletes up to `rows` of the oldest history. Only when the history runs out does it go on
-/// to finished leases, oldest expiry first, which late reports could still have named: never
+/// Deletes up to `rows` of the oldest history, then of the oldest hourly traffic rows before
+/// the current UTC day (today's count towards the budgets). Only when both run out does it go
+/// on to finished leases, oldest expiry first, which late reports could still have named: never
 /// an active lease, and never a released lease whose request ID may still be replayed (its
 /// window, up to `expires_at`, is open at `now`).
 pub(crate) fn prune_oldest(conn: &Connection, rows: u64, now: i64) -> rusqlite::Result<Pruned> {
@@ -150,7 +153,18 @@ pub(crate) fn prune_oldest(conn: &Connection, rows: u64, now: i64) -> rusqlite::
         )?
         .execute([to_sql_int(rows)])?,
     );
-    let leases = match rows.saturating_sub(events) {
+    let traffic = match rows.saturating_sub(events) {
+        0 => 0,
+        rest => count(
+            conn.prepare_cached(
+                "DELETE FROM traffic_hours WHERE (hour_ms, tenant, namespace, name, pool, target) \
+                 IN (SELECT hour_ms, tenant, namespace, name, pool, target FROM traffic_hours \
+                 WHERE hour_ms < ?1 ORDER BY hour_ms LIMIT ?2)",
+            )?
+            .execute(rusqlite::params![traffic::day_start(now), to_sql_int(rest)])?,
+        ),
+    };
+    let leases = match rows.saturating_sub(events).saturating_sub(traffic) {
         0 => 0,
         rest => count(
             conn.prepare_cached(
@@ -161,7 +175,11 @@ pub(crate) fn prune_oldest(conn: &Connection, rows: u64, now: i64) -> rusqlite::
             .execute(rusqlite::params![now, to_sql_int(rest)])?,
         ),
     };
-    Ok(Pruned { events, leases })
+    Ok(Pruned {
+        events,
+        traffic,
+        leases,
+    })
 }
 
 /// A count or size as an SQL integer (saturating; the sizes here are far below the limit).
@@ -259,7 +277,21 @@ pub(crate) fn load_state(
         };
         state.restore_request((tenant.into(), request_id.into()), entry);
     }
+    for (tenant, bytes) in bytes_today(conn, now)? {
+        state.restore_day_bytes(tenant.into(), bytes, now);
+    }
     Ok(state)
+}
+
+/// Each tenant's bytes through the gateway on the UTC day holding `now`.
+fn bytes_today(conn: &Connection, now: i64) -> rusqlite::Result<Vec<(String, u64)>> {
+    conn.prepare(
+        "SELECT tenant, SUM(up + down) FROM traffic_hours INDEXED BY traffic_hours_by_tenant          WHERE hour_ms >= ?1 GROUP BY tenant",
+    )?
+    .query_map([traffic::day_start(now)], |row| {
+        Ok((row.get(0)?, from_sql_int(row.get(1)?)))
+    })?
+    .collect()
 }
 
 /// Inserts a granted lease and its `acquired` event (with the fallback chain's step that
@@ -443,6 +475,9 @@ pub(crate) fn sweep(
     let demand_pruned = conn
         .prepare_cached("DELETE FROM pool_demand WHERE bucket_start_ms <= ?1")?
         .execute([demand::retention_cutoff(now)])?;
+    let traffic_pruned = conn
+        .prepare_cached("DELETE FROM traffic_hours WHERE hour_ms <= ?1")?
+        .execute([traffic::retention_cutoff(now, retention_ms)])?;
     let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     Ok(SweepStats {
         expired: count(expired),
@@ -450,6 +485,7 @@ pub(crate) fn sweep(
         cooldowns_pruned: count(cooldowns_pruned),
         events_pruned: count(events_pruned),
         demand_pruned: count(demand_pruned),
+        traffic_pruned: count(traffic_pruned),
     })
 }
 
@@ -483,6 +519,60 @@ pub(crate) fn recent_demand(
     )?
     .query_map([after, until], |row| {
         Ok((row.get::<_, String>(0)?, from_sql_int(row.get(1)?)))
+    })?
+    .collect()
+}
+
+/// Adds `bytes` (merged by row) to the rows of the hour holding `now`; returns the bytes per
+/// tenant it added.
+pub(crate) fn record_traffic(
+    conn: &Connection,
+    bytes: &[TrafficBytes],
+    now: i64,
+) -> rusqlite::Result<HashMap<String, u64>> {
+    let rows = traffic::merged(bytes);
+    let mut upsert = conn.prepare_cached(
+        "INSERT INTO traffic_hours (hour_ms, tenant, namespace, name, pool, target, up, down) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+         ON CONFLICT (hour_ms, tenant, namespace, name, pool, target) DO UPDATE \
+         SET up = up + excluded.up, down = down + excluded.down",
+    )?;
+    let hour = traffic::hour_start(now);
+    for ((tenant, namespace, name, pool, target), up, down) in &rows {
+        upsert.execute(rusqlite::params![
+            hour,
+            tenant,
+            namespace,
+            name,
+            pool,
+            target,
+            traffic::to_sql(*up),
+            traffic::to_sql(*down),
+        ])?;
+    }
+    Ok(traffic::per_tenant(&rows)
+        .into_iter()
+        .map(|(tenant, bytes)| (tenant.to_owned(), bytes))
+        .collect())
+}
+
+/// The hourly traffic rows whose hour starts at or after `since`, oldest first.
+pub(crate) fn traffic(conn: &Connection, since: i64) -> rusqlite::Result<Vec<TrafficHour>> {
+    conn.prepare_cached(
+        "SELECT hour_ms, tenant, namespace, name, pool, target, up, down FROM traffic_hours \
+         WHERE hour_ms >= ?1 ORDER BY hour_ms, tenant, namespace, name, pool, target",
+    )?
+    .query_map([since], |row| {
+        Ok(TrafficHour {
+            hour_ms: row.get(0)?,
+            tenant: row.get(1)?,
+            namespace: row.get(2)?,
+            name: row.get(3)?,
+            pool: traffic::pool_of(row.get(4)?),
+            target: row.get(5)?,
+            up: traffic::from_sql(row.get(6)?),
+            down: traffic::from_sql(row.get(7)?),
+        })
     })?
     .collect()
 }
@@ -741,12 +831,24 @@ mod tests {
         sweep(&conn, now, 1_000_000, 1_000_000, true).unwrap();
         assert_eq!(history_rows(&conn).unwrap(), 9);
 
+        let bytes = |target: &str| TrafficBytes {
+            tenant: "team-a".into(),
+            namespace: "crawl".into(),
+            name: "p".into(),
+            pool: None,
+            target: target.into(),
+            up: 1,
+            down: 2,
+        };
+        record_traffic(&conn, &[bytes("yesterday.example")], now - traffic::DAY_MS).unwrap();
+        record_traffic(&conn, &[bytes("today.example")], now).unwrap();
         // History goes first, oldest first.
         let pruned = prune_oldest(&conn, 4, now).unwrap();
         assert_eq!(
             pruned,
             Pruned {
                 events: 4,
+                traffic: 0,
                 leases: 0
             }
         );
@@ -754,12 +856,14 @@ mod tests {
             .query_row("SELECT min(seq) FROM lease_events", [], |r| r.get(0))
             .unwrap();
         assert_eq!(first, 5);
-        // Then finished leases, oldest expiry first, once the history has run out.
-        let pruned = prune_oldest(&conn, 7, now).unwrap();
+        // Then traffic rows before today, then finished leases, oldest expiry first, once
+        // the history has run out.
+        let pruned = prune_oldest(&conn, 8, now).unwrap();
         assert_eq!(
             pruned,
             Pruned {
                 events: 5,
+                traffic: 1,
                 leases: 2
             }
         );
@@ -774,11 +878,18 @@ mod tests {
             pruned,
             Pruned {
                 events: 0,
+                traffic: 0,
                 leases: 1
             }
         );
         assert_eq!(ids(&conn), ["active", "released-open-window"]);
         assert_eq!(prune_oldest(&conn, 100, now).unwrap(), Pruned::default());
+        let kept: Vec<String> = traffic(&conn, 0)
+            .unwrap()
+            .into_iter()
+            .map(|row| row.target)
+            .collect();
+        assert_eq!(kept, ["today.example"], "today's bytes are never pruned");
         assert_eq!(history_rows(&conn).unwrap(), 0);
     }
 

@@ -2,6 +2,7 @@
 //! writes from a bounded queue in arrival order, and commits everything queued at that moment
 //! in one transaction (group commit), answering each caller only after that COMMIT.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -22,6 +23,7 @@ use crate::ledger::error::LedgerError;
 use crate::ledger::lease::{
     AcquireOutcome, AcquireRequest, Lease, LeaseReport, LeaseState, SweepStats, new_lease_id,
 };
+use crate::ledger::traffic::TrafficBytes;
 
 /// Where a write's answer goes.
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LedgerError>>;
@@ -60,6 +62,11 @@ pub(crate) enum Job {
     RecordDemand {
         pools: Vec<String>,
         reply: Reply<()>,
+    },
+    /// Bytes a gateway relayed since its last flush.
+    RecordTraffic {
+        traffic: Vec<TrafficBytes>,
+        reply: Reply<HashMap<String, u64>>,
     },
     Sweep {
         reply: Reply<SweepStats>,
@@ -149,6 +156,7 @@ impl Job {
             Job::Renew { reply, .. } | Job::Report { reply, .. } => send(reply, error()),
             Job::Release { reply, .. } | Job::SelfCheck { reply } => send(reply, error()),
             Job::RecordDemand { reply, .. } => send(reply, error()),
+            Job::RecordTraffic { reply, .. } => send(reply, error()),
             Job::Sweep { reply } => send(reply, error()),
             Job::EndLeases { reply, .. } => send(reply, error()),
         }
@@ -351,6 +359,9 @@ impl Writer {
                 reply,
             } => answer(reply, self.report(&id, &tenant, &report, now)),
             Job::RecordDemand { pools, reply } => answer(reply, self.record_demand(&pools, now)),
+            Job::RecordTraffic { traffic, reply } => {
+                answer(reply, self.record_traffic(&traffic, now))
+            }
             Job::Sweep { reply } => answer(reply, self.sweep(now)),
             Job::SelfCheck { reply } => answer(reply, self.self_check(now)),
         }
@@ -376,6 +387,23 @@ impl Writer {
     fn record_demand(&self, pools: &[String], now: i64) -> Decision<()> {
         store::record_demand(&self.conn, pools, now)?;
         Ok(Ok(()))
+    }
+
+    /// Adds a gateway's bytes to the hour's rows and the tenants' days (journalled, so a failed
+    /// batch undoes both); answers each tenant's bytes today.
+    fn record_traffic(
+        &mut self,
+        traffic: &[TrafficBytes],
+        now: i64,
+    ) -> Decision<HashMap<String, u64>> {
+        let added = store::record_traffic(&self.conn, traffic, now)?;
+        Ok(Ok(added
+            .into_iter()
+            .map(|(tenant, bytes)| {
+                let today = self.state.count_bytes(&tenant, bytes, now);
+                (tenant, today)
+            })
+            .collect()))
     }
 
     /// Marks expired leases and prunes what is past its time. When even the housekeeping page

@@ -363,7 +363,7 @@ async fn a_version_1_postgres_database_is_migrated_and_records_demand() {
     ));
     let clock = Arc::new(ManualClock::new(start()));
     let ledger = open_postgres(&database, &clock).await;
-    assert_eq!(POSTGRES_SCHEMA_VERSION, 4);
+    assert_eq!(POSTGRES_SCHEMA_VERSION, 5);
     assert_eq!(
         database.psql("SELECT version FROM ledger_schema"),
         POSTGRES_SCHEMA_VERSION.to_string()

@@ -650,8 +650,8 @@ async fn a_version_2_file_is_migrated_and_gets_the_reason_columns() {
     let ledger =
         SqliteLedger::open(&path, SqliteOptions::default(), config(), clock.clone()).unwrap();
 
-    assert_eq!(SCHEMA_VERSION, 7);
-    assert_eq!(count(&path, "PRAGMA user_version"), 7);
+    assert_eq!(SCHEMA_VERSION, 8);
+    assert_eq!(count(&path, "PRAGMA user_version"), 8);
     // Rows from before tenants belong to the default tenant.
     assert_eq!(
         sqlite3(

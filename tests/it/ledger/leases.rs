@@ -1178,13 +1178,20 @@ async fn the_views_and_tables_have_the_same_columns_on_both_backends() {
         "active_leases_per_proxy",
         "active_cooldowns",
         "lease_history",
+        "traffic",
     ] {
         let columns = sqlite.columns(view);
         assert!(!columns.is_empty(), "{view}");
         assert_eq!(postgres.columns(view), columns, "view {view}");
     }
     // Tables too, in the same order, so even `SELECT *` reads alike.
-    for table in ["leases", "cooldowns", "lease_events", "pool_demand"] {
+    for table in [
+        "leases",
+        "cooldowns",
+        "lease_events",
+        "pool_demand",
+        "traffic_hours",
+    ] {
         let columns = sqlite.columns(table);
         assert!(!columns.is_empty(), "{table}");
         assert_eq!(postgres.columns(table), columns, "table {table}");

@@ -7,4 +7,5 @@ mod durability;
 mod end_leases;
 mod leases;
 mod tenants;
+mod traffic;
 mod writer;
