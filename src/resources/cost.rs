@@ -29,16 +29,13 @@ pub const PRICE_PATTERN: &str = r"^[0-9]{1,9}(\.[0-9]{1,9})?$";
 #[schemars(transform = super::schema::strip_nullable)]
 #[serde(rename_all = "camelCase")]
 pub struct Cost {
-    /// Price of a GB (10^9 bytes, up and down together) relayed through the proxy by the
-    /// gateway, as a decimal string in the fleet's currency (`--cost-currency`), e.g. `"8.40"`
-    /// for a residential vendor.
+    /// Per GB (10^9 bytes) relayed, e.g. `"8.40"`.
     #[serde(rename = "perGB", default, skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "Option<String>", pattern(PRICE_PATTERN), length(max = 19))]
+    #[schemars(with = "Option<String>", pattern(PRICE_PATTERN))]
     pub per_gb: Option<Price>,
-    /// Price of an hour of the proxy existing, as a decimal string in the fleet's currency,
-    /// e.g. `"0.0067"` for a small VM.
+    /// Per hour the proxy exists, e.g. `"0.02"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "Option<String>", pattern(PRICE_PATTERN), length(max = 19))]
+    #[schemars(with = "Option<String>", pattern(PRICE_PATTERN))]
     pub per_hour: Option<Price>,
 }
 

@@ -179,9 +179,7 @@ pub struct ProxySpec {
     #[schemars(extend("default" = {}))]
     pub health_check: HealthCheck,
 
-    /// What the proxy costs, in the fleet's currency (`--cost-currency`): `perGB` relayed by
-    /// the gateway and `perHour` it exists, as decimal strings. Shown as spend on the status
-    /// page and in metrics. Not part of the spec hash: a new price never replaces a machine.
+    /// Prices in `--cost-currency`; not in the spec hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<super::cost::Cost>,
 }

@@ -497,7 +497,7 @@ mod tests {
             spend(&day.proxies, "crawl/vm-0"),
             Some((1_000_000_000, 1.0 + 5.0))
         );
-        assert_eq!(day.bytes, 1_500_000_000 + 2_000_000_007 + 1_000_000_000);
+        assert_eq!(day.bytes, 1_500_000_000 + 2_000_000_007);
         // A tenant's view is per GB only.
         let tenant = spend_view(&SpendInputs {
             hours: false,
@@ -546,7 +546,7 @@ mod tests {
                 100_000_000,
             ),
             row(TEN, "a", "vendor", None, "x.example", 200_000_000),
-            row(TEN, "b", "vendor", None, "y.example", 300_000_000),
+            row(TEN, "b", "vendor", None, "y.example", 400_000_000),
         ];
         for i in 0..12 {
             rows.push(row(

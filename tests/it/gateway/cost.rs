@@ -82,16 +82,35 @@ async fn a_download_costs_its_bytes_times_the_price_in_metrics_and_on_the_spend_
     );
     assert!((BODY..=BODY + HEADERS).contains(&bytes), "{bytes}");
     let per_gb = bytes / 1e9 * GATEWAY_FLEET_PER_GB;
-    // The proxy pays its bytes and the hours since the process started, at most this test's.
-    let hours = started.elapsed().as_secs_f64() / 3600.0 * GATEWAY_FLEET_PER_HOUR;
-    let proxy_spend = metric_sum(&metrics, "proxy_operator_proxy_spend_total", &on_gw0);
+    let part = |metrics: &str, part: &str| {
+        let part = format!("part=\"{part}\"");
+        metric_sum(
+            metrics,
+            "proxy_operator_proxy_spend_total",
+            &[on_gw0[0], on_gw0[1], &part],
+        )
+    };
     assert!(
-        proxy_spend >= per_gb && proxy_spend <= per_gb + hours,
-        "{proxy_spend}: {metrics}"
+        close(part(&metrics, "bytes"), per_gb),
+        "{per_gb}: {metrics}"
     );
+    // Its hours accrue by the second from its first reading, at most this test's time.
+    let metrics = loop {
+        let metrics = fleet.metrics().await;
+        if part(&metrics, "hours") > 0.0 {
+            break metrics;
+        }
+        assert!(
+            started.elapsed() < DEADLINE * 2,
+            "no hours were priced: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let hours = started.elapsed().as_secs_f64() / 3600.0 * GATEWAY_FLEET_PER_HOUR;
+    assert!(part(&metrics, "hours") <= hours, "{hours}: {metrics}");
     assert!(
-        proxy_spend > per_gb,
-        "an hour's price accrues by the second"
+        close(part(&metrics, "bytes"), per_gb),
+        "the bytes' part stays: {metrics}"
     );
     // The tenant pays the bytes only.
     let tenant = metric_sum(
