@@ -314,7 +314,7 @@ mod tests {
         let svg = render(
             Unit::Bytes,
             Style::Bars,
-            &[Some(1000.0), None, Some(4000.0)],
+            &[Some(1000.0), None, Some(4000.0), Some(0.0)],
         );
         assert!(
             svg.contains(r#"role="img" aria-labelledby="c-title c-desc""#),
@@ -333,7 +333,7 @@ mod tests {
         assert_eq!(
             svg.matches("<rect").count(),
             2,
-            "one bar per value, none for a gap"
+            "a bar per value above zero, none for a gap"
         );
         // The tallest bar reaches 4/5 of the plot: y = base - 0.8 * height.
         let (base, height) = (HEIGHT - BOTTOM, HEIGHT - BOTTOM - MARGIN);
