@@ -124,6 +124,7 @@ fn main() -> ExitCode {
         cordoned: false,
         socks5: false,
         credentials: None,
+        cost: None,
     };
     let ports = format!("{},{}", site.http_port(), site.https_port());
     let gateway_ca = support::gateway_ca::GatewayCa::write(dir.path());

@@ -40,7 +40,7 @@ fn bench(c: &mut Criterion) {
     let mut by_proxy: HashMap<ProxyId, u64> = HashMap::new();
     let mut by_target: HashMap<String, u64> = HashMap::new();
     for (proxy, target) in &keys {
-        outcomes.record(proxy, Some(target), ok);
+        outcomes.record("default", proxy, Some(target), ok);
         by_proxy.insert(proxy.clone(), 0);
         by_target.insert(target.clone(), 0);
     }
@@ -50,7 +50,12 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let (proxy, target) = &keys[i % KEYS];
             i += 1;
-            outcomes.record(black_box(proxy), Some(black_box(target)), black_box(ok));
+            outcomes.record(
+                black_box("default"),
+                black_box(proxy),
+                Some(black_box(target)),
+                black_box(ok),
+            );
         })
     });
     group.bench_function("hashmap get_mut (proxy + target)", |b| {

@@ -73,6 +73,7 @@ fn inventory() -> Vec<ExternalProxy> {
             cordoned: false,
             socks5: false,
             credentials: None,
+            cost: None,
         })
         .collect()
 }

@@ -260,6 +260,12 @@ pub struct CommonArgs {
     #[arg(long, env = "PROXY_OPERATOR_LEASE_CREDENTIALS")]
     pub lease_credentials: bool,
 
+    /// The currency of every Proxy's `spec.cost` (one for the fleet): three capital letters
+    /// (ISO 4217), shown beside every amount on the status page and as the `currency` label
+    /// of the spend metrics.
+    #[arg(long, env = "PROXY_OPERATOR_COST_CURRENCY", default_value = crate::resources::cost::DEFAULT_CURRENCY, value_parser = crate::resources::cost::currency)]
+    pub cost_currency: String,
+
     /// The crawler gateway.
     #[command(flatten)]
     pub gateway: GatewayArgs,

@@ -17,12 +17,14 @@ use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::health::{HealthSnapshot, PerProxyGauge, label_pair, scraped_family};
 use crate::inventory::{Inventory, InventorySnapshot};
+use crate::ledger::Clock;
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
 use crate::resources::phase::shown_phase;
 use crate::resources::pool::POOL_LABEL;
 use crate::resources::proxy::{Phase, ProxyId};
 use crate::serving::candidates::CandidateIndex;
-use crate::serving::traffic::Traffic;
+use crate::serving::spend::{Priced, ProxySpend, SpendBook, Spends};
+use crate::serving::traffic::{Counts, Traffic};
 
 /// Scrape-time gauges over the inventory, health snapshot and ledger.
 pub struct FleetCollector {
@@ -45,17 +47,24 @@ pub struct FleetCollector {
     /// Bytes through the gateway per proxy.
     traffic: Traffic,
     proxy_bytes: ProxyBytesCounter,
-    /// Serializes scrapes, which reset and refill the gauges.
-    scrape: Mutex<()>,
+    /// Money spent per proxy and per tenant (`spec.cost`), in `--cost-currency`.
+    spend: SpendCounters,
+    /// Spend so far, kept between scrapes; holding it serializes scrapes, which reset and
+    /// refill the gauges.
+    scrape: Mutex<SpendBook>,
+    clock: Arc<dyn Clock>,
 }
 
 impl FleetCollector {
-    /// A collector reading the given sources; register it with `registry.register(Box::new(..))`.
+    /// A collector reading the given sources, counting spend in `currency` from `clock`'s
+    /// now on; register it with `registry.register(Box::new(..))`.
     pub fn new(
         inventory: Inventory,
         health: HealthSnapshot,
         ledger: Arc<dyn Ledger>,
         traffic: Traffic,
+        currency: &str,
+        clock: Arc<dyn Clock>,
     ) -> Result<Self, prometheus::Error> {
         Ok(FleetCollector {
             inventory,
@@ -100,7 +109,9 @@ impl FleetCollector {
             )?,
             traffic,
             proxy_bytes: ProxyBytesCounter::new()?,
-            scrape: Mutex::new(()),
+            spend: SpendCounters::new(currency)?,
+            scrape: Mutex::new(SpendBook::new(clock.now())),
+            clock,
         })
     }
 }
@@ -112,6 +123,8 @@ impl Collector for FleetCollector {
         descs.extend(self.lease_capacity.desc());
         descs.push(self.proxy_leases_active.desc());
         descs.push(&self.proxy_bytes.desc);
+        descs.push(&self.spend.proxies);
+        descs.push(&self.spend.tenants);
         descs.extend(self.cooldowns_active.desc());
         descs.push(&self.target_cooldowns.desc);
         descs.extend(self.tenant_leases.desc());
@@ -120,7 +133,7 @@ impl Collector for FleetCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let _scrape = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
+        let mut book = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
         let mut counts = [0i64; Phase::ALL.len()];
         let mut capacity = 0u64;
         // The ledger's counts, read once from its memory (no query per scrape) and released
@@ -139,8 +152,17 @@ impl Collector for FleetCollector {
         // missing from it is gone, never one added since.
         let counted = self.traffic.counts();
         // Made on every scrape from the inventory: a proxy's series goes with the proxy.
-        let (proxy_leases, proxy_bytes) = {
+        let (proxy_leases, proxy_bytes, spend) = {
             let snapshot = self.inventory.snapshot();
+            let priced: Vec<Priced<'_>> = snapshot
+                .entries()
+                .map(|(id, proxy)| Priced {
+                    uid: &id.uid,
+                    cost: proxy.spec.cost.as_ref(),
+                    created: proxy.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                })
+                .collect();
+            let spends = book.scrape(self.clock.now(), &priced, &counted);
             let health = self.positions.health(&snapshot, &self.health);
             let mut per_proxy: Vec<(&str, &str, f64)> = Vec::with_capacity(snapshot.len());
             for (position, (id, proxy)) in snapshot.entries().enumerate() {
@@ -164,9 +186,10 @@ impl Collector for FleetCollector {
                     _ => per_proxy.push((&id.namespace, &id.name, active)),
                 }
             }
-            let (bytes, gone) = self.proxy_bytes.family(&snapshot, counted);
-            self.traffic.forget(&gone);
-            (self.proxy_leases_active.family(per_proxy), bytes)
+            let bytes = self.proxy_bytes.family(&snapshot, &counted);
+            let spend = self.spend.families(&snapshot, &spends);
+            self.traffic.forget(&spends.gone);
+            (self.proxy_leases_active.family(per_proxy), bytes, spend)
         };
         for (phase, count) in Phase::ALL.iter().zip(counts) {
             self.proxies.with_label_values(&[phase.as_str()]).set(count);
@@ -182,6 +205,7 @@ impl Collector for FleetCollector {
         families.extend(self.lease_capacity.collect());
         families.push(proxy_leases);
         families.push(proxy_bytes);
+        families.extend(spend);
         families.extend(self.cooldowns_active.collect());
         // Tenants come from the tenants file, so these series stay few; a tenant without a
         // lease has none.
@@ -230,17 +254,17 @@ impl ProxyBytesCounter {
     }
 
     /// The family for the proxies of `snapshot` among `counted` (what [`Traffic::counts`]
-    /// read), and the UIDs of `counted` that are not in `snapshot`: proxies gone.
+    /// read).
     fn family(
         &self,
         snapshot: &InventorySnapshot,
-        mut counted: HashMap<String, (u64, u64)>,
-    ) -> (MetricFamily, Vec<String>) {
+        counted: &HashMap<String, Counts>,
+    ) -> MetricFamily {
         // Two objects of one name (a re-created Proxy) share the name's series, as they do
         // `proxy_operator_proxy_leases_active`; the snapshot is sorted by namespace/name.
         let mut per_name: Vec<(&ProxyId, &str, u64, u64)> = Vec::new();
         for (id, proxy) in snapshot.entries() {
-            let Some((up, down)) = counted.remove(&id.uid) else {
+            let Some(&Counts { up, down, .. }) = counted.get(&id.uid) else {
                 continue;
             };
             match per_name.last_mut() {
@@ -250,15 +274,7 @@ impl ProxyBytesCounter {
                     *sum_up += up;
                     *sum_down += down;
                 }
-                _ => {
-                    let pool = proxy
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|labels| labels.get(POOL_LABEL))
-                        .map_or("", String::as_str);
-                    per_name.push((id, pool, up, down));
-                }
+                _ => per_name.push((id, pool_of(proxy), up, down)),
             }
         }
         let mut metrics = Vec::with_capacity(2 * per_name.len());
@@ -281,8 +297,118 @@ impl ProxyBytesCounter {
                 metrics.push(metric);
             }
         }
-        let family = scraped_family(&self.desc, MetricType::COUNTER, metrics);
-        (family, counted.into_keys().collect())
+        scraped_family(&self.desc, MetricType::COUNTER, metrics)
+    }
+}
+
+/// The ProxyPool a proxy belongs to (its `crawl.example.com/pool` label), empty for none.
+fn pool_of(proxy: &crate::resources::proxy::Proxy) -> &str {
+    proxy
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(POOL_LABEL))
+        .map_or("", String::as_str)
+}
+
+/// `proxy_operator_proxy_spend_total{namespace,name,pool,currency,part}` and
+/// `proxy_operator_tenant_spend_total{tenant,currency}`: money spent since this process started
+/// counting (see `serving::spend`), made at every scrape. A proxy without `spec.cost` has no
+/// series; one with a `perHour` has one from the start, bytes or none.
+struct SpendCounters {
+    proxies: Desc,
+    tenants: Desc,
+    currency: String,
+}
+
+impl SpendCounters {
+    fn new(currency: &str) -> Result<Self, prometheus::Error> {
+        let proxies = Desc::new(
+            "proxy_operator_proxy_spend_total".into(),
+            "Money spent on the proxy since this process started counting, in the currency the \
+             label names (--cost-currency), by part: bytes (what the gateway relayed through it \
+             / 10^9 x spec.cost.perGB; sum over replicas) and hours (the time it existed x \
+             spec.cost.perHour; every replica counts them: take the max)."
+                .into(),
+            ["currency", "name", "namespace", "part", "pool"]
+                .map(String::from)
+                .to_vec(),
+            HashMap::new(),
+        )?;
+        let tenants = Desc::new(
+            "proxy_operator_tenant_spend_total".into(),
+            "Money the tenant's gateway traffic cost since this process started counting: its \
+             bytes through each proxy / 10^9 x that proxy's spec.cost.perGB (hours are \
+             shared by every tenant and counted per proxy only), in the currency the label \
+             names."
+                .into(),
+            ["currency", "tenant"].map(String::from).to_vec(),
+            HashMap::new(),
+        )?;
+        Ok(SpendCounters {
+            proxies,
+            tenants,
+            currency: currency.to_owned(),
+        })
+    }
+
+    /// The two families of one scrape (`spends` of the proxies of `snapshot`, in its order).
+    fn families(&self, snapshot: &InventorySnapshot, spends: &Spends) -> Vec<MetricFamily> {
+        // Two objects of one name share the name's series, as they do the bytes.
+        let mut per_name: Vec<(&ProxyId, &str, ProxySpend)> = Vec::new();
+        for ((id, proxy), spend) in snapshot.entries().zip(&spends.proxies) {
+            let Some(spend) = spend else { continue };
+            match per_name.last_mut() {
+                Some((named, _, sum))
+                    if named.namespace == id.namespace && named.name == id.name =>
+                {
+                    sum.bytes += spend.bytes;
+                    sum.hours += spend.hours;
+                }
+                _ => per_name.push((id, pool_of(proxy), *spend)),
+            }
+        }
+        let counter = |labels, value| {
+            let mut metric = Metric::from_label(labels);
+            let mut counter = Counter::default();
+            counter.set_value(value);
+            metric.set_counter(counter);
+            metric
+        };
+        let proxies = per_name
+            .into_iter()
+            .flat_map(|(id, pool, spend)| {
+                [("bytes", spend.bytes), ("hours", spend.hours)].map(|(part, value)| {
+                    counter(
+                        vec![
+                            label_pair("currency", &self.currency),
+                            label_pair("name", &id.name),
+                            label_pair("namespace", &id.namespace),
+                            label_pair("part", part),
+                            label_pair("pool", pool),
+                        ],
+                        value,
+                    )
+                })
+            })
+            .collect();
+        let tenants = spends
+            .tenants
+            .iter()
+            .map(|(tenant, spend)| {
+                counter(
+                    vec![
+                        label_pair("currency", &self.currency),
+                        label_pair("tenant", tenant),
+                    ],
+                    *spend,
+                )
+            })
+            .collect();
+        vec![
+            scraped_family(&self.proxies, MetricType::COUNTER, proxies),
+            scraped_family(&self.tenants, MetricType::COUNTER, tenants),
+        ]
     }
 }
 
@@ -404,7 +530,7 @@ mod tests {
     }
 
     #[test]
-    fn proxy_bytes_name_each_proxy_and_its_pool_and_forget_the_proxies_gone() {
+    fn proxy_bytes_name_each_proxy_and_its_pool() {
         use crate::fixtures::external;
         let inventory = Inventory::new();
         let member = external("m-0", "10.0.0.1", 3128)
@@ -419,14 +545,14 @@ mod tests {
             .build();
         inventory.replace([member, alone, idle]);
         let traffic = Traffic::default();
-        traffic.add("uid-m", 10, 2048);
-        traffic.add("uid-a", 0, 5);
+        let tenant: Arc<str> = "default".into();
+        traffic.add("uid-m", &tenant, 10, 2048);
+        traffic.add("uid-a", &tenant, 0, 5);
         // An answer without a body through the idle proxy: still nothing carried.
-        traffic.add("uid-i", 0, 0);
-        traffic.add("uid-gone", 1, 1);
+        traffic.add("uid-i", &tenant, 0, 0);
+        traffic.add("uid-gone", &tenant, 1, 1);
         let counter = ProxyBytesCounter::new().unwrap();
-        let (family, gone) = counter.family(&inventory.snapshot(), traffic.counts());
-        assert_eq!(gone, ["uid-gone"]);
+        let family = counter.family(&inventory.snapshot(), &traffic.counts());
         assert_eq!(family.name(), "proxy_operator_proxy_bytes_total");
         assert_eq!(family.get_field_type(), MetricType::COUNTER);
         let series: Vec<(Vec<String>, f64)> = family
@@ -447,6 +573,67 @@ mod tests {
                 (labels(["down", "m-0", "crawl", "res"]), 2048.0),
                 (labels(["up", "m-0", "crawl", "res"]), 10.0),
             ]
+        );
+    }
+
+    #[test]
+    fn spend_series_name_the_priced_proxies_their_pool_and_the_currency() {
+        use crate::fixtures::external;
+        let priced = |name: &str, uid: &str| {
+            let mut proxy = external(name, "10.0.0.1", 3128)
+                .uid(Some(uid))
+                .labels(&[(POOL_LABEL, "res")])
+                .build();
+            proxy.spec.cost =
+                Some(serde_json::from_value(serde_json::json!({"perGB": "8"})).unwrap());
+            proxy
+        };
+        let inventory = Inventory::new();
+        let free = external("free", "10.0.0.2", 3128)
+            .uid(Some("uid-f"))
+            .build();
+        inventory.replace([priced("m-0", "uid-m"), free]);
+        let snapshot = inventory.snapshot();
+        let spends = Spends {
+            proxies: vec![
+                None,
+                Some(ProxySpend {
+                    bytes: 4.0,
+                    hours: 0.5,
+                }),
+            ],
+            tenants: [(Arc::from("team-a"), 3.0)].into(),
+            gone: Vec::new(),
+        };
+        let families = SpendCounters::new("EUR")
+            .unwrap()
+            .families(&snapshot, &spends);
+        let series = |family: &MetricFamily| -> Vec<(Vec<String>, f64)> {
+            family
+                .get_metric()
+                .iter()
+                .map(|m| {
+                    (
+                        m.get_label().iter().map(|l| l.value().to_owned()).collect(),
+                        m.get_counter().value(),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(families[0].name(), "proxy_operator_proxy_spend_total");
+        let labels = |part: &str| -> Vec<String> {
+            ["EUR", "m-0", "crawl", part, "res"]
+                .map(String::from)
+                .to_vec()
+        };
+        assert_eq!(
+            series(&families[0]),
+            [(labels("bytes"), 4.0), (labels("hours"), 0.5)]
+        );
+        assert_eq!(families[1].name(), "proxy_operator_tenant_spend_total");
+        assert_eq!(
+            series(&families[1]),
+            [(vec!["EUR".into(), "team-a".into()], 3.0)]
         );
     }
 }

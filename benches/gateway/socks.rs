@@ -70,6 +70,7 @@ pub fn measure(runtime: &tokio::runtime::Runtime, site: &Site, dir: &Path, token
         cordoned: false,
         socks5: true,
         credentials: None,
+        cost: None,
     };
     let ports = format!("{},{}", site.http_port(), site.https_port());
     let args = [

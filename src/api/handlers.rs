@@ -543,6 +543,7 @@ async fn record_report(
         .map_err(|e| ledger_error(state, "recording a report", e))?;
     state.metrics.report_received(result);
     state.fleet.outcomes.record(
+        tenant,
         &lease.proxy,
         target.or(lease.target).as_deref(),
         Outcome::Reported(result),

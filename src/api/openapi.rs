@@ -19,6 +19,7 @@ use super::types::{
     StatusBody,
 };
 use crate::api::status::data as status;
+use crate::api::status::spend::{ChartsView, SpendView};
 use crate::api::status::view::{
     EventsView, FleetView, Order, ProxiesView, ProxyDetail, SortKey, TargetsView,
 };
@@ -47,6 +48,8 @@ use crate::api::status::view::{
         status::proxy,
         status::targets,
         status::events,
+        status::spend,
+        status::charts,
     ),
     components(schemas(
         ErrorBody,
@@ -66,6 +69,8 @@ use crate::api::status::view::{
         ProxyDetail,
         TargetsView,
         EventsView,
+        SpendView,
+        ChartsView,
         SortKey,
         Order,
     )),

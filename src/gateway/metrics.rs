@@ -2,6 +2,8 @@
 //! session): requests by kind and outcome, bytes relayed, upstream retries, bans seen, and the
 //! sessions held, read at scrape time.
 
+use std::sync::Arc;
+
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
@@ -295,11 +297,11 @@ impl GatewayMetrics {
     }
 
     /// Counts bytes relayed for `tenant` through the proxy `proxy_uid`.
-    pub fn relayed(&self, tenant: &str, proxy_uid: &str, up: u64, down: u64) {
+    pub fn relayed(&self, tenant: &Arc<str>, proxy_uid: &str, up: u64, down: u64) {
         self.bytes.with_label_values(&["up"]).inc_by(up);
         self.bytes.with_label_values(&["down"]).inc_by(down);
         self.tenants.relayed(tenant, up, down);
-        self.traffic.add(proxy_uid, up, down);
+        self.traffic.add(proxy_uid, tenant, up, down);
     }
 
     /// Counts a try on another proxy.

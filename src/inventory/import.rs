@@ -496,6 +496,7 @@ fn object(name: String, proxy: &ListedProxy, options: &ImportOptions) -> Importe
         max_lifetime: None,
         health_check: HealthCheck::default(),
         exit_check: None,
+        cost: None,
     };
     let mut object = Proxy::new(&name, spec);
     object.metadata = metadata(name, None);

@@ -153,6 +153,8 @@ impl Core {
             health.clone(),
             ledger.clone(),
             traffic.clone(),
+            &common.cost_currency,
+            clock.clone(),
         )
         .map_err(metric_error)?;
         registry.register(Box::new(fleet)).map_err(metric_error)?;
@@ -166,6 +168,7 @@ impl Core {
                 sessions,
                 traffic,
                 exits,
+                currency: common.cost_currency.as_str().into(),
                 ..Fleet::new(inventory, health, ledger, clock)
             },
             registry,

@@ -184,6 +184,9 @@ pub struct ProxySpec {
     /// default). Not part of the spec hash: setting or changing it never replaces a machine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_check: Option<super::exit_check::ExitCheck>,
+    /// Prices in `--cost-currency`; not in the spec hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<super::cost::Cost>,
 }
 
 /// Whether the operator owns the machine behind a proxy.

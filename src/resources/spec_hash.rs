@@ -1,7 +1,7 @@
 //! The spec hash: what decides that a Managed proxy's machine must be replaced.
 //!
 //! It covers an explicit struct — placement, the *resolved* cloud-init content and the port —
-//! not the whole spec, so lease capacity, cordoning or health-check edits never replace a
+//! not the whole spec, so lease capacity, cordoning, price or health-check edits never replace a
 //! machine, and a change to a referenced Secret does.
 
 use serde::Serialize;
@@ -170,5 +170,22 @@ mod tests {
             );
         }
         assert_eq!(spec(managed()).max_lifetime(), None);
+    }
+
+    /// A new price is bookkeeping: it must never replace a machine.
+    #[test]
+    fn cost_never_changes_the_hash() {
+        let base = hash_of(managed(), Some("a"));
+        for cost in [
+            json!({"perGB": "8.40"}),
+            json!({"perHour": "0.0067"}),
+            json!({"perGB": "0", "perHour": "12.5"}),
+            json!({}),
+        ] {
+            let mut priced = managed();
+            priced["cost"] = cost.clone();
+            assert!(spec(priced.clone()).cost.is_some(), "{cost}");
+            assert_eq!(base, hash_of(priced, Some("a")), "cost: {cost}");
+        }
     }
 }

@@ -49,6 +49,8 @@ pub struct Fleet {
     pub traffic: Traffic,
     /// Each proxy's exit, as the exit checker last found it.
     pub exits: crate::health::exits::ExitTable,
+    /// The currency of every proxy's `cost` (`--cost-currency`).
+    pub currency: Arc<str>,
 }
 
 /// One acquire as a server asks it (see [`Fleet::acquire`]).
@@ -137,6 +139,7 @@ impl Fleet {
             pools: PoolDirectory::default(),
             traffic: Traffic::default(),
             exits: Default::default(),
+            currency: crate::resources::cost::DEFAULT_CURRENCY.into(),
         }
     }
 

@@ -2,8 +2,8 @@
 //! fleet and share, below them and below the controllers: the tokens that admit a crawler and
 //! the tenant each names, the candidate set of an acquire, the pools a request may wake, the
 //! gateway's sticky sessions (which the API reads for a session's ban report), the
-//! `Retry-After` both answer with, and how requests through each proxy ended (the success rate
-//! both feed).
+//! `Retry-After` both answer with, how requests through each proxy ended (the success rate
+//! both feed), and what the bytes through them cost.
 
 pub mod candidates;
 pub mod fleet;
@@ -12,6 +12,7 @@ pub mod outcomes;
 pub mod pools;
 pub mod retry_after;
 pub mod sessions;
+pub mod spend;
 pub mod tenants;
 pub mod tokens;
 pub mod traffic;

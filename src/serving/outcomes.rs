@@ -19,7 +19,8 @@
 //!   (`X-Proxy-Ban-Reported`).
 //! - **Bounds**: at most [`MAX_TARGETS`] targets are counted by name; further ones, while
 //!   those stay in the window, and a target named [`OTHER_TARGETS`], are counted under
-//!   [`OTHER_TARGETS`], so what crawlers send cannot grow memory. Proxies are not bounded (the
+//!   [`OTHER_TARGETS`], so what crawlers send cannot grow memory. Tenants come from the tenants
+//!   file (at most [`MAX_TENANTS`] and `default`). Proxies are not bounded (the
 //!   inventory names them, not the crawlers); a proxy or target whose last count left the
 //!   window is dropped, so a deleted proxy is forgotten an hour after its last request.
 
@@ -35,6 +36,7 @@ use utoipa::ToSchema;
 pub use crate::ledger::OTHER_TARGETS;
 use crate::ledger::{Clock, ReportResult};
 use crate::resources::proxy::ProxyId;
+use crate::serving::tenants::MAX_TENANTS;
 
 /// Minutes in the sliding window.
 pub const WINDOW_MINUTES: i64 = 60;
@@ -247,6 +249,40 @@ impl OutcomeCounts {
     }
 }
 
+/// Counts minute by minute over the last hour.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PerMinute {
+    /// The start of the first minute, ms since the Unix epoch.
+    pub from_ms: i64,
+    /// [`WINDOW_MINUTES`] minutes' counts, oldest first; the last is the minute holding now.
+    pub minutes: Vec<OutcomeCounts>,
+}
+
+impl PerMinute {
+    /// The minutes of `window` (none: all zero) up to the minute `now`.
+    fn of(window: Option<&Window>, now: i64) -> PerMinute {
+        let first = now - WINDOW_MINUTES + 1;
+        let mut minutes =
+            vec![OutcomeCounts::default(); usize::try_from(WINDOW_MINUTES).unwrap_or(60)];
+        for bucket in window.map(|w| &w.buckets).into_iter().flatten() {
+            let Ok(index) = usize::try_from(bucket.minute - first) else {
+                continue;
+            };
+            if let Some(slot) = minutes.get_mut(index) {
+                let mut sums = [0u64; CLASSES];
+                for (sum, count) in sums.iter_mut().zip(bucket.counts) {
+                    *sum = u64::from(count);
+                }
+                slot.add(&OutcomeCounts::from_sums(&sums));
+            }
+        }
+        PerMinute {
+            from_ms: first.saturating_mul(SECONDS_PER_MINUTE * 1000),
+            minutes,
+        }
+    }
+}
+
 /// The counters of one minute.
 #[derive(Debug, Clone, Copy)]
 struct Bucket {
@@ -385,6 +421,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     proxies: Mutex<Keyed<ProxyId>>,
     targets: Mutex<Targets>,
+    tenants: Mutex<Keyed<String>>,
 }
 
 /// Outcome counts per proxy and per target over a sliding hour, shared by the gateway and the
@@ -416,6 +453,7 @@ impl Outcomes {
                     named: Keyed::new(MAX_TARGETS),
                     other: Window::default(),
                 }),
+                tenants: Mutex::new(Keyed::new(MAX_TENANTS + 1)),
             }),
         }
     }
@@ -429,12 +467,13 @@ impl Outcomes {
             .div_euclid(SECONDS_PER_MINUTE)
     }
 
-    /// Counts `outcome` for `proxy` and, when given, `target` (a host, already lower-cased as
-    /// the gateway and the API hand it over).
-    pub fn record(&self, proxy: &ProxyId, target: Option<&str>, outcome: Outcome) {
+    /// Counts `outcome` of `tenant`'s request for `proxy` and, when given, `target` (a host,
+    /// already lower-cased as the gateway and the API hand it over).
+    pub fn record(&self, tenant: &str, proxy: &ProxyId, target: Option<&str>, outcome: Outcome) {
         let minute = self.minute();
         let class = outcome.class();
         lock(&self.shared.proxies).add(proxy, minute, class);
+        lock(&self.shared.tenants).add(tenant, minute, class);
         if let Some(target) = target {
             let mut targets = lock(&self.shared.targets);
             if target == OTHER_TARGETS || !targets.named.add(target, minute, class) {
@@ -476,6 +515,20 @@ impl Outcomes {
             sum.add(&window.counts_within(now, minutes));
         }
         sum
+    }
+
+    /// `tenant`'s counts in each minute of the last hour.
+    pub fn tenant_minutes(&self, tenant: &str) -> PerMinute {
+        let now = self.minute();
+        let guard = lock(&self.shared.tenants);
+        PerMinute::of(guard.windows.get(tenant), now)
+    }
+
+    /// `target`'s counts in each minute of the last hour (a target not counted by name: none).
+    pub fn target_minutes(&self, target: &str) -> PerMinute {
+        let now = self.minute();
+        let guard = lock(&self.shared.targets);
+        PerMinute::of(guard.named.windows.get(target), now)
     }
 
     /// Every target with counts in the last hour, most outcomes first (ties by name), then
@@ -568,7 +621,7 @@ mod tests {
         for (outcome, expected) in cases {
             let (_, outcomes) = outcomes();
             let p = proxy("a");
-            outcomes.record(&p, Some("example.com"), outcome);
+            outcomes.record("team", &p, Some("example.com"), outcome);
             let expected = counts(expected);
             assert_eq!(outcomes.proxy(&p), expected, "{outcome:?}");
             assert_eq!(
@@ -634,6 +687,7 @@ mod tests {
         let (_, outcomes) = outcomes();
         let p = proxy("a");
         outcomes.record(
+            "team",
             &p,
             Some("t"),
             Outcome::Http {
@@ -641,7 +695,12 @@ mod tests {
                 banned: false,
             },
         );
-        outcomes.record(&p, Some("t"), Outcome::Reported(ReportResult::Blocked));
+        outcomes.record(
+            "team",
+            &p,
+            Some("t"),
+            Outcome::Reported(ReportResult::Blocked),
+        );
         let c = outcomes.proxy(&p);
         assert_eq!((c.http2xx, c.reports_blocked), (1, 1));
         assert_eq!(c.success_rate(), Some(0.5));
@@ -663,7 +722,7 @@ mod tests {
         for (minutes, seconds, read) in cases {
             let (clock, outcomes) = outcomes();
             let p = proxy("a");
-            outcomes.record(&p, Some("t"), Outcome::TunnelOpened);
+            outcomes.record("team", &p, Some("t"), Outcome::TunnelOpened);
             clock.advance(MINUTE * minutes + Duration::from_secs(seconds));
             let expected = u64::from(read);
             assert_eq!(
@@ -689,6 +748,7 @@ mod tests {
         for minute in 0..90u64 {
             for _ in 0..=minute {
                 outcomes.record(
+                    "team",
                     &p,
                     None,
                     Outcome::Http {
@@ -706,14 +766,58 @@ mod tests {
     }
 
     #[test]
+    fn tenants_and_targets_are_read_minute_by_minute_over_the_hour() {
+        let (clock, outcomes) = outcomes();
+        let p = proxy("a");
+        let ok = Outcome::Http {
+            status: 200,
+            banned: false,
+        };
+        let start_minute = clock.now().as_second().div_euclid(60);
+        // Minute 0: a success for team-a on a.example; minute 61: a failure; minute 62: two
+        // successes for team-b.
+        outcomes.record("team-a", &p, Some("a.example"), ok);
+        clock.advance(MINUTE * 61);
+        outcomes.record("team-a", &p, Some("a.example"), Outcome::UpstreamFailed);
+        clock.advance(MINUTE);
+        outcomes.record("team-b", &p, Some("b.example"), ok);
+        outcomes.record("team-b", &p, None, ok);
+        let a = outcomes.tenant_minutes("team-a");
+        assert_eq!(a.minutes.len(), 60);
+        assert_eq!(
+            a.from_ms,
+            (start_minute + 62 - 59) * 60_000,
+            "the hour up to now"
+        );
+        let rates: Vec<Option<f64>> = a.minutes.iter().map(OutcomeCounts::success_rate).collect();
+        // Minute 0 left the window; minute 61 is the one before last.
+        assert_eq!(rates.iter().flatten().count(), 1, "{rates:?}");
+        assert_eq!(rates[58], Some(0.0));
+        let b = outcomes.tenant_minutes("team-b");
+        assert_eq!(b.minutes[59].http2xx, 2);
+        assert_eq!(outcomes.target_minutes("b.example").minutes[59].http2xx, 1);
+        assert_eq!(
+            outcomes.target_minutes("a.example").minutes[58].upstream_failed,
+            1
+        );
+        assert!(
+            outcomes
+                .tenant_minutes("nobody")
+                .minutes
+                .iter()
+                .all(|m| m.total() == 0)
+        );
+    }
+
+    #[test]
     fn a_clock_stepping_back_counts_into_the_newest_minute() {
         let (clock, outcomes) = outcomes();
         let p = proxy("a");
         let start = clock.now();
         clock.advance(MINUTE * 5);
-        outcomes.record(&p, None, Outcome::TunnelOpened);
+        outcomes.record("team", &p, None, Outcome::TunnelOpened);
         clock.set(start);
-        outcomes.record(&p, None, Outcome::TunnelOpened);
+        outcomes.record("team", &p, None, Outcome::TunnelOpened);
         assert_eq!(outcomes.proxy(&p).tunnels_opened, 2, "read as current");
         clock.advance(MINUTE * 5);
         assert_eq!(outcomes.proxy(&p).tunnels_opened, 2);
@@ -736,15 +840,15 @@ mod tests {
         for i in 0..MAX_TARGETS {
             // Target i gets i % 3 + 1 outcomes.
             for _ in 0..=(i % 3) {
-                outcomes.record(&p, Some(&format!("t{i:04}")), ok);
+                outcomes.record("team", &p, Some(&format!("t{i:04}")), ok);
             }
         }
         for extra in ["late-1.example", "late-2.example", OTHER_TARGETS] {
-            outcomes.record(&p, Some(extra), Outcome::UpstreamFailed);
+            outcomes.record("team", &p, Some(extra), Outcome::UpstreamFailed);
         }
         // A named target keeps counting: t0000 goes from 1 to 4, the most.
         for _ in 0..3 {
-            outcomes.record(&p, Some("t0000"), ok);
+            outcomes.record("team", &p, Some("t0000"), ok);
         }
         let targets = outcomes.targets();
         assert_eq!(targets.len(), MAX_TARGETS + 1);
@@ -765,7 +869,7 @@ mod tests {
 
         // Once the named targets leave the window, new ones get named again.
         clock.advance(MINUTE * 60);
-        outcomes.record(&p, Some("fresh.example"), ok);
+        outcomes.record("team", &p, Some("fresh.example"), ok);
         assert_eq!(
             outcomes.targets(),
             vec![("fresh.example".to_owned(), counts(|c| c.http2xx = 1))]
@@ -776,9 +880,9 @@ mod tests {
     fn proxies_and_targets_are_dropped_once_their_counts_leave() {
         let (clock, outcomes) = outcomes();
         let (gone, staying) = (proxy("gone"), proxy("staying"));
-        outcomes.record(&gone, Some("old.example"), Outcome::TunnelOpened);
+        outcomes.record("team", &gone, Some("old.example"), Outcome::TunnelOpened);
         clock.advance(MINUTE * 30);
-        outcomes.record(&staying, Some("new.example"), Outcome::TunnelFailed);
+        outcomes.record("team", &staying, Some("new.example"), Outcome::TunnelFailed);
         assert_eq!(
             outcomes.proxies(),
             vec![
@@ -788,7 +892,7 @@ mod tests {
         );
         clock.advance(MINUTE * 30);
         // A record sweeps as a read does.
-        outcomes.record(&staying, None, Outcome::TunnelFailed);
+        outcomes.record("team", &staying, None, Outcome::TunnelFailed);
         {
             let proxies = lock(&outcomes.shared.proxies);
             assert_eq!(proxies.windows.len(), 1);

@@ -874,6 +874,7 @@ async fn a_cordon_in_the_inventory_file_stops_new_leases_only() {
             cordoned: false,
             socks5: false,
             credentials: None,
+            cost: None,
         })
         .collect();
     let mut operator = Standalone::start(

@@ -256,6 +256,111 @@ async fn chromium_signs_in_and_watches_the_fleet() {
     assert!(screenshot.is_file());
 }
 
+/// The spend view in Chromium with JavaScript off: after a download through the gateway, the
+/// tenant's row is in the day's table and every chart is drawn (an image with a name, a
+/// description and a data table), bars where bytes went; axe-core finds nothing serious.
+#[tokio::test]
+async fn chromium_shows_the_spend_charts_without_javascript_and_axe_passes() {
+    if chromium().is_none() {
+        return;
+    }
+    let Some(axe) = axe_core() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = GatewayFleet::start(dir.path(), 1, &[]).await;
+    let base = fleet.operator.api().to_owned();
+    let (code, _, err) = curl(
+        DEADLINE,
+        &[
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-x",
+            &fleet.proxy_url("charts"),
+            &fleet.site.http("/bytes/100000"),
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    // The hourly rows are written by the ledger's writer: wait for the tenant's.
+    let client = crate::support::http::client();
+    let started = std::time::Instant::now();
+    loop {
+        let charts: Value = client
+            .get(format!("{base}/v1/status/charts"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET /v1/status/charts")
+            .json()
+            .await
+            .expect("a ChartsView");
+        let bytes = charts["tenants"]
+            .as_array()
+            .and_then(|tenants| tenants.iter().find(|t| t["name"] == "default"))
+            .and_then(|t| t["bytes"].as_array())
+            .map_or(0, |hours| {
+                hours.iter().filter_map(Value::as_u64).sum::<u64>()
+            });
+        if bytes >= 100_000 {
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "no hourly bytes: {charts}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seen = run_script(
+        "spend_page.py",
+        &json!({"base": base, "token": TOKEN, "axe": axe}),
+    )
+    .await;
+    assert_eq!(seen["title"], "Spend · proxy-operator", "{seen}");
+    let tenant_rows = seen["tenant_rows"].as_array().expect("rows");
+    assert!(
+        tenant_rows.iter().any(|row| row[0] == "default"),
+        "the tenant's spend: {seen}"
+    );
+    let charts = seen["charts"].as_array().expect("charts");
+    // The tenant and the one target: bytes, spend and success rate each.
+    assert_eq!(charts.len(), 6, "{seen}");
+    for chart in charts {
+        assert_eq!(chart["role"], "img", "{chart}");
+        let name = chart["name"].as_str().unwrap();
+        assert!(
+            name.contains(" | From ") || name.contains(" | No data"),
+            "a title and a description: {chart}"
+        );
+        assert!(
+            chart["width"].as_f64() > Some(100.0) && chart["height"].as_f64() > Some(20.0),
+            "drawn: {chart}"
+        );
+        assert!(chart["rows"].as_u64() >= Some(24), "{chart}");
+    }
+    let bytes_chart = charts
+        .iter()
+        .find(|c| {
+            c["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("Bytes per hour: default"))
+        })
+        .unwrap_or_else(|| panic!("the tenant's bytes: {seen}"));
+    assert_eq!(bytes_chart["bars"], 1, "this hour's bar: {seen}");
+    let rate_chart = charts
+        .iter()
+        .find(|c| {
+            c["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("Success rate per minute: default"))
+        })
+        .unwrap_or_else(|| panic!("the tenant's success rate: {seen}"));
+    assert!(
+        rate_chart["lines"].as_u64() >= Some(1),
+        "this minute's point: {seen}"
+    );
+    assert_eq!(seen["violations"], json!([]), "axe-core: {seen}");
+    assert_eq!(seen["errors"], json!([]), "{seen}");
+}
+
 /// Over plain HTTP: a wrong token or another site's form signs nobody in; the cookie is
 /// `HttpOnly`, `SameSite=Strict` and expires; it opens the pages and the `/v1/status` routes,
 /// on a second replica too, never a `/v1` route that lists or changes leases; the pages carry
@@ -457,6 +562,7 @@ async fn ten_thousand_proxies_load_in_under_a_second() {
             cordoned: false,
             socks5: false,
             credentials: None,
+            cost: None,
         })
         .collect();
     let mut fleet = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);

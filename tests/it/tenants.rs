@@ -325,6 +325,57 @@ async fn each_tenant_sees_and_leases_only_its_scope_through_the_api_gateway_and_
         events.iter().all(|e| e["tenant"] == "team-b"),
         "team-b reads its own history only: {events:?}"
     );
+    // Spend and charts: team-b's own bytes only, priced per GB and no hours; the default
+    // tenant sees both teams' (once the ledger's writer has the hour's rows).
+    let spend_url = format!("{}/v1/status/spend", fleet.operator.api());
+    let deadline = Instant::now() + DEADLINE;
+    let everything = loop {
+        let (status, view) = call(reqwest::Method::GET, spend_url.clone(), TOKEN, None).await;
+        assert_eq!(status, StatusCode::OK, "{view}");
+        if view["day"]["tenants"].as_array().map_or(0, Vec::len) >= 2 || Instant::now() > deadline {
+            break view;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let named = |rows: &Value| -> BTreeSet<String> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        named(&everything["day"]["tenants"]),
+        names(&["team-a", "team-b"]),
+        "{everything}"
+    );
+    let (status, own) = call(reqwest::Method::GET, spend_url, TEAM_B, None).await;
+    assert_eq!(status, StatusCode::OK, "{own}");
+    assert_eq!(named(&own["day"]["tenants"]), names(&["team-b"]), "{own}");
+    let proxies = named(&own["day"]["proxies"]);
+    assert!(
+        !proxies.is_empty() && proxies.is_subset(&names(&["default/gw-2", "default/gw-3"])),
+        "{own}"
+    );
+    assert!(
+        own["day"]["proxies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["hoursSpend"] == 0.0),
+        "a tenant's view has no hours: {own}"
+    );
+    let url = format!("{}/v1/status/charts", fleet.operator.api());
+    let (_, charts) = call(reqwest::Method::GET, url, TEAM_B, None).await;
+    assert_eq!(named(&charts["tenants"]), names(&["team-b"]), "{charts}");
+    assert!(
+        charts["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t.get("successRate").is_none()),
+        "the fleet's per-target rates are the default tenant's: {charts}"
+    );
 
     // The ledger records who held what.
     let ledger = fleet.operator.ledger();

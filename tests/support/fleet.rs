@@ -19,6 +19,15 @@ pub const LOOPBACK: &str = "127.0.0.0/8";
 /// The API token of every fleet.
 pub const TOKEN: &str = "gateway-token-0123456789";
 
+/// `spec.cost` of every proxy of a [`GatewayFleet`]: 2 a GB and 0.5 an hour.
+pub const GATEWAY_FLEET_COST: &str = r#"{perGB: "2", perHour: "0.5"}"#;
+
+/// The price of a GB through a [`GatewayFleet`]'s proxies.
+pub const GATEWAY_FLEET_PER_GB: f64 = 2.0;
+
+/// The price of an hour of a [`GatewayFleet`]'s proxies.
+pub const GATEWAY_FLEET_PER_HOUR: f64 = 0.5;
+
 /// The site, the squids and the binary in front of them.
 pub struct GatewayFleet {
     /// The site crawled.
@@ -91,6 +100,7 @@ impl GatewayFleet {
                 cordoned: false,
                 socks5: false,
                 credentials: Some((credentials.username, credentials.password)),
+                cost: Some(GATEWAY_FLEET_COST),
             });
             squids.push(squid);
         }

@@ -32,6 +32,8 @@ pub struct ExternalProxy {
     /// The `(username, password)` it asks for: a `kind: Secret` document goes beside it and
     /// its `credentialsSecretRef` names it.
     pub credentials: Option<(String, String)>,
+    /// `spec.cost` as a YAML flow mapping, e.g. `{perGB: "2"}`.
+    pub cost: Option<&'static str>,
 }
 
 impl ExternalProxy {
@@ -75,7 +77,7 @@ spec:
   mode: External
   endpoint: {{host: {host}, port: {port}{reference}{protocol}}}
   maxLeases: {max_leases}
-  cordoned: {cordoned}
+  cordoned: {cordoned}{cost}
   healthCheck:
     probeURL: {probe_url}
     interval: {interval}
@@ -90,6 +92,10 @@ spec:
             cordoned = self.cordoned,
             probe_url = self.probe_url,
             interval = self.interval,
+            cost = self
+                .cost
+                .map(|c| format!("\n  cost: {c}"))
+                .unwrap_or_default(),
         )
     }
 }

@@ -14,12 +14,14 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use utoipa::IntoParams;
 
+use super::spend::{self, ChartsView, PricedProxy, SpendInputs, SpendView};
 use super::view::{
     self, EventsView, Figures, FleetView, ProxiesFilter, ProxiesQuery, ProxiesView, ProxyDetail,
     TargetsView,
 };
 use crate::api::{ApiError, ApiState, ErrorBody};
 use crate::ledger::{EventsQuery, MAX_EVENTS};
+use crate::resources::pool::POOL_LABEL;
 use crate::resources::proxy::ProxyId;
 use crate::serving::tenants::Tenant;
 use crate::serving::tokens::{ApiToken, Caller};
@@ -269,6 +271,83 @@ pub async fn proxy_detail(
     )))
 }
 
+/// The spend and charts `tenant` may see: its own bytes (every tenant's for `default`), the
+/// proxies of its scope, the hours of those proxies for `default` only. `tenants`: every
+/// tenant with a token, charted for `default`.
+pub async fn spend_views(
+    state: &ApiState,
+    tenant: &Arc<Tenant>,
+    tenants: &[Arc<Tenant>],
+) -> Result<(SpendView, ChartsView), ApiError> {
+    let now_ms = state.fleet.clock.now().as_millisecond();
+    let mut rows = state
+        .fleet
+        .ledger
+        .traffic(spend::window_start(now_ms))
+        .await
+        .map_err(|e| ledger_error(state, e))?;
+    let every_tenant = tenant.sees_every_tenant();
+    if !every_tenant {
+        rows.retain(|row| *row.tenant == *tenant.name);
+    }
+    let snapshot = state.fleet.inventory.snapshot();
+    let proxies: Vec<PricedProxy<'_>> = snapshot
+        .entries()
+        .filter(|(id, proxy)| tenant.sees(id, proxy.metadata.labels.as_ref()))
+        .map(|(id, proxy)| PricedProxy {
+            namespace: &id.namespace,
+            name: &id.name,
+            pool: proxy
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|labels| labels.get(POOL_LABEL))
+                .map(String::as_str),
+            cost: proxy.spec.cost.as_ref(),
+            created_ms: proxy
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_millisecond()),
+        })
+        .collect();
+    let inputs = SpendInputs {
+        now_ms,
+        currency: &state.fleet.currency,
+        rows: &rows,
+        proxies: &proxies,
+        hours: every_tenant,
+    };
+    let mut names: Vec<String> = match every_tenant {
+        true => tenants
+            .iter()
+            .map(|t| t.name.to_string())
+            .chain(rows.iter().map(|row| row.tenant.clone()))
+            .collect(),
+        false => vec![tenant.name.to_string()],
+    };
+    names.sort();
+    names.dedup();
+    let outcomes = &state.fleet.outcomes;
+    let minutes: Vec<_> = names
+        .into_iter()
+        .map(|name| {
+            let per_minute = outcomes.tenant_minutes(&name);
+            (name, per_minute)
+        })
+        .collect();
+    let minutes_from_ms = minutes
+        .first()
+        .map_or_else(|| spend::minutes_start(now_ms), |(_, m)| m.from_ms);
+    let charts = spend::charts_view(
+        &inputs,
+        &minutes,
+        |target| every_tenant.then(|| outcomes.target_minutes(target)),
+        minutes_from_ms,
+    );
+    Ok((spend::spend_view(&inputs), charts))
+}
+
 /// Query of `GET /v1/status/events`.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -418,4 +497,48 @@ pub async fn events(
 ) -> Result<HttpResponse, ApiError> {
     let limit = query.limit()?;
     Ok(HttpResponse::Ok().json(events_view(&state, &caller.tenant, limit).await?))
+}
+
+/// Spend per tenant, pool and proxy over the current hour and day (the viewer's tenant's own
+/// bytes only, unless it is `default`).
+#[utoipa::path(
+    get,
+    path = "/v1/status/spend",
+    tag = "status",
+    responses(
+        (status = 200, description = "Spend over the hour and the day", body = SpendView),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn spend(
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+    caller: web::ReqData<Caller>,
+) -> Result<HttpResponse, ApiError> {
+    let (view, _) = spend_views(&state, &caller.tenant, &token.tenants()).await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// Per tenant and per target: bytes and spend per hour over the last day, success rate per
+/// minute over the last hour (the viewer's tenant only, unless it is `default`).
+#[utoipa::path(
+    get,
+    path = "/v1/status/charts",
+    tag = "status",
+    responses(
+        (status = 200, description = "The series the charts draw", body = ChartsView),
+        (status = 401, description = "`unauthorized`: no valid bearer token or session cookie", body = ErrorBody),
+        (status = 503, description = "`ledger_unavailable` or `overloaded`: the ledger could not be read", body = ErrorBody),
+    ),
+    security(("bearer" = []), ("session" = []))
+)]
+pub async fn charts(
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+    caller: web::ReqData<Caller>,
+) -> Result<HttpResponse, ApiError> {
+    let (_, charts) = spend_views(&state, &caller.tenant, &token.tenants()).await?;
+    Ok(HttpResponse::Ok().json(charts))
 }

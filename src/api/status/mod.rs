@@ -3,14 +3,17 @@
 //!
 //! `view` builds what is shown from the process's state (pure), `data` gathers it and serves
 //! it as JSON under `/v1/status`, `pages` renders it as HTML, `routes` serves the pages, the
-//! sign-in and the assets, `session` seals the sign-in cookie, `kube_events` reads a Proxy's
+//! sign-in and the assets, `session` seals the sign-in cookie, `spend` builds the spend and charts views, `chart` draws
+//! a chart, `kube_events` reads a Proxy's
 //! Kubernetes Events.
 
+pub mod chart;
 pub mod data;
 mod kube_events;
 pub mod pages;
 pub mod routes;
 pub mod session;
+pub mod spend;
 pub mod view;
 
 use actix_web::middleware::from_fn;
@@ -34,6 +37,8 @@ pub fn configure_data(cfg: &mut web::ServiceConfig) {
             .service(resource(SCOPE, "/proxies/{namespace}/{name}").get(data::proxy))
             .service(resource(SCOPE, "/targets").get(data::targets))
             .service(resource(SCOPE, "/events").get(data::events))
+            .service(resource(SCOPE, "/spend").get(data::spend))
+            .service(resource(SCOPE, "/charts").get(data::charts))
             .default_service(web::to(crate::api::not_found)),
     );
 }
@@ -45,6 +50,7 @@ pub fn configure_pages(cfg: &mut web::ServiceConfig) {
         .route("/proxies/{namespace}/{name}", web::get().to(routes::proxy))
         .route("/targets", web::get().to(routes::targets))
         .route("/events", web::get().to(routes::events))
+        .route("/spend", web::get().to(routes::spend))
         .route("/signin", web::get().to(routes::sign_in_form))
         .route("/signin", web::post().to(routes::sign_in))
         .route("/signout", web::post().to(routes::sign_out))

@@ -4,11 +4,14 @@
 
 use maud::{DOCTYPE, Markup, html};
 
+use super::chart::{self, Chart, Style, Unit, format_bytes, format_money};
+use super::spend::{ChartSeries, ChartsView, SpendRow, SpendView, SpendWindow};
 use super::view::{
     Badge, EventsView, ExitRow, FleetView, Order, ProxiesFilter, ProxiesView, ProxyDetail,
     ProxyRow, SortKey, TargetsView,
 };
 use crate::api::types::LastFailureView;
+use crate::ledger::HOUR_MS;
 
 /// Which section a page belongs to, for the navigation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +24,8 @@ pub enum Section {
     Targets,
     /// `/events`.
     Events,
+    /// `/spend`.
+    Spend,
 }
 
 /// How the viewer got in, shown on every page.
@@ -32,10 +37,11 @@ pub enum Access {
     Open,
 }
 
-const SECTIONS: [(Section, &str, &str); 4] = [
+const SECTIONS: [(Section, &str, &str); 5] = [
     (Section::Fleet, "/", "Fleet"),
     (Section::Proxies, "/proxies", "Proxies"),
     (Section::Targets, "/targets", "Targets"),
+    (Section::Spend, "/spend", "Spend"),
     (Section::Events, "/events", "Lease events"),
 ];
 
@@ -460,6 +466,117 @@ pub fn targets(view: &TargetsView, access: Access) -> Markup {
                             }
                         }
                     }
+                }
+            }
+        },
+    )
+}
+
+fn spend_table(id: &str, caption: &str, first: &str, rows: &[SpendRow], currency: &str) -> Markup {
+    let money = |amount: f64| format!("{} {currency}", format_money(amount));
+    html! {
+        @if !rows.is_empty() {
+            table id=(id) {
+                caption { (caption) }
+                thead { tr {
+                    th scope="col" { (first) } th scope="col" { "Bytes" }
+                    th scope="col" { "Per GB" } th scope="col" { "Per hour" } th scope="col" { "Spend" }
+                } }
+                tbody {
+                    @for row in rows {
+                        tr {
+                            td { (row.name) }
+                            td { (format_bytes(row.bytes as f64)) }
+                            td { (money(row.bytes_spend)) }
+                            td { (money(row.hours_spend)) }
+                            td { (money(row.spend)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn spend_window(id: &str, heading: &str, window: &SpendWindow, currency: &str) -> Markup {
+    let heading_id = format!("{id}-h");
+    html! {
+        section aria-labelledby=(heading_id) {
+            h2 id=(heading_id) { (heading) " (since " time { (at(window.since_ms)) } ")" }
+            p { "Spent " strong { (format_money(window.total)) " " (currency) } " on " (format_bytes(window.bytes as f64)) " relayed." }
+            @if window.tenants.is_empty() && window.proxies.is_empty() {
+                p { "Nothing relayed or priced in this window." }
+            }
+            (spend_table(&format!("{id}-tenants"), "Per tenant (per GB only)", "Tenant", &window.tenants, currency))
+            (spend_table(&format!("{id}-pools"), "Per ProxyPool", "Pool", &window.pools, currency))
+            (spend_table(&format!("{id}-proxies"), "Per proxy (the costliest 100)", "Proxy", &window.proxies, currency))
+        }
+    }
+}
+
+/// The three charts of one tenant or target.
+fn series_charts(kind: &str, index: usize, series: &ChartSeries, view: &ChartsView) -> Markup {
+    let bytes: Vec<Option<f64>> = series.bytes.iter().map(|b| Some(*b as f64)).collect();
+    let spend: Vec<Option<f64>> = series.spend.iter().map(|s| Some(*s)).collect();
+    let bytes_title = format!("Bytes per hour: {}", series.name);
+    let spend_title = format!("Spend per hour: {}", series.name);
+    let rate_title = format!("Success rate per minute: {}", series.name);
+    let hourly = |id: String, title: &str, unit, values: &[Option<f64>]| {
+        chart::chart(&Chart {
+            id: &id,
+            title,
+            unit,
+            style: Style::Bars,
+            from_ms: view.hours_from_ms,
+            step_ms: HOUR_MS,
+            values,
+        })
+    };
+    html! {
+        h3 { (series.name) }
+        div.charts {
+            (hourly(format!("{kind}-{index}-bytes"), &bytes_title, Unit::Bytes, &bytes))
+            (hourly(format!("{kind}-{index}-spend"), &spend_title, Unit::Money(&view.currency), &spend))
+            @if let Some(rates) = &series.success_rate {
+                (chart::chart(&Chart {
+                    id: &format!("{kind}-{index}-rate"),
+                    title: &rate_title,
+                    unit: Unit::Rate,
+                    style: Style::Line,
+                    from_ms: view.minutes_from_ms,
+                    step_ms: 60_000,
+                    values: rates,
+                }))
+            }
+        }
+    }
+}
+
+/// The spend page: spend over the hour and the day, and the charts per tenant and target.
+pub fn spend(view: &SpendView, charts: &ChartsView, access: Access) -> Markup {
+    layout(
+        "Spend",
+        Some(Section::Spend),
+        Some(access),
+        html! {
+            p.hint { "Bytes relayed by the gateway × each proxy's spec.cost.perGB, plus perHour × the time each proxy existed, in " (view.currency) " (--cost-currency). A tenant's spend is per GB only: a proxy's hours are paid whoever uses it." }
+            div #spend data-live {
+                (spend_window("hour", "This hour", &view.hour, &view.currency))
+                (spend_window("day", "The last 24 hours", &view.day, &view.currency))
+            }
+            section #tenant-charts aria-labelledby="tenant-charts-h" {
+                h2 #tenant-charts-h { "Per tenant, over time" }
+                p.hint { "Bytes and spend per hour over the last 24 hours, success rate per minute over the last hour (this replica's)." }
+                @if charts.tenants.is_empty() { p { "No tenant." } }
+                @for (i, series) in charts.tenants.iter().enumerate() {
+                    (series_charts("tenant", i, series, charts))
+                }
+            }
+            section #target-charts aria-labelledby="target-charts-h" {
+                h2 #target-charts-h { "Per target, over time (the busiest 10 of the day)" }
+                @if charts.targets.is_empty() { p { "Nothing relayed to any target in the last 24 hours." } }
+                @for (i, series) in charts.targets.iter().enumerate() {
+                    (series_charts("target", i, series, charts))
                 }
             }
         },

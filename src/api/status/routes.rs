@@ -244,6 +244,22 @@ pub async fn events(
     )
 }
 
+/// `GET /spend`: spend and charts.
+pub async fn spend(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    token: web::Data<ApiToken>,
+) -> HttpResponse {
+    let Some(Viewer { access, caller }) = viewer(&req, &state, &token) else {
+        return to_sign_in();
+    };
+    shown(
+        data::spend_views(&state, &caller.tenant, &token.tenants()).await,
+        access,
+        |(spend, charts), access| pages::spend(spend, charts, access),
+    )
+}
+
 /// `GET /signin`: the form (or the fleet, for a viewer already in).
 pub async fn sign_in_form(
     req: HttpRequest,

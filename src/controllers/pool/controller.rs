@@ -25,7 +25,7 @@ use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::autoscale::{ScaleDecision, ScaleInputs, autoscale};
-use super::members::{Member, build_member, member_of, template_hash};
+use super::members::{Member, build_member, member_of, repriced, template_hash};
 use super::metrics::{PoolFigures, PoolMetrics};
 use super::plan::{Plan, PlanInputs, plan};
 use super::status::{StatusInputs, pool_status, status_patch};
@@ -253,6 +253,7 @@ pub async fn reconcile(
         return Ok(controller::Action::requeue(ctx.intervals.busy));
     }
     carry_out(&pool, &plan, &hash, &proxies, &ctx).await?;
+    reprice(&pool, &owned, &proxies).await?;
 
     ctx.metrics.set(
         &namespace,
@@ -408,6 +409,27 @@ async fn carry_out(
         );
         log::info!("ProxyPool {}: {note}", pool.key());
         publish(ctx, pool, EventType::Normal, "RemovingMember", note).await;
+    }
+    Ok(())
+}
+
+/// Writes the template's `cost` onto the members with another one (`null` removes it).
+async fn reprice(pool: &ProxyPool, owned: &[Proxy], proxies: &Api<Proxy>) -> Result<(), PoolError> {
+    let cost = &pool.spec.template.spec.cost;
+    for member in repriced(&pool.spec.template, owned) {
+        let name = member.name_any();
+        let patch = json!({"spec": {"cost": cost}});
+        match proxies
+            .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+        {
+            Ok(_) => log::info!(
+                "ProxyPool {}: member {name} takes the template's cost",
+                pool.key()
+            ),
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(())
 }

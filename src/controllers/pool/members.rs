@@ -20,10 +20,13 @@ use crate::resources::proxy::{CONDITION_PROVISIONED, Phase, Proxy, REASON_QUOTA}
 /// Characters of the template hash in names and labels (base32: 40 bits).
 const HASH_LENGTH: usize = 8;
 
-/// The template's hash: base32 of SHA-256 over its canonical JSON (labels, annotations, spec).
-/// Any change to the template changes it, and with it the names of new members.
+/// The template's hash: base32 of SHA-256 over its canonical JSON (labels, annotations, spec
+/// but its `cost`). Any other change to the template changes it, and with it the names of new
+/// members; a new price is written onto the members in place ([`repriced`]), never rolled out.
 pub fn template_hash(template: &ProxyTemplate) -> String {
-    let canonical = serde_json::to_value(template).unwrap_or(Value::Null);
+    let mut hashed = template.clone();
+    hashed.spec.cost = None;
+    let canonical = serde_json::to_value(&hashed).unwrap_or(Value::Null);
     let digest = Sha256::digest(canonical.to_string().as_bytes());
     let mut encoded = base32::encode(
         base32::Alphabet::Rfc4648Lower { padding: false },
@@ -133,7 +136,8 @@ pub fn member_of(pool: &ProxyPool, hash: &str, proxy: &Proxy, leases: u32) -> Me
 }
 
 /// Whether a member still is what the template makes: its template labels and its spec, apart
-/// from `cordoned` (an operational switch an SRE may flip on one member).
+/// from `cordoned` (an operational switch an SRE may flip on one member) and `cost` (written
+/// onto it in place, see [`repriced`]).
 fn matches_template(proxy: &Proxy, template: &ProxyTemplate) -> bool {
     let labels = proxy.labels();
     let labels_match = template
@@ -143,7 +147,17 @@ fn matches_template(proxy: &Proxy, template: &ProxyTemplate) -> bool {
         .all(|(k, v)| labels.get(k) == Some(v));
     let mut spec = proxy.spec.clone();
     spec.cordoned = template.spec.cordoned;
+    spec.cost.clone_from(&template.spec.cost);
     labels_match && spec == template.spec
+}
+
+/// The members of `owned` (not being deleted) whose `cost` is not the template's: a price
+/// changed on the template is patched onto them, since a price is no reason for a new machine.
+pub fn repriced<'a>(template: &ProxyTemplate, owned: &'a [Proxy]) -> Vec<&'a Proxy> {
+    owned
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && p.spec.cost != template.spec.cost)
+        .collect()
 }
 
 #[cfg(test)]
@@ -226,6 +240,45 @@ mod tests {
         );
         assert_eq!(owner.controller, Some(true));
         assert_eq!(member.spec, pool.spec.template.spec);
+    }
+
+    #[test]
+    fn a_new_price_keeps_the_hash_and_the_members_and_is_patched_onto_them() {
+        let priced = |per_gb: &str| {
+            let mut pool = pool();
+            pool.spec.template.spec.cost = Some(
+                serde_json::from_value(serde_json::json!({"perGB": per_gb, "perHour": "0.01"}))
+                    .unwrap(),
+            );
+            pool
+        };
+        let unpriced = pool();
+        let hash = template_hash(&unpriced.spec.template);
+        for pool in [priced("8.40"), priced("2")] {
+            assert_eq!(
+                template_hash(&pool.spec.template),
+                hash,
+                "the price is not hashed"
+            );
+        }
+        let old = build_member(&unpriced, &hash, 0);
+        let mut gone = build_member(&unpriced, &hash, 1);
+        gone.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+        );
+        let now = priced("8.40");
+        let current = build_member(&now, &hash, 2);
+        assert!(
+            member_of(&now, &hash, &old, 0).current,
+            "an old price is no roll-out"
+        );
+        let owned = [old, gone, current];
+        let names: Vec<String> = repriced(&now.spec.template, &owned)
+            .into_iter()
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(names, [owned[0].name_any()]);
+        assert!(repriced(&unpriced.spec.template, &owned[..2]).is_empty());
     }
 
     #[test]

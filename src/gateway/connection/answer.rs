@@ -98,7 +98,7 @@ pub(in crate::gateway) async fn record(
     gateway
         .fleet
         .outcomes
-        .record(&held.proxy, Some(target), outcome);
+        .record(&held.tenant, &held.proxy, Some(target), outcome);
     let ban = judged.ban.as_ref()?;
     gateway.metrics.rule_matched(&ban.rule, ban.result);
     let asked = judged

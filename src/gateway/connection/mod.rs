@@ -290,6 +290,7 @@ impl ClientConnection {
                 Err(Failed { failure, retriable }) => {
                     log::info!("gateway: {what} through {} failed: {failure}", held.proxy);
                     gateway.fleet.outcomes.record(
+                        &held.tenant,
                         &held.proxy,
                         Some(&ask.target.host),
                         lease_for.failed(),

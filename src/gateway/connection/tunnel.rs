@@ -65,10 +65,12 @@ pub(super) async fn open(
         Ok(through) => through,
         Err(answer) => return answer,
     };
-    gateway
-        .fleet
-        .outcomes
-        .record(&held.proxy, Some(&ask.target.host), Outcome::TunnelOpened);
+    gateway.fleet.outcomes.record(
+        &held.tenant,
+        &held.proxy,
+        Some(&ask.target.host),
+        Outcome::TunnelOpened,
+    );
     let mut response = Response::new(full(""));
     lease_headers(&mut response, &held, moved_from);
     let client_io = hyper::upgrade::on(&mut request);

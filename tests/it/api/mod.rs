@@ -1494,6 +1494,8 @@ async fn openapi_document_lists_every_route(backend: Backend) {
         ("/v1/status/proxies/{namespace}/{name}", "get"),
         ("/v1/status/targets", "get"),
         ("/v1/status/events", "get"),
+        ("/v1/status/spend", "get"),
+        ("/v1/status/charts", "get"),
     ];
     for (path, method) in expected {
         assert!(
@@ -1501,7 +1503,7 @@ async fn openapi_document_lists_every_route(backend: Backend) {
             "{method} {path} missing"
         );
     }
-    assert_eq!(paths.len(), 15, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 17, "{:?}", paths.keys().collect::<Vec<_>>());
     // Every documented route answers something other than 404 on the real server.
     for (path, method) in expected {
         let path = path

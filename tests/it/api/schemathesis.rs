@@ -274,6 +274,7 @@ async fn schemathesis_finds_nothing_with_every_check() {
             cordoned: i == 0,
             socks5: false,
             credentials: None,
+            cost: None,
         })
         .collect();
     let tenants = dir.path().join("tenants.yaml");

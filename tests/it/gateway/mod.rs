@@ -19,6 +19,7 @@ use crate::support::site::PAGES;
 use crate::support::{DEADLINE, sqlite3};
 
 mod bounds;
+mod cost;
 mod destinations;
 mod inspect;
 mod inspect_clients;

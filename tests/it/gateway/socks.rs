@@ -43,6 +43,7 @@ fn socks_proxy(
         cordoned: false,
         socks5: true,
         credentials: credentials.map(|password| (SOCKS_USER.to_owned(), password.to_owned())),
+        cost: None,
     }
 }
 

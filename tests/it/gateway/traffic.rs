@@ -27,7 +27,7 @@ fn proxy_bytes(metrics: &str, n: usize, direction: &str) -> f64 {
 }
 
 /// The bytes of `url`'s answer body curl received through `proxy`, with `options`.
-async fn downloaded(proxy: &str, options: &[&str], url: &str) -> u64 {
+pub(super) async fn downloaded(proxy: &str, options: &[&str], url: &str) -> u64 {
     let mut args = vec![
         "-sS",
         "-o",

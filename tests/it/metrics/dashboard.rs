@@ -50,13 +50,14 @@ enum Mode {
 }
 
 /// Every row of the dashboard and the mode its panels are checked in.
-const ROWS: [(&str, Mode); 6] = [
+const ROWS: [(&str, Mode); 7] = [
     ("Fleet", Mode::Standalone),
     ("Gateway", Mode::Standalone),
     ("Ledger", Mode::Standalone),
     ("Ledger (PostgreSQL)", Mode::Postgres),
     ("Pools", Mode::Operator),
     ("Operator", Mode::Operator),
+    ("Cost", Mode::Standalone),
 ];
 
 /// One target expression of one panel, its variables replaced.

@@ -58,6 +58,8 @@ fn registry(
         health.clone(),
         Arc::new(ledger.clone()),
         Traffic::default(),
+        "USD",
+        Arc::new(proxy_operator::ledger::SystemClock),
     )
     .unwrap();
     registry.register(Box::new(fleet)).unwrap();
@@ -419,6 +421,8 @@ impl CooldownWorld {
             health.clone(),
             Arc::new(ledger.clone()),
             Traffic::default(),
+            "USD",
+            Arc::new(proxy_operator::ledger::SystemClock),
         )
         .unwrap();
         registry.register(Box::new(fleet)).unwrap();

@@ -234,6 +234,7 @@ async fn a_real_prometheus_fires_no_healthy_proxy_when_the_only_squid_dies_and_r
         cordoned: false,
         socks5: false,
         credentials: None,
+        cost: None,
     }];
     let mut operator = Standalone::start(dir.path(), &proxies, &ca, TOKEN, &[]);
     operator.wait_healthy(TOKEN, 1, 2 * DEADLINE).await;

@@ -455,3 +455,67 @@ async fn acquire_waiting(operator: &OperatorProcess, geo: &str) -> Value {
     })
     .await
 }
+
+/// A new price on the template is written onto the members as they are: the same objects
+/// (UIDs), the same machines (IPs), no roll-out; removing it removes theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_price_on_the_template_is_patched_onto_the_members_without_a_roll_out() {
+    let Some(world) = World::new("pool-price").await else {
+        return;
+    };
+    let _operator = world.operator(&[]).await;
+    world
+        .raw_pools()
+        .create(
+            &PostParams::default(),
+            &pool_object(
+                "priced",
+                json!({"replicas": 2, "template": world.pool_template("priced", 5)}),
+            ),
+        )
+        .await
+        .expect("create the pool");
+    let before = world.wait_pool_settled("priced", 2, SLOW).await;
+    let machines = |members: &BTreeMap<String, proxy_operator::resources::proxy::Proxy>| {
+        members
+            .iter()
+            .map(|(name, p)| {
+                let ip = p.status.as_ref().and_then(|s| s.ip.clone());
+                (name.clone(), (p.uid(), ip))
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    for (price, expected) in [
+        (json!({"perGB": "8.40", "perHour": "0.01"}), Some("8.4")),
+        (Value::Null, None),
+    ] {
+        world
+            .pools()
+            .patch(
+                "priced",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"template": {"spec": {"cost": price}}}})),
+            )
+            .await
+            .expect("price the template");
+        let priced = eventually(&format!("every member priced {expected:?}"), || async {
+            let members = world.members("priced").await;
+            let per_gb = |p: &proxy_operator::resources::proxy::Proxy| {
+                p.spec
+                    .cost
+                    .as_ref()
+                    .and_then(|c| c.per_gb)
+                    .map(|p| p.to_string())
+            };
+            (members.len() == 2 && members.values().all(|p| per_gb(p).as_deref() == expected))
+                .then_some(members)
+        })
+        .await;
+        assert_eq!(
+            machines(&priced),
+            machines(&before),
+            "no member was replaced"
+        );
+        world.wait_pool_settled("priced", 2, SLOW).await;
+    }
+}

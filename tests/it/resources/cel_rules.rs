@@ -81,6 +81,21 @@ fn value_constraints_are_checked_too() {
             with(external(), "healthCheck", json!({"failureThreshold": 0})),
             "/spec/healthCheck/failureThreshold",
         ),
+        (
+            "negative price",
+            with(external(), "cost", json!({"perGB": "-1"})),
+            "/spec/cost/perGB",
+        ),
+        (
+            "price as a number",
+            with(external(), "cost", json!({"perHour": 0.5})),
+            "/spec/cost/perHour",
+        ),
+        (
+            "price in exponent form",
+            with(managed(), "cost", json!({"perHour": "1e3"})),
+            "/spec/cost/perHour",
+        ),
     ];
     for (case, spec, path) in cases {
         let violations = v.validate_create(&object(spec)).expect_err(case);
@@ -97,6 +112,15 @@ fn create_rules() {
     let cases: Vec<(&str, Value, Option<&str>)> = vec![
         ("managed is valid", managed(), None),
         ("external is valid", external(), None),
+        (
+            "a price per GB and per hour is valid",
+            with(
+                external(),
+                "cost",
+                json!({"perGB": "8.40", "perHour": "0.0067"}),
+            ),
+            None,
+        ),
         (
             "managed with placement and inline cloud-init is valid",
             with(managed(), "cloudInit", json!({"inline": "#cloud-config"})),

@@ -156,7 +156,7 @@ def script(config: dict[str, Any]) -> dict[str, Any]:
         checked.add_cookies(context.cookies())
         axe_page = checked.new_page()
         violations: dict[str, Any] = {}
-        for path in ["/", "/proxies", "/targets", "/events", "/proxies/" + config["killed"]]:
+        for path in ["/", "/proxies", "/targets", "/spend", "/events", "/proxies/" + config["killed"]]:
             axe_page.goto(base + path)
             violations[path] = axe_violations(axe_page, config["axe"])
         checked.close()
