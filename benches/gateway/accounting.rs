@@ -43,6 +43,7 @@ fn gateway(
         cordoned: false,
         socks5: false,
         credentials: None,
+        cost: None,
     };
     let ports = format!("{},{}", site.http_port(), site.https_port());
     let mut args = vec![
