@@ -1869,7 +1869,7 @@ async fn every_route_answers_other_methods_405_with_an_allow_header_of_its_docum
     h.load(vec![(proxy("a", 3001, &[], 5), Some(5))]);
     let (_, doc) = h.get("/v1/openapi.json").await;
     let paths: Vec<String> = doc["paths"].as_object().unwrap().keys().cloned().collect();
-    assert_eq!(paths.len(), 15, "{paths:?}");
+    assert_eq!(paths.len(), 17, "{paths:?}");
     let methods = [
         "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY",
     ];
