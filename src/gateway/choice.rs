@@ -105,10 +105,7 @@ impl Gateway {
     /// Counts bytes relayed for `held`'s request: in the metrics, and towards the ledger's
     /// hourly traffic rows.
     pub(super) fn relayed(&self, held: &Held, up: u64, down: u64) {
-        self.metrics
-            .relayed(&held.tenant, &held.proxy.uid, up, down);
-        self.accounting
-            .add(&held.tenant, &held.proxy, &held.target, up, down);
+        count_relayed(&self.metrics, &self.accounting, held.into(), up, down);
     }
 
     /// Writes the bytes relayed since the last flush to the ledger.
@@ -523,6 +520,36 @@ impl Gateway {
             None => self.give_back(&held.lease_id, &held.tenant).await,
         }
     }
+}
+
+/// What bytes relayed are counted for: the tenant, the proxy they went through and the target.
+pub(super) struct RelayedFor<'a> {
+    pub tenant: &'a Arc<str>,
+    pub proxy: &'a ProxyId,
+    pub target: &'a Arc<str>,
+}
+
+impl<'a> From<&'a Held> for RelayedFor<'a> {
+    fn from(held: &'a Held) -> Self {
+        RelayedFor {
+            tenant: &held.tenant,
+            proxy: &held.proxy,
+            target: &held.target,
+        }
+    }
+}
+
+/// Counts `up` and `down` bytes relayed `for_`: in the metrics, and towards the ledger's
+/// hourly traffic rows. Tunnels and relayed answer bodies both count here.
+pub(super) fn count_relayed(
+    metrics: &GatewayMetrics,
+    accounting: &Accounting,
+    for_: RelayedFor<'_>,
+    up: u64,
+    down: u64,
+) {
+    metrics.relayed(for_.tenant, &for_.proxy.uid, up, down);
+    accounting.add(for_.tenant, for_.proxy, for_.target, up, down);
 }
 
 /// A lease a request goes through.

@@ -26,7 +26,7 @@ use crate::gateway::answers::{
     BAN_REPORTED_HEADER, Body, PROXY_STATUS, PROXY_STATUS_NAME, RequestOutcome, lease_headers,
 };
 use crate::gateway::bans;
-use crate::gateway::choice::{Gateway, Held};
+use crate::gateway::choice::{Gateway, Held, RelayedFor, count_relayed};
 use crate::gateway::metrics::GatewayMetrics;
 use crate::gateway::rules::{Action, BODY_PREFIX, Ban};
 use crate::ledger::{LeaseReport, ReportResult};
@@ -312,10 +312,12 @@ impl http_body::Body for Relayed {
 
 impl Drop for Relayed {
     fn drop(&mut self) {
-        self.metrics
-            .relayed(&self.tenant, &self.proxy.uid, self.up, self.down);
-        self.accounting
-            .add(&self.tenant, &self.proxy, &self.target, self.up, self.down);
+        let for_ = RelayedFor {
+            tenant: &self.tenant,
+            proxy: &self.proxy,
+            target: &self.target,
+        };
+        count_relayed(&self.metrics, &self.accounting, for_, self.up, self.down);
     }
 }
 
