@@ -102,10 +102,12 @@ impl Gateway {
         }
     }
 
-    /// Counts bytes relayed for `held`'s request: in the metrics, and towards the ledger's
-    /// hourly traffic rows.
-    pub(super) fn relayed(&self, held: &Held, up: u64, down: u64) {
-        count_relayed(&self.metrics, &self.accounting, held.into(), up, down);
+    /// Counts `up` and `down` bytes relayed `for_`: in the metrics, and towards the ledger's
+    /// hourly traffic rows. Tunnels and relayed answer bodies both count here.
+    pub(super) fn relayed(&self, for_: RelayedFor<'_>, up: u64, down: u64) {
+        self.metrics.relayed(for_.tenant, &for_.proxy.uid, up, down);
+        self.accounting
+            .add(for_.tenant, for_.proxy, for_.target, up, down);
     }
 
     /// Writes the bytes relayed since the last flush to the ledger.
@@ -537,19 +539,6 @@ impl<'a> From<&'a Held> for RelayedFor<'a> {
             target: &held.target,
         }
     }
-}
-
-/// Counts `up` and `down` bytes relayed `for_`: in the metrics, and towards the ledger's
-/// hourly traffic rows. Tunnels and relayed answer bodies both count here.
-pub(super) fn count_relayed(
-    metrics: &GatewayMetrics,
-    accounting: &Accounting,
-    for_: RelayedFor<'_>,
-    up: u64,
-    down: u64,
-) {
-    metrics.relayed(for_.tenant, &for_.proxy.uid, up, down);
-    accounting.add(for_.tenant, for_.proxy, for_.target, up, down);
 }
 
 /// A lease a request goes through.

@@ -33,7 +33,10 @@ pub struct GatewayMetrics {
     closed_connections: IntCounterVec,
     refused_destinations: IntCounterVec,
     requests: IntCounterVec,
-    bytes: IntCounterVec,
+    /// `bytes_total{direction="up"}` and `{direction="down"}`, resolved once: every answer
+    /// counts both.
+    bytes_up: IntCounter,
+    bytes_down: IntCounter,
     retries: IntCounter,
     bans: IntCounterVec,
     held: HistogramVec,
@@ -203,9 +206,6 @@ impl GatewayMetrics {
                 requests.with_label_values(&[kind, outcome.as_str()]);
             }
         }
-        for direction in ["up", "down"] {
-            bytes.with_label_values(&[direction]);
-        }
         for reason in [PROCESS_LIMIT, TENANT_LIMIT] {
             refused_connections.with_label_values(&[reason]);
         }
@@ -245,7 +245,8 @@ impl GatewayMetrics {
             closed_connections,
             refused_destinations,
             requests,
-            bytes,
+            bytes_up: bytes.with_label_values(&["up"]),
+            bytes_down: bytes.with_label_values(&["down"]),
             retries,
             bans,
             held,
@@ -298,8 +299,8 @@ impl GatewayMetrics {
 
     /// Counts bytes relayed for `tenant` through the proxy `proxy_uid`.
     pub fn relayed(&self, tenant: &Arc<str>, proxy_uid: &str, up: u64, down: u64) {
-        self.bytes.with_label_values(&["up"]).inc_by(up);
-        self.bytes.with_label_values(&["down"]).inc_by(down);
+        self.bytes_up.inc_by(up);
+        self.bytes_down.inc_by(down);
         self.tenants.relayed(tenant, up, down);
         self.traffic.add(proxy_uid, tenant, up, down);
     }

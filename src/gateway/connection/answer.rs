@@ -21,13 +21,11 @@ use hyper::header::{
     TRANSFER_ENCODING, UPGRADE,
 };
 
-use crate::gateway::accounting::Accounting;
 use crate::gateway::answers::{
     BAN_REPORTED_HEADER, Body, PROXY_STATUS, PROXY_STATUS_NAME, RequestOutcome, lease_headers,
 };
 use crate::gateway::bans;
-use crate::gateway::choice::{Gateway, Held, RelayedFor, count_relayed};
-use crate::gateway::metrics::GatewayMetrics;
+use crate::gateway::choice::{Gateway, Held, RelayedFor};
 use crate::gateway::rules::{Action, BODY_PREFIX, Ban};
 use crate::ledger::{LeaseReport, ReportResult};
 use crate::resources::proxy::ProxyId;
@@ -148,7 +146,11 @@ pub(super) struct Retried {
 
 impl Retried {
     /// The kept answer, handed on (`up` bytes were sent up).
-    pub(super) fn hand_on(self, gateway: &Gateway, up: u64) -> (RequestOutcome, Response<Body>) {
+    pub(super) fn hand_on(
+        self,
+        gateway: &Arc<Gateway>,
+        up: u64,
+    ) -> (RequestOutcome, Response<Body>) {
         let response = hand_on(
             gateway,
             &self.held,
@@ -167,7 +169,7 @@ impl Retried {
 /// its bytes counted for `held`'s tenant once sent (`up` were sent up), with `keep` held until
 /// then (the upstream connection busy, the lease in use).
 pub(in crate::gateway) fn hand_on(
-    gateway: &Gateway,
+    gateway: &Arc<Gateway>,
     held: &Held,
     judged: Judged,
     reported: Option<ReportResult>,
@@ -192,8 +194,7 @@ pub(in crate::gateway) fn hand_on(
             inner: body,
             up,
             down: 0,
-            metrics: gateway.metrics.clone(),
-            accounting: gateway.accounting.clone(),
+            gateway: gateway.clone(),
             tenant: held.tenant.clone(),
             proxy: held.proxy.clone(),
             target: held.target.clone(),
@@ -274,8 +275,8 @@ struct Relayed {
     inner: Prefixed,
     up: u64,
     down: u64,
-    metrics: GatewayMetrics,
-    accounting: Accounting,
+    /// Where the bytes are counted (one reference, not a copy of each counter).
+    gateway: Arc<Gateway>,
     tenant: Arc<str>,
     /// The proxy it came through.
     proxy: ProxyId,
@@ -317,7 +318,7 @@ impl Drop for Relayed {
             proxy: &self.proxy,
             target: &self.target,
         };
-        count_relayed(&self.metrics, &self.accounting, for_, self.up, self.down);
+        self.gateway.relayed(for_, self.up, self.down);
     }
 }
 

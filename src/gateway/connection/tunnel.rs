@@ -103,7 +103,7 @@ async fn relay(gateway: Arc<Gateway>, held: Held, client: OnUpgrade, upstream: T
         }
     };
     let (up, down) = (up.load(Ordering::Relaxed), down.load(Ordering::Relaxed));
-    gateway.relayed(&held, up, down);
+    gateway.relayed((&held).into(), up, down);
     match result {
         Some(Ok(())) => {}
         Some(Err(e)) => log::debug!("gateway: tunnel through {} ended: {e}", held.proxy),
