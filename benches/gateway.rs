@@ -24,13 +24,16 @@
 //! Then rented exits: requests/s through a gateway session on a rotating upstream against one
 //! on an ordinary External proxy, both to one squid playing a vendor; fails below 0.9. Then
 //! plain HTTP through a SOCKS5 upstream (danted): curl's GETs through the gateway against the
-//! same curl straight to danted; fails below 0.6 of the direct requests/s. Then the ledger's
+//! same curl straight to danted; fails below 0.6 of the direct requests/s (the same curl
+//! through a relay that parses nothing, haproxy in `mode tcp`, is printed beside it for
+//! reference: what one more hop costs on this machine). Then the ledger's
 //! byte accounting: the same wrk through a gateway with it on against one with
 //! `--gateway-no-traffic-ledger`, three runs each, alternating; fails below 0.95 (it may cost
 //! at most 5 % of the requests/s).
 //!
 //! Run with `cargo bench --bench gateway` (needs `wrk`, `squid`, `curl`, `danted` and
-//! mitmproxy: `apt-get install -y wrk squid curl dante-server`, `pip install mitmproxy`).
+//! mitmproxy: `apt-get install -y wrk squid curl dante-server`, `pip install mitmproxy`;
+//! `haproxy` for the reference row, left out without it).
 //! `PROXY_OPERATOR_BENCH_SECONDS` sets the length of each run (default 10). Everything shares
 //! the machine: the load, the gateway, squid and the site.
 
@@ -42,6 +45,9 @@ mod accounting;
 
 #[path = "gateway/interception.rs"]
 mod interception;
+
+#[path = "gateway/relay.rs"]
+mod relay;
 
 #[path = "gateway/rented.rs"]
 mod rented;

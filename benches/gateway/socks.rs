@@ -3,8 +3,10 @@
 //! one proxy is danted (`protocol: socks5`), against the same curl straight to that danted
 //! (`socks5h://`), [`ROUNDS`] times each, alternating: one run takes a second or two on this
 //! loopback, short enough for the machine's other work to tip a single pair. wrk speaks no
-//! SOCKS, so curl is the client both ways. Prints the gateway's CPU per request too. Fails
-//! when the gateway's requests/s are below [`MIN_RATIO`] of the direct ones.
+//! SOCKS, so curl is the client both ways. Prints the gateway's CPU per request too, and, for
+//! reference, the same curl through a relay that parses nothing (haproxy in `mode tcp`, when
+//! installed) in front of the same danted, in the same rounds: what one more hop costs here.
+//! Fails when the gateway's requests/s are below [`MIN_RATIO`] of the direct ones.
 
 use std::path::Path;
 use std::process::Command;
@@ -14,6 +16,8 @@ use crate::support::dante::{Dante, DanteOptions};
 use crate::support::site::Site;
 use crate::support::standalone::{ExternalProxy, Standalone};
 use crate::support::wrk::cpu_seconds;
+
+use super::relay::TcpRelay;
 
 /// GETs per run.
 const REQUESTS: usize = 20_000;
@@ -85,9 +89,14 @@ pub fn measure(runtime: &tokio::runtime::Runtime, site: &Site, dir: &Path, token
     let url = site.http("/ip");
     rate(&dante.url(), &url);
     rate(&gateway, &url);
+    let relay = TcpRelay::start(dir, (dante.address(), dante.port()).into());
     let (mut direct, mut through, mut gateway_cpu) = (0.0, 0.0, 0.0);
+    let mut relayed = 0.0;
     for _ in 0..ROUNDS {
         direct += rate(&dante.url(), &url) / ROUNDS as f64;
+        if let Some(relay) = &relay {
+            relayed += rate(&relay.socks_url(), &url) / ROUNDS as f64;
+        }
         let before = cpu_seconds(operator.pid());
         through += rate(&gateway, &url) / ROUNDS as f64;
         gateway_cpu += cpu_seconds(operator.pid()) - before;
@@ -100,7 +109,17 @@ pub fn measure(runtime: &tokio::runtime::Runtime, site: &Site, dir: &Path, token
     println!("{:<34} {:>12}", "", "requests/s");
     println!("{:<34} {direct:>12.0}", "curl straight to danted");
     println!("{:<34} {through:>12.0}", "through the gateway to danted");
+    if relay.is_some() {
+        println!("{:<34} {relayed:>12.0}", "through a TCP relay to danted");
+    }
     println!("ratio {ratio:.2} (at least {MIN_RATIO})");
+    if relay.is_some() {
+        println!(
+            "for reference: the TCP relay {:.2} of straight, the gateway {:.2} of the relay",
+            relayed / direct,
+            through / relayed
+        );
+    }
     println!(
         "gateway CPU per request through danted: {:.1} µs",
         gateway_cpu / (ROUNDS * REQUESTS) as f64 * 1e6
