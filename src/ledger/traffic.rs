@@ -14,33 +14,23 @@ pub const HOUR_MS: i64 = 3_600_000;
 /// Milliseconds in a (UTC) day.
 pub const DAY_MS: i64 = 24 * HOUR_MS;
 
-/// One UTC hour of bytes through the gateway for one tenant, proxy and target.
+/// One UTC hour of bytes through the gateway for one tenant, proxy and target: a row of
+/// `traffic_hours`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TrafficHour {
     /// Start of the UTC hour, ms since the Unix epoch.
     pub hour_ms: i64,
-    /// The tenant whose requests carried the bytes.
-    pub tenant: String,
-    /// The proxy's namespace.
-    pub namespace: String,
-    /// The proxy's name.
-    pub name: String,
-    /// The proxy's ProxyPool, if any.
-    pub pool: Option<String>,
-    /// The target (host) the requests went to.
-    pub target: String,
-    /// Bytes to the target.
-    pub up: u64,
-    /// Bytes to the crawler.
-    pub down: u64,
+    /// Whose bytes, through which proxy, to which target, and how many.
+    #[serde(flatten)]
+    pub bytes: TrafficBytes,
 }
 
 /// Bytes a gateway relayed for one tenant through one proxy to one target since its last
 /// flush: [`Ledger::record_traffic`](super::Ledger::record_traffic) adds them to the hour
 /// holding the ledger's clock.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TrafficBytes {
-    /// The tenant.
+    /// The tenant whose requests carried the bytes.
     pub tenant: String,
     /// The proxy's namespace.
     pub namespace: String,
@@ -54,6 +44,13 @@ pub struct TrafficBytes {
     pub up: u64,
     /// Bytes to the crawler.
     pub down: u64,
+}
+
+impl TrafficBytes {
+    /// Bytes both ways.
+    pub fn total(&self) -> u64 {
+        self.up.saturating_add(self.down)
+    }
 }
 
 /// The start of the UTC hour holding `now_ms`.

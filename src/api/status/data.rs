@@ -288,7 +288,7 @@ pub async fn spend_views(
         .map_err(|e| ledger_error(state, e))?;
     let every_tenant = tenant.sees_every_tenant();
     if !every_tenant {
-        rows.retain(|row| *row.tenant == *tenant.name);
+        rows.retain(|row| *row.bytes.tenant == *tenant.name);
     }
     let snapshot = state.fleet.inventory.snapshot();
     let proxies: Vec<PricedProxy<'_>> = snapshot
@@ -322,7 +322,7 @@ pub async fn spend_views(
         true => tenants
             .iter()
             .map(|t| t.name.to_string())
-            .chain(rows.iter().map(|row| row.tenant.clone()))
+            .chain(rows.iter().map(|row| row.bytes.tenant.clone()))
             .collect(),
         false => vec![tenant.name.to_string()],
     };

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::ledger::{HOUR_MS, TrafficHour, hour_start};
+use crate::ledger::{HOUR_MS, TrafficBytes, TrafficHour, hour_start};
 use crate::resources::cost::Cost;
 use crate::serving::outcomes::{OutcomeCounts, PerMinute};
 use crate::serving::spend::seconds_between;
@@ -159,11 +159,11 @@ fn prices<'a>(proxies: &[PricedProxy<'a>]) -> HashMap<(&'a str, &'a str), &'a Co
         .collect()
 }
 
-/// What `bytes` of `row` cost.
-fn row_spend(prices: &HashMap<(&str, &str), &Cost>, row: &TrafficHour) -> f64 {
+/// What the bytes of `row` cost.
+fn row_spend(prices: &HashMap<(&str, &str), &Cost>, row: &TrafficBytes) -> f64 {
     prices
         .get(&(row.namespace.as_str(), row.name.as_str()))
-        .map_or(0.0, |cost| cost.of_bytes(row.up.saturating_add(row.down)))
+        .map_or(0.0, |cost| cost.of_bytes(row.total()))
 }
 
 /// Adds to the row named `name`.
@@ -207,8 +207,8 @@ pub fn spend_window(inputs: &SpendInputs<'_>, since_ms: i64) -> SpendWindow {
     let mut pools = BTreeMap::new();
     let mut proxies = BTreeMap::new();
     let mut bytes_total = 0u64;
-    for row in inputs.rows.iter().filter(|r| r.hour_ms >= since_ms) {
-        let bytes = row.up.saturating_add(row.down);
+    for TrafficHour { bytes: row, .. } in inputs.rows.iter().filter(|r| r.hour_ms >= since_ms) {
+        let bytes = row.total();
         let spend = row_spend(&prices, row);
         bytes_total = bytes_total.saturating_add(bytes);
         add(&mut tenants, row.tenant.clone(), bytes, spend, 0.0);
@@ -299,8 +299,8 @@ fn hourly(inputs: &SpendInputs<'_>, pick: impl Fn(&TrafficHour) -> bool) -> (Vec
             continue;
         };
         if slot < hours {
-            bytes[slot] = bytes[slot].saturating_add(row.up.saturating_add(row.down));
-            spend[slot] += row_spend(&prices, row);
+            bytes[slot] = bytes[slot].saturating_add(row.bytes.total());
+            spend[slot] += row_spend(&prices, &row.bytes);
         }
     }
     (bytes, spend)
@@ -317,7 +317,7 @@ pub fn charts_view(
     let tenants = tenants
         .iter()
         .map(|(name, minutes)| {
-            let (bytes, spend) = hourly(inputs, |r| r.tenant == *name);
+            let (bytes, spend) = hourly(inputs, |r| r.bytes.tenant == *name);
             ChartSeries {
                 name: name.clone(),
                 bytes,
@@ -332,8 +332,8 @@ pub fn charts_view(
         .iter()
         .filter(|r| r.hour_ms >= window_start(inputs.now_ms))
     {
-        let sum = busiest.entry(row.target.as_str()).or_default();
-        *sum = sum.saturating_add(row.up.saturating_add(row.down));
+        let sum = busiest.entry(row.bytes.target.as_str()).or_default();
+        *sum = sum.saturating_add(row.bytes.total());
     }
     let mut busiest: Vec<(&str, u64)> = busiest.into_iter().collect();
     busiest.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
@@ -341,7 +341,7 @@ pub fn charts_view(
     let targets = busiest
         .into_iter()
         .map(|(target, _)| {
-            let (bytes, spend) = hourly(inputs, |r| r.target == target);
+            let (bytes, spend) = hourly(inputs, |r| r.bytes.target == target);
             ChartSeries {
                 name: target.to_owned(),
                 bytes,
@@ -378,13 +378,15 @@ mod tests {
     ) -> TrafficHour {
         TrafficHour {
             hour_ms,
-            tenant: tenant.into(),
-            namespace: "crawl".into(),
-            name: name.into(),
-            pool: pool.map(str::to_owned),
-            target: target.into(),
-            up: bytes / 4,
-            down: bytes - bytes / 4,
+            bytes: TrafficBytes {
+                tenant: tenant.into(),
+                namespace: "crawl".into(),
+                name: name.into(),
+                pool: pool.map(str::to_owned),
+                target: target.into(),
+                up: bytes / 4,
+                down: bytes - bytes / 4,
+            },
         }
     }
 

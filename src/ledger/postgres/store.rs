@@ -414,13 +414,15 @@ pub(crate) async fn traffic(tx: &impl GenericClient, since: i64) -> Result<Vec<T
         .iter()
         .map(|row| TrafficHour {
             hour_ms: row.get(0),
-            tenant: row.get(1),
-            namespace: row.get(2),
-            name: row.get(3),
-            pool: traffic::pool_of(row.get(4)),
-            target: row.get(5),
-            up: traffic::from_sql(row.get(6)),
-            down: traffic::from_sql(row.get(7)),
+            bytes: TrafficBytes {
+                tenant: row.get(1),
+                namespace: row.get(2),
+                name: row.get(3),
+                pool: traffic::pool_of(row.get(4)),
+                target: row.get(5),
+                up: traffic::from_sql(row.get(6)),
+                down: traffic::from_sql(row.get(7)),
+            },
         })
         .collect())
 }

@@ -571,13 +571,15 @@ pub(crate) fn traffic(conn: &Connection, since: i64) -> rusqlite::Result<Vec<Tra
     .query_map([since], |row| {
         Ok(TrafficHour {
             hour_ms: row.get(0)?,
-            tenant: row.get(1)?,
-            namespace: row.get(2)?,
-            name: row.get(3)?,
-            pool: traffic::pool_of(row.get(4)?),
-            target: row.get(5)?,
-            up: traffic::from_sql(row.get(6)?),
-            down: traffic::from_sql(row.get(7)?),
+            bytes: TrafficBytes {
+                tenant: row.get(1)?,
+                namespace: row.get(2)?,
+                name: row.get(3)?,
+                pool: traffic::pool_of(row.get(4)?),
+                target: row.get(5)?,
+                up: traffic::from_sql(row.get(6)?),
+                down: traffic::from_sql(row.get(7)?),
+            },
         })
     })?
     .collect()
@@ -974,7 +976,7 @@ mod tests {
         let kept: Vec<String> = traffic(&conn, 0)
             .unwrap()
             .into_iter()
-            .map(|row| row.target)
+            .map(|row| row.bytes.target)
             .collect();
         assert_eq!(kept, ["today.example"], "today's bytes are never pruned");
         assert_eq!(history_rows(&conn).unwrap(), 0);

@@ -99,8 +99,8 @@ impl BudgetCollector {
 fn per_tenant(rows: &[TrafficHour]) -> HashMap<String, u64> {
     let mut bytes: HashMap<String, u64> = HashMap::new();
     for row in rows {
-        let sum = bytes.entry(row.tenant.clone()).or_default();
-        *sum = sum.saturating_add(row.up.saturating_add(row.down));
+        let sum = bytes.entry(row.bytes.tenant.clone()).or_default();
+        *sum = sum.saturating_add(row.bytes.total());
     }
     bytes
 }
@@ -148,18 +148,21 @@ impl Collector for BudgetCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::TrafficBytes;
 
     #[test]
     fn a_tenants_bytes_are_its_rows_up_and_down() {
         let row = |tenant: &str, up, down| TrafficHour {
             hour_ms: 0,
-            tenant: tenant.into(),
-            namespace: "crawl".into(),
-            name: "p".into(),
-            pool: None,
-            target: "t".into(),
-            up,
-            down,
+            bytes: TrafficBytes {
+                tenant: tenant.into(),
+                namespace: "crawl".into(),
+                name: "p".into(),
+                pool: None,
+                target: "t".into(),
+                up,
+                down,
+            },
         };
         let bytes = per_tenant(&[row("a", 1, 2), row("b", 5, 0), row("a", 10, 20)]);
         assert_eq!(bytes.get("a"), Some(&33));

@@ -48,13 +48,7 @@ fn bytes(
 fn row(hour_ms: i64, b: &TrafficBytes) -> TrafficHour {
     TrafficHour {
         hour_ms,
-        tenant: b.tenant.clone(),
-        namespace: b.namespace.clone(),
-        name: b.name.clone(),
-        pool: b.pool.clone(),
-        target: b.target.clone(),
-        up: b.up,
-        down: b.down,
+        bytes: b.clone(),
     }
 }
 
