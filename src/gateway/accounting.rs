@@ -30,15 +30,15 @@ pub const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 /// One row's key: the tenant, the proxy and the target (host).
 type Key = (Arc<str>, ProxyId, Arc<str>);
 
-/// Bytes not yet in the ledger, `(up, down)` by row. Cheap to clone; every clone adds to the
-/// same table.
-#[derive(Debug, Clone)]
+/// Bytes not yet in the ledger, `(up, down)` by row: the gateway's, added to by every
+/// serving thread.
+#[derive(Debug)]
 pub struct Accounting {
     /// Whether bytes go to the ledger at all (`--gateway-no-traffic-ledger` turns it off).
     enabled: bool,
-    pending: Arc<Mutex<HashMap<Key, (u64, u64)>>>,
+    pending: Mutex<HashMap<Key, (u64, u64)>>,
     /// Each tenant's bytes of the day as the ledger last answered them.
-    today: Arc<Mutex<HashMap<String, DayBytes>>>,
+    today: Mutex<HashMap<String, DayBytes>>,
 }
 
 impl Accounting {
@@ -46,8 +46,8 @@ impl Accounting {
     pub fn new(enabled: bool) -> Self {
         Accounting {
             enabled,
-            pending: Arc::default(),
-            today: Arc::default(),
+            pending: Mutex::default(),
+            today: Mutex::default(),
         }
     }
 
@@ -172,7 +172,7 @@ mod tests {
         let (a, b): (Arc<str>, Arc<str>) = ("team-a".into(), "team-b".into());
         let target: Arc<str> = "example.com".into();
         accounting.add(&a, &proxy("p1"), &target, 10, 100);
-        accounting.clone().add(&a, &proxy("p1"), &target, 1, 2);
+        accounting.add(&a, &proxy("p1"), &target, 1, 2);
         accounting.add(&b, &proxy("p1"), &target, 5, 6);
         accounting.add(&b, &proxy("p2"), &target, 0, 0);
         let batch = accounting.take();
