@@ -146,6 +146,18 @@ pub fn currency(text: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
+impl Cost {
+    /// A cost of the prices spelled `per_gb` and `per_hour`, for tests.
+    pub(crate) fn of_prices(per_gb: Option<&str>, per_hour: Option<&str>) -> Cost {
+        let price = |p: &str| Price::parse(p).unwrap();
+        Cost {
+            per_gb: per_gb.map(price),
+            per_hour: per_hour.map(price),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -201,13 +213,6 @@ mod tests {
         }
     }
 
-    fn cost(per_gb: Option<&str>, per_hour: Option<&str>) -> Cost {
-        Cost {
-            per_gb: per_gb.map(|p| Price::parse(p).unwrap()),
-            per_hour: per_hour.map(|p| Price::parse(p).unwrap()),
-        }
-    }
-
     #[test]
     fn spend_is_bytes_times_per_gb_plus_hours_times_per_hour() {
         let cases = [
@@ -222,7 +227,7 @@ mod tests {
             (Some("0"), Some("0"), u64::MAX, 1e9, 0.0),
         ];
         for (per_gb, per_hour, bytes, seconds, expected) in cases {
-            let got = cost(per_gb, per_hour).of(bytes, seconds);
+            let got = Cost::of_prices(per_gb, per_hour).of(bytes, seconds);
             assert!(
                 (got - expected).abs() < 1e-9,
                 "{per_gb:?} {per_hour:?} {bytes} {seconds}: {got} != {expected}"
@@ -234,7 +239,7 @@ mod tests {
     fn cost_round_trips_through_json_as_strings() {
         let json = serde_json::json!({"perGB": "8.40", "perHour": "0.0067"});
         let cost: Cost = serde_json::from_value(json).unwrap();
-        assert_eq!(cost, self::cost(Some("8.4"), Some("0.0067")));
+        assert_eq!(cost, Cost::of_prices(Some("8.4"), Some("0.0067")));
         assert_eq!(
             serde_json::to_value(&cost).unwrap(),
             serde_json::json!({"perGB": "8.4", "perHour": "0.0067"})

@@ -170,14 +170,6 @@ impl SpendBook {
 mod tests {
     use super::*;
 
-    fn cost(per_gb: Option<&str>, per_hour: Option<&str>) -> Cost {
-        let price = |p: &str| crate::resources::cost::Price::parse(p).unwrap();
-        Cost {
-            per_gb: per_gb.map(price),
-            per_hour: per_hour.map(price),
-        }
-    }
-
     fn at(seconds: i64) -> Timestamp {
         Timestamp::from_second(seconds).unwrap()
     }
@@ -212,28 +204,40 @@ mod tests {
     fn a_proxy_pays_its_bytes_and_its_hours_since_the_later_of_start_and_creation() {
         let cases = [
             (
-                cost(Some("10"), None),
+                Cost::of_prices(Some("10"), None),
                 Some(0),
                 500_000_000,
                 1000,
                 Some(5.0),
             ),
-            (cost(None, Some("1")), Some(0), 0, 1000 + 7200, Some(2.0)),
             (
-                cost(None, Some("1")),
+                Cost::of_prices(None, Some("1")),
+                Some(0),
+                0,
+                1000 + 7200,
+                Some(2.0),
+            ),
+            (
+                Cost::of_prices(None, Some("1")),
                 Some(1000 + 3600),
                 0,
                 1000 + 7200,
                 Some(1.0),
             ),
             (
-                cost(Some("2"), Some("0.5")),
+                Cost::of_prices(Some("2"), Some("0.5")),
                 None,
                 1_000_000_000,
                 1000,
                 Some(2.0),
             ),
-            (cost(None, Some("1")), Some(9000), 0, 5000, Some(0.0)),
+            (
+                Cost::of_prices(None, Some("1")),
+                Some(9000),
+                0,
+                5000,
+                Some(0.0),
+            ),
         ];
         for (cost, created, bytes, now, expected) in cases {
             let mut book = SpendBook::new(at(1000));
@@ -269,7 +273,7 @@ mod tests {
             }
         );
         // Its bytes were read unpriced: a price set later does not charge them.
-        let now_priced = cost(Some("1"), None);
+        let now_priced = Cost::of_prices(Some("1"), None);
         let priced = [Priced {
             uid: "p",
             cost: Some(&now_priced),
@@ -284,7 +288,7 @@ mod tests {
     #[test]
     fn a_proxy_without_creation_time_is_billed_from_its_first_reading() {
         let mut book = SpendBook::new(at(0));
-        let hourly = cost(None, Some("1"));
+        let hourly = Cost::of_prices(None, Some("1"));
         let priced = [Priced {
             uid: "p",
             cost: Some(&hourly),
@@ -308,8 +312,8 @@ mod tests {
     #[test]
     fn tenants_pay_per_gb_of_the_proxies_they_used_and_keep_it_when_a_proxy_goes() {
         let mut book = SpendBook::new(at(0));
-        let vendor = cost(Some("8"), Some("100"));
-        let vm = cost(None, Some("1"));
+        let vendor = Cost::of_prices(Some("8"), Some("100"));
+        let vm = Cost::of_prices(None, Some("1"));
         let priced = [
             Priced {
                 uid: "vendor",
@@ -374,7 +378,7 @@ mod tests {
             ("0", "0", 3_000_000_000, 3600, 5.0),
         ];
         for (per_gb, per_hour, bytes, now, expected) in steps {
-            let price = cost(Some(per_gb), Some(per_hour));
+            let price = Cost::of_prices(Some(per_gb), Some(per_hour));
             let priced = [Priced {
                 uid: "p",
                 cost: Some(&price),

@@ -362,7 +362,6 @@ pub fn charts_view(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::resources::cost::Price;
 
     /// 2026-12-07 10:30 UTC.
     const NOW: i64 = 1_796_637_600_000 + 30 * 60_000;
@@ -390,14 +389,6 @@ mod tests {
         }
     }
 
-    fn cost(per_gb: Option<&str>, per_hour: Option<&str>) -> Cost {
-        let price = |p: &str| Price::parse(p).unwrap();
-        Cost {
-            per_gb: per_gb.map(price),
-            per_hour: per_hour.map(price),
-        }
-    }
-
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
     }
@@ -411,8 +402,8 @@ mod tests {
 
     #[test]
     fn spend_is_bytes_times_per_gb_plus_existence_times_per_hour() {
-        let vendor = cost(Some("8"), None);
-        let vm = cost(Some("1"), Some("2"));
+        let vendor = Cost::of_prices(Some("8"), None);
+        let vm = Cost::of_prices(Some("1"), Some("2"));
         let proxies = [
             PricedProxy {
                 namespace: "crawl",
@@ -530,7 +521,7 @@ mod tests {
 
     #[test]
     fn charts_have_an_hour_per_slot_and_the_busiest_targets() {
-        let vendor = cost(Some("10"), None);
+        let vendor = Cost::of_prices(Some("10"), None);
         let proxies = [PricedProxy {
             namespace: "crawl",
             name: "vendor",
