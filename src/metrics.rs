@@ -20,7 +20,7 @@ use crate::inventory::{Inventory, InventorySnapshot};
 use crate::ledger::Clock;
 use crate::ledger::{Ledger, NAMED_TARGETS, OTHER_TARGETS, TargetCooldowns};
 use crate::resources::phase::shown_phase;
-use crate::resources::pool::POOL_LABEL;
+use crate::resources::pool::member_of;
 use crate::resources::proxy::{Phase, ProxyId};
 use crate::serving::candidates::CandidateIndex;
 use crate::serving::spend::{Priced, ProxySpend, SpendBook, Spends};
@@ -274,7 +274,7 @@ impl ProxyBytesCounter {
                     *sum_up += up;
                     *sum_down += down;
                 }
-                _ => per_name.push((id, pool_of(proxy), up, down)),
+                _ => per_name.push((id, member_of(proxy).unwrap_or_default(), up, down)),
             }
         }
         let mut metrics = Vec::with_capacity(2 * per_name.len());
@@ -299,16 +299,6 @@ impl ProxyBytesCounter {
         }
         scraped_family(&self.desc, MetricType::COUNTER, metrics)
     }
-}
-
-/// The ProxyPool a proxy belongs to (its `crawl.example.com/pool` label), empty for none.
-fn pool_of(proxy: &crate::resources::proxy::Proxy) -> &str {
-    proxy
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(POOL_LABEL))
-        .map_or("", String::as_str)
 }
 
 /// `proxy_operator_proxy_spend_total{namespace,name,pool,currency,part}` and
@@ -365,7 +355,7 @@ impl SpendCounters {
                     sum.bytes += spend.bytes;
                     sum.hours += spend.hours;
                 }
-                _ => per_name.push((id, pool_of(proxy), *spend)),
+                _ => per_name.push((id, member_of(proxy).unwrap_or_default(), *spend)),
             }
         }
         let counter = |labels, value| {
@@ -498,6 +488,7 @@ fn render(registry: &Registry) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::resources::pool::POOL_LABEL;
 
     #[test]
     fn the_target_gauge_names_the_ranked_targets_then_other_and_nothing_when_none_cools_down() {

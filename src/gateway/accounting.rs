@@ -20,7 +20,7 @@ use crate::inventory::InventorySnapshot;
 
 use crate::ledger::traffic::{DayBytes, day_start};
 use crate::ledger::{Ledger, QuotaExceeded, TrafficBytes, bytes_spent};
-use crate::resources::pool::POOL_LABEL;
+use crate::resources::pool::member_of;
 use crate::resources::proxy::ProxyId;
 use crate::serving::tenants::Tenant;
 
@@ -127,7 +127,7 @@ fn rows(batch: &HashMap<Key, (u64, u64)>, inventory: &InventorySnapshot) -> Vec<
             name: proxy.name.clone(),
             pool: inventory
                 .get(proxy)
-                .and_then(|p| p.metadata.labels.as_ref()?.get(POOL_LABEL).cloned()),
+                .and_then(|p| member_of(p).map(str::to_owned)),
             target: target.to_string(),
             up: *up,
             down: *down,

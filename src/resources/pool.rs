@@ -11,10 +11,20 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use super::proxy::{Condition, ProxySpec};
+use super::proxy::{Condition, Proxy, ProxySpec};
 
 /// Label on every member Proxy naming its pool (in the pool's namespace).
 pub const POOL_LABEL: &str = "crawl.example.com/pool";
+/// The pool `proxy` is a member of (its [`POOL_LABEL`]), if any.
+pub fn member_of(proxy: &Proxy) -> Option<&str> {
+    proxy
+        .metadata
+        .labels
+        .as_ref()?
+        .get(POOL_LABEL)
+        .map(String::as_str)
+}
+
 /// Label on every member Proxy carrying the hash of the template it was made from.
 pub const TEMPLATE_HASH_LABEL: &str = "crawl.example.com/template-hash";
 /// Finalizer on a pool: its members (and through theirs, their machines) are deleted first.

@@ -21,7 +21,7 @@ use super::view::{
 };
 use crate::api::{ApiError, ApiState, ErrorBody};
 use crate::ledger::{EventsQuery, MAX_EVENTS};
-use crate::resources::pool::POOL_LABEL;
+use crate::resources::pool::member_of;
 use crate::resources::proxy::ProxyId;
 use crate::serving::tenants::Tenant;
 use crate::serving::tokens::{ApiToken, Caller};
@@ -297,12 +297,7 @@ pub async fn spend_views(
         .map(|(id, proxy)| PricedProxy {
             namespace: &id.namespace,
             name: &id.name,
-            pool: proxy
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|labels| labels.get(POOL_LABEL))
-                .map(String::as_str),
+            pool: member_of(proxy),
             cost: proxy.spec.cost.as_ref(),
             created_ms: proxy
                 .metadata
